@@ -1,0 +1,12 @@
+"""tengrad_fx — TENGraD natural gradient with exact Fisher-block inversion.
+
+Layers of the package (imports run one way): ``capture`` (the FX pass and the capture
+ops) → ``curvature`` (Gram, Jv, Jᵀc per layer kind) → ``solve`` → ``optim``.
+"""
+from .capture import PrepareInfo, capturing, get_info, prepare
+from .curvature import CoveredLayer, covered_layers
+from .report import Report, report
+
+__all__ = ["prepare", "capturing", "covered_layers", "report", "Report", "CoveredLayer",
+           "PrepareInfo", "get_info"]
+__version__ = "0.1.0"

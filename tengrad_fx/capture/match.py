@@ -1,0 +1,122 @@
+"""Which modules the capture pass covers, and the call arguments of their capture op.
+
+A module is *covered* when its forward is exactly ``F.linear`` / ``ConvNd`` on its own
+``weight`` and ``bias``: ``nn.Linear``, ``nn.Conv1d/2d/3d`` and subclasses that do not
+override ``forward`` (plus a short allowlist of known-exact subclasses). Everything else
+is left alone and its parameters fall back to SGD-momentum, with a reason.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import torch.nn as nn
+
+__all__ = ["LayerSpec", "match_module", "conv_call_args"]
+
+Kind = Literal["linear", "conv1d", "conv2d", "conv3d"]
+
+_BASES: dict[type, Kind] = {
+    nn.Linear: "linear",
+    nn.Conv1d: "conv1d",
+    nn.Conv2d: "conv2d",
+    nn.Conv3d: "conv3d",
+}
+
+
+def _exact_subclasses() -> set[type]:
+    """Subclasses whose overridden forward is still exactly the base layer."""
+    out: set[type] = {nn.modules.linear.NonDynamicallyQuantizableLinear}
+    try:  # timm's Linear only differs under torchscript
+        from timm.layers import Linear as TimmLinear
+
+        out.add(TimmLinear)
+    except Exception:  # pragma: no cover - timm missing or moved
+        pass
+    return out
+
+
+@dataclass
+class LayerSpec:
+    """Static facts about one covered module (a *layer*), filled in by :func:`prepare`.
+
+    ``sites`` are the call-site ids of its rewritten calls (several when the module is
+    called more than once per forward: weight sharing, treated as extra positions).
+    """
+
+    name: str
+    kind: Kind
+    module: nn.Module
+    sites: list[int] = field(default_factory=list)
+    # conv only
+    stride: tuple[int, ...] = ()
+    padding: tuple[int, ...] = ()
+    dilation: tuple[int, ...] = ()
+    groups: int = 1
+    pre_pad: Optional[tuple[int, ...]] = None
+    pad_mode: str = "constant"
+    # probed shapes of the (padded) inputs, per site, at the probe's batch size
+    input_shapes: list[tuple[int, ...]] = field(default_factory=list)
+
+    @property
+    def weight(self) -> Any:
+        return self.module.weight
+
+    @property
+    def bias(self) -> Any:
+        return self.module.bias
+
+
+def match_module(mod: nn.Module) -> tuple[Optional[Kind], str]:
+    """``(kind, "")`` if ``mod`` is covered, else ``(None, reason)``."""
+    for base, kind in _BASES.items():
+        if isinstance(mod, base):
+            cls = type(mod)
+            if cls.forward is not base.forward and cls not in _exact_subclasses():
+                return None, f"{cls.__name__} overrides {base.__name__}.forward (not provably exact)"
+            if kind != "linear" and getattr(mod, "transposed", False):
+                return None, "transposed convolution has no capture kernel"
+            if not isinstance(mod.weight, nn.Parameter):
+                return None, "weight is not a Parameter"
+            return kind, ""
+    return None, ""
+
+
+def conv_call_args(mod: nn.Module) -> dict[str, Any]:
+    """Normalized capture-op arguments for a ConvNd module.
+
+    Returns ``stride, padding, dilation, groups`` as explicit int tuples, and
+    ``pre_pad``/``pad_mode`` when the input must be padded before an unpadded conv
+    (``padding_mode`` other than ``'zeros'``, or an asymmetric ``padding='same'``).
+    """
+    nd = mod.weight.dim() - 2
+    k = tuple(mod.kernel_size)
+    dil = tuple(mod.dilation)
+    stride = tuple(mod.stride)
+    pad = mod.padding
+    if pad == "valid":
+        lr = [(0, 0)] * nd
+    elif pad == "same":
+        lr = []
+        for d in range(nd):
+            total = dil[d] * (k[d] - 1)
+            left = total // 2
+            lr.append((left, total - left))
+    else:
+        lr = [(int(p), int(p)) for p in pad]
+    mode = mod.padding_mode
+    if mode != "zeros":
+        f_mode = {"reflect": "reflect", "replicate": "replicate", "circular": "circular"}.get(mode)
+        if f_mode is None:
+            raise ValueError(f"unsupported padding_mode {mode!r}")
+        pre = tuple(v for l, r in reversed(lr) for v in (l, r))
+        return dict(stride=stride, padding=(0,) * nd, dilation=dil, groups=mod.groups,
+                    pre_pad=pre, pad_mode=f_mode)
+    if all(l == r for l, r in lr):
+        return dict(stride=stride, padding=tuple(l for l, _ in lr), dilation=dil,
+                    groups=mod.groups, pre_pad=None, pad_mode="constant")
+    # asymmetric 'same': symmetric part in the conv, the extra on the right pre-padded
+    sym = tuple(l for l, _ in lr)
+    pre = tuple(v for l, r in reversed(lr) for v in (0, r - l))
+    return dict(stride=stride, padding=sym, dilation=dil, groups=mod.groups,
+                pre_pad=pre, pad_mode="constant")

@@ -1,0 +1,205 @@
+"""Capture ops: Linear and ConvNd as ``torch.library`` custom ops that record (I, G).
+
+Two ops per layer kind, no hooks:
+
+* ``tengrad_fx::linear`` / ``tengrad_fx::conv`` — the layer's forward (identical
+  output to ``F.linear`` / ``aten.convolution``). Its autograd formula
+  (``register_autograd``) calls
+* ``tengrad_fx::linear_backward`` / ``tengrad_fx::conv_backward`` — computes the
+  input/weight/bias gradients with aten's own kernels and, as a side effect of its
+  implementation, hands ``(I, G)`` to the model's :class:`CaptureStore`.
+
+Both ops are opaque to ``torch.compile`` (they carry fake implementations for
+shape propagation), so a compiled model still records; the backward op's outputs
+are the parameter gradients, so it is never dead-code eliminated.
+
+The Python functions :func:`linear` and :func:`conv` are what the rewritten FX graph
+calls. They dispatch to the plain aten op when capture is off, when grad is disabled,
+or when nothing requires grad — then capture costs nothing.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .store import lookup
+
+__all__ = ["linear", "conv", "PROBE"]
+
+# When not None, prepare() is probing shapes: wrappers record (key, site) -> input shape.
+PROBE: Optional[dict[tuple[int, int], tuple[int, ...]]] = None
+# key -> capture enabled? (read by the wrappers; a plain dict so torch.compile guards on it)
+ENABLED: dict[int, bool] = {}
+
+
+def _active(key: int, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
+    if not ENABLED.get(key, False) or not torch.is_grad_enabled():
+        return False
+    return x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+
+
+def _check_batch(x: Tensor, batch: Optional[int], name: str) -> None:
+    if batch is not None and x.shape[0] != batch:
+        raise RuntimeError(
+            f"tengrad_fx: layer '{name}' received an input with leading dimension "
+            f"{x.shape[0]} while the model's batch is {batch}; its input does not index "
+            "samples, so its per-sample gradients would be wrong. Pass example_inputs= to "
+            "tengrad_fx.prepare() so such layers are detected and left to the SGD fallback."
+        )
+
+
+# --------------------------------------------------------------------------- linear
+@torch.library.custom_op("tengrad_fx::linear", mutates_args=())
+def _linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], key: int, site: int) -> Tensor:
+    lookup(key).begin()
+    return F.linear(x, weight, bias)
+
+
+@_linear_op.register_fake
+def _(x: Tensor, weight: Tensor, bias: Optional[Tensor], key: int, site: int) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("tengrad_fx::linear_backward", mutates_args=())
+def _linear_backward_op(
+    grad: Tensor, x: Tensor, weight: Tensor, has_bias: bool, need_input: bool, key: int, site: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    lookup(key).record(site, x, grad)
+    g2 = grad.reshape(-1, grad.shape[-1])
+    gw = g2.t().mm(x.reshape(-1, x.shape[-1]))
+    gb = g2.sum(0) if has_bias else grad.new_empty(0)
+    gx = grad.matmul(weight) if need_input else grad.new_empty(0)
+    return gx, gw, gb
+
+
+@_linear_backward_op.register_fake
+def _(grad, x, weight, has_bias, need_input, key, site):  # type: ignore[no-untyped-def]
+    gx = grad.new_empty(x.shape) if need_input else grad.new_empty(0)
+    gb = grad.new_empty(weight.shape[0]) if has_bias else grad.new_empty(0)
+    return gx, grad.new_empty(weight.shape), gb
+
+
+def _linear_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    x, weight, bias, key, site = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+    ctx.key, ctx.site = key, site
+
+
+def _linear_grad(ctx, grad):  # type: ignore[no-untyped-def]
+    x, weight = ctx.saved_tensors
+    gx, gw, gb = torch.ops.tengrad_fx.linear_backward(
+        grad, x, weight, ctx.has_bias, ctx.needs_input_grad[0], ctx.key, ctx.site
+    )
+    return (gx if ctx.needs_input_grad[0] else None), gw, (gb if ctx.has_bias else None), None, None
+
+
+_linear_op.register_autograd(_linear_grad, setup_context=_linear_setup)
+
+
+def linear(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], key: int, site: int,
+    batch: Optional[int] = None, name: str = "",
+) -> Tensor:
+    """``F.linear(x, weight, bias)`` that records ``(x, dL/dy)`` when capture is on.
+
+    x: ``[m, *, d_in]``; weight: ``[d_out, d_in]``; returns ``[m, *, d_out]``.
+    """
+    if PROBE is not None:
+        PROBE[(key, site)] = tuple(x.shape)
+    if not _active(key, x, weight, bias):
+        return F.linear(x, weight, bias)
+    _check_batch(x, batch, name)
+    return torch.ops.tengrad_fx.linear(x, weight, bias, key, site)
+
+
+# --------------------------------------------------------------------------- conv
+@torch.library.custom_op("tengrad_fx::conv", mutates_args=())
+def _conv_op(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: Sequence[int],
+    padding: Sequence[int], dilation: Sequence[int], groups: int, key: int, site: int,
+) -> Tensor:
+    lookup(key).begin()
+    nd = weight.dim() - 2
+    return torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False, [0] * nd, groups)
+
+
+@_conv_op.register_fake
+def _(x, weight, bias, stride, padding, dilation, groups, key, site):  # type: ignore[no-untyped-def]
+    nd = weight.dim() - 2
+    return torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False, [0] * nd, groups)
+
+
+@torch.library.custom_op("tengrad_fx::conv_backward", mutates_args=())
+def _conv_backward_op(
+    grad: Tensor, x: Tensor, weight: Tensor, stride: Sequence[int], padding: Sequence[int],
+    dilation: Sequence[int], groups: int, has_bias: bool, need_input: bool, key: int, site: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    lookup(key).record(site, x, grad)
+    nd = weight.dim() - 2
+    gx, gw, gb = torch.ops.aten.convolution_backward(
+        grad, x, weight, [weight.shape[0]] if has_bias else None, stride, padding, dilation,
+        False, [0] * nd, groups, [need_input, True, has_bias],
+    )
+    empty = grad.new_empty(0)
+    return (gx if need_input else empty), gw, (gb if has_bias else empty)
+
+
+@_conv_backward_op.register_fake
+def _(grad, x, weight, stride, padding, dilation, groups, has_bias, need_input, key, site):  # type: ignore[no-untyped-def]
+    gx = grad.new_empty(x.shape) if need_input else grad.new_empty(0)
+    gb = grad.new_empty(weight.shape[0]) if has_bias else grad.new_empty(0)
+    return gx, grad.new_empty(weight.shape), gb
+
+
+def _conv_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    x, weight, bias, stride, padding, dilation, groups, key, site = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.conf = (list(stride), list(padding), list(dilation), groups)
+    ctx.has_bias = bias is not None
+    ctx.key, ctx.site = key, site
+
+
+def _conv_grad(ctx, grad):  # type: ignore[no-untyped-def]
+    x, weight = ctx.saved_tensors
+    stride, padding, dilation, groups = ctx.conf
+    gx, gw, gb = torch.ops.tengrad_fx.conv_backward(
+        grad, x, weight, stride, padding, dilation, groups, ctx.has_bias,
+        ctx.needs_input_grad[0], ctx.key, ctx.site,
+    )
+    return ((gx if ctx.needs_input_grad[0] else None), gw, (gb if ctx.has_bias else None),
+            None, None, None, None, None, None)
+
+
+_conv_op.register_autograd(_conv_grad, setup_context=_conv_setup)
+
+
+def conv(
+    x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: Sequence[int],
+    padding: Sequence[int], dilation: Sequence[int], groups: int, key: int, site: int,
+    pre_pad: Optional[Sequence[int]] = None, pad_mode: str = "constant",
+    batch: Optional[int] = None, name: str = "",
+) -> Tensor:
+    """ConvNd that records ``(x_padded, dL/dy)`` when capture is on.
+
+    x: ``[m, c_in, *spatial]``; weight: ``[c_out, c_in/groups, *k]``;
+    returns ``[m, c_out, *spatial_out]``. ``pre_pad`` (``F.pad`` order) is applied
+    first, with ``pad_mode``, for padding modes other than zeros and for asymmetric
+    ``padding='same'``; the recorded input is then the padded one.
+    """
+    if pre_pad is not None:
+        x = F.pad(x, list(pre_pad), mode=pad_mode)
+    if PROBE is not None:
+        PROBE[(key, site)] = tuple(x.shape)
+    if not _active(key, x, weight, bias):
+        nd = weight.dim() - 2
+        return torch.ops.aten.convolution(
+            x, weight, bias, list(stride), list(padding), list(dilation), False, [0] * nd, groups
+        )
+    _check_batch(x, batch, name)
+    return torch.ops.tengrad_fx.conv(
+        x, weight, bias, list(stride), list(padding), list(dilation), groups, key, site
+    )

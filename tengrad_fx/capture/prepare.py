@@ -1,0 +1,384 @@
+"""``prepare``: the FX pass that makes every Linear/Conv call site record (I, G)."""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from . import ops
+from .info import ATTR, PrepareInfo, get_info
+from .match import LayerSpec, conv_call_args, match_module
+from .store import CaptureStore
+from .trace import trace
+
+__all__ = ["prepare", "capturing"]
+
+
+def prepare(
+    model: nn.Module,
+    *,
+    example_inputs: Optional[Sequence[Any]] = None,
+    loss_reduction: Literal["mean", "sum"] = "mean",
+) -> nn.Module:
+    """Rewrite ``model`` so each covered Linear/Conv call records its input and output grad.
+
+    The returned module computes the same outputs and parameter gradients, holds the
+    *same* Parameter objects under the same ``state_dict`` keys, and carries a
+    :class:`PrepareInfo` (see :func:`tengrad_fx.report`). No hooks are registered: the
+    capture is the rewritten graph.
+
+    Args:
+        model: any ``nn.Module`` (timm and torchvision models included).
+        example_inputs: positional inputs of one forward call, batch first. With them,
+            each layer's sample dimension is verified by running the graph at batch
+            sizes 2 and 3; a layer whose input does not follow the batch (a folded
+            batch, a constant grid) becomes an SGD fallback. Without them the check
+            runs at every capturing forward and raises instead.
+        loss_reduction: ``"mean"`` if the training loss averages over the batch (then
+            per-sample gradients are ``m`` times the captured ones), ``"sum"`` otherwise.
+
+    Example::
+
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> net = tengrad_fx.prepare(net, example_inputs=(torch.randn(5, 4),))
+        >>> print(tengrad_fx.report(net))  # doctest: +SKIP
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"prepare() expects an nn.Module, got {type(model).__name__}")
+    if ATTR in model.__dict__:
+        raise ValueError("model is already prepared")
+    if loss_reduction not in ("mean", "sum"):
+        raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    if example_inputs is not None and not isinstance(example_inputs, (tuple, list)):
+        example_inputs = (example_inputs,)
+
+    fallback: dict[str, str] = {}
+    candidates: dict[str, nn.Module] = {}
+    for name, mod in model.named_modules():
+        kind, why = match_module(mod)
+        if kind is not None:
+            candidates[name] = mod
+        elif why:
+            for pn, _ in mod.named_parameters(prefix=name, recurse=False):
+                fallback[pn] = why
+    if not candidates:
+        raise ValueError(
+            f"{type(model).__name__} has no nn.Linear or nn.Conv1d/2d/3d layer to cover; "
+            "use a plain torch.optim optimizer for it"
+        )
+
+    try:
+        prepared, layers, method, err = _prepare_fx(model, candidates, fallback, example_inputs)
+    except _TraceFailed as exc:
+        if example_inputs is None:
+            raise RuntimeError(
+                f"tengrad_fx.prepare: torch.fx could not trace {type(model).__name__}: {exc.reason}. "
+                "Pass example_inputs=(...) to prepare() to use the module-surgery fallback, whose "
+                "per-sample structure is verified on those inputs."
+            ) from exc.__cause__
+        prepared, layers = _prepare_surgery(model, candidates)
+        method, err = "surgery", exc.reason
+
+    info = PrepareInfo(
+        layers=layers, covered={}, fallback=fallback, store=prepared.__dict__.pop("_tengrad_store"),
+        loss_reduction=loss_reduction, method=method, verified=example_inputs is not None,
+        trace_error=err,
+    )
+    prepared.__dict__[ATTR] = info
+    ops.ENABLED[info.store.key] = True
+    if example_inputs is not None:
+        _verify_samples(prepared, info, example_inputs)
+    _classify_params(model, info)
+    return prepared
+
+
+class _TraceFailed(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+# --------------------------------------------------------------------------- fx path
+def _trace_modes(model: nn.Module) -> tuple[fx.Graph, Optional[fx.Graph]]:
+    """Trace in train and eval mode; the second graph only if the code differs."""
+    was_training = model.training
+    graphs = {}
+    try:
+        for mode in (True, False):
+            model.train(mode)
+            try:
+                graphs[mode] = trace(model)
+            except Exception as exc:
+                raise _TraceFailed(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        model.train(was_training)
+    g_train, g_eval = graphs[True], graphs[False]
+    if g_train.python_code("self").src == g_eval.python_code("self").src:
+        return g_train, None
+    return g_train, g_eval
+
+
+def _graph_module(model: nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule over ``graph`` that shares ALL of ``model``'s children and tensors."""
+    gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
+    gm._modules = dict(model._modules)
+    gm._parameters = dict(model._parameters)
+    gm._buffers = dict(model._buffers)
+    gm._non_persistent_buffers_set = set(model._non_persistent_buffers_set)
+    gm.train(model.training)
+    return gm
+
+
+def _rewrite(graph: fx.Graph, candidates: dict[str, nn.Module], layers: dict[str, LayerSpec],
+             key: int, next_site: list[int], runtime_batch: bool) -> None:
+    """Replace each ``call_module`` of a candidate by a capture-op call."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    batch_node = None
+    if runtime_batch and placeholders:
+        with graph.inserting_after(placeholders[-1]):
+            batch_node = graph.call_function(_leading_dim, (placeholders[0],))
+    for node in list(graph.nodes):
+        if node.op != "call_module" or node.target not in candidates:
+            continue
+        if len(node.args) != 1 or node.kwargs:
+            continue  # unusual call signature: leave it, its params fall back
+        name = str(node.target)
+        mod = candidates[name]
+        spec = layers.get(name)
+        if spec is None:
+            kind, _ = match_module(mod)
+            spec = LayerSpec(name=name, kind=kind, module=mod)  # type: ignore[arg-type]
+            if kind != "linear":
+                for k, v in conv_call_args(mod).items():
+                    setattr(spec, k, v)
+            layers[name] = spec
+        site = next_site[0]
+        next_site[0] += 1
+        spec.sites.append(site)
+        with graph.inserting_before(node):
+            w = graph.get_attr(f"{name}.weight" if name else "weight")
+            b = graph.get_attr(f"{name}.bias" if name else "bias") if mod.bias is not None else None
+            kw: dict[str, Any] = dict(key=key, site=site, batch=batch_node, name=name)
+            if spec.kind == "linear":
+                new = graph.call_function(ops.linear, (node.args[0], w, b), kw)
+            else:
+                kw.update(pre_pad=spec.pre_pad, pad_mode=spec.pad_mode)
+                new = graph.call_function(
+                    ops.conv,
+                    (node.args[0], w, b, spec.stride, spec.padding, spec.dilation, spec.groups),
+                    kw,
+                )
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+    graph.lint()
+
+
+def _leading_dim(x: Any) -> Optional[int]:
+    return x.shape[0] if isinstance(x, torch.Tensor) and x.dim() > 0 else None
+
+
+def _prepare_fx(model, candidates, fallback, example_inputs):  # type: ignore[no-untyped-def]
+    g_train, g_eval = _trace_modes(model)
+    n_sites = [0]
+    store = CaptureStore(n_sites=0)
+    layers: dict[str, LayerSpec] = {}
+    runtime_batch = example_inputs is None
+    _rewrite(g_train, candidates, layers, store.key, n_sites, runtime_batch)
+    gm = _graph_module(model, g_train)
+    method = "fx"
+    if g_eval is not None:
+        _rewrite(g_eval, candidates, layers, store.key, n_sites, runtime_batch)
+        gm_eval = _graph_module(model, g_eval)
+        _dispatch_on_mode(gm, gm_eval)
+        method = "fx-dual"
+    store.n_sites = n_sites[0]
+    gm.__dict__["_tengrad_store"] = store
+    _note_functional_uses(gm, g_train, g_eval, layers, fallback)
+    return gm, list(layers.values()), method, ""
+
+
+def _dispatch_on_mode(gm: fx.GraphModule, gm_eval: fx.GraphModule) -> None:
+    """Make ``gm`` run its own graph in train mode and ``gm_eval``'s in eval mode."""
+    cls = type(gm)  # GraphModule gives each instance its own class
+    train_forward = cls.forward
+    eval_forward = type(gm_eval).forward
+
+    def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self.training:
+            return train_forward(self, *args, **kwargs)
+        return eval_forward(self, *args, **kwargs)
+
+    cls.forward = forward  # type: ignore[method-assign]
+    gm.__dict__["_tengrad_eval_graph"] = gm_eval.graph
+
+
+def _note_functional_uses(gm, g_train, g_eval, layers, fallback) -> None:  # type: ignore[no-untyped-def]
+    """A covered weight also read elsewhere (tied weights, functional use) is not exact."""
+    owner = {id(spec.weight): spec.name for spec in layers.values()}
+    owner.update({id(spec.bias): spec.name for spec in layers.values() if spec.bias is not None})
+    ours = {f"{s.name}.weight" if s.name else "weight" for s in layers.values()}
+    ours |= {f"{s.name}.bias" if s.name else "bias" for s in layers.values()}
+    for graph in (g for g in (g_train, g_eval) if g is not None):
+        for node in graph.nodes:
+            if node.op == "get_attr" and node.target not in ours:
+                try:
+                    t = gm.get_parameter(node.target)
+                except AttributeError:
+                    continue
+                if id(t) in owner:
+                    _drop_layer(layers, owner[id(t)], f"parameter also read outside the layer call ({node.target})")
+    # the same Parameter registered under several modules (weight tying)
+    seen: dict[int, str] = {}
+    for mod_name, mod in gm.named_modules(remove_duplicate=False):
+        for pn, p in mod._parameters.items():
+            if p is None:
+                continue
+            full = f"{mod_name}.{pn}" if mod_name else pn
+            if id(p) in seen and seen[id(p)] != full and id(p) in owner:
+                _drop_layer(layers, owner[id(p)], f"parameter tied to {seen[id(p)]} / {full}")
+            seen.setdefault(id(p), full)
+
+
+def _drop_layer(layers: dict[str, LayerSpec], name: str, reason: str) -> None:
+    spec = layers.get(name)
+    if spec is not None:
+        spec.sites = []  # marks it uncovered; _classify_params records the reason
+        spec.__dict__["fallback_reason"] = reason
+
+
+# --------------------------------------------------------------------------- surgery path
+def _prepare_surgery(model: nn.Module, candidates: dict[str, nn.Module]) -> tuple[nn.Module, list[LayerSpec]]:
+    """Tracing failed: swap each covered module's class for a capturing subclass."""
+    store = CaptureStore(n_sites=len(candidates))
+    layers = []
+    for site, (name, mod) in enumerate(candidates.items()):
+        kind, _ = match_module(mod)
+        spec = LayerSpec(name=name, kind=kind, module=mod, sites=[site])  # type: ignore[arg-type]
+        if kind != "linear":
+            for k, v in conv_call_args(mod).items():
+                setattr(spec, k, v)
+        mod.__class__ = _capturing_class(type(mod))
+        mod.__dict__["_tengrad_call"] = (store.key, spec)
+        layers.append(spec)
+    model.__dict__["_tengrad_store"] = store
+    return model, layers
+
+
+_CAPTURING: dict[type, type] = {}
+
+
+def _capturing_forward(self, x):  # type: ignore[no-untyped-def]
+    key, spec = self.__dict__["_tengrad_call"]
+    if spec.kind == "linear":
+        return ops.linear(x, self.weight, self.bias, key, spec.sites[0], name=spec.name)
+    return ops.conv(x, self.weight, self.bias, spec.stride, spec.padding, spec.dilation, spec.groups,
+                    key, spec.sites[0], pre_pad=spec.pre_pad, pad_mode=spec.pad_mode, name=spec.name)
+
+
+def _capturing_class(cls: type) -> type:
+    if cls not in _CAPTURING:
+        _CAPTURING[cls] = type(cls.__name__, (cls,), {"forward": _capturing_forward,
+                                                      "__module__": cls.__module__})
+    return _CAPTURING[cls]
+
+
+# --------------------------------------------------------------------------- verification
+def _repeat_batch(x: Any, n: int) -> Any:
+    if isinstance(x, torch.Tensor) and x.dim() > 0:
+        return x[:1].repeat(n, *([1] * (x.dim() - 1)))
+    return x
+
+
+def _verify_samples(prepared: nn.Module, info: PrepareInfo, example_inputs: Sequence[Any]) -> None:
+    """Run at batch 2 and 3 (no grad, buffers restored); drop layers whose input isn't per sample."""
+    saved = {n: b.detach().clone() for n, b in prepared.named_buffers()}
+    shapes: dict[int, dict[tuple[int, int], tuple[int, ...]]] = {}
+    was_training = prepared.training
+    modes = (True, False) if info.method == "fx-dual" else (was_training,)
+    try:
+        for n in (2, 3):
+            ops.PROBE = {}
+            with torch.no_grad():
+                for mode in modes:
+                    prepared.train(mode)
+                    prepared(*[_repeat_batch(x, n) for x in example_inputs])
+            shapes[n] = ops.PROBE
+    except Exception as exc:
+        raise RuntimeError(
+            f"tengrad_fx.prepare: the prepared model failed on example_inputs at batch {n}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    finally:
+        ops.PROBE = None
+        prepared.train(was_training)
+        with torch.no_grad():
+            for name, b in prepared.named_buffers():
+                if name in saved:
+                    b.copy_(saved[name])
+    key = info.store.key
+    for spec in info.layers:
+        bad = []
+        spec.input_shapes = []
+        for site in spec.sites:
+            s2, s3 = shapes[2].get((key, site)), shapes[3].get((key, site))
+            if s2 is None or s3 is None:
+                continue  # not executed in this mode: nothing captured there either
+            if s2[0] != 2 or s3[0] != 3:
+                bad.append(f"leading dim {s2[0]} at batch 2 and {s3[0]} at batch 3")
+            spec.input_shapes.append(s2)
+        if bad:
+            _drop_layer({spec.name: spec}, spec.name,
+                        f"input does not index samples ({bad[0]})")
+
+
+def _classify_params(model: nn.Module, info: PrepareInfo) -> None:
+    """Fill ``info.covered`` / ``info.fallback`` for every parameter of ``model``."""
+    by_id: dict[int, tuple[LayerSpec, bool]] = {}
+    for spec in info.layers:
+        ok = bool(spec.sites)
+        by_id[id(spec.weight)] = (spec, ok)
+        if spec.bias is not None:
+            by_id[id(spec.bias)] = (spec, ok)
+    owner_of: dict[str, nn.Module] = {}
+    for mod_name, mod in model.named_modules():
+        for pn, _ in mod.named_parameters(prefix=mod_name, recurse=False):
+            owner_of[pn] = mod
+    for pn, p in model.named_parameters():
+        if id(p) in by_id:
+            spec, ok = by_id[id(p)]
+            if ok:
+                info.covered[pn] = spec.name
+                info.fallback.pop(pn, None)
+            else:
+                info.fallback[pn] = spec.__dict__.get("fallback_reason", "never called in forward")
+        elif pn not in info.fallback:
+            owner = owner_of.get(pn)
+            kind, _ = match_module(owner) if owner is not None else (None, "")
+            if kind is not None:
+                info.fallback[pn] = "module not called as a layer in the traced graph (inside a leaf module or used functionally)"
+            else:
+                info.fallback[pn] = f"{type(owner).__name__ if owner is not None else '?'}: no capture kernel"
+    info.layers = [s for s in info.layers if s.sites]
+
+
+class capturing:
+    """Switch capture on or off for a prepared model; restores on exit when used in ``with``.
+
+    ``tengrad_fx.capturing(model, False)`` turns capture off until turned on again;
+    ``with tengrad_fx.capturing(model, False): ...`` turns it off for the block only.
+    While off (and under ``torch.no_grad()``), covered layers run plain aten ops and no
+    tensor is retained.
+    """
+
+    def __init__(self, model: nn.Module, enabled: bool = True):
+        key = get_info(model).store.key
+        self._key, self._prev = key, ops.ENABLED.get(key, False)
+        ops.ENABLED[key] = bool(enabled)
+
+    def __enter__(self) -> "capturing":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        ops.ENABLED[self._key] = self._prev

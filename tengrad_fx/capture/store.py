@@ -1,0 +1,71 @@
+"""Where captured layer inputs I and output gradients G live between steps.
+
+One :class:`CaptureStore` belongs to one prepared model. Each rewritten call site of a
+covered layer has an integer ``site``; the capture ops look the store up by an integer
+``key`` (so that compiled graphs carry only ints, never Python objects) and append a
+record ``(I, G)`` for that site during the backward pass.
+
+Layout of a record:
+  * ``I``: the layer input exactly as the layer received it, ``[m, *]``
+    (Linear: ``[m, *, d_in]``; ConvNd: ``[m, c_in, *spatial]``).
+  * ``G``: gradient of the loss w.r.t. the layer output, ``[m, *]``, as autograd
+    delivered it (with a mean-reduced loss it carries a factor ``1/m``).
+
+A new capturing forward releases the previous step's records (see :meth:`begin`).
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["CaptureStore", "lookup"]
+
+_KEYS = itertools.count(1)
+_STORES: "weakref.WeakValueDictionary[int, CaptureStore]" = weakref.WeakValueDictionary()
+
+
+@dataclass
+class CaptureStore:
+    """Captured ``(I, G)`` records of one prepared model, by call site."""
+
+    n_sites: int
+    key: int = field(default_factory=lambda: next(_KEYS))
+    enabled: bool = True  # capture on forwards with grad enabled
+    recording: bool = True  # append records in backward
+    records: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    _complete: bool = False  # a backward has recorded since the last begin()
+    generation: int = 0  # how many captures have completed (for users caching results)
+
+    def __post_init__(self) -> None:
+        _STORES[self.key] = self
+
+    def begin(self) -> None:
+        """Called by the capturing forward: drop the previous step's records once."""
+        if self._complete:
+            self.records = {}
+            self._complete = False
+
+    def record(self, site: int, inp: torch.Tensor, grad: torch.Tensor) -> None:
+        """Append ``(I, G)`` for ``site`` (called from the capture ops' backward)."""
+        if not self.recording:
+            return
+        if not self._complete:
+            self.generation += 1
+            self._complete = True
+        self.records.setdefault(site, []).append((inp.detach(), grad.detach()))
+
+    def clear(self) -> None:
+        """Release every captured tensor."""
+        self.records = {}
+        self._complete = False
+
+
+def lookup(key: int) -> CaptureStore:
+    """The live store registered under ``key``."""
+    try:
+        return _STORES[key]
+    except KeyError:  # pragma: no cover - only if a model was freed mid-backward
+        raise RuntimeError(f"tengrad_fx: capture store {key} no longer exists") from None

@@ -1,0 +1,50 @@
+"""Symbolic tracing for arbitrary model-zoo architectures.
+
+Covered layers are kept as leaves (one ``call_module`` node per call), and so are the
+modules and functions that timm marks as not traceable, so that timm and torchvision
+models trace without changes.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .match import _BASES
+
+__all__ = ["trace"]
+
+
+def _timm_notrace() -> tuple[tuple[type, ...], tuple[Callable[..., Any], ...]]:
+    try:
+        import timm.models  # noqa: F401  (registers timm's notrace modules/functions)
+        from timm.layers import _fx as timm_fx
+
+        return tuple(timm_fx.get_notrace_modules()), tuple(timm_fx.get_notrace_functions())
+    except Exception:  # pragma: no cover - timm absent or reorganized
+        return (), ()
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self, leaf_types: tuple[type, ...], autowrap: tuple[Callable[..., Any], ...]):
+        super().__init__(autowrap_functions=autowrap)
+        self._leaf_types = leaf_types
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if isinstance(m, tuple(_BASES)):  # covered or not, a Linear/Conv stays one node
+            return True
+        if self._leaf_types and isinstance(m, self._leaf_types):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+
+def trace(model: nn.Module) -> fx.Graph:
+    """Trace ``model.forward`` in the model's current train/eval mode into an FX graph.
+
+    Raises whatever the tracer raises (the caller reports it).
+    """
+    leaf_types, autowrap = _timm_notrace()
+    tracer = _Tracer(leaf_types, autowrap)
+    return tracer.trace(model)

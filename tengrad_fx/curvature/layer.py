@@ -1,0 +1,191 @@
+"""``CoveredLayer``: exact per-layer curvature of the last captured batch.
+
+For a captured batch of ``m`` samples with per-sample losses ``ℓ_i``, ``J`` is the
+``m × n`` matrix whose row ``i`` is ``vec(∂ℓ_i/∂W, ∂ℓ_i/∂b)`` (``n`` = weight + bias size).
+With ``loss_reduction="mean"`` the captured output gradients are rescaled by ``m``.
+With batch norm in train mode, samples are coupled through the batch statistics; then
+"sample i's gradient" is sample i's term ``Σ_s G_i[s]ᵀ I_i[s]`` of the batch gradient,
+as in every K-FAC / NGD code. In eval mode it is exactly ``∂ℓ_i/∂W``.
+
+Gram strategies and the cost model (per layer; ``g`` groups, ``S`` positions, ``f`` inputs
+and ``o`` outputs per group, several calls of one module add their positions):
+
+* ``"factor"`` (covariance factorization, the paper's): ``2·m²·S²·(f+o)·g`` flops,
+  working memory bounded by ``tensors.DEFAULT_BLOCK_BYTES``.
+* ``"materialize"`` (unfold + batched matmul, then ``J Jᵀ``): ``2·m·S·f·o·g + 2·m²·f·o·g``
+  flops, plus the unfolded input ``m·S·f·g`` for convolutions.
+* ``"auto"`` picks the one with fewer flops.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Literal, Optional
+
+import torch
+from torch import Tensor
+
+from ..capture.info import PrepareInfo, get_info
+from ..capture.match import LayerSpec
+from . import conv, linear, tensors
+
+__all__ = ["CoveredLayer", "covered_layers", "Strategy", "gram_flops", "choose_strategy"]
+
+Strategy = Literal["auto", "factor", "materialize"]
+
+KERNELS: dict[str, ModuleType] = {"linear": linear, "conv1d": conv, "conv2d": conv, "conv3d": conv}
+
+
+def gram_flops(m: int, g: int, S: int, f: int, o: int) -> dict[str, float]:
+    """Flop counts of the two Gram strategies for one call (see module docstring)."""
+    return {
+        "factor": 2.0 * m * m * S * S * (f + o) * g,
+        "materialize": 2.0 * m * S * f * o * g + 2.0 * m * m * f * o * g,
+    }
+
+
+def choose_strategy(m: int, g: int, S: int, f: int, o: int) -> Literal["factor", "materialize"]:
+    """The cheaper strategy by :func:`gram_flops`."""
+    c = gram_flops(m, g, S, f, o)
+    return "factor" if c["factor"] <= c["materialize"] else "materialize"
+
+
+class CoveredLayer:
+    """One covered module of a prepared model and its curvature for the last batch."""
+
+    def __init__(self, spec: LayerSpec, info: PrepareInfo):
+        self.spec = spec
+        self._info = info
+        self._kernel = KERNELS[spec.kind]
+
+    # ----------------------------------------------------------------- identity
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    @property
+    def weight(self) -> torch.nn.Parameter:
+        return self.spec.weight
+
+    @property
+    def bias(self) -> Optional[torch.nn.Parameter]:
+        return self.spec.bias
+
+    def __repr__(self) -> str:
+        return f"CoveredLayer({self.name!r}, {self.kind}, weight={tuple(self.weight.shape)})"
+
+    # ----------------------------------------------------------------- captured data
+    def records(self) -> list[tuple[Tensor, Tensor]]:
+        """The captured ``(I, G)`` of every call, ``G`` as autograd delivered it."""
+        recs = [r for site in self.spec.sites for r in self._info.store.records.get(site, [])]
+        if not recs:
+            raise RuntimeError(
+                f"layer '{self.name}': nothing captured yet — run a forward and backward "
+                "with capture on (and grad enabled) first"
+            )
+        m = recs[0][0].shape[0]
+        for I, G in recs:
+            if I.shape[0] != m or G.shape[0] != m:
+                raise RuntimeError(f"layer '{self.name}': calls captured different batch sizes")
+        return recs
+
+    @property
+    def m(self) -> int:
+        """Number of samples in the captured batch."""
+        return self.records()[0][0].shape[0]
+
+    def _scale(self) -> float:
+        return float(self.m) if self._info.loss_reduction == "mean" else 1.0
+
+    def _layouts(self) -> list[tuple[Tensor, Tensor]]:
+        return [self._kernel.layout(self.spec, I, G) for I, G in self.records()]
+
+    def dims(self) -> tuple[int, int, int, int]:
+        """``(g, S, f, o)`` of the captured batch, positions of all calls added."""
+        recs = self.records()
+        g = S = f = o = 0
+        for I, _ in recs:
+            g, s, f, o = self._kernel.dims(self.spec, tuple(I.shape))
+            S += s
+        return g, S, f, o
+
+    def choose(self, strategy: Strategy = "auto") -> Literal["factor", "materialize"]:
+        """Resolve ``"auto"`` with the cost model for the captured batch."""
+        if strategy not in ("auto", "factor", "materialize"):
+            raise ValueError(f"strategy must be 'auto', 'factor' or 'materialize', got {strategy!r}")
+        if strategy != "auto":
+            return strategy
+        return choose_strategy(self.m, *self.dims())
+
+    # ----------------------------------------------------------------- curvature
+    def per_sample_grads(self) -> tuple[Tensor, Optional[Tensor]]:
+        """``(∂ℓ_i/∂W [m, *weight.shape], ∂ℓ_i/∂b [m, *bias.shape] or None)``."""
+        dW = db = None
+        for A, B in self._layouts():
+            w, b = tensors.per_sample_grads(A, B)
+            dW = w if dW is None else dW + w
+            db = b if db is None else db + b
+        assert dW is not None and db is not None
+        m, k = dW.shape[0], self._scale()
+        dW = (dW * k).reshape(m, *self.weight.shape)
+        return dW, (db * k).reshape(m, *self.bias.shape) if self.bias is not None else None
+
+    def gram(self, strategy: Strategy = "auto") -> Tensor:
+        """``J Jᵀ``, ``[m, m]``, in the captured dtype."""
+        how = self.choose(strategy)
+        lays = self._layouts()
+        if how == "factor":
+            A = lays[0][0] if len(lays) == 1 else torch.cat([a for a, _ in lays], 2)
+            B = lays[0][1] if len(lays) == 1 else torch.cat([b for _, b in lays], 2)
+            K = tensors.gram_factor(A, B)
+            Bsum = B
+        else:
+            dW, _ = self.per_sample_grads() if len(lays) > 1 else (None, None)
+            if dW is None:
+                A, B = lays[0]
+                K = tensors.gram_materialize(A, B)
+                Bsum = B
+            else:  # several calls: sum per-sample grads first (exact cross terms)
+                P = dW.flatten(1) / self._scale()
+                K = P @ P.T
+                Bsum = torch.cat([b for _, b in lays], 2)
+        if self.bias is not None:
+            K = K + tensors.gram_bias(Bsum)
+        return K * self._scale() ** 2
+
+    def jvp(self, v_w: Tensor, v_b: Optional[Tensor] = None) -> Tensor:
+        """``J·vec(v_w, v_b)``, ``[m]``, from the stored ``I`` and ``G``."""
+        _check_shape(self, "v_w", v_w, self.weight)
+        if v_b is not None:
+            if self.bias is None:
+                raise ValueError(f"layer '{self.name}' has no bias; pass v_b=None")
+            _check_shape(self, "v_b", v_b, self.bias)
+        out = sum(self._kernel.jvp(self.spec, I, G, v_w, v_b) for I, G in self.records())
+        return out * self._scale()  # type: ignore[return-value]
+
+    def vjp(self, c: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        """``Jᵀ c`` as ``(weight-shaped, bias-shaped or None)``; ``c``: ``[m]``."""
+        if c.dim() != 1 or c.shape[0] != self.m:
+            raise ValueError(f"layer '{self.name}': c must have shape ({self.m},), got {tuple(c.shape)}")
+        gW = gb = None
+        for I, G in self.records():
+            w, b = self._kernel.vjp(self.spec, I, G, c)
+            gW = w if gW is None else gW + w
+            gb = b if gb is None else gb + b
+        k = self._scale()
+        assert gW is not None and gb is not None
+        return (gW * k).reshape(self.weight.shape), (gb * k).reshape(self.bias.shape) if self.bias is not None else None
+
+
+def _check_shape(layer: CoveredLayer, arg: str, v: Tensor, p: Tensor) -> None:
+    if tuple(v.shape) != tuple(p.shape):
+        raise ValueError(f"layer '{layer.name}': {arg} must have shape {tuple(p.shape)}, got {tuple(v.shape)}")
+
+
+def covered_layers(model: torch.nn.Module) -> list[CoveredLayer]:
+    """One :class:`CoveredLayer` per covered module of a prepared model, in graph order."""
+    info = get_info(model)
+    return [CoveredLayer(spec, info) for spec in info.layers]

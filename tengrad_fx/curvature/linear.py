@@ -1,0 +1,42 @@
+"""Curvature kernel for ``nn.Linear`` on ``[m, *, d_in]`` inputs.
+
+Positions are all dimensions between the sample and the feature dimension (sequence
+tokens, channels-last pixels): ``A = I.reshape(m, 1, S, d_in)``, ``B = G.reshape(m, 1, S, d_out)``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import Tensor
+
+from ..capture.match import LayerSpec
+from . import tensors
+
+__all__ = ["layout", "dims", "jvp", "vjp"]
+
+
+def layout(spec: LayerSpec, I: Tensor, G: Tensor) -> tuple[Tensor, Tensor]:
+    """``(A [m, 1, S, d_in], B [m, 1, S, d_out])``."""
+    m = I.shape[0]
+    return I.reshape(m, 1, -1, I.shape[-1]), G.reshape(m, 1, -1, G.shape[-1])
+
+
+def dims(spec: LayerSpec, in_shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """``(g, S, f, o)`` for an input of shape ``in_shape``."""
+    S = 1
+    for d in in_shape[1:-1]:
+        S *= d
+    return 1, S, in_shape[-1], spec.weight.shape[0]
+
+
+def jvp(spec: LayerSpec, I: Tensor, G: Tensor, vW: Tensor, vb: Optional[Tensor]) -> Tensor:
+    """``J v`` for ``v = (vW [d_out, d_in], vb [d_out])``, ``[m]``."""
+    A, B = layout(spec, I, G)
+    return tensors.jvp(A, B, vW.unsqueeze(0), None if vb is None else vb.unsqueeze(0))
+
+
+def vjp(spec: LayerSpec, I: Tensor, G: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """``Jᵀ c`` as ``(weight [d_out, d_in], bias [d_out])``."""
+    A, B = layout(spec, I, G)
+    gW, gb = tensors.vjp(A, B, c)
+    return gW[0], gb[0]

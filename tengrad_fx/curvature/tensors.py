@@ -1,0 +1,116 @@
+"""Pure tensor math of per-sample gradients of a linear layer with shared dimensions.
+
+Every covered layer (Linear on ``[m, *, d_in]``, grouped ConvNd after unfolding) is, per
+group, ``y[s] = W x[s] + b`` over *positions* ``s`` that share the weight. Layout:
+
+  * ``A``: ``[m, g, S, f]`` — layer inputs (unfolded patches for conv), per group ``g``,
+    position ``s`` and input feature ``f``.
+  * ``B``: ``[m, g, S, o]`` — per-sample gradients w.r.t. the outputs, same layout.
+  * weight-shaped tensors: ``[g, o, f]``; bias-shaped: ``[g, o]``.
+
+Sample ``i``'s gradient is ``dW_i = Σ_s B[i,:,s]ᵀ A[i,:,s]`` (``[g, o, f]``) and
+``db_i = Σ_s B[i,:,s]`` (``[g, o]``). ``J`` stacks ``vec(dW_i, db_i)`` as rows. The bias is
+treated apart from the weight everywhere (the "+1" of the paper's ``(I Iᵀ + 1) ⊙ (G Gᵀ)``)
+so no ones-column copy of ``A`` is ever made.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "per_sample_grads", "gram_factor", "gram_materialize", "gram_bias", "jvp", "vjp",
+    "DEFAULT_BLOCK_BYTES",
+]
+
+DEFAULT_BLOCK_BYTES = 64 * 2**20
+"""Working-memory bound (bytes) for the blocked Gram contractions."""
+
+
+def per_sample_grads(A: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
+    """``(dW [m, g, o, f], db [m, g, o])`` per sample."""
+    m, g, S, f = A.shape
+    o = B.shape[-1]
+    dW = torch.bmm(B.reshape(m * g, S, o).transpose(1, 2), A.reshape(m * g, S, f))
+    return dW.reshape(m, g, o, f), B.sum(2)
+
+
+def gram_bias(B: Tensor) -> Tensor:
+    """Bias part of ``J Jᵀ``: ``K[i, j] = Σ_g <Σ_s B[i,g,s], Σ_t B[j,g,t]>``, ``[m, m]``."""
+    bs = B.sum(2).flatten(1)
+    return bs @ bs.T
+
+
+def gram_factor(A: Tensor, B: Tensor, block_bytes: int = DEFAULT_BLOCK_BYTES) -> Tensor:
+    """Weight part of ``J Jᵀ`` by covariance factorization, ``[m, m]``.
+
+    ``K[i, j] = Σ_g Σ_{s,t} (A[i,g,s]·A[j,g,t]) (B[i,g,s]·B[j,g,t])``. Never forms
+    ``J``; for ``S > 1`` the ``[bi·S, bj·S]`` products are computed over sample blocks
+    sized so each block's working set stays under ``block_bytes`` (at least one pair).
+    Cost ``2·m²·S²·(f + o)·g`` flops.
+    """
+    m, g, S, f = A.shape
+    o = B.shape[-1]
+    if S == 1:
+        a, b = A[:, :, 0].transpose(0, 1), B[:, :, 0].transpose(0, 1)  # [g, m, f|o]
+        return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(b, b.transpose(1, 2))).sum(0)
+    per_pair = 2 * g * S * S * A.element_size()
+    blk = max(1, min(m, int(math.sqrt(block_bytes / per_pair))))
+    Ag = A.transpose(0, 1)  # [g, m, S, f]
+    Bg = B.transpose(0, 1)
+    K = A.new_zeros(m, m)
+    for i0 in range(0, m, blk):
+        i1 = min(m, i0 + blk)
+        ai = Ag[:, i0:i1].reshape(g, -1, f)
+        bi = Bg[:, i0:i1].reshape(g, -1, o)
+        for j0 in range(i0, m, blk):
+            j1 = min(m, j0 + blk)
+            aa = torch.bmm(ai, Ag[:, j0:j1].reshape(g, -1, f).transpose(1, 2))
+            bb = torch.bmm(bi, Bg[:, j0:j1].reshape(g, -1, o).transpose(1, 2))
+            blkK = (aa * bb).reshape(g, i1 - i0, S, j1 - j0, S).sum((0, 2, 4))
+            K[i0:i1, j0:j1] = blkK
+            if j0 != i0:
+                K[j0:j1, i0:i1] = blkK.T
+    return K
+
+
+def gram_materialize(A: Tensor, B: Tensor, block_bytes: int = DEFAULT_BLOCK_BYTES) -> Tensor:
+    """Weight part of ``J Jᵀ`` from explicit per-sample gradients, ``[m, m]``.
+
+    The per-sample gradients are formed for a chunk of output channels at a time
+    (at most ``block_bytes`` of them), and their Gram accumulated.
+    Cost ``2·m·S·f·o·g + 2·m²·f·o·g`` flops.
+    """
+    m, g, S, f = A.shape
+    o = B.shape[-1]
+    chunk = max(1, min(o, block_bytes // max(1, m * g * f * A.element_size())))
+    a = A.reshape(m * g, S, f)
+    K = A.new_zeros(m, m)
+    for c0 in range(0, o, chunk):
+        b = B[..., c0:c0 + chunk].reshape(m * g, S, -1).transpose(1, 2)
+        P = torch.bmm(b, a).reshape(m, -1)
+        K.addmm_(P, P.T)
+    return K
+
+
+def jvp(A: Tensor, B: Tensor, vW: Tensor, vb: Optional[Tensor] = None) -> Tensor:
+    """``J v``, ``[m]``: ``Σ_{g,s} B[i,g,s] · (vW[g] A[i,g,s] + vb[g])``."""
+    m, g, S, f = A.shape
+    o = B.shape[-1]
+    Av = torch.matmul(A, vW.transpose(1, 2).unsqueeze(0))  # [m, g, S, o]
+    out = (Av * B).flatten(1).sum(1)
+    if vb is not None:
+        out = out + (B.sum(2) * vb.unsqueeze(0)).flatten(1).sum(1)
+    return out
+
+
+def vjp(A: Tensor, B: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """``Jᵀ c`` as ``(weight part [g, o, f], bias part [g, o])``."""
+    m, g, S, f = A.shape
+    o = B.shape[-1]
+    Bc = B * c.reshape(m, 1, 1, 1)
+    gW = torch.einsum("mgso,mgsf->gof", Bc, A)
+    return gW, Bc.sum((0, 2))

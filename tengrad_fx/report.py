@@ -1,0 +1,65 @@
+"""``report(model)``: the coverage table of a prepared model."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from .capture.info import get_info
+from .curvature.layer import KERNELS, choose_strategy
+
+__all__ = ["report", "Report"]
+
+
+@dataclass
+class Report:
+    """Rows ``(parameter, status, detail)``; ``str()`` renders a table."""
+
+    rows: list[tuple[str, str, str]]
+    header: str
+
+    @property
+    def n_covered(self) -> int:
+        return sum(1 for _, s, _ in self.rows if s == "covered")
+
+    @property
+    def n_fallback(self) -> int:
+        return sum(1 for _, s, _ in self.rows if s == "fallback")
+
+    def __str__(self) -> str:
+        w0 = max([len("parameter")] + [len(r[0]) for r in self.rows])
+        lines = [self.header, f"{'parameter':<{w0}}  {'status':<8}  detail", "-" * (w0 + 40)]
+        lines += [f"{p:<{w0}}  {s:<8}  {d}" for p, s, d in self.rows]
+        lines.append(f"{self.n_covered} covered, {self.n_fallback} fallback (SGD-momentum)")
+        return "\n".join(lines)
+
+
+def report(model: nn.Module, m: int = 128) -> Report:
+    """Every parameter of a prepared model: covered (layer kind, shapes, Gram strategy at
+    batch ``m`` from the probed input shapes) or fallback (reason)."""
+    info = get_info(model)
+    by_layer = {spec.name: spec for spec in info.layers}
+    rows = []
+    for pname, p in getattr(model, "_orig_mod", model).named_parameters():
+        if pname in info.covered:
+            spec = by_layer[info.covered[pname]]
+            detail = f"{spec.kind} '{spec.name}' {tuple(p.shape)}"
+            if spec.groups > 1:
+                detail += f" groups={spec.groups}"
+            if len(spec.sites) > 1:
+                detail += f" calls={len(spec.sites)}"
+            if spec.input_shapes:
+                kern = KERNELS[spec.kind]
+                g = S = f = o = 0
+                for shp in spec.input_shapes:
+                    g, s, f, o = kern.dims(spec, shp)
+                    S += s
+                detail += f" S={S} auto->{choose_strategy(m, g, S, f, o)}@m={m}"
+            rows.append((pname, "covered", detail))
+        else:
+            rows.append((pname, "fallback", info.fallback.get(pname, "not covered")))
+    how = {"fx": "torch.fx graph", "fx-dual": "torch.fx graphs (train/eval differ)",
+           "surgery": f"module surgery (fx failed: {info.trace_error})"}[info.method]
+    check = "verified at batch 2 and 3" if info.verified else "checked at run time"
+    header = f"tengrad_fx.prepare: {len(info.layers)} layers via {how}; sample dim {check}"
+    return Report(rows=rows, header=header)

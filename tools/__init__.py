@@ -1,0 +1,1 @@
+"""Command-line tools: demo, training, benchmarks, plots, sweeps (built on tengrad_fx and zoo)."""
