@@ -5,8 +5,9 @@ ops) → ``curvature`` (Gram, Jv, Jᵀc per layer kind) → ``solve`` → ``opti
 """
 from .capture import PrepareInfo, capturing, get_info, prepare
 from .curvature import CoveredLayer, covered_layers
+from .optim import TENGraD
 from .report import Report, report
 
 __all__ = ["prepare", "capturing", "covered_layers", "report", "Report", "CoveredLayer",
-           "PrepareInfo", "get_info"]
+           "PrepareInfo", "get_info", "TENGraD"]
 __version__ = "0.1.0"

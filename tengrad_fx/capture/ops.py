@@ -67,11 +67,14 @@ def _(x: Tensor, weight: Tensor, bias: Optional[Tensor], key: int, site: int) ->
 def _linear_backward_op(
     grad: Tensor, x: Tensor, weight: Tensor, has_bias: bool, need_input: bool, key: int, site: int
 ) -> tuple[Tensor, Tensor, Tensor]:
-    lookup(key).record(site, x, grad)
+    store = lookup(key)
+    store.record(site, x, grad)
+    gx = grad.matmul(weight) if need_input else grad.new_empty(0)
+    if store.grad_only:
+        return gx, grad.new_zeros(weight.shape), grad.new_zeros(weight.shape[0] if has_bias else 0)
     g2 = grad.reshape(-1, grad.shape[-1])
     gw = g2.t().mm(x.reshape(-1, x.shape[-1]))
     gb = g2.sum(0) if has_bias else grad.new_empty(0)
-    gx = grad.matmul(weight) if need_input else grad.new_empty(0)
     return gx, gw, gb
 
 
@@ -138,13 +141,18 @@ def _conv_backward_op(
     grad: Tensor, x: Tensor, weight: Tensor, stride: Sequence[int], padding: Sequence[int],
     dilation: Sequence[int], groups: int, has_bias: bool, need_input: bool, key: int, site: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    lookup(key).record(site, x, grad)
+    store = lookup(key)
+    store.record(site, x, grad)
     nd = weight.dim() - 2
+    grads = not store.grad_only
     gx, gw, gb = torch.ops.aten.convolution_backward(
         grad, x, weight, [weight.shape[0]] if has_bias else None, stride, padding, dilation,
-        False, [0] * nd, groups, [need_input, True, has_bias],
+        False, [0] * nd, groups, [need_input, grads, has_bias and grads],
     )
     empty = grad.new_empty(0)
+    if not grads:
+        return (gx if need_input else empty), grad.new_zeros(weight.shape), \
+            (grad.new_zeros(weight.shape[0]) if has_bias else empty)
     return (gx if need_input else empty), gw, (gb if has_bias else empty)
 
 

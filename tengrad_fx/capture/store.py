@@ -35,6 +35,7 @@ class CaptureStore:
     key: int = field(default_factory=lambda: next(_KEYS))
     enabled: bool = True  # capture on forwards with grad enabled
     recording: bool = True  # append records in backward
+    grad_only: bool = False  # backward ops skip weight/bias grads (MC-Fisher pass: only G matters)
     records: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     _complete: bool = False  # a backward has recorded since the last begin()
     generation: int = 0  # how many captures have completed (for users caching results)

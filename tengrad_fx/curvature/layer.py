@@ -133,6 +133,11 @@ class CoveredLayer:
         dW = (dW * k).reshape(m, *self.weight.shape)
         return dW, (db * k).reshape(m, *self.bias.shape) if self.bias is not None else None
 
+    def jacobian(self) -> Tensor:
+        """``J`` materialized, ``[m, n]``: rows ``vec(∂ℓ_i/∂W, ∂ℓ_i/∂b)``."""
+        dW, db = self.per_sample_grads()
+        return dW.flatten(1) if db is None else torch.cat([dW.flatten(1), db.flatten(1)], 1)
+
     def gram(self, strategy: Strategy = "auto") -> Tensor:
         """``J Jᵀ``, ``[m, m]``, in the captured dtype."""
         how = self.choose(strategy)

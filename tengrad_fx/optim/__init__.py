@@ -1,0 +1,4 @@
+"""Optimizers over a prepared model."""
+from .tengrad import TENGraD
+
+__all__ = ["TENGraD"]

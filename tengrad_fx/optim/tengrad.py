@@ -1,0 +1,325 @@
+"""``TENGraD``: natural gradient with exact Fisher-block inversion, as a torch optimizer.
+
+Per covered layer (``m`` = curvature batch, ``α`` = damping)::
+
+    u = (F + αI)⁻¹ g = (1/α)·(g − Jᵀ (J Jᵀ + mαI)⁻¹ J g),    F = JᵀJ / m
+
+and, on a curvature step with the empirical Fisher (``g`` is the same batch's gradient,
+``g = Jᵀ1/m`` for a mean loss), the push-through form ``u = Jᵀ (J Jᵀ + mαI)⁻¹ 1`` (no
+``J g``, no cancellation of two nearly equal terms). Then, for every parameter (fallback
+parameters use ``u = g``): ``d = ν·u + λw``, ``buf = μ·buf + d``, ``w ← w − lr·buf`` with
+the KL clip ``ν = min(1, sqrt(kl_clip / (lr²·Σ u·g)))`` when ``kl_clip`` is set.
+
+Training loops::
+
+    # empirical Fisher                         # MC ("true") Fisher: one more line
+    out = model(x)                             out = model(x)
+    loss = F.cross_entropy(out, y)             loss = F.cross_entropy(out, y)
+    opt.zero_grad()                            opt.zero_grad()
+    loss.backward()                            opt.mc_capture(out)
+    opt.step()                                 loss.backward()
+                                               opt.step()
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..capture.info import get_info
+from ..capture.prepare import capturing
+from ..curvature.layer import CoveredLayer, covered_layers
+from ..solve.woodbury import CholeskyFailed, damped_cholesky, woodbury_apply, woodbury_push_through
+
+__all__ = ["TENGraD"]
+
+_STATE = "tengrad"  # key of the optimizer-level counters in self.state
+
+
+@dataclass
+class _Curvature:
+    """One layer's curvature from the last curvature step."""
+
+    layer: CoveredLayer
+    params: list[torch.nn.Parameter]
+    m: int
+    K: Tensor
+    P: Optional[Tensor]  # materialized J [m, n] (strategy "materialize", within budget)
+    chol: Optional[Tensor] = None
+
+    def jvp(self, g: Tensor) -> Tensor:
+        if self.P is not None:
+            return self.P @ g
+        w = self.params[0]
+        vw = g[: w.numel()].view_as(w)
+        vb = g[w.numel():].view_as(self.params[1]) if len(self.params) > 1 else None
+        return self.layer.jvp(vw, vb)
+
+    def vjp(self, c: Tensor) -> Tensor:
+        c = c.to(self.K.dtype)
+        if self.P is not None:
+            return self.P.T @ c
+        gw, gb = self.layer.vjp(c)
+        return gw.flatten() if gb is None else torch.cat([gw.flatten(), gb.flatten()])
+
+
+class TENGraD(torch.optim.Optimizer):
+    """TENGraD over a model returned by :func:`tengrad_fx.prepare`.
+
+    Args:
+        model: the prepared model (its parameters form the single param group).
+        lr: learning rate (``>= 0``).
+        damping: ``α > 0`` (a float, or in ``param_groups[0]["damping"]`` for schedules).
+        momentum, weight_decay: as in the paper's experiments (all methods).
+        curvature_every: ``T >= 1``; on other steps the stored ``I, G`` (or materialized
+            ``J``) of the last curvature step are reused and capture is switched off,
+            so those forwards cost what SGD's cost.
+        fisher: ``"empirical"`` (G from the training loss) or ``"mc"`` (labels sampled
+            from the model's prediction by :meth:`mc_capture`; needs ``mc_loss``).
+        mc_loss: ``"cross_entropy"`` (categorical sampling) or ``"mse"`` (Gaussian, unit
+            variance; MC loss ``½‖out − ŷ‖²`` summed over outputs, mean over the batch).
+        kl_clip: optional KL clipping threshold.
+        update_form: ``"auto"`` (push-through on empirical curvature steps, Woodbury
+            otherwise), ``"woodbury"`` (always the general form).
+        solve_dtype: dtype of the m×m Cholesky (default: the parameters'); e.g. float64.
+        jacobian_budget_mb: memory allowed for keeping materialized ``J``s between steps
+            (layers the cost model materializes); beyond it ``J`` is used through ``I, G``.
+        strategy: Gram strategy for all layers: ``"auto"``, ``"factor"``, ``"materialize"``.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        lr: float,
+        damping: float,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        curvature_every: int = 1,
+        fisher: Literal["empirical", "mc"] = "empirical",
+        mc_loss: Literal["cross_entropy", "mse"] = "cross_entropy",
+        kl_clip: Optional[float] = None,
+        update_form: Literal["auto", "woodbury"] = "auto",
+        solve_dtype: Optional[torch.dtype] = None,
+        jacobian_budget_mb: float = 1024.0,
+        strategy: Literal["auto", "factor", "materialize"] = "auto",
+    ):
+        info = get_info(model)  # raises ValueError for an unprepared model
+        if not lr >= 0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not damping > 0:
+            raise ValueError(f"damping must be > 0, got {damping}")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if not (isinstance(curvature_every, int) and curvature_every >= 1):
+            raise ValueError(f"curvature_every must be an int >= 1, got {curvature_every!r}")
+        if fisher not in ("empirical", "mc"):
+            raise ValueError(f"fisher must be 'empirical' or 'mc', got {fisher!r}")
+        if mc_loss not in ("cross_entropy", "mse"):
+            raise ValueError(f"mc_loss must be 'cross_entropy' or 'mse', got {mc_loss!r}")
+        if kl_clip is not None and not kl_clip > 0:
+            raise ValueError(f"kl_clip must be > 0 or None, got {kl_clip}")
+        if update_form not in ("auto", "woodbury"):
+            raise ValueError(f"update_form must be 'auto' or 'woodbury', got {update_form!r}")
+        if strategy not in ("auto", "factor", "materialize"):
+            raise ValueError(f"strategy must be 'auto', 'factor' or 'materialize', got {strategy!r}")
+        params = [p for p in model.parameters() if p.requires_grad]
+        defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.model = model
+        self._info = info
+        self.curvature_every = curvature_every
+        self.fisher = fisher
+        self.mc_loss = mc_loss
+        self.kl_clip = kl_clip
+        self.update_form = update_form
+        self.solve_dtype = solve_dtype
+        self.jacobian_budget = jacobian_budget_mb * 2**20
+        self.strategy = strategy
+        self._layers = covered_layers(model)
+        self._curv: list[_Curvature] = []
+        self._curv_damping: Optional[float] = None
+        self._warned_skip = False
+        self.state[_STATE] = {"step": 0, "skipped": 0}
+        self._mc_done = False
+        capturing(model, True)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def counters(self) -> dict[str, int]:
+        """``{"step": steps taken, "skipped": steps skipped for non-finite values}``."""
+        return self.state[_STATE]
+
+    def _is_curvature_step(self) -> bool:
+        return self.counters["step"] % self.curvature_every == 0 or not self._curv
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load counters and momentum buffers. Curvature is not stored: with
+        ``curvature_every > 1`` the next step recomputes it (capture is switched on)."""
+        super().load_state_dict(state_dict)
+        self._curv = []
+        capturing(self.model, True)
+
+    def mc_capture(self, outputs: Tensor) -> None:
+        """MC Fisher: before ``loss.backward()``, sample labels from ``outputs`` and run one
+        backward that records ``G`` only (no parameter gradients). No-op for the empirical
+        Fisher or on steps that reuse curvature."""
+        if self.fisher != "mc" or not self._is_curvature_step():
+            return
+        store = self._info.store
+        with torch.no_grad():
+            if self.mc_loss == "cross_entropy":
+                probs = torch.softmax(outputs.detach().float(), dim=-1)
+                target = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).reshape(probs.shape[:-1])
+            else:
+                target = outputs.detach() + torch.randn_like(outputs)
+        if self.mc_loss == "cross_entropy":
+            mc = F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), target.reshape(-1))
+        else:
+            mc = 0.5 * (outputs - target).pow(2).reshape(outputs.shape[0], -1).sum(1).mean()
+        weights = [layer.weight for layer in self._layers if layer.weight.requires_grad]
+        store.grad_only = True
+        try:
+            torch.autograd.grad(mc, weights, retain_graph=True, allow_unused=True)
+        finally:
+            store.grad_only = False
+        store.recording = False  # the real backward must not overwrite the MC G
+        self._mc_done = True
+
+    # ------------------------------------------------------------------ curvature
+    def _refresh(self, damping: float) -> None:
+        """Grams and batched Cholesky factors of every covered layer from the store."""
+        curv: list[_Curvature] = []
+        budget = self.jacobian_budget
+        for layer in self._layers:
+            params = [p for p in (layer.weight, layer.bias) if p is not None]
+            if not all(p.requires_grad for p in params):
+                continue
+            how = layer.choose(self.strategy)
+            P = None
+            if how == "materialize":
+                P = layer.jacobian()
+                K = P @ P.T
+                if P.numel() * P.element_size() <= budget:
+                    budget -= P.numel() * P.element_size()
+                else:
+                    P = None
+            else:
+                K = layer.gram("factor")
+            curv.append(_Curvature(layer, params, K.shape[0], K, P))
+        self._factorize(curv, damping)
+        self._curv = curv
+        self._curv_damping = damping
+
+    def _factorize(self, curv: list[_Curvature], damping: float) -> None:
+        by_m: dict[int, list[_Curvature]] = {}
+        for c in curv:
+            by_m.setdefault(c.m, []).append(c)
+        for m, cs in by_m.items():
+            chol = damped_cholesky(torch.stack([c.K for c in cs]), m * damping, self.solve_dtype)
+            for c, L in zip(cs, chol):
+                c.chol = L
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Optional[Tensor]:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        group = self.param_groups[0]
+        lr, damping = group["lr"], group["damping"]
+        momentum, wd = group["momentum"], group["weight_decay"]
+        if not damping > 0:
+            raise ValueError(f"damping must be > 0, got {damping}")
+        store = self._info.store
+        store.recording = True
+        curvature_step = self._is_curvature_step()
+        mc_step, self._mc_done = self._mc_done, False
+        if curvature_step and self.fisher == "mc" and not mc_step:
+            raise RuntimeError("fisher='mc': call opt.mc_capture(outputs) before loss.backward() "
+                               "on curvature steps")
+
+        grads = [p.grad for p in group["params"] if p.grad is not None]
+        if not grads or not self._all_finite(grads):
+            return self._skip("non-finite gradient", loss)
+        try:
+            if curvature_step:
+                self._refresh(damping)
+            elif damping != self._curv_damping:
+                self._factorize(self._curv, damping)
+                self._curv_damping = damping
+            updates = self._precondition(curvature_step and not mc_step, damping)
+        except CholeskyFailed as exc:
+            return self._skip(str(exc), loss)
+        if not self._all_finite(list(updates.values())):
+            return self._skip("non-finite natural-gradient update", loss)
+
+        nu = 1.0
+        if self.kl_clip is not None and updates:
+            vg = sum((u * p.grad).sum() for p, u in updates.items()) * lr ** 2
+            if vg > 0:
+                nu = min(1.0, math.sqrt(self.kl_clip / float(vg)))
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            d = updates[p] * nu if p in updates else p.grad.clone()
+            if wd:
+                d.add_(p, alpha=wd)
+            if momentum:
+                st = self.state[p]
+                buf = st.get("momentum_buffer")
+                if buf is None:
+                    st["momentum_buffer"] = buf = d
+                else:
+                    buf.mul_(momentum).add_(d)
+                d = buf
+            p.add_(d, alpha=-lr)
+        self.counters["step"] += 1
+        self._set_capture()
+        return loss
+
+    def _precondition(self, push_through: bool, damping: float) -> dict[Tensor, Tensor]:
+        """``{param: u}`` for every parameter of every covered layer."""
+        out: dict[Tensor, Tensor] = {}
+        use_pt = push_through and self.update_form == "auto"
+        s_g = 1.0 if self._info.loss_reduction == "sum" else None
+        for c in self._curv:
+            if any(p.grad is None for p in c.params):
+                continue
+            assert c.chol is not None
+            if use_pt:
+                scale = float(c.m) * (s_g if s_g is not None else 1.0 / c.m)
+                u = woodbury_push_through(c.chol, scale, c.vjp)
+            else:
+                g = torch.cat([p.grad.flatten() for p in c.params]).to(c.K.dtype)
+                u = woodbury_apply(c.chol, g, damping, c.jvp, c.vjp)
+            off = 0
+            for p in c.params:
+                out[p] = u[off: off + p.numel()].view_as(p).to(p.dtype)
+                off += p.numel()
+        return out
+
+    def _set_capture(self) -> None:
+        capturing(self.model, self._is_curvature_step())
+
+    @staticmethod
+    def _all_finite(ts: list[Tensor]) -> bool:
+        if not ts:
+            return True
+        return bool(torch.stack([torch.isfinite(t).all() for t in ts]).all())
+
+    def _skip(self, why: str, loss: Optional[Tensor]) -> Optional[Tensor]:
+        self.counters["skipped"] += 1
+        if not self._warned_skip:
+            warnings.warn(f"TENGraD: step skipped ({why}); parameters left unchanged. "
+                          "Further skips are counted in opt.counters['skipped'].", RuntimeWarning)
+            self._warned_skip = True
+        self._set_capture()
+        return loss
