@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .store import lookup
+from .store import Record, lookup
 
 __all__ = ["linear", "conv", "PROBE"]
 
@@ -68,10 +68,18 @@ def _linear_backward_op(
     grad: Tensor, x: Tensor, weight: Tensor, has_bias: bool, need_input: bool, key: int, site: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     store = lookup(key)
-    store.record(site, x, grad)
     gx = grad.matmul(weight) if need_input else grad.new_empty(0)
     if store.grad_only:
+        store.record(site, Record(x, grad))
         return gx, grad.new_zeros(weight.shape), grad.new_zeros(weight.shape[0] if has_bias else 0)
+    if store.wants_jacobian(site):
+        m, o = x.shape[0], weight.shape[0]
+        gs = grad.reshape(m, -1, o)
+        P = torch.bmm(gs.transpose(1, 2), x.reshape(m, -1, x.shape[-1])).reshape(m, -1)
+        gsum = gs.sum(1)
+        store.record(site, Record(None, None, P, gsum))
+        return gx, P.sum(0).view(weight.shape), gsum.sum(0) if has_bias else grad.new_empty(0)
+    store.record(site, Record(x, grad))
     g2 = grad.reshape(-1, grad.shape[-1])
     gw = g2.t().mm(x.reshape(-1, x.shape[-1]))
     gb = g2.sum(0) if has_bias else grad.new_empty(0)
@@ -142,18 +150,53 @@ def _conv_backward_op(
     dilation: Sequence[int], groups: int, has_bias: bool, need_input: bool, key: int, site: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     store = lookup(key)
-    store.record(site, x, grad)
     nd = weight.dim() - 2
-    grads = not store.grad_only
+    empty = grad.new_empty(0)
+    if store.grad_only:  # MC-Fisher pass: G only, no parameter gradients
+        store.record(site, Record(x, grad))
+        gx = _conv_input_grad(grad, x, weight, stride, padding, dilation, groups) if need_input else empty
+        return gx, grad.new_zeros(weight.shape), (grad.new_zeros(weight.shape[0]) if has_bias else empty)
+    if store.wants_jacobian(site):  # per-sample weight grads in place of the weight grad
+        P = per_sample_conv_weight_grads(grad, x, weight.shape, stride, padding, dilation, groups)
+        gsum = grad.flatten(2).sum(2)
+        store.record(site, Record(None, None, P, gsum))
+        gx = _conv_input_grad(grad, x, weight, stride, padding, dilation, groups) if need_input else empty
+        return gx, P.sum(0).view(weight.shape), (gsum.sum(0) if has_bias else empty)
+    store.record(site, Record(x, grad))
     gx, gw, gb = torch.ops.aten.convolution_backward(
         grad, x, weight, [weight.shape[0]] if has_bias else None, stride, padding, dilation,
-        False, [0] * nd, groups, [need_input, grads, has_bias and grads],
+        False, [0] * nd, groups, [need_input, True, has_bias],
     )
-    empty = grad.new_empty(0)
-    if not grads:
-        return (gx if need_input else empty), grad.new_zeros(weight.shape), \
-            (grad.new_zeros(weight.shape[0]) if has_bias else empty)
     return (gx if need_input else empty), gw, (gb if has_bias else empty)
+
+
+def _conv_input_grad(grad: Tensor, x: Tensor, weight: Tensor, stride: Sequence[int],
+                     padding: Sequence[int], dilation: Sequence[int], groups: int) -> Tensor:
+    nd = weight.dim() - 2
+    return torch.ops.aten.convolution_backward(
+        grad, x, weight, None, stride, padding, dilation, False, [0] * nd, groups,
+        [True, False, False])[0]
+
+
+def per_sample_conv_weight_grads(
+    grad: Tensor, x: Tensor, weight_shape: Sequence[int], stride: Sequence[int],
+    padding: Sequence[int], dilation: Sequence[int], groups: int,
+) -> Tensor:
+    """Per-sample weight gradients of a ConvNd, ``[m, weight.numel()]``.
+
+    One grouped weight-gradient convolution over the batch folded into channels
+    (``groups = m·groups``): aten's own kernel, no unfolded input in memory.
+    x: ``[m, c_in, *spatial]``; grad: ``[m, c_out, *spatial_out]``.
+    """
+    m = x.shape[0]
+    nd = len(weight_shape) - 2
+    xs = x.reshape(1, -1, *x.shape[2:])
+    gs = grad.reshape(1, -1, *grad.shape[2:])
+    w = x.new_empty((m * weight_shape[0], *weight_shape[1:]))
+    gw = torch.ops.aten.convolution_backward(
+        gs, xs, w, None, stride, padding, dilation, False, [0] * nd, m * groups,
+        [False, True, False])[1]
+    return gw.reshape(m, -1)
 
 
 @_conv_backward_op.register_fake

@@ -11,6 +11,11 @@ Layout of a record:
   * ``G``: gradient of the loss w.r.t. the layer output, ``[m, *]``, as autograd
     delivered it (with a mean-reduced loss it carries a factor ``1/m``).
 
+For sites in ``jacobian_sites`` (chosen by the optimizer's cost model) the backward op
+instead stores the per-sample weight gradients ``P`` (``[m, weight.numel()]``, computed in
+place of the weight gradient, which is then ``P.sum(0)``) and ``Gsum`` (``[m, d_out]``, the
+per-sample bias gradients); ``I`` and ``G`` are then not retained.
+
 A new capturing forward releases the previous step's records (see :meth:`begin`).
 """
 from __future__ import annotations
@@ -18,13 +23,30 @@ from __future__ import annotations
 import itertools
 import weakref
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
-__all__ = ["CaptureStore", "lookup"]
+__all__ = ["CaptureStore", "Record", "lookup"]
 
 _KEYS = itertools.count(1)
 _STORES: "weakref.WeakValueDictionary[int, CaptureStore]" = weakref.WeakValueDictionary()
+
+
+@dataclass
+class Record:
+    """One call's capture: ``I``/``G`` as given, or the materialized ``P``/``Gsum``."""
+
+    I: Optional[torch.Tensor]
+    G: Optional[torch.Tensor]
+    P: Optional[torch.Tensor] = None
+    Gsum: Optional[torch.Tensor] = None
+
+    @property
+    def m(self) -> int:
+        t = self.I if self.I is not None else self.P
+        assert t is not None
+        return t.shape[0]
 
 
 @dataclass
@@ -36,7 +58,8 @@ class CaptureStore:
     enabled: bool = True  # capture on forwards with grad enabled
     recording: bool = True  # append records in backward
     grad_only: bool = False  # backward ops skip weight/bias grads (MC-Fisher pass: only G matters)
-    records: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    jacobian_sites: set[int] = field(default_factory=set)  # backward materializes P there
+    records: dict[int, list[Record]] = field(default_factory=dict)
     _complete: bool = False  # a backward has recorded since the last begin()
     generation: int = 0  # how many captures have completed (for users caching results)
 
@@ -49,14 +72,18 @@ class CaptureStore:
             self.records = {}
             self._complete = False
 
-    def record(self, site: int, inp: torch.Tensor, grad: torch.Tensor) -> None:
-        """Append ``(I, G)`` for ``site`` (called from the capture ops' backward)."""
+    def wants_jacobian(self, site: int) -> bool:
+        """Should the backward op of ``site`` materialize per-sample gradients now?"""
+        return self.recording and not self.grad_only and site in self.jacobian_sites
+
+    def record(self, site: int, rec: Record) -> None:
+        """Append a record for ``site`` (called from the capture ops' backward)."""
         if not self.recording:
             return
         if not self._complete:
             self.generation += 1
             self._complete = True
-        self.records.setdefault(site, []).append((inp.detach(), grad.detach()))
+        self.records.setdefault(site, []).append(rec)
 
     def clear(self) -> None:
         """Release every captured tensor."""

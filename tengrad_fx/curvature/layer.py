@@ -26,6 +26,7 @@ from torch import Tensor
 
 from ..capture.info import PrepareInfo, get_info
 from ..capture.match import LayerSpec
+from ..capture.store import Record
 from . import conv, linear, tensors
 
 __all__ = ["CoveredLayer", "covered_layers", "Strategy", "gram_flops", "choose_strategy"]
@@ -78,37 +79,46 @@ class CoveredLayer:
         return f"CoveredLayer({self.name!r}, {self.kind}, weight={tuple(self.weight.shape)})"
 
     # ----------------------------------------------------------------- captured data
-    def records(self) -> list[tuple[Tensor, Tensor]]:
-        """The captured ``(I, G)`` of every call, ``G`` as autograd delivered it."""
+    def records(self) -> list[Record]:
+        """The captured records of every call (``G`` as autograd delivered it)."""
         recs = [r for site in self.spec.sites for r in self._info.store.records.get(site, [])]
         if not recs:
             raise RuntimeError(
                 f"layer '{self.name}': nothing captured yet — run a forward and backward "
                 "with capture on (and grad enabled) first"
             )
-        m = recs[0][0].shape[0]
-        for I, G in recs:
-            if I.shape[0] != m or G.shape[0] != m:
-                raise RuntimeError(f"layer '{self.name}': calls captured different batch sizes")
+        m = recs[0].m
+        if any(r.m != m for r in recs):
+            raise RuntimeError(f"layer '{self.name}': calls captured different batch sizes")
         return recs
 
     @property
     def m(self) -> int:
         """Number of samples in the captured batch."""
-        return self.records()[0][0].shape[0]
+        return self.records()[0].m
+
+    @property
+    def materialized(self) -> bool:
+        """True when the backward pass already stored the per-sample gradients."""
+        return any(r.P is not None for r in self.records())
 
     def _scale(self) -> float:
         return float(self.m) if self._info.loss_reduction == "mean" else 1.0
 
     def _layouts(self) -> list[tuple[Tensor, Tensor]]:
-        return [self._kernel.layout(self.spec, I, G) for I, G in self.records()]
+        out = []
+        for r in self.records():
+            if r.I is None or r.G is None:
+                raise RuntimeError(f"layer '{self.name}': only per-sample gradients were kept")
+            out.append(self._kernel.layout(self.spec, r.I, r.G))
+        return out
 
     def dims(self) -> tuple[int, int, int, int]:
         """``(g, S, f, o)`` of the captured batch, positions of all calls added."""
-        recs = self.records()
         g = S = f = o = 0
-        for I, _ in recs:
-            g, s, f, o = self._kernel.dims(self.spec, tuple(I.shape))
+        for r in self.records():
+            shape = tuple(r.I.shape) if r.I is not None else self.spec.input_shapes[0]
+            g, s, f, o = self._kernel.dims(self.spec, shape)
             S += s
         return g, S, f, o
 
@@ -118,18 +128,25 @@ class CoveredLayer:
             raise ValueError(f"strategy must be 'auto', 'factor' or 'materialize', got {strategy!r}")
         if strategy != "auto":
             return strategy
+        if self.materialized:
+            return "materialize"
         return choose_strategy(self.m, *self.dims())
 
     # ----------------------------------------------------------------- curvature
     def per_sample_grads(self) -> tuple[Tensor, Optional[Tensor]]:
         """``(∂ℓ_i/∂W [m, *weight.shape], ∂ℓ_i/∂b [m, *bias.shape] or None)``."""
         dW = db = None
-        for A, B in self._layouts():
-            w, b = tensors.per_sample_grads(A, B)
-            dW = w if dW is None else dW + w
-            db = b if db is None else db + b
+        m = self.m
+        for r in self.records():
+            if r.P is not None:
+                w, b = r.P, r.Gsum
+            else:
+                A, B = self._kernel.layout(self.spec, r.I, r.G)
+                w, b = tensors.per_sample_grads(A, B)
+            dW = w.reshape(m, -1) if dW is None else dW + w.reshape(m, -1)
+            db = b.reshape(m, -1) if db is None else db + b.reshape(m, -1)
         assert dW is not None and db is not None
-        m, k = dW.shape[0], self._scale()
+        k = self._scale()
         dW = (dW * k).reshape(m, *self.weight.shape)
         return dW, (db * k).reshape(m, *self.bias.shape) if self.bias is not None else None
 
@@ -139,47 +156,51 @@ class CoveredLayer:
         return dW.flatten(1) if db is None else torch.cat([dW.flatten(1), db.flatten(1)], 1)
 
     def gram(self, strategy: Strategy = "auto") -> Tensor:
-        """``J Jᵀ``, ``[m, m]``, in the captured dtype."""
+        """``J Jᵀ``, ``[m, m]``, in the captured dtype. Layers whose per-sample gradients
+        were materialized in backward use them whatever the strategy."""
         how = self.choose(strategy)
+        if self.materialized or (how == "materialize" and len(self.records()) > 1):
+            J = self.jacobian()
+            return J @ J.T
         lays = self._layouts()
-        if how == "factor":
-            A = lays[0][0] if len(lays) == 1 else torch.cat([a for a, _ in lays], 2)
-            B = lays[0][1] if len(lays) == 1 else torch.cat([b for _, b in lays], 2)
-            K = tensors.gram_factor(A, B)
-            Bsum = B
-        else:
-            dW, _ = self.per_sample_grads() if len(lays) > 1 else (None, None)
-            if dW is None:
-                A, B = lays[0]
-                K = tensors.gram_materialize(A, B)
-                Bsum = B
-            else:  # several calls: sum per-sample grads first (exact cross terms)
-                P = dW.flatten(1) / self._scale()
-                K = P @ P.T
-                Bsum = torch.cat([b for _, b in lays], 2)
+        A = lays[0][0] if len(lays) == 1 else torch.cat([a for a, _ in lays], 2)
+        B = lays[0][1] if len(lays) == 1 else torch.cat([b for _, b in lays], 2)
+        K = tensors.gram_factor(A, B) if how == "factor" else tensors.gram_materialize(A, B)
         if self.bias is not None:
-            K = K + tensors.gram_bias(Bsum)
+            K = K + tensors.gram_bias(B)
         return K * self._scale() ** 2
 
     def jvp(self, v_w: Tensor, v_b: Optional[Tensor] = None) -> Tensor:
-        """``J·vec(v_w, v_b)``, ``[m]``, from the stored ``I`` and ``G``."""
+        """``J·vec(v_w, v_b)``, ``[m]``, from the stored ``I`` and ``G`` (or ``P``)."""
         _check_shape(self, "v_w", v_w, self.weight)
         if v_b is not None:
             if self.bias is None:
                 raise ValueError(f"layer '{self.name}' has no bias; pass v_b=None")
             _check_shape(self, "v_b", v_b, self.bias)
-        out = sum(self._kernel.jvp(self.spec, I, G, v_w, v_b) for I, G in self.records())
-        return out * self._scale()  # type: ignore[return-value]
+        out = None
+        for r in self.records():
+            if r.P is not None:
+                o = r.P @ v_w.reshape(-1)
+                if v_b is not None:
+                    o = o + r.Gsum @ v_b
+            else:
+                o = self._kernel.jvp(self.spec, r.I, r.G, v_w, v_b)
+            out = o if out is None else out + o
+        assert out is not None
+        return out * self._scale()
 
     def vjp(self, c: Tensor) -> tuple[Tensor, Optional[Tensor]]:
         """``Jᵀ c`` as ``(weight-shaped, bias-shaped or None)``; ``c``: ``[m]``."""
         if c.dim() != 1 or c.shape[0] != self.m:
             raise ValueError(f"layer '{self.name}': c must have shape ({self.m},), got {tuple(c.shape)}")
         gW = gb = None
-        for I, G in self.records():
-            w, b = self._kernel.vjp(self.spec, I, G, c)
-            gW = w if gW is None else gW + w
-            gb = b if gb is None else gb + b
+        for r in self.records():
+            if r.P is not None:
+                w, b = r.P.T @ c, r.Gsum.T @ c
+            else:
+                w, b = self._kernel.vjp(self.spec, r.I, r.G, c)
+            gW = w.reshape(-1) if gW is None else gW + w.reshape(-1)
+            gb = b.reshape(-1) if gb is None else gb + b.reshape(-1)
         k = self._scale()
         assert gW is not None and gb is not None
         return (gW * k).reshape(self.weight.shape), (gb * k).reshape(self.bias.shape) if self.bias is not None else None

@@ -194,9 +194,15 @@ class TENGraD(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ curvature
     def _refresh(self, damping: float) -> None:
-        """Grams and batched Cholesky factors of every covered layer from the store."""
+        """Grams and batched Cholesky factors of every covered layer from the store.
+
+        Layers the cost model materializes (within ``jacobian_budget_mb``) are marked in
+        the store, so later capturing backwards compute their per-sample gradients in
+        place of the weight gradient (``P``), and the Gram is ``P Pᵀ``.
+        """
         curv: list[_Curvature] = []
         budget = self.jacobian_budget
+        sites: set[int] = set()
         for layer in self._layers:
             params = [p for p in (layer.weight, layer.bias) if p is not None]
             if not all(p.requires_grad for p in params):
@@ -206,13 +212,16 @@ class TENGraD(torch.optim.Optimizer):
             if how == "materialize":
                 P = layer.jacobian()
                 K = P @ P.T
-                if P.numel() * P.element_size() <= budget:
-                    budget -= P.numel() * P.element_size()
+                nbytes = P.numel() * P.element_size()
+                if nbytes <= budget:
+                    budget -= nbytes
+                    sites.update(layer.spec.sites)
                 else:
                     P = None
             else:
                 K = layer.gram("factor")
             curv.append(_Curvature(layer, params, K.shape[0], K, P))
+        self._info.store.jacobian_sites = sites if self.fisher == "empirical" else set()
         self._factorize(curv, damping)
         self._curv = curv
         self._curv_damping = damping
