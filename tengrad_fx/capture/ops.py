@@ -151,23 +151,22 @@ def _conv_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     store = lookup(key)
     nd = weight.dim() - 2
-    empty = grad.new_empty(0)
     if store.grad_only:  # MC-Fisher pass: G only, no parameter gradients
         store.record(site, Record(x, grad))
-        gx = _conv_input_grad(grad, x, weight, stride, padding, dilation, groups) if need_input else empty
-        return gx, grad.new_zeros(weight.shape), (grad.new_zeros(weight.shape[0]) if has_bias else empty)
+        gx = _conv_input_grad(grad, x, weight, stride, padding, dilation, groups) if need_input else grad.new_empty(0)
+        return gx, grad.new_zeros(weight.shape), (grad.new_zeros(weight.shape[0]) if has_bias else grad.new_empty(0))
     if store.wants_jacobian(site):  # per-sample weight grads in place of the weight grad
         P = per_sample_conv_weight_grads(grad, x, weight.shape, stride, padding, dilation, groups)
         gsum = grad.flatten(2).sum(2)
         store.record(site, Record(None, None, P, gsum))
-        gx = _conv_input_grad(grad, x, weight, stride, padding, dilation, groups) if need_input else empty
-        return gx, P.sum(0).view(weight.shape), (gsum.sum(0) if has_bias else empty)
+        gx = _conv_input_grad(grad, x, weight, stride, padding, dilation, groups) if need_input else grad.new_empty(0)
+        return gx, P.sum(0).view(weight.shape), (gsum.sum(0) if has_bias else grad.new_empty(0))
     store.record(site, Record(x, grad))
     gx, gw, gb = torch.ops.aten.convolution_backward(
         grad, x, weight, [weight.shape[0]] if has_bias else None, stride, padding, dilation,
         False, [0] * nd, groups, [need_input, True, has_bias],
     )
-    return (gx if need_input else empty), gw, (gb if has_bias else empty)
+    return (gx if need_input else grad.new_empty(0)), gw, (gb if has_bias else grad.new_empty(0))
 
 
 def _conv_input_grad(grad: Tensor, x: Tensor, weight: Tensor, stride: Sequence[int],

@@ -74,7 +74,7 @@ class CaptureStore:
 
     def wants_jacobian(self, site: int) -> bool:
         """Should the backward op of ``site`` materialize per-sample gradients now?"""
-        return self.recording and not self.grad_only and site in self.jacobian_sites
+        return self.recording and site in self.jacobian_sites
 
     def record(self, site: int, rec: Record) -> None:
         """Append a record for ``site`` (called from the capture ops' backward)."""

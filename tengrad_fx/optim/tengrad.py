@@ -23,6 +23,7 @@ Training loops::
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional
@@ -148,6 +149,8 @@ class TENGraD(torch.optim.Optimizer):
         self._warned_skip = False
         self.state[_STATE] = {"step": 0, "skipped": 0}
         self._mc_done = False
+        self.timings: dict[str, float] = {}  # seconds of the last step: gram, factorize, solve, apply
+        self._gram_seconds = 0.0
         capturing(model, True)
 
     # ------------------------------------------------------------------ helpers
@@ -200,6 +203,7 @@ class TENGraD(torch.optim.Optimizer):
         the store, so later capturing backwards compute their per-sample gradients in
         place of the weight gradient (``P``), and the Gram is ``P Pᵀ``.
         """
+        t_start = time.perf_counter()
         curv: list[_Curvature] = []
         budget = self.jacobian_budget
         sites: set[int] = set()
@@ -222,6 +226,7 @@ class TENGraD(torch.optim.Optimizer):
                 K = layer.gram("factor")
             curv.append(_Curvature(layer, params, K.shape[0], K, P))
         self._info.store.jacobian_sites = sites if self.fisher == "empirical" else set()
+        self._gram_seconds = time.perf_counter() - t_start
         self._factorize(curv, damping)
         self._curv = curv
         self._curv_damping = damping
@@ -258,15 +263,19 @@ class TENGraD(torch.optim.Optimizer):
         grads = [p.grad for p in group["params"] if p.grad is not None]
         if not grads or not self._all_finite(grads):
             return self._skip("non-finite gradient", loss)
+        t0 = time.perf_counter()
+        self._gram_seconds = 0.0
         try:
             if curvature_step:
                 self._refresh(damping)
             elif damping != self._curv_damping:
                 self._factorize(self._curv, damping)
                 self._curv_damping = damping
+            t1 = time.perf_counter()
             updates = self._precondition(curvature_step and not mc_step, damping)
         except CholeskyFailed as exc:
             return self._skip(str(exc), loss)
+        t2 = time.perf_counter()
         if not self._all_finite(list(updates.values())):
             return self._skip("non-finite natural-gradient update", loss)
 
@@ -292,6 +301,8 @@ class TENGraD(torch.optim.Optimizer):
             p.add_(d, alpha=-lr)
         self.counters["step"] += 1
         self._set_capture()
+        self.timings = {"gram": self._gram_seconds, "factorize": t1 - t0 - self._gram_seconds,
+                        "solve": t2 - t1, "apply": time.perf_counter() - t2}
         return loss
 
     def _precondition(self, push_through: bool, damping: float) -> dict[Tensor, Tensor]:
