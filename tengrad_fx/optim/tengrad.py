@@ -225,7 +225,7 @@ class TENGraD(torch.optim.Optimizer):
             else:
                 K = layer.gram("factor")
             curv.append(_Curvature(layer, params, K.shape[0], K, P))
-        self._info.store.jacobian_sites = sites if self.fisher == "empirical" else set()
+        self._info.store.jacobian_sites = sites
         self._gram_seconds = time.perf_counter() - t_start
         self._factorize(curv, damping)
         self._curv = curv
