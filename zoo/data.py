@@ -198,23 +198,43 @@ def _load_fashion_mnist(split: str, data_dir: Path | None, download: bool) -> tu
 # --------------------------------------------------------------------------- CIFAR
 
 
+@dataclass(frozen=True)
+class _CifarSpec:
+    folder: str
+    train_files: tuple[str, ...]
+    test_files: tuple[str, ...]
+    label_key: str
+    num_classes: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+    pretty: str
+
+
 _CIFAR = {
-    # name: (folder, train files, test files, label key, num_classes, mean, std, pretty)
-    "cifar10": (
-        "cifar-10-batches-py",
-        tuple(f"data_batch_{i}" for i in range(1, 6)),
-        ("test_batch",),
-        "labels",
-        10,
-        CIFAR10_MEAN,
-        CIFAR10_STD,
-        "CIFAR-10",
+    "cifar10": _CifarSpec(
+        folder="cifar-10-batches-py",
+        train_files=tuple(f"data_batch_{i}" for i in range(1, 6)),
+        test_files=("test_batch",),
+        label_key="labels",
+        num_classes=10,
+        mean=CIFAR10_MEAN,
+        std=CIFAR10_STD,
+        pretty="CIFAR-10",
     ),
-    "cifar100": ("cifar-100-python", ("train",), ("test",), "fine_labels", 100, CIFAR100_MEAN, CIFAR100_STD, "CIFAR-100"),
+    "cifar100": _CifarSpec(
+        folder="cifar-100-python",
+        train_files=("train",),
+        test_files=("test",),
+        label_key="fine_labels",
+        num_classes=100,
+        mean=CIFAR100_MEAN,
+        std=CIFAR100_STD,
+        pretty="CIFAR-100",
+    ),
 }
 
 
-def _pickle_get(d: dict, key: str) -> object:
+def _pickle_get(d: dict[str | bytes, object], key: str) -> object:
     """Look ``key`` up in an unpickled CIFAR batch whose keys may be ``str`` or ``bytes``."""
     if key in d:
         return d[key]
@@ -232,8 +252,9 @@ def _read_cifar(directory: Path, files: Sequence[str], label_key: str) -> tuple[
 
 
 def _load_cifar(name: str, split: str, data_dir: Path | None, download: bool) -> tuple[np.ndarray, np.ndarray]:
-    folder, train_files, test_files, label_key, _, _, _, pretty = _CIFAR[name]
-    files = train_files if split == "train" else test_files
+    spec = _CIFAR[name]
+    folder, label_key = spec.folder, spec.label_key
+    files = spec.train_files if split == "train" else spec.test_files
     candidates = [data_dir / folder, data_dir] if data_dir is not None else []
     for directory in candidates:
         if all((directory / f).is_file() for f in files):
@@ -247,7 +268,7 @@ def _load_cifar(name: str, split: str, data_dir: Path | None, download: bool) ->
         return _read_cifar(root / folder, files, label_key)
     tried = f"--data-dir {data_dir / folder}" if data_dir is not None else "--data-dir (none given)"
     raise FileNotFoundError(
-        f"{pretty} {split} split not found (needs {folder}/{{{','.join(files)}}} in torchvision's "
+        f"{spec.pretty} {split} split not found (needs {folder}/{{{','.join(files)}}} in torchvision's "
         f"python-pickle format). Options: (1) {tried}; "
         f"(2) download=True (--download) to fetch it with torchvision into {root / folder}."
     )
@@ -308,7 +329,8 @@ def get_dataset(
         default_augment = False
     else:
         images, labels = _load_cifar(key, split, directory, download)
-        _, _, _, _, num_classes, mean, std, _ = _CIFAR[key]
+        spec = _CIFAR[key]
+        num_classes, mean, std = spec.num_classes, spec.mean, spec.std
         default_augment = split == "train"
     x = _normalise(images, mean, std)
     y = torch.from_numpy(labels.astype(np.int64))

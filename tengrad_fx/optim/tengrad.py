@@ -36,6 +36,7 @@ from ..capture.info import get_info
 from ..capture.prepare import capturing
 from ..curvature.layer import CoveredLayer, covered_layers
 from ..solve.woodbury import CholeskyFailed, damped_cholesky, woodbury_apply, woodbury_push_through
+from .fused import LayerInput, fused_update
 
 __all__ = ["TENGraD"]
 
@@ -91,6 +92,11 @@ class TENGraD(torch.optim.Optimizer):
         jacobian_budget_mb: memory allowed for keeping materialized ``J``s between steps
             (layers the cost model materializes); beyond it ``J`` is used through ``I, G``.
         strategy: Gram strategy for all layers: ``"auto"``, ``"factor"``, ``"materialize"``.
+        compile: run the whole update (Gram → Cholesky → solve → Jᵀc over all layers,
+            :func:`tengrad_fx.optim.fused.fused_update`) under ``torch.compile``; layers
+            of equal shapes share one ``vmap``. Falls back to eager, with one warning, if
+            compilation fails or a layer has no fused form (conv/sequence by factor).
+            A string names the ``torch.compile`` backend (default ``"inductor"``).
     """
 
     def __init__(
@@ -108,6 +114,7 @@ class TENGraD(torch.optim.Optimizer):
         solve_dtype: Optional[torch.dtype] = None,
         jacobian_budget_mb: float = 1024.0,
         strategy: Literal["auto", "factor", "materialize"] = "auto",
+        compile: bool | str = False,
     ):
         info = get_info(model)  # raises ValueError for an unprepared model
         if not lr >= 0:
@@ -143,6 +150,11 @@ class TENGraD(torch.optim.Optimizer):
         self.solve_dtype = solve_dtype
         self.jacobian_budget = jacobian_budget_mb * 2**20
         self.strategy = strategy
+        self.compile = bool(compile)
+        self._fused_fn: Optional[Callable[..., Any]] = None
+        if self.compile:
+            backend = compile if isinstance(compile, str) else "inductor"
+            self._fused_fn = torch.compile(fused_update, dynamic=False, fullgraph=True, backend=backend)
         self._layers = covered_layers(model)
         self._curv: list[_Curvature] = []
         self._curv_damping: Optional[float] = None
@@ -265,16 +277,19 @@ class TENGraD(torch.optim.Optimizer):
             return self._skip("non-finite gradient", loss)
         t0 = time.perf_counter()
         self._gram_seconds = 0.0
-        try:
-            if curvature_step:
-                self._refresh(damping)
-            elif damping != self._curv_damping:
-                self._factorize(self._curv, damping)
-                self._curv_damping = damping
-            t1 = time.perf_counter()
-            updates = self._precondition(curvature_step and not mc_step, damping)
-        except CholeskyFailed as exc:
-            return self._skip(str(exc), loss)
+        updates = self._fused_step(curvature_step, mc_step, damping) if self.compile else None
+        t1 = time.perf_counter()
+        if updates is None:  # the modular path
+            try:
+                if curvature_step or any(c.chol is None for c in self._curv):
+                    self._refresh(damping)
+                elif damping != self._curv_damping:
+                    self._factorize(self._curv, damping)
+                    self._curv_damping = damping
+                t1 = time.perf_counter()
+                updates = self._precondition(curvature_step and not mc_step, damping)
+            except CholeskyFailed as exc:
+                return self._skip(str(exc), loss)
         t2 = time.perf_counter()
         if not self._all_finite(list(updates.values())):
             return self._skip("non-finite natural-gradient update", loss)
@@ -325,6 +340,77 @@ class TENGraD(torch.optim.Optimizer):
                 out[p] = u[off: off + p.numel()].view_as(p).to(p.dtype)
                 off += p.numel()
         return out
+
+    def _fused_inputs(self) -> Optional[tuple[list[LayerInput], list[_Curvature]]]:
+        """Layer inputs of :func:`fused_update`, or None if a layer has no fused form."""
+        ins: list[LayerInput] = []
+        used: list[_Curvature] = []
+        for layer in self._layers:
+            params = [p for p in (layer.weight, layer.bias) if p is not None]
+            if not all(p.requires_grad and p.grad is not None for p in params):
+                continue
+            recs = layer.records()
+            k = layer._scale()
+            if len(recs) != 1:
+                return None
+            r = recs[0]
+            m = r.m
+            if r.P is not None:
+                Jb = r.Gsum * k if layer.bias is not None else r.P.new_zeros(m, 0)
+                ins.append(("J", r.P * k, Jb))
+            elif layer.kind == "linear" and r.I is not None and r.I.dim() == 2:
+                ins.append(("IG", r.I, r.G * k, layer.bias is not None))
+            else:
+                return None
+            used.append(_Curvature(layer, params, m, r.I if r.I is not None else r.P, None))
+        return ins, used
+
+    def _fused_step(self, curvature_step: bool, mc_step: bool, damping: float) -> Optional[dict[Tensor, Tensor]]:
+        """All layers' updates by the fused (compiled) function, or None to use the
+        modular path (no fused form, or a Cholesky that needs jitter)."""
+        prep = self._fused_inputs()
+        if prep is None or not prep[0]:
+            return None
+        ins, used = prep
+        m = used[0].m
+        if any(c.m != m for c in used):
+            return None
+        push = curvature_step and not mc_step and self.update_form == "auto"
+        scale = float(m) * (1.0 if self._info.loss_reduction == "sum" else 1.0 / m)
+        grads = [torch.cat([p.grad.flatten() for p in c.params]) for c in used]
+        args = (ins, grads, m * damping, scale, damping, push, self.solve_dtype)
+        fn = self._fused_fn if self._fused_fn is not None else fused_update
+        try:
+            us, info = fn(*args)
+        except Exception as exc:  # compilation failure: eager from now on
+            warnings.warn(f"TENGraD(compile=True): torch.compile failed ({type(exc).__name__}: {exc}); "
+                          "running the fused update eagerly", RuntimeWarning)
+            self._fused_fn = None
+            us, info = fused_update(*args)
+        if bool((info != 0).any()):
+            return None
+        if curvature_step:  # keep the store's materialization choice as the modular path would
+            self._mark_jacobian_sites()
+            self._curv = used
+        out: dict[Tensor, Tensor] = {}
+        for c, u in zip(used, us):
+            off = 0
+            for p in c.params:
+                out[p] = u[off: off + p.numel()].view_as(p).to(p.dtype)
+                off += p.numel()
+        return out
+
+    def _mark_jacobian_sites(self) -> None:
+        sites: set[int] = set()
+        budget = self.jacobian_budget
+        for layer in self._layers:
+            if layer.choose(self.strategy) == "materialize":
+                n = layer.m * sum(p.numel() for p in (layer.weight, layer.bias) if p is not None)
+                nbytes = n * layer.weight.element_size()
+                if nbytes <= budget:
+                    budget -= nbytes
+                    sites.update(layer.spec.sites)
+        self._info.store.jacobian_sites = sites
 
     def _set_capture(self) -> None:
         capturing(self.model, self._is_curvature_step())

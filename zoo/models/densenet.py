@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from ._init import init_cifar_weights
 
-__all__ = ["Bottleneck", "Transition", "DenseNetBC"]
+__all__ = ["Bottleneck", "DenseNetBC", "Transition"]
 
 
 class Bottleneck(nn.Module):
