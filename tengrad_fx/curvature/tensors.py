@@ -97,20 +97,25 @@ def gram_materialize(A: Tensor, B: Tensor, block_bytes: int = DEFAULT_BLOCK_BYTE
 
 
 def jvp(A: Tensor, B: Tensor, vW: Tensor, vb: Optional[Tensor] = None) -> Tensor:
-    """``J v``, ``[m]``: ``Σ_{g,s} B[i,g,s] · (vW[g] A[i,g,s] + vb[g])``."""
+    """``J v``, ``[m]``: ``Σ_{g,s} B[i,g,s] · (vW[g] A[i,g,s] + vb[g])``.
+
+    One ``[m·S, f] × [f, o]`` GEMM per group (never ``m`` separate products with ``vW``).
+    """
     m, g, S, f = A.shape
     o = B.shape[-1]
-    Av = torch.matmul(A, vW.transpose(1, 2).unsqueeze(0))  # [m, g, S, o]
-    out = (Av * B).flatten(1).sum(1)
+    Ag = A.transpose(0, 1).reshape(g, m * S, f)
+    Av = torch.bmm(Ag, vW.transpose(1, 2)).reshape(g, m, S, o)  # [g, m, S, o]
+    out = (Av * B.transpose(0, 1)).sum((0, 2, 3))
     if vb is not None:
         out = out + (B.sum(2) * vb.unsqueeze(0)).flatten(1).sum(1)
     return out
 
 
 def vjp(A: Tensor, B: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
-    """``Jᵀ c`` as ``(weight part [g, o, f], bias part [g, o])``."""
+    """``Jᵀ c`` as ``(weight part [g, o, f], bias part [g, o])``: one GEMM per group."""
     m, g, S, f = A.shape
     o = B.shape[-1]
     Bc = B * c.reshape(m, 1, 1, 1)
-    gW = torch.einsum("mgso,mgsf->gof", Bc, A)
+    Bg = Bc.transpose(0, 1).reshape(g, m * S, o)
+    gW = torch.bmm(Bg.transpose(1, 2), A.transpose(0, 1).reshape(g, m * S, f))
     return gW, Bc.sum((0, 2))

@@ -45,29 +45,51 @@ _STATE = "tengrad"  # key of the optimizer-level counters in self.state
 
 @dataclass
 class _Curvature:
-    """One layer's curvature from the last curvature step."""
+    """One layer's curvature from the last curvature step.
+
+    ``Pw``/``Pb``: materialized per-sample gradients WITHOUT the loss-reduction scale
+    (``J = k·[Pw, Pb]``), kept when the cost model materializes the layer; else ``J`` is
+    used through the layer's ``jvp``/``vjp`` on the stored ``I``, ``G``.
+    """
 
     layer: CoveredLayer
     params: list[torch.nn.Parameter]
     m: int
     K: Tensor
-    P: Optional[Tensor]  # materialized J [m, n] (strategy "materialize", within budget)
+    Pw: Optional[Tensor] = None  # [m, n_w]
+    Pb: Optional[Tensor] = None  # [m, n_b] or None (no bias)
+    k: float = 1.0
     chol: Optional[Tensor] = None
 
     def jvp(self, g: Tensor) -> Tensor:
-        if self.P is not None:
-            return self.P @ g
+        nw = self.params[0].numel()
+        if self.Pw is not None:
+            out = self.Pw @ g[:nw]
+            if self.Pb is not None:
+                out = out + self.Pb @ g[nw:]
+            return out * self.k
         w = self.params[0]
-        vw = g[: w.numel()].view_as(w)
-        vb = g[w.numel():].view_as(self.params[1]) if len(self.params) > 1 else None
-        return self.layer.jvp(vw, vb)
+        vb = g[nw:].view_as(self.params[1]) if len(self.params) > 1 else None
+        return self.layer.jvp(g[:nw].view_as(w), vb)
 
     def vjp(self, c: Tensor) -> Tensor:
         c = c.to(self.K.dtype)
-        if self.P is not None:
-            return self.P.T @ c
+        if self.Pw is not None:
+            parts = [self.Pw.T @ c] + ([self.Pb.T @ c] if self.Pb is not None else [])
+            return torch.cat(parts) * self.k
         gw, gb = self.layer.vjp(c)
         return gw.flatten() if gb is None else torch.cat([gw.flatten(), gb.flatten()])
+
+
+def _materialized(layer: CoveredLayer) -> tuple[Tensor, Optional[Tensor], float]:
+    """``(Pw, Pb, k)`` with ``J = k·[Pw, Pb]``, without copying backward-made ``P``."""
+    recs = layer.records()
+    k = layer._scale()
+    if len(recs) == 1 and recs[0].P is not None:
+        r = recs[0]
+        return r.P, (r.Gsum if layer.bias is not None else None), k
+    dW, db = layer.per_sample_grads()  # already scaled
+    return dW.flatten(1), (db.flatten(1) if db is not None else None), 1.0
 
 
 class TENGraD(torch.optim.Optimizer):
@@ -224,19 +246,21 @@ class TENGraD(torch.optim.Optimizer):
             if not all(p.requires_grad for p in params):
                 continue
             how = layer.choose(self.strategy)
-            P = None
             if how == "materialize":
-                P = layer.jacobian()
-                K = P @ P.T
-                nbytes = P.numel() * P.element_size()
+                Pw, Pb, k = _materialized(layer)
+                K = Pw @ Pw.T
+                if Pb is not None:
+                    K = K + Pb @ Pb.T
+                K = K * (k * k)
+                nbytes = (Pw.numel() + (Pb.numel() if Pb is not None else 0)) * Pw.element_size()
                 if nbytes <= budget:
                     budget -= nbytes
                     sites.update(layer.spec.sites)
-                else:
-                    P = None
+                    curv.append(_Curvature(layer, params, K.shape[0], K, Pw, Pb, k))
+                    continue
             else:
                 K = layer.gram("factor")
-            curv.append(_Curvature(layer, params, K.shape[0], K, P))
+            curv.append(_Curvature(layer, params, K.shape[0], K))
         self._info.store.jacobian_sites = sites
         self._gram_seconds = time.perf_counter() - t_start
         self._factorize(curv, damping)
@@ -299,21 +323,27 @@ class TENGraD(torch.optim.Optimizer):
             vg = sum((u * p.grad).sum() for p, u in updates.items()) * lr ** 2
             if vg > 0:
                 nu = min(1.0, math.sqrt(self.kl_clip / float(vg)))
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            d = updates[p] * nu if p in updates else p.grad.clone()
-            if wd:
-                d.add_(p, alpha=wd)
-            if momentum:
+        ps = [p for p in group["params"] if p.grad is not None]
+        ds = [updates[p] if p in updates else p.grad for p in ps]
+        if nu != 1.0:
+            ds = [d * nu if p in updates else d for p, d in zip(ps, ds)]
+        if wd:
+            ds = torch._foreach_add(ds, ps, alpha=wd)
+        if momentum:
+            new_bufs, old_bufs, old_ds = [], [], []
+            for p, d in zip(ps, ds):
                 st = self.state[p]
-                buf = st.get("momentum_buffer")
-                if buf is None:
-                    st["momentum_buffer"] = buf = d
+                if "momentum_buffer" not in st:
+                    st["momentum_buffer"] = torch.clone(d).detach()
                 else:
-                    buf.mul_(momentum).add_(d)
-                d = buf
-            p.add_(d, alpha=-lr)
+                    old_bufs.append(st["momentum_buffer"])
+                    old_ds.append(d)
+                new_bufs.append(st["momentum_buffer"])
+            if old_bufs:
+                torch._foreach_mul_(old_bufs, momentum)
+                torch._foreach_add_(old_bufs, old_ds)
+            ds = new_bufs
+        torch._foreach_add_(ps, ds, alpha=-lr)
         self.counters["step"] += 1
         self._set_capture()
         self.timings = {"gram": self._gram_seconds, "factorize": t1 - t0 - self._gram_seconds,
