@@ -74,7 +74,7 @@ def _linear_backward_op(
         gs = grad.reshape(m, -1, o)
         P = torch.bmm(gs.transpose(1, 2), x.reshape(m, -1, x.shape[-1])).reshape(m, -1)
         gsum = gs.sum(1)
-        store.record(site, Record(None, None, P, gsum))
+        store.record(site, Record(None, None, P, gsum, tuple(x.shape)))
         if store.grad_only:
             return gx, grad.new_zeros(weight.shape), grad.new_zeros(o if has_bias else 0)
         return gx, P.sum(0).view(weight.shape), gsum.sum(0) if has_bias else grad.new_empty(0)
@@ -152,20 +152,20 @@ def _conv_backward_op(
 ) -> tuple[Tensor, Tensor, Tensor]:
     store = lookup(key)
     nd = weight.dim() - 2
-    empty = grad.new_empty(0)
+    # fresh empty placeholders each time: a custom op's outputs must not alias each other
     zeros_w = (lambda: grad.new_zeros(weight.shape))
-    zeros_b = (lambda: grad.new_zeros(weight.shape[0]) if has_bias else empty)
+    zeros_b = (lambda: grad.new_zeros(weight.shape[0]) if has_bias else grad.new_empty(0))
     if store.wants_jacobian(site):  # per-sample weight grads in place of the weight grad
         P = per_sample_conv_weight_grads(grad, x, weight.shape, stride, padding, dilation, groups)
         gsum = grad.flatten(2).sum(2)
-        store.record(site, Record(None, None, P, gsum))
-        gx = _conv_input_grad(grad, x, weight, stride, padding, dilation, groups) if need_input else empty
+        store.record(site, Record(None, None, P, gsum, tuple(x.shape)))
+        gx = _conv_input_grad(grad, x, weight, stride, padding, dilation, groups) if need_input else grad.new_empty(0)
         if store.grad_only:
             return gx, zeros_w(), zeros_b()
-        return gx, P.sum(0).view(weight.shape), (gsum.sum(0) if has_bias else empty)
+        return gx, P.sum(0).view(weight.shape), (gsum.sum(0) if has_bias else grad.new_empty(0))
     store.record(site, Record(x, grad))
     if store.grad_only:  # MC-Fisher pass: G only, no parameter gradients
-        gx = _conv_input_grad(grad, x, weight, stride, padding, dilation, groups) if need_input else empty
+        gx = _conv_input_grad(grad, x, weight, stride, padding, dilation, groups) if need_input else grad.new_empty(0)
         return gx, zeros_w(), zeros_b()
     gx, gw, gb = torch.ops.aten.convolution_backward(
         grad, x, weight, [weight.shape[0]] if has_bias else None, stride, padding, dilation,

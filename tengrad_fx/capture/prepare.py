@@ -132,8 +132,11 @@ def _graph_module(model: nn.Module, graph: fx.Graph) -> fx.GraphModule:
 
 
 def _rewrite(graph: fx.Graph, candidates: dict[str, nn.Module], layers: dict[str, LayerSpec],
-             key: int, next_site: list[int], runtime_batch: bool) -> None:
-    """Replace each ``call_module`` of a candidate by a capture-op call."""
+             key: int, next_site: list[int], runtime_batch: bool, odd: set[str]) -> None:
+    """Replace each ``call_module`` of a candidate by a capture-op call.
+
+    Candidates also called with another signature are collected in ``odd`` (their
+    other calls are not captured, so they must fall back)."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     batch_node = None
     if runtime_batch and placeholders:
@@ -143,7 +146,8 @@ def _rewrite(graph: fx.Graph, candidates: dict[str, nn.Module], layers: dict[str
         if node.op != "call_module" or node.target not in candidates:
             continue
         if len(node.args) != 1 or node.kwargs:
-            continue  # unusual call signature: leave it, its params fall back
+            odd.add(str(node.target))  # unusual call signature: leave it, its params fall back
+            continue
         name = str(node.target)
         mod = candidates[name]
         spec = layers.get(name)
@@ -160,6 +164,9 @@ def _rewrite(graph: fx.Graph, candidates: dict[str, nn.Module], layers: dict[str
         with graph.inserting_before(node):
             w = graph.get_attr(f"{name}.weight" if name else "weight")
             b = graph.get_attr(f"{name}.bias" if name else "bias") if mod.bias is not None else None
+            for n in (w, b):
+                if n is not None:
+                    n.meta[_OURS] = True  # not a use outside the layer call
             kw: dict[str, Any] = dict(key=key, site=site, batch=batch_node, name=name)
             if spec.kind == "linear":
                 new = graph.call_function(ops.linear, (node.args[0], w, b), kw)
@@ -175,6 +182,24 @@ def _rewrite(graph: fx.Graph, candidates: dict[str, nn.Module], layers: dict[str
     graph.lint()
 
 
+_OURS = "tengrad_fx_capture_arg"
+# reading only these attributes of a covered weight does not use its value
+_META_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout"}
+_META_METHODS = {"size", "dim", "numel", "type", "get_device"}
+
+
+def _reads_value(node: fx.Node) -> bool:
+    """Does any user of this ``get_attr`` node read the tensor's values (not just metadata)?"""
+    for user in node.users:
+        if user.op == "call_function" and user.target is getattr and len(user.args) > 1 \
+                and user.args[1] in _META_ATTRS:
+            continue
+        if user.op == "call_method" and user.target in _META_METHODS:
+            continue
+        return True
+    return False
+
+
 def _leading_dim(x: Any) -> Optional[int]:
     return x.shape[0] if isinstance(x, torch.Tensor) and x.dim() > 0 else None
 
@@ -185,17 +210,20 @@ def _prepare_fx(model, candidates, fallback, example_inputs):  # type: ignore[no
     store = CaptureStore(n_sites=0)
     layers: dict[str, LayerSpec] = {}
     runtime_batch = example_inputs is None
-    _rewrite(g_train, candidates, layers, store.key, n_sites, runtime_batch)
+    odd: set[str] = set()
+    _rewrite(g_train, candidates, layers, store.key, n_sites, runtime_batch, odd)
     gm = _graph_module(model, g_train)
     method = "fx"
     if g_eval is not None:
-        _rewrite(g_eval, candidates, layers, store.key, n_sites, runtime_batch)
+        _rewrite(g_eval, candidates, layers, store.key, n_sites, runtime_batch, odd)
         gm_eval = _graph_module(model, g_eval)
         _dispatch_on_mode(gm, gm_eval)
         method = "fx-dual"
     store.n_sites = n_sites[0]
     gm.__dict__["_tengrad_store"] = store
     _note_functional_uses(gm, g_train, g_eval, layers, fallback)
+    for name in odd:
+        _drop_layer(layers, name, "module also called with keyword or extra arguments (that call is not captured)")
     return gm, list(layers.values()), method, ""
 
 
@@ -216,29 +244,35 @@ def _dispatch_on_mode(gm: fx.GraphModule, gm_eval: fx.GraphModule) -> None:
 
 def _note_functional_uses(gm, g_train, g_eval, layers, fallback) -> None:  # type: ignore[no-untyped-def]
     """A covered weight also read elsewhere (tied weights, functional use) is not exact."""
-    owner = {id(spec.weight): spec.name for spec in layers.values()}
-    owner.update({id(spec.bias): spec.name for spec in layers.values() if spec.bias is not None})
-    ours = {f"{s.name}.weight" if s.name else "weight" for s in layers.values()}
-    ours |= {f"{s.name}.bias" if s.name else "bias" for s in layers.values()}
+    owners: dict[int, list[str]] = {}
+    for spec in layers.values():
+        for t in (spec.weight, spec.bias):
+            if t is not None:
+                owners.setdefault(id(t), []).append(spec.name)
     for graph in (g for g in (g_train, g_eval) if g is not None):
         for node in graph.nodes:
-            if node.op == "get_attr" and node.target not in ours:
+            if node.op == "get_attr" and not node.meta.get(_OURS) and _reads_value(node):
                 try:
                     t = gm.get_parameter(node.target)
                 except AttributeError:
                     continue
-                if id(t) in owner:
-                    _drop_layer(layers, owner[id(t)], f"parameter also read outside the layer call ({node.target})")
-    # the same Parameter registered under several modules (weight tying)
-    seen: dict[int, str] = {}
-    for mod_name, mod in gm.named_modules(remove_duplicate=False):
+                for name in owners.get(id(t), []):
+                    _drop_layer(layers, name, f"parameter also read outside the layer call ({node.target})")
+    _note_tied(gm, layers, owners)
+
+
+def _note_tied(model: nn.Module, layers: dict[str, LayerSpec], owners: dict[int, list[str]]) -> None:
+    """The same Parameter registered under several modules (weight tying): all owners fall back."""
+    seen: dict[int, tuple[str, nn.Module]] = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
         for pn, p in mod._parameters.items():
             if p is None:
                 continue
             full = f"{mod_name}.{pn}" if mod_name else pn
-            if id(p) in seen and seen[id(p)] != full and id(p) in owner:
-                _drop_layer(layers, owner[id(p)], f"parameter tied to {seen[id(p)]} / {full}")
-            seen.setdefault(id(p), full)
+            first = seen.setdefault(id(p), (full, mod))
+            if first[1] is not mod:  # one module under two names is sharing, not tying
+                for name in owners.get(id(p), []):
+                    _drop_layer(layers, name, f"parameter tied to {first[0]} / {full}")
 
 
 def _drop_layer(layers: dict[str, LayerSpec], name: str, reason: str) -> None:
@@ -263,6 +297,12 @@ def _prepare_surgery(model: nn.Module, candidates: dict[str, nn.Module]) -> tupl
         mod.__dict__["_tengrad_call"] = (store.key, spec)
         layers.append(spec)
     model.__dict__["_tengrad_store"] = store
+    owners: dict[int, list[str]] = {}
+    for spec in layers:
+        for t in (spec.weight, spec.bias):
+            if t is not None:
+                owners.setdefault(id(t), []).append(spec.name)
+    _note_tied(model, {spec.name: spec for spec in layers}, owners)
     return model, layers
 
 
@@ -271,6 +311,8 @@ _CAPTURING: dict[type, type] = {}
 
 def _capturing_forward(self, x):  # type: ignore[no-untyped-def]
     key, spec = self.__dict__["_tengrad_call"]
+    if not spec.sites:  # dropped to the fallback (tied, or input not per sample): plain layer
+        return super(type(self), self).forward(x)
     if spec.kind == "linear":
         return ops.linear(x, self.weight, self.bias, key, spec.sites[0], name=spec.name)
     return ops.conv(x, self.weight, self.bias, spec.stride, spec.padding, spec.dilation, spec.groups,

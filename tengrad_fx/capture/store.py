@@ -41,6 +41,16 @@ class Record:
     G: Optional[torch.Tensor]
     P: Optional[torch.Tensor] = None
     Gsum: Optional[torch.Tensor] = None
+    in_shape: tuple[int, ...] = ()  # shape of the layer input (kept when I is not)
+
+    def __post_init__(self) -> None:
+        # detached: a record must not keep the autograd graph (or give results with grad)
+        for name in ("I", "G", "P", "Gsum"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.detach())
+        if self.I is not None and not self.in_shape:
+            self.in_shape = tuple(self.I.shape)
 
     @property
     def m(self) -> int:

@@ -117,8 +117,7 @@ class CoveredLayer:
         """``(g, S, f, o)`` of the captured batch, positions of all calls added."""
         g = S = f = o = 0
         for r in self.records():
-            shape = tuple(r.I.shape) if r.I is not None else self.spec.input_shapes[0]
-            g, s, f, o = self._kernel.dims(self.spec, shape)
+            g, s, f, o = self._kernel.dims(self.spec, r.in_shape)
             S += s
         return g, S, f, o
 

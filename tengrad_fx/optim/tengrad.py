@@ -181,6 +181,8 @@ class TENGraD(torch.optim.Optimizer):
         self._curv: list[_Curvature] = []
         self._curv_damping: Optional[float] = None
         self._warned_skip = False
+        self._warned_accum = False
+        self._last_generation = info.store.generation
         self.state[_STATE] = {"step": 0, "skipped": 0}
         self._mc_done = False
         self.timings: dict[str, float] = {}  # seconds of the last step: gram, factorize, solve, apply
@@ -297,8 +299,15 @@ class TENGraD(torch.optim.Optimizer):
                                "on curvature steps")
 
         grads = [p.grad for p in group["params"] if p.grad is not None]
-        if not grads or not self._all_finite(grads):
+        if not grads:  # nothing to do, like torch's own optimizers
+            return loss
+        if not self._all_finite(grads):
             return self._skip("non-finite gradient", loss)
+        if curvature_step and store.generation - self._last_generation > 1 and not self._warned_accum:
+            warnings.warn("TENGraD: several capturing backwards since the last step (gradient "
+                          "accumulation?): the curvature uses the last micro-batch only", RuntimeWarning)
+            self._warned_accum = True
+        self._last_generation = store.generation
         t0 = time.perf_counter()
         self._gram_seconds = 0.0
         updates = self._fused_step(curvature_step, mc_step, damping) if self.compile else None
@@ -359,11 +368,13 @@ class TENGraD(torch.optim.Optimizer):
             if any(p.grad is None for p in c.params):
                 continue
             assert c.chol is not None
+            g = torch.cat([p.grad.flatten() for p in c.params]).to(c.K.dtype)
+            u = None
             if use_pt:
                 scale = float(c.m) * (s_g if s_g is not None else 1.0 / c.m)
-                u = woodbury_push_through(c.chol, scale, c.vjp)
-            else:
-                g = torch.cat([p.grad.flatten() for p in c.params]).to(c.K.dtype)
+                if self._is_batch_gradient(c, g, scale / c.m):
+                    u = woodbury_push_through(c.chol, scale, c.vjp)
+            if u is None:
                 u = woodbury_apply(c.chol, g, damping, c.jvp, c.vjp)
             off = 0
             for p in c.params:
@@ -441,6 +452,16 @@ class TENGraD(torch.optim.Optimizer):
                     budget -= nbytes
                     sites.update(layer.spec.sites)
         self._info.store.jacobian_sites = sites
+
+    @staticmethod
+    def _is_batch_gradient(c: _Curvature, g: Tensor, s: float) -> bool:
+        """Is ``g`` the captured batch's gradient ``s·Jᵀ1``? (False after gradient clipping,
+        a loss term outside the captured layers, or accumulation over micro-batches; the
+        push-through form is exact only when it holds.)"""
+        ones = torch.ones(c.m, dtype=c.K.dtype, device=g.device)
+        g_cap = c.vjp(ones) * s
+        tol = 1e-4 if g.dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-9
+        return bool(torch.linalg.vector_norm(g - g_cap) <= tol * torch.linalg.vector_norm(g))
 
     def _set_capture(self) -> None:
         capturing(self.model, self._is_curvature_step())

@@ -1,0 +1,429 @@
+"""Shared plumbing of the baseline optimizers (KFAC, EKFAC, KBFGS, NGD).
+
+Everything here reads what :func:`tengrad_fx.prepare` captured (``I``, ``G`` per call of a
+covered layer); nothing registers a hook.
+
+Matrix form of a layer (``g`` groups, ``o = c_out/g`` outputs and ``f = c_in/g·Πk``
+inputs per group, ``b = 1`` with a bias else ``0``): the gradient, and every update, is
+``[g, o, f + b]`` — the weight ``[c_out, c_in/g, *k]`` as ``[g, o, f]`` with the bias
+``[c_out]`` as an extra last column (the homogeneous coordinate ``ã = (a, 1)``).
+
+Statistics of the captured batch (``m`` samples, ``S`` positions — output pixels of a
+conv, tokens of a Linear on ``[m, *, d_in]``; several calls of one module add their
+positions), with ``ğ = k·G`` the per-sample output gradients (``k = m`` for
+``loss_reduction="mean"``, else 1):
+
+* ``A = Σ_{i,s} ã ãᵀ / (m·S)``      ``[g, f+b, f+b]``  (mean over samples and positions)
+* ``G = Σ_{i,s} ğ ğᵀ / m``          ``[g, o, o]``      (mean over samples, sum over positions)
+* ``ā = Σ_{i,s} ã / (m·S)``         ``[g, f+b]``
+* ``ḡ = Σ_{i,s} ğ / m``             ``[g, o]``
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..capture.info import PrepareInfo, get_info
+from ..capture.prepare import capturing
+from ..curvature.layer import KERNELS, CoveredLayer, covered_layers
+from ..curvature.tensors import DEFAULT_BLOCK_BYTES
+
+__all__ = ["Block", "Stats", "CurvatureOptimizer", "SkipStep", "layer_stats",
+           "per_sample_grad_chunks", "check_positive", "check_nonneg", "check_interval",
+           "check_unit", "check_choice"]
+
+
+class SkipStep(RuntimeError):
+    """Raised inside a step to skip it (parameters and curvature left unchanged)."""
+
+
+# --------------------------------------------------------------------------- argument checks
+def check_positive(name: str, v: Any) -> float:
+    if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
+        raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+    return float(v)
+
+
+def check_nonneg(name: str, v: Any) -> float:
+    if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+        raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    return float(v)
+
+
+def check_unit(name: str, v: Any, closed: bool = False) -> float:
+    """``v`` in ``[0, 1)`` (or ``[0, 1]`` when ``closed``)."""
+    ok = isinstance(v, (int, float)) and 0 <= v and (v <= 1 if closed else v < 1)
+    if not ok:
+        raise ValueError(f"{name} must be in [0, {'1]' if closed else '1)'}, got {v!r}")
+    return float(v)
+
+
+def check_interval(name: str, v: Any) -> int:
+    if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    return v
+
+
+def check_choice(name: str, v: Any, choices: tuple[str, ...]) -> str:
+    if v not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {v!r}")
+    return v
+
+
+# --------------------------------------------------------------------------- layer blocks
+@dataclass(eq=False)
+class Block:
+    """One covered layer as a matrix-form block ``[g, o, f + b]``."""
+
+    layer: CoveredLayer
+    params: list[torch.nn.Parameter]  # [weight] or [weight, bias]
+    g: int
+    o: int
+    f: int  # inputs per group, without the homogeneous coordinate
+
+    @property
+    def has_bias(self) -> bool:
+        return len(self.params) == 2
+
+    @property
+    def fb(self) -> int:
+        """``f + b``: rows/cols of the A factor."""
+        return self.f + int(self.has_bias)
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def matrix(self, w: Tensor, b: Optional[Tensor]) -> Tensor:
+        """Weight-shaped ``w`` and bias-shaped ``b`` as ``[g, o, f + b]``."""
+        mat = w.reshape(self.g, self.o, self.f)
+        if self.has_bias:
+            assert b is not None
+            mat = torch.cat([mat, b.reshape(self.g, self.o, 1)], 2)
+        return mat
+
+    def grad_matrix(self) -> Tensor:
+        """The parameters' ``.grad`` in matrix form."""
+        w, *b = self.params
+        return self.matrix(w.grad, b[0].grad if b else None)
+
+    def weight_matrix(self) -> Tensor:
+        w, *b = self.params
+        return self.matrix(w.detach(), b[0].detach() if b else None)
+
+    def split(self, mat: Tensor) -> dict[torch.nn.Parameter, Tensor]:
+        """Inverse of :meth:`matrix`: ``{param: tensor shaped like param}``."""
+        w, *b = self.params
+        out = {w: mat[..., : self.f].reshape(w.shape).to(w.dtype)}
+        if b:
+            out[b[0]] = mat[..., self.f].reshape(b[0].shape).to(b[0].dtype)
+        return out
+
+
+def make_blocks(layers: list[CoveredLayer]) -> list[Block]:
+    """Blocks of the layers whose parameters all require grad."""
+    out = []
+    for layer in layers:
+        params = [p for p in (layer.weight, layer.bias) if p is not None]
+        if not all(p.requires_grad for p in params):
+            continue
+        w = layer.weight
+        g = layer.spec.groups if layer.kind != "linear" else 1
+        out.append(Block(layer, params, g, w.shape[0] // g, w[0].numel()))
+    return out
+
+
+def has_records(layer: CoveredLayer) -> bool:
+    store = layer._info.store
+    return any(store.records.get(s) for s in layer.spec.sites)
+
+
+# --------------------------------------------------------------------------- statistics
+@dataclass
+class Stats:
+    """Captured-batch statistics of one block (see module docstring)."""
+
+    A: Tensor     # [g, f+b, f+b]
+    G: Tensor     # [g, o, o]
+    abar: Tensor  # [g, f+b]
+    gbar: Tensor  # [g, o]
+    m: int
+
+
+def _chunks(block: Block, dtype: torch.dtype) -> Iterator[tuple[int, int, list[tuple[Tensor, Tensor]]]]:
+    """``(i0, i1, [(Ã [c,g,S,f+b], Ğ [c,g,S,o]) per call])`` over sample chunks.
+
+    ``Ã`` carries the homogeneous coordinate, ``Ğ = k·G`` the per-sample output grads.
+    Chunks are sized so one call's unfolded ``Ã`` stays near ``DEFAULT_BLOCK_BYTES``.
+    """
+    layer = block.layer
+    recs = layer.records()
+    for r in recs:
+        if r.I is None or r.G is None:
+            raise RuntimeError(
+                f"layer '{layer.name}': per-sample gradients were materialized in backward "
+                "(store.jacobian_sites); this optimizer needs the captured I and G")
+    m = recs[0].m
+    k = float(m) if layer._info.loss_reduction == "mean" else 1.0
+    kern = KERNELS[layer.kind]
+    S_tot = sum(kern.dims(layer.spec, tuple(r.I.shape))[1] for r in recs)
+    per_sample = S_tot * block.g * (block.fb + block.o) * torch.finfo(dtype).bits // 8
+    c = max(1, min(m, DEFAULT_BLOCK_BYTES // max(1, per_sample)))
+    for i0 in range(0, m, c):
+        i1 = min(m, i0 + c)
+        parts = []
+        for r in recs:
+            A, B = kern.layout(layer.spec, r.I[i0:i1].to(dtype), r.G[i0:i1].to(dtype))
+            if block.has_bias:
+                A = torch.cat([A, A.new_ones(*A.shape[:-1], 1)], -1)
+            parts.append((A, B * k))
+        yield i0, i1, parts
+
+
+def layer_stats(block: Block, dtype: Optional[torch.dtype] = None) -> Stats:
+    """``A, G, ā, ḡ`` of the captured batch (module docstring), in ``dtype``
+    (default: the weight's)."""
+    dtype = dtype or block.params[0].dtype
+    g, fb, o = block.g, block.fb, block.o
+    dev = block.params[0].device
+    A = torch.zeros(g, fb, fb, dtype=dtype, device=dev)
+    G = torch.zeros(g, o, o, dtype=dtype, device=dev)
+    asum = torch.zeros(g, fb, dtype=dtype, device=dev)
+    gsum = torch.zeros(g, o, dtype=dtype, device=dev)
+    rows = 0
+    m = 0
+    for i0, i1, parts in _chunks(block, dtype):
+        m = i1
+        for Ã, Ğ in parts:
+            a = Ã.transpose(0, 1).reshape(g, -1, fb)  # [g, c·S, f+b]
+            b = Ğ.transpose(0, 1).reshape(g, -1, o)
+            A.baddbmm_(a.transpose(1, 2), a)
+            G.baddbmm_(b.transpose(1, 2), b)
+            asum += a.sum(1)
+            gsum += b.sum(1)
+            if i0 == 0:
+                rows += Ã.shape[2]  # positions per sample, over calls
+    n_rows = m * rows
+    return Stats(A / n_rows, G / m, asum / n_rows, gsum / m, m)
+
+
+def per_sample_grad_chunks(block: Block, dtype: Optional[torch.dtype] = None) -> Iterator[Tensor]:
+    """Per-sample gradients in matrix form, ``[c, g, o, f+b]`` per sample chunk:
+    ``Σ_{calls, s} ğ ãᵀ`` (their mean over the batch is the mean-loss gradient)."""
+    dtype = dtype or block.params[0].dtype
+    for _, _, parts in _chunks(block, dtype):
+        out = None
+        for Ã, Ğ in parts:
+            d = torch.einsum("cgso,cgsf->cgof", Ğ, Ã)
+            out = d if out is None else out + d
+        assert out is not None
+        yield out
+
+
+def sym_eig(M: Tensor) -> tuple[Tensor, Tensor]:
+    """Eigen-decomposition of symmetric ``M [..., n, n]``: ``(d ≥ 0, U)``; retried in
+    float64 (with a tiny jitter) if the native-dtype solver fails. Non-finite → SkipStep."""
+    if not bool(torch.isfinite(M).all()):
+        raise SkipStep("non-finite curvature factor")
+    M = 0.5 * (M + M.transpose(-1, -2))
+    try:
+        d, U = torch.linalg.eigh(M)
+    except RuntimeError:
+        M64 = M.double()
+        n = M.shape[-1]
+        jit = 1e-12 * M64.diagonal(dim1=-2, dim2=-1).abs().mean().clamp_min(1e-30)
+        try:
+            d, U = torch.linalg.eigh(M64 + jit * torch.eye(n, dtype=M64.dtype, device=M.device))
+        except RuntimeError as exc:
+            raise SkipStep(f"eigendecomposition failed: {exc}") from exc
+        d, U = d.to(M.dtype), U.to(M.dtype)
+    return d.clamp_min(0), U
+
+
+# --------------------------------------------------------------------------- base optimizer
+class CurvatureOptimizer(torch.optim.Optimizer):
+    """Common step of the baselines: one param group over ``model.parameters()``.
+
+    Per step: non-finite gradient → skip (params untouched); on statistics steps
+    (:meth:`_needs_capture`) :meth:`_update_curvature`; then ``u`` per covered parameter
+    from :meth:`_precondition` (``u = g`` for fallback parameters), the KL clip
+    ``ν = min(1, sqrt(kl_clip / (lr²·Σ u·g)))`` when set, ``d = ν·u + λw``,
+    ``buf = μ·buf + d``, ``w ← w − lr·buf``. Capture is switched on only before steps
+    that need statistics. Counters live in ``self.state[<method name>]``.
+    """
+
+    NAME = "curvature"
+    SUPPORTS_MC = True
+
+    def __init__(self, model: torch.nn.Module, defaults: dict[str, Any], *, kl_clip: Optional[float],
+                 fisher: str = "empirical", mc_loss: str = "cross_entropy"):
+        info: PrepareInfo = get_info(model)  # ValueError for an unprepared model
+        check_nonneg("lr", defaults["lr"])
+        check_positive("damping", defaults["damping"])
+        check_unit("momentum", defaults["momentum"])
+        check_nonneg("weight_decay", defaults["weight_decay"])
+        if kl_clip is not None:
+            check_positive("kl_clip", kl_clip)
+        check_choice("fisher", fisher, ("empirical", "mc") if self.SUPPORTS_MC else ("empirical",))
+        check_choice("mc_loss", mc_loss, ("cross_entropy", "mse"))
+        params = [p for p in model.parameters() if p.requires_grad]
+        super().__init__(params, defaults)
+        self.model = model
+        self._info = info
+        self.kl_clip = kl_clip
+        self.fisher = fisher
+        self.mc_loss = mc_loss
+        self.blocks = make_blocks(covered_layers(model))
+        self.state[self.NAME] = {"step": 0, "skipped": 0}
+        self._mc_done = False
+        self._seen_generation = -1
+        self._warned_skip = False
+        info.store.jacobian_sites = set()  # these optimizers read I and G
+        capturing(model, True)
+
+    # ------------------------------------------------------------------ hooks for subclasses
+    def _needs_capture(self, step: int) -> bool:
+        raise NotImplementedError
+
+    def _update_curvature(self, step: int, captured: bool) -> None:
+        """Called every step before :meth:`_precondition`; ``captured``: this step's batch
+        was captured (a statistics step). Raise :class:`SkipStep` before committing bad values."""
+        raise NotImplementedError
+
+    def _precondition(self, damping: float) -> dict[torch.nn.Parameter, Tensor]:
+        raise NotImplementedError
+
+    def _after_update(self, stats_step: bool, closure: Optional[Callable[[], Tensor]]) -> None:
+        """Called after the parameters moved (KBFGS's same-batch secant pass)."""
+
+    def _reset_curvature(self) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ public
+    @property
+    def counters(self) -> dict[str, int]:
+        """``{"step": steps taken, "skipped": steps skipped for non-finite values}``."""
+        return self.state[self.NAME]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load counters and momentum buffers; curvature is not stored and is rebuilt from
+        the next step's capture (capture is switched on)."""
+        super().load_state_dict(state_dict)
+        self._reset_curvature()
+        capturing(self.model, True)
+
+    def mc_capture(self, outputs: Tensor) -> None:
+        """MC Fisher: before ``loss.backward()``, sample targets from ``outputs`` and run one
+        backward that records ``G`` only. No-op for ``fisher="empirical"`` or on steps that
+        take no statistics."""
+        if self.fisher != "mc" or not self._needs_capture(self.counters["step"]):
+            return
+        store = self._info.store
+        with torch.no_grad():
+            if self.mc_loss == "cross_entropy":
+                probs = torch.softmax(outputs.detach().float(), dim=-1)
+                target = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).reshape(probs.shape[:-1])
+            else:
+                target = outputs.detach() + torch.randn_like(outputs)
+        if self.mc_loss == "cross_entropy":
+            mc = F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), target.reshape(-1))
+        else:
+            mc = 0.5 * (outputs - target).pow(2).reshape(outputs.shape[0], -1).sum(1).mean()
+        weights = [b.params[0] for b in self.blocks]
+        store.grad_only = True
+        try:
+            torch.autograd.grad(mc, weights, retain_graph=True, allow_unused=True)
+        finally:
+            store.grad_only = False
+        store.recording = False  # the real backward must not overwrite the MC G
+        self._mc_done = True
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Optional[Tensor]:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        group = self.param_groups[0]
+        lr, damping = group["lr"], group["damping"]
+        momentum, wd = group["momentum"], group["weight_decay"]
+        check_positive("damping", damping)
+        store = self._info.store
+        store.recording = True
+        k = self.counters["step"]
+        stats_step = self._needs_capture(k)
+        mc_step, self._mc_done = self._mc_done, False
+        if stats_step and self.fisher == "mc" and not mc_step:
+            raise RuntimeError(f"{type(self).__name__}(fisher='mc'): call opt.mc_capture(outputs) "
+                               "before loss.backward() on statistics steps")
+        grads = [p.grad for p in group["params"] if p.grad is not None]
+        if not grads or not _all_finite(grads):
+            return self._skip("non-finite gradient", loss)
+        if stats_step:
+            if store.generation == self._seen_generation:
+                raise RuntimeError(f"{type(self).__name__}: step {k} needs the captured I, G of this "
+                                   "batch but nothing new was captured (capture switched off?)")
+            self._seen_generation = store.generation
+        try:
+            self._update_curvature(k, stats_step)
+            updates = self._precondition(damping)
+        except SkipStep as exc:
+            return self._skip(str(exc), loss)
+        if not _all_finite(list(updates.values())):
+            return self._skip("non-finite preconditioned update", loss)
+        nu = 1.0
+        if self.kl_clip is not None and updates:
+            vg = float(sum((u * p.grad).sum() for p, u in updates.items())) * lr ** 2
+            if vg > 0:
+                nu = min(1.0, math.sqrt(self.kl_clip / vg))
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            d = updates[p] * nu if p in updates else p.grad.clone()
+            if wd:
+                d.add_(p, alpha=wd)
+            if momentum:
+                st = self.state[p]
+                buf = st.get("momentum_buffer")
+                if buf is None:
+                    st["momentum_buffer"] = buf = d
+                else:
+                    buf.mul_(momentum).add_(d)
+                d = buf
+            p.add_(d, alpha=-lr)
+        self.counters["step"] += 1
+        self._after_update(stats_step, closure)
+        capturing(self.model, self._needs_capture(self.counters["step"]))
+        return loss
+
+    def _skip(self, why: str, loss: Optional[Tensor]) -> Optional[Tensor]:
+        self.counters["skipped"] += 1
+        if not self._warned_skip:
+            warnings.warn(f"{type(self).__name__}: step skipped ({why}); parameters left unchanged. "
+                          "Further skips are counted in opt.counters['skipped'].", RuntimeWarning)
+            self._warned_skip = True
+        capturing(self.model, self._needs_capture(self.counters["step"]))
+        return loss
+
+    def _live_blocks(self) -> list[Block]:
+        """Blocks with a gradient this step."""
+        return [b for b in self.blocks if all(p.grad is not None for p in b.params)]
+
+
+def _all_finite(ts: list[Tensor]) -> bool:
+    if not ts:
+        return True
+    return bool(torch.stack([torch.isfinite(t).all() for t in ts]).all())
+
+
+def running(old: Optional[Tensor], new: Tensor, decay: float) -> Tensor:
+    """``decay·old + (1 − decay)·new``; the first estimate initializes (``old is None``)."""
+    return new if old is None else old * decay + new * (1.0 - decay)
+

@@ -1,0 +1,118 @@
+"""``NGD``: exact block natural gradient with dense Fisher blocks (a reference baseline).
+
+Per covered layer with ``n`` parameters (weight and bias together), from the exact
+per-sample gradients ``J`` (``[m, n]``, :meth:`CoveredLayer.jacobian`)::
+
+    F = JᵀJ / m      ([n, n], dense),        u = (F + αI)⁻¹ g      (Cholesky solve)
+
+— the same update TENGraD computes through the ``m × m`` Woodbury identity, at
+``O(n²m + n³)`` instead. Layers with ``n > max_params`` are refused at construction
+(``ValueError`` naming the layer and ``n``). ``F`` is rebuilt every ``curvature_every``
+steps (capture is switched off on the other steps; the stored ``F`` is refactorized if
+``damping`` changes). ``fisher="mc"`` builds ``J`` from :meth:`mc_capture`'s sampled targets.
+"""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+import torch
+from torch import Tensor
+
+from ._common import CurvatureOptimizer, SkipStep, check_interval
+
+__all__ = ["NGD"]
+
+
+class NGD(CurvatureOptimizer):
+    """Dense block NGD over a prepared model.
+
+    Args:
+        model: the prepared model.
+        lr: learning rate (``>= 0``).
+        damping: ``α > 0``.
+        momentum, weight_decay, kl_clip: as :class:`~.tengrad.TENGraD`.
+        curvature_every: rebuild ``F`` every ``curvature_every`` steps.
+        fisher, mc_loss: ``"empirical"`` / ``"mc"`` (see :meth:`mc_capture`).
+        max_params: largest layer ``n`` accepted (``F`` takes ``n²`` numbers).
+        solve_dtype: dtype of ``F`` and its Cholesky factor (default: the parameters').
+    """
+
+    NAME = "ngd"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        lr: float,
+        damping: float,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        kl_clip: Optional[float] = None,
+        curvature_every: int = 1,
+        fisher: Literal["empirical", "mc"] = "empirical",
+        mc_loss: Literal["cross_entropy", "mse"] = "cross_entropy",
+        max_params: int = 20000,
+        solve_dtype: Optional[torch.dtype] = None,
+    ):
+        self.curvature_every = check_interval("curvature_every", curvature_every)
+        self.max_params = check_interval("max_params", max_params)
+        if solve_dtype is not None and not (isinstance(solve_dtype, torch.dtype) and solve_dtype.is_floating_point):
+            raise ValueError(f"solve_dtype must be a floating torch.dtype or None, got {solve_dtype!r}")
+        self.solve_dtype = solve_dtype
+        defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
+        super().__init__(model, defaults, kl_clip=kl_clip, fisher=fisher, mc_loss=mc_loss)
+        for b in self.blocks:
+            if b.numel > max_params:
+                raise ValueError(
+                    f"max_params: layer '{b.layer.name}' has n = {b.numel} parameters > max_params = "
+                    f"{max_params}; its dense {b.numel}×{b.numel} Fisher block is too large "
+                    "(use TENGraD, which inverts the same block through an m×m system)")
+        self._reset_curvature()
+
+    def _reset_curvature(self) -> None:
+        self.fisher_blocks: dict[int, Tensor] = {}   # F [n, n]
+        self._chol: dict[int, Tensor] = {}
+        self._chol_damping: Optional[float] = None
+
+    def _needs_capture(self, step: int) -> bool:
+        return step % self.curvature_every == 0 or not self.fisher_blocks
+
+    def _update_curvature(self, step: int, captured: bool) -> None:
+        damping = self.param_groups[0]["damping"]
+        if captured:
+            live = self._live_blocks()
+            new = {}
+            for i, b in enumerate(self.blocks):
+                if b not in live:
+                    continue
+                J = b.layer.jacobian()
+                if self.solve_dtype is not None:
+                    J = J.to(self.solve_dtype)
+                Fb = J.T @ J / J.shape[0]
+                if not bool(torch.isfinite(Fb).all()):
+                    raise SkipStep(f"non-finite Fisher block in layer '{b.layer.name}'")
+                new[i] = Fb
+            self.fisher_blocks.update(new)
+            self._chol_damping = None
+        if damping != self._chol_damping:
+            chol = {}
+            for i, Fb in self.fisher_blocks.items():
+                eye = torch.eye(Fb.shape[0], dtype=Fb.dtype, device=Fb.device)
+                L, info = torch.linalg.cholesky_ex(Fb + damping * eye)
+                if int(info) != 0:
+                    raise SkipStep(f"F + αI not positive definite in layer '{self.blocks[i].layer.name}'")
+                chol[i] = L
+            self._chol, self._chol_damping = chol, damping
+
+    def _precondition(self, damping: float) -> dict[torch.nn.Parameter, Tensor]:
+        out: dict[torch.nn.Parameter, Tensor] = {}
+        for i, b in enumerate(self.blocks):
+            if i not in self._chol or any(p.grad is None for p in b.params):
+                continue
+            L = self._chol[i]
+            g = torch.cat([p.grad.flatten() for p in b.params]).to(L.dtype)
+            u = torch.cholesky_solve(g.unsqueeze(1), L).squeeze(1)
+            off = 0
+            for p in b.params:
+                out[p] = u[off: off + p.numel()].view_as(p).to(p.dtype)
+                off += p.numel()
+        return out
