@@ -101,32 +101,58 @@ class _TraceFailed(Exception):
 
 
 # --------------------------------------------------------------------------- fx path
-def _trace_modes(model: nn.Module) -> tuple[fx.Graph, Optional[fx.Graph]]:
-    """Trace in train and eval mode; the second graph only if the code differs."""
+Consts = dict[str, torch.Tensor]
+
+
+def _trace_modes(model: nn.Module) -> tuple[fx.Graph, Optional[fx.Graph], Consts, Consts]:
+    """Trace in train and eval mode; the second graph only if the code differs.
+
+    The tracer stores tensor constants it meets (``_tensor_constant0`` ...) as attributes
+    of ``model``; they are taken off the model again and returned per graph (the eval
+    graph's renamed ``_eval_*`` so that both can live on one module)."""
     was_training = model.training
     graphs = {}
+    consts: dict[bool, Consts] = {}
     try:
         for mode in (True, False):
             model.train(mode)
+            before = set(model.__dict__)
             try:
                 graphs[mode] = trace(model)
             except Exception as exc:
                 raise _TraceFailed(f"{type(exc).__name__}: {exc}") from exc
+            finally:
+                consts[mode] = {k: model.__dict__.pop(k) for k in set(model.__dict__) - before}
     finally:
         model.train(was_training)
     g_train, g_eval = graphs[True], graphs[False]
     if g_train.python_code("self").src == g_eval.python_code("self").src:
-        return g_train, None
-    return g_train, g_eval
+        return g_train, None, consts[True], {}
+    for node in g_eval.nodes:
+        if node.op == "get_attr" and node.target in consts[False]:
+            node.target = "_eval" + str(node.target)
+    return g_train, g_eval, consts[True], {"_eval" + k: v for k, v in consts[False].items()}
 
 
-def _graph_module(model: nn.Module, graph: fx.Graph) -> fx.GraphModule:
-    """A GraphModule over ``graph`` that shares ALL of ``model``'s children and tensors."""
-    gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
+def _graph_module(model: nn.Module, graph: fx.Graph, consts: Consts) -> fx.GraphModule:
+    """A GraphModule over ``graph`` that shares ALL of ``model``'s children and tensors.
+
+    Tensors the graph reads that are not ``model``'s parameters or buffers (tracer
+    constants, plain tensor attributes) become non-persistent buffers of the GraphModule,
+    so ``state_dict`` keys do not change and ``.to()`` moves them."""
+    model.__dict__.update(consts)
+    try:
+        gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
+    finally:
+        for k in consts:
+            model.__dict__.pop(k, None)
+    extra = {k: v for k, v in gm._buffers.items() if k not in model._buffers}
     gm._modules = dict(model._modules)
     gm._parameters = dict(model._parameters)
     gm._buffers = dict(model._buffers)
     gm._non_persistent_buffers_set = set(model._non_persistent_buffers_set)
+    for k, v in extra.items():
+        gm.register_buffer(k, v, persistent=False)
     gm.train(model.training)
     return gm
 
@@ -205,18 +231,21 @@ def _leading_dim(x: Any) -> Optional[int]:
 
 
 def _prepare_fx(model, candidates, fallback, example_inputs):  # type: ignore[no-untyped-def]
-    g_train, g_eval = _trace_modes(model)
+    g_train, g_eval, c_train, c_eval = _trace_modes(model)
     n_sites = [0]
     store = CaptureStore(n_sites=0)
     layers: dict[str, LayerSpec] = {}
     runtime_batch = example_inputs is None
     odd: set[str] = set()
     _rewrite(g_train, candidates, layers, store.key, n_sites, runtime_batch, odd)
-    gm = _graph_module(model, g_train)
+    gm = _graph_module(model, g_train, c_train)
     method = "fx"
     if g_eval is not None:
         _rewrite(g_eval, candidates, layers, store.key, n_sites, runtime_batch, odd)
-        gm_eval = _graph_module(model, g_eval)
+        gm_eval = _graph_module(model, g_eval, c_eval)
+        for k, v in gm_eval._buffers.items():  # the eval graph runs on gm: give it gm_eval's extras
+            if k not in gm._buffers and v is not None:
+                gm.register_buffer(k, v, persistent=False)
         _dispatch_on_mode(gm, gm_eval)
         method = "fx-dual"
     store.n_sites = n_sites[0]
@@ -309,7 +338,8 @@ def _prepare_surgery(model: nn.Module, candidates: dict[str, nn.Module]) -> tupl
 _CAPTURING: dict[type, type] = {}
 
 
-def _capturing_forward(self, x):  # type: ignore[no-untyped-def]
+def _capturing_forward(self, input):  # type: ignore[no-untyped-def]  # nn.Linear/ConvNd's argument name
+    x = input
     key, spec = self.__dict__["_tengrad_call"]
     if not spec.sites:  # dropped to the fallback (tied, or input not per sample): plain layer
         return super(type(self), self).forward(x)
