@@ -307,6 +307,7 @@ def _note_tied(model: nn.Module, layers: dict[str, LayerSpec], owners: dict[int,
 def _drop_layer(layers: dict[str, LayerSpec], name: str, reason: str) -> None:
     spec = layers.get(name)
     if spec is not None:
+        spec.__dict__.setdefault("dropped_sites", []).extend(spec.sites)
         spec.sites = []  # marks it uncovered; _classify_params records the reason
         spec.__dict__["fallback_reason"] = reason
 
@@ -432,6 +433,8 @@ def _classify_params(model: nn.Module, info: PrepareInfo) -> None:
                 info.fallback[pn] = "module not called as a layer in the traced graph (inside a leaf module or used functionally)"
             else:
                 info.fallback[pn] = f"{type(owner).__name__ if owner is not None else '?'}: no capture kernel"
+    # fallback layers' calls still run the capture op: make them record nothing
+    info.store.ignored_sites = {site for s in info.layers for site in s.__dict__.get("dropped_sites", [])}
     info.layers = [s for s in info.layers if s.sites]
 
 

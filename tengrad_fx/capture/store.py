@@ -69,6 +69,7 @@ class CaptureStore:
     recording: bool = True  # append records in backward
     grad_only: bool = False  # backward ops skip weight/bias grads (MC-Fisher pass: only G matters)
     jacobian_sites: set[int] = field(default_factory=set)  # backward materializes P there
+    ignored_sites: set[int] = field(default_factory=set)  # fallback layers: never recorded
     records: dict[int, list[Record]] = field(default_factory=dict)
     _complete: bool = False  # a backward has recorded since the last begin()
     generation: int = 0  # how many captures have completed (for users caching results)
@@ -88,7 +89,7 @@ class CaptureStore:
 
     def record(self, site: int, rec: Record) -> None:
         """Append a record for ``site`` (called from the capture ops' backward)."""
-        if not self.recording:
+        if not self.recording or site in self.ignored_sites:
             return
         if not self._complete:
             self.generation += 1
