@@ -198,10 +198,17 @@ class TENGraD(torch.optim.Optimizer):
     def _is_curvature_step(self) -> bool:
         return self.counters["step"] % self.curvature_every == 0 or not self._curv
 
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, momentum buffers, and which layers the backward materializes (so a
+        resumed run computes its gradients exactly as the uninterrupted one would)."""
+        self.counters["jacobian_sites"] = sorted(self._info.store.jacobian_sites)
+        return super().state_dict()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load counters and momentum buffers. Curvature is not stored: with
         ``curvature_every > 1`` the next step recomputes it (capture is switched on)."""
         super().load_state_dict(state_dict)
+        self._info.store.jacobian_sites = set(self.counters.get("jacobian_sites", []))
         self._curv = []
         capturing(self.model, True)
 
