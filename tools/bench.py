@@ -131,9 +131,10 @@ def main(argv: list[str] | None = None) -> None:
         run(args)
         if args.device == "cuda":
             print(torch.cuda.max_memory_allocated() / 2**20)
-        else:
-            import resource
-            print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        else:  # VmHWM: this process's own peak (ru_maxrss would include the parent's, kept across exec)
+            with open("/proc/self/status") as f:
+                hwm = next(line for line in f if line.startswith("VmHWM:"))
+            print(int(hwm.split()[1]) / 1024)
         return
     out = run(args)
     if args.memory:

@@ -20,6 +20,7 @@ positions), with ``ğ = k·G`` the per-sample output gradients (``k = m`` for
 """
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from dataclasses import dataclass
@@ -139,11 +140,6 @@ def make_blocks(layers: list[CoveredLayer]) -> list[Block]:
     return out
 
 
-def has_records(layer: CoveredLayer) -> bool:
-    store = layer._info.store
-    return any(store.records.get(s) for s in layer.spec.sites)
-
-
 # --------------------------------------------------------------------------- statistics
 @dataclass
 class Stats:
@@ -156,11 +152,13 @@ class Stats:
     m: int
 
 
-def _chunks(block: Block, dtype: torch.dtype) -> Iterator[tuple[int, int, list[tuple[Tensor, Tensor]]]]:
+def _chunks(block: Block, dtype: torch.dtype,
+            extra: int = 0) -> Iterator[tuple[int, int, list[tuple[Tensor, Tensor]]]]:
     """``(i0, i1, [(Ã [c,g,S,f+b], Ğ [c,g,S,o]) per call])`` over sample chunks.
 
     ``Ã`` carries the homogeneous coordinate, ``Ğ = k·G`` the per-sample output grads.
-    Chunks are sized so one call's unfolded ``Ã`` stays near ``DEFAULT_BLOCK_BYTES``.
+    Chunks are sized so their ``Ã``, ``Ğ`` and ``extra`` numbers per sample (the caller's
+    own per-sample work) stay near ``DEFAULT_BLOCK_BYTES`` (at least one sample).
     """
     layer = block.layer
     recs = layer.records()
@@ -173,7 +171,7 @@ def _chunks(block: Block, dtype: torch.dtype) -> Iterator[tuple[int, int, list[t
     k = float(m) if layer._info.loss_reduction == "mean" else 1.0
     kern = KERNELS[layer.kind]
     S_tot = sum(kern.dims(layer.spec, tuple(r.I.shape))[1] for r in recs)
-    per_sample = S_tot * block.g * (block.fb + block.o) * torch.finfo(dtype).bits // 8
+    per_sample = (S_tot * block.g * (block.fb + block.o) + extra) * torch.finfo(dtype).bits // 8
     c = max(1, min(m, DEFAULT_BLOCK_BYTES // max(1, per_sample)))
     for i0 in range(0, m, c):
         i1 = min(m, i0 + c)
@@ -217,33 +215,13 @@ def per_sample_grad_chunks(block: Block, dtype: Optional[torch.dtype] = None) ->
     """Per-sample gradients in matrix form, ``[c, g, o, f+b]`` per sample chunk:
     ``Σ_{calls, s} ğ ãᵀ`` (their mean over the batch is the mean-loss gradient)."""
     dtype = dtype or block.params[0].dtype
-    for _, _, parts in _chunks(block, dtype):
+    for _, _, parts in _chunks(block, dtype, extra=3 * block.g * block.o * block.fb):
         out = None
         for Ã, Ğ in parts:
             d = torch.einsum("cgso,cgsf->cgof", Ğ, Ã)
             out = d if out is None else out + d
         assert out is not None
         yield out
-
-
-def sym_eig(M: Tensor) -> tuple[Tensor, Tensor]:
-    """Eigen-decomposition of symmetric ``M [..., n, n]``: ``(d ≥ 0, U)``; retried in
-    float64 (with a tiny jitter) if the native-dtype solver fails. Non-finite → SkipStep."""
-    if not bool(torch.isfinite(M).all()):
-        raise SkipStep("non-finite curvature factor")
-    M = 0.5 * (M + M.transpose(-1, -2))
-    try:
-        d, U = torch.linalg.eigh(M)
-    except RuntimeError:
-        M64 = M.double()
-        n = M.shape[-1]
-        jit = 1e-12 * M64.diagonal(dim1=-2, dim2=-1).abs().mean().clamp_min(1e-30)
-        try:
-            d, U = torch.linalg.eigh(M64 + jit * torch.eye(n, dtype=M64.dtype, device=M.device))
-        except RuntimeError as exc:
-            raise SkipStep(f"eigendecomposition failed: {exc}") from exc
-        d, U = d.to(M.dtype), U.to(M.dtype)
-    return d.clamp_min(0), U
 
 
 # --------------------------------------------------------------------------- base optimizer
@@ -260,6 +238,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
 
     NAME = "curvature"
     SUPPORTS_MC = True
+    CURVATURE: tuple[str, ...] = ()  # attributes saved in state_dict()["curvature"]
 
     def __init__(self, model: torch.nn.Module, defaults: dict[str, Any], *, kl_clip: Optional[float],
                  fisher: str = "empirical", mc_loss: str = "cross_entropy"):
@@ -311,12 +290,26 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         """``{"step": steps taken, "skipped": steps skipped for non-finite values}``."""
         return self.state[self.NAME]
 
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """torch's state dict plus ``"curvature"``: copies of the running factors /
+        inverses (attributes named in ``CURVATURE``), so a resumed run continues exactly."""
+        sd = super().state_dict()
+        sd["curvature"] = copy.deepcopy({k: getattr(self, k) for k in self.CURVATURE})
+        return sd
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load counters and momentum buffers; curvature is not stored and is rebuilt from
-        the next step's capture (capture is switched on)."""
-        super().load_state_dict(state_dict)
+        """Load counters, momentum buffers and (when present) the curvature; without it the
+        curvature is rebuilt from the next step's capture."""
+        sd = dict(state_dict)
+        curv = sd.pop("curvature", None)
+        super().load_state_dict(sd)
         self._reset_curvature()
-        capturing(self.model, True)
+        if curv:
+            dev = self.blocks[0].params[0].device if self.blocks else torch.device("cpu")
+            for k, v in curv.items():
+                if k in self.CURVATURE:
+                    setattr(self, k, _to_device(copy.deepcopy(v), dev))
+        capturing(self.model, self._needs_capture(self.counters["step"]))
 
     def mc_capture(self, outputs: Tensor) -> None:
         """MC Fisher: before ``loss.backward()``, sample targets from ``outputs`` and run one
@@ -415,6 +408,16 @@ class CurvatureOptimizer(torch.optim.Optimizer):
     def _live_blocks(self) -> list[Block]:
         """Blocks with a gradient this step."""
         return [b for b in self.blocks if all(p.grad is not None for p in b.params)]
+
+
+def _to_device(v: Any, dev: torch.device) -> Any:
+    if isinstance(v, Tensor):
+        return v.to(dev)
+    if isinstance(v, dict):
+        return {k: _to_device(x, dev) for k, x in v.items()}
+    if isinstance(v, (tuple, list)):
+        return type(v)(_to_device(x, dev) for x in v)
+    return v
 
 
 def _all_finite(ts: list[Tensor]) -> bool:

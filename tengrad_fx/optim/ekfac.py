@@ -58,6 +58,7 @@ class EKFAC(KFAC):
     ``TScal``: re-estimate the eigenbasis scalings every ``TScal`` steps."""
 
     NAME = "ekfac"
+    CURVATURE = ("factors", "eig", "scales")
 
     def __init__(
         self,

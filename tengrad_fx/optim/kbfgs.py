@@ -102,6 +102,7 @@ class KBFGS(CurvatureOptimizer):
     """
 
     NAME = "kbfgs"
+    CURVATURE = ("A", "HA", "HG", "_HA_damping", "_prev", "pairs")
     SUPPORTS_MC = False
 
     def __init__(

@@ -44,9 +44,29 @@ from typing import Literal, Optional
 import torch
 from torch import Tensor
 
-from ._common import Block, CurvatureOptimizer, SkipStep, check_interval, check_unit, layer_stats, running, sym_eig
+from ._common import Block, CurvatureOptimizer, SkipStep, check_interval, check_unit, layer_stats, running
 
-__all__ = ["KFAC", "kfac_precondition"]
+__all__ = ["KFAC", "kfac_precondition", "sym_eig"]
+
+
+def sym_eig(M: Tensor) -> tuple[Tensor, Tensor]:
+    """Eigen-decomposition of symmetric ``M [..., n, n]``: ``(d ≥ 0, U)``; retried in
+    float64 (with a tiny jitter) if the native-dtype solver fails. Non-finite → SkipStep."""
+    if not bool(torch.isfinite(M).all()):
+        raise SkipStep("non-finite curvature factor")
+    M = 0.5 * (M + M.transpose(-1, -2))
+    try:
+        d, U = torch.linalg.eigh(M)
+    except RuntimeError:
+        M64 = M.double()
+        n = M.shape[-1]
+        jit = 1e-12 * M64.diagonal(dim1=-2, dim2=-1).abs().mean().clamp_min(1e-30)
+        try:
+            d, U = torch.linalg.eigh(M64 + jit * torch.eye(n, dtype=M64.dtype, device=M.device))
+        except RuntimeError as exc:
+            raise SkipStep(f"eigendecomposition failed: {exc}") from exc
+        d, U = d.to(M.dtype), U.to(M.dtype)
+    return d.clamp_min(0), U
 
 
 def kfac_precondition(grad: Tensor, UA: Tensor, dA: Tensor, UG: Tensor, dG: Tensor, damping: float) -> Tensor:
@@ -78,6 +98,7 @@ class KFAC(CurvatureOptimizer):
     """
 
     NAME = "kfac"
+    CURVATURE = ("factors", "eig")
 
     def __init__(
         self,

@@ -8,8 +8,8 @@ per-sample gradients ``J`` (``[m, n]``, :meth:`CoveredLayer.jacobian`)::
 — the same update TENGraD computes through the ``m × m`` Woodbury identity, at
 ``O(n²m + n³)`` instead. Layers with ``n > max_params`` are refused at construction
 (``ValueError`` naming the layer and ``n``). ``F`` is rebuilt every ``curvature_every``
-steps (capture is switched off on the other steps; the stored ``F`` is refactorized if
-``damping`` changes). ``fisher="mc"`` builds ``J`` from :meth:`mc_capture`'s sampled targets.
+steps (capture is switched off on the other steps). Only the Cholesky factor of
+``F + αI`` is stored; it is refactorized if ``damping`` changes. ``fisher="mc"`` builds ``J`` from :meth:`mc_capture`'s sampled targets.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ class NGD(CurvatureOptimizer):
     """
 
     NAME = "ngd"
+    CURVATURE = ("_chol", "_chol_damping")
 
     def __init__(
         self,
@@ -69,39 +70,47 @@ class NGD(CurvatureOptimizer):
         self._reset_curvature()
 
     def _reset_curvature(self) -> None:
-        self.fisher_blocks: dict[int, Tensor] = {}   # F [n, n]
-        self._chol: dict[int, Tensor] = {}
-        self._chol_damping: Optional[float] = None
+        self._chol: dict[int, Tensor] = {}   # lower Cholesky factor of F + αI, [n, n]
+        self._chol_damping: dict[int, float] = {}  # the α in it
 
     def _needs_capture(self, step: int) -> bool:
-        return step % self.curvature_every == 0 or not self.fisher_blocks
+        return step % self.curvature_every == 0 or not self._chol
+
+    def _factor(self, i: int, M: Tensor, damping: float) -> Tensor:
+        """Cholesky factor of ``M + damping·I`` (``M`` is overwritten)."""
+        M.diagonal().add_(damping)
+        L, info = torch.linalg.cholesky_ex(M)
+        if int(info) != 0:
+            raise SkipStep(f"F + αI not positive definite in layer '{self.blocks[i].layer.name}'")
+        return L
+
+    def fisher_block(self, i: int) -> Tensor:
+        """The stored ``F`` of block ``i`` (``[n, n]``), rebuilt from its Cholesky factor."""
+        L = self._chol[i]
+        Fb = L @ L.T
+        Fb.diagonal().sub_(self._chol_damping[i])
+        return Fb
 
     def _update_curvature(self, step: int, captured: bool) -> None:
+        """Only the Cholesky factor of ``F + αI`` is kept (``n²`` numbers per layer)."""
         damping = self.param_groups[0]["damping"]
+        new: dict[int, Tensor] = {}
         if captured:
             live = self._live_blocks()
-            new = {}
             for i, b in enumerate(self.blocks):
                 if b not in live:
                     continue
                 J = b.layer.jacobian()
                 if self.solve_dtype is not None:
                     J = J.to(self.solve_dtype)
-                Fb = J.T @ J / J.shape[0]
-                if not bool(torch.isfinite(Fb).all()):
-                    raise SkipStep(f"non-finite Fisher block in layer '{b.layer.name}'")
-                new[i] = Fb
-            self.fisher_blocks.update(new)
-            self._chol_damping = None
-        if damping != self._chol_damping:
-            chol = {}
-            for i, Fb in self.fisher_blocks.items():
-                eye = torch.eye(Fb.shape[0], dtype=Fb.dtype, device=Fb.device)
-                L, info = torch.linalg.cholesky_ex(Fb + damping * eye)
-                if int(info) != 0:
-                    raise SkipStep(f"F + αI not positive definite in layer '{self.blocks[i].layer.name}'")
-                chol[i] = L
-            self._chol, self._chol_damping = chol, damping
+                if not bool(torch.isfinite(J).all()):
+                    raise SkipStep(f"non-finite per-sample gradients in layer '{b.layer.name}'")
+                new[i] = self._factor(i, J.T @ J / J.shape[0], damping)
+        for i in self._chol:
+            if i not in new and self._chol_damping[i] != damping:  # damping changed: refactor
+                new[i] = self._factor(i, self.fisher_block(i), damping)
+        for i, L in new.items():
+            self._chol[i], self._chol_damping[i] = L, damping
 
     def _precondition(self, damping: float) -> dict[torch.nn.Parameter, Tensor]:
         out: dict[torch.nn.Parameter, Tensor] = {}
