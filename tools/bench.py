@@ -26,15 +26,25 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tengrad_fx
+from tengrad_fx.optim.registry import make_optimizer
 
-# name -> (constructor of an optimizer over (prepared or plain) model, needs prepare)
+# name -> (constructor of an optimizer over (prepared or plain) model, needs prepare).
+# All with the paper's Fashion-MNIST hyper-parameters (tengrad_fx.optim.registry).
+_FM = "fashion-mnist"
 METHODS: dict[str, tuple[Callable[[nn.Module], torch.optim.Optimizer], bool]] = {
     "sgd": (lambda mdl: torch.optim.SGD(mdl.parameters(), lr=0.03, momentum=0.9, weight_decay=1e-3), False),
-    "tengrad": (lambda mdl: tengrad_fx.TENGraD(mdl, lr=0.003, damping=0.1, weight_decay=1e-3), True),
-    "tengrad-mc": (lambda mdl: tengrad_fx.TENGraD(mdl, lr=0.003, damping=0.1, weight_decay=1e-3, fisher="mc"), True),
-    "tengrad-T20": (lambda mdl: tengrad_fx.TENGraD(mdl, lr=0.003, damping=0.1, weight_decay=1e-3,
-                                                   curvature_every=20), True),
+    "tengrad": (lambda mdl: make_optimizer("tengrad", mdl, _FM), True),
+    "tengrad-mc": (lambda mdl: make_optimizer("tengrad", mdl, _FM, fisher="mc"), True),
+    "tengrad-T20": (lambda mdl: make_optimizer("tengrad", mdl, _FM, curvature_every=20), True),
+    # baselines at T = 1 (statistics and inverses every step) and at their paper intervals
+    "kfac-T1": (lambda mdl: make_optimizer("kfac", mdl, _FM, TCov=1, TInv=1), True),
+    "kfac": (lambda mdl: make_optimizer("kfac", mdl, _FM), True),
+    "ekfac-T1": (lambda mdl: make_optimizer("ekfac", mdl, _FM, TCov=1, TInv=1, TScal=1), True),
+    "ekfac": (lambda mdl: make_optimizer("ekfac", mdl, _FM), True),
+    "kbfgs-T1": (lambda mdl: make_optimizer("kbfgs", mdl, _FM, TCov=1, TInv=1), True),
+    "kbfgs": (lambda mdl: make_optimizer("kbfgs", mdl, _FM), True),
 }
+BASELINES = "kfac-T1,kfac,ekfac-T1,ekfac,kbfgs-T1,kbfgs"
 
 
 def build_model(name: str) -> nn.Module:
@@ -66,7 +76,7 @@ class Runner:
         loss = F.cross_entropy(out, y)
         sync()
         t1 = time.perf_counter()
-        if isinstance(self.opt, tengrad_fx.TENGraD):
+        if hasattr(self.opt, "mc_capture"):
             self.opt.mc_capture(out)
         loss.backward()
         sync()
@@ -91,7 +101,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(args.m, 1, 28, 28, generator=g).to(dev),
                 torch.randint(0, 10, (args.m,), generator=g).to(dev)) for _ in range(4)]
-    methods = args.methods.split(",")
+    methods = args.methods.split(",") if args.methods != "all" else \
+        ["sgd", "tengrad", "tengrad-mc", "tengrad-T20", *BASELINES.split(",")]
     runners = [Runner(m, base, batches[0][0]) for m in methods]
     for r in range(args.warmup + args.steps):
         x, y = batches[r % len(batches)]
@@ -117,7 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--m", type=int, default=128)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--methods", default="sgd,tengrad,tengrad-mc,tengrad-T20")
+    ap.add_argument("--methods", default="sgd,tengrad,tengrad-mc,tengrad-T20",
+                    help=f"comma list of {sorted(METHODS)}; 'all' adds the baselines ({BASELINES}): "
+                         "on CPU use them with --model small (K-FAC's 10369² factor of 3C1F is slow)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
