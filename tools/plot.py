@@ -27,7 +27,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from ._runs import Run, band, find_runs, frac, group_runs  # noqa: E402
 
-__all__ = ["plot_runs", "run_curves", "output_paths", "main"]
+__all__ = ["plot_runs", "run_curves", "output_paths", "save_figure", "main"]
+
+
+def save_figure(fig: "plt.Figure", out_path: str) -> list[str]:
+    """Write ``fig`` as PNG and SVG (paths from :func:`output_paths`), close it, return the paths."""
+    paths = output_paths(out_path)
+    for p in paths:
+        os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
+        fig.savefig(p, dpi=150)
+    plt.close(fig)
+    return paths
 
 
 def output_paths(out_path: str) -> list[str]:
@@ -135,12 +145,7 @@ def plot_runs(run_dirs: list[str], out_path: str, group_by: Optional[Sequence[st
         md = sorted({f"{r.get('model', '?')} / {r.get('dataset', '?')}" for r in runs})
         title = ", ".join(md)
     fig.suptitle(title + "  — mean ± std over seeds")
-    paths = output_paths(out_path)
-    for p in paths:
-        os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
-        fig.savefig(p, dpi=150)
-    plt.close(fig)
-    return paths
+    return save_figure(fig, out_path)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[str]:

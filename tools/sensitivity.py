@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from ._runs import mean_std  # noqa: E402
-from .plot import output_paths  # noqa: E402
+from .plot import save_figure  # noqa: E402
 from .sweep import read_results, write_results  # noqa: E402
 
 __all__ = ["sensitivity_grid", "plot_sensitivity", "main"]
@@ -102,12 +102,7 @@ def plot_sensitivity(grid: dict[str, Any], out_path: str, title: Optional[str] =
                         color="black" if shade > 0.6 else "white")
     fig.colorbar(im, ax=axes, shrink=0.9, label="accuracy (%)")
     fig.suptitle(title or f"{grid['optimizer']}: sensitivity to learning rate and damping (mean over seeds)")
-    paths = output_paths(out_path)
-    for p in paths:
-        os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
-        fig.savefig(p, dpi=150)
-    plt.close(fig)
-    return paths
+    return save_figure(fig, out_path)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[str]:

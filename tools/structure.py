@@ -261,7 +261,7 @@ def plot_structure(res: StructureResult, out_path: str, title: Optional[str] = N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .plot import output_paths
+    from .plot import save_figure
 
     d = res.distances()
     mats = [("exact NGD  (F+αI)⁻¹", res.exact, None), ("TENGraD (Woodbury)", res.tengrad, d["tengrad"]),
@@ -278,12 +278,7 @@ def plot_structure(res: StructureResult, out_path: str, title: Optional[str] = N
     fig.colorbar(im, ax=axes, shrink=0.8, label=f"value (clipped at ±{vmax:.3g})")
     fig.suptitle(title or (f"layer {res.layer} (n={res.n}), {res.idx.numel()}-coordinate slice, "
                            f"m={res.m} {res.data} samples, α={res.damping}"))
-    paths = output_paths(out_path)
-    for p in paths:
-        os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
-        fig.savefig(p, dpi=150)
-    plt.close(fig)
-    return paths
+    return save_figure(fig, out_path)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:

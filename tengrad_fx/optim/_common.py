@@ -27,11 +27,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..capture.info import PrepareInfo, get_info
 from ..capture.prepare import capturing
+from .checks import check_choice, check_interval, check_nonneg, check_positive, check_unit
+from .mc import mc_capture
 from ..curvature.layer import KERNELS, CoveredLayer, covered_layers
 from ..curvature.tensors import DEFAULT_BLOCK_BYTES
 
@@ -45,38 +46,6 @@ class SkipStep(RuntimeError):
 
 
 # --------------------------------------------------------------------------- argument checks
-def check_positive(name: str, v: Any) -> float:
-    if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
-        raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
-    return float(v)
-
-
-def check_nonneg(name: str, v: Any) -> float:
-    if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
-        raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
-    return float(v)
-
-
-def check_unit(name: str, v: Any, closed: bool = False) -> float:
-    """``v`` in ``[0, 1)`` (or ``[0, 1]`` when ``closed``)."""
-    ok = isinstance(v, (int, float)) and 0 <= v and (v <= 1 if closed else v < 1)
-    if not ok:
-        raise ValueError(f"{name} must be in [0, {'1]' if closed else '1)'}, got {v!r}")
-    return float(v)
-
-
-def check_interval(name: str, v: Any) -> int:
-    if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
-        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    return v
-
-
-def check_choice(name: str, v: Any, choices: tuple[str, ...]) -> str:
-    if v not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {v!r}")
-    return v
-
-
 # --------------------------------------------------------------------------- layer blocks
 @dataclass(eq=False)
 class Block:
@@ -317,24 +286,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         take no statistics."""
         if self.fisher != "mc" or not self._needs_capture(self.counters["step"]):
             return
-        store = self._info.store
-        with torch.no_grad():
-            if self.mc_loss == "cross_entropy":
-                probs = torch.softmax(outputs.detach().float(), dim=-1)
-                target = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).reshape(probs.shape[:-1])
-            else:
-                target = outputs.detach() + torch.randn_like(outputs)
-        if self.mc_loss == "cross_entropy":
-            mc = F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), target.reshape(-1))
-        else:
-            mc = 0.5 * (outputs - target).pow(2).reshape(outputs.shape[0], -1).sum(1).mean()
-        weights = [b.params[0] for b in self.blocks]
-        store.grad_only = True
-        try:
-            torch.autograd.grad(mc, weights, retain_graph=True, allow_unused=True)
-        finally:
-            store.grad_only = False
-        store.recording = False  # the real backward must not overwrite the MC G
+        mc_capture(self._info.store, outputs, self.mc_loss, [b.params[0] for b in self.blocks])
         self._mc_done = True
 
     # ------------------------------------------------------------------ step

@@ -29,11 +29,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..capture.info import get_info
 from ..capture.prepare import capturing
+from .checks import check_choice, check_interval, check_nonneg, check_positive, check_unit
+from .mc import mc_capture
 from ..curvature.layer import CoveredLayer, covered_layers
 from ..solve.woodbury import CholeskyFailed, damped_cholesky, woodbury_apply, woodbury_push_through
 from .fused import LayerInput, fused_update
@@ -150,26 +151,17 @@ class TENGraD(torch.optim.Optimizer):
         compile: bool | str = False,
     ):
         info = get_info(model)  # raises ValueError for an unprepared model
-        if not lr >= 0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not damping > 0:
-            raise ValueError(f"damping must be > 0, got {damping}")
-        if not 0 <= momentum < 1:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if not weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
-        if not (isinstance(curvature_every, int) and curvature_every >= 1):
-            raise ValueError(f"curvature_every must be an int >= 1, got {curvature_every!r}")
-        if fisher not in ("empirical", "mc"):
-            raise ValueError(f"fisher must be 'empirical' or 'mc', got {fisher!r}")
-        if mc_loss not in ("cross_entropy", "mse"):
-            raise ValueError(f"mc_loss must be 'cross_entropy' or 'mse', got {mc_loss!r}")
-        if kl_clip is not None and not kl_clip > 0:
-            raise ValueError(f"kl_clip must be > 0 or None, got {kl_clip}")
-        if update_form not in ("auto", "woodbury"):
-            raise ValueError(f"update_form must be 'auto' or 'woodbury', got {update_form!r}")
-        if strategy not in ("auto", "factor", "materialize"):
-            raise ValueError(f"strategy must be 'auto', 'factor' or 'materialize', got {strategy!r}")
+        check_nonneg("lr", lr)
+        check_positive("damping", damping)
+        check_unit("momentum", momentum)
+        check_nonneg("weight_decay", weight_decay)
+        check_interval("curvature_every", curvature_every)
+        check_choice("fisher", fisher, ("empirical", "mc"))
+        check_choice("mc_loss", mc_loss, ("cross_entropy", "mse"))
+        if kl_clip is not None:
+            check_positive("kl_clip", kl_clip)
+        check_choice("update_form", update_form, ("auto", "woodbury"))
+        check_choice("strategy", strategy, ("auto", "factor", "materialize"))
         params = [p for p in model.parameters() if p.requires_grad]
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
         super().__init__(params, defaults)
@@ -229,24 +221,7 @@ class TENGraD(torch.optim.Optimizer):
         Fisher or on steps that reuse curvature."""
         if self.fisher != "mc" or not self._is_curvature_step():
             return
-        store = self._info.store
-        with torch.no_grad():
-            if self.mc_loss == "cross_entropy":
-                probs = torch.softmax(outputs.detach().float(), dim=-1)
-                target = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).reshape(probs.shape[:-1])
-            else:
-                target = outputs.detach() + torch.randn_like(outputs)
-        if self.mc_loss == "cross_entropy":
-            mc = F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), target.reshape(-1))
-        else:
-            mc = 0.5 * (outputs - target).pow(2).reshape(outputs.shape[0], -1).sum(1).mean()
-        weights = [layer.weight for layer in self._layers if layer.weight.requires_grad]
-        store.grad_only = True
-        try:
-            torch.autograd.grad(mc, weights, retain_graph=True, allow_unused=True)
-        finally:
-            store.grad_only = False
-        store.recording = False  # the real backward must not overwrite the MC G
+        mc_capture(self._info.store, outputs, self.mc_loss, [layer.weight for layer in self._layers if layer.weight.requires_grad])
         self._mc_done = True
 
     # ------------------------------------------------------------------ curvature
