@@ -294,13 +294,13 @@ class TENGraD(torch.optim.Optimizer):
         grads = [p.grad for p in group["params"] if p.grad is not None]
         if not grads:  # nothing to do, like torch's own optimizers
             return loss
-        if not self._all_finite(grads):
-            return self._skip("non-finite gradient", loss)
         if curvature_step and store.generation - self._last_generation > 1 and not self._warned_accum:
             warnings.warn("TENGraD: several capturing backwards since the last step (gradient "
                           "accumulation?): the curvature uses the last micro-batch only", RuntimeWarning)
             self._warned_accum = True
         self._last_generation = store.generation
+        if not self._all_finite(grads):
+            return self._skip("non-finite gradient", loss)
         t0 = time.perf_counter()
         self._gram_seconds = 0.0
         updates = self._fused_step(curvature_step, mc_step, damping) if self.compile else None
