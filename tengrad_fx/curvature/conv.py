@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..capture.match import LayerSpec
+from ..capture.ops import per_sample_conv_weight_grads
 
-__all__ = ["unfold", "layout", "dims", "jvp", "vjp"]
+__all__ = ["unfold", "layout", "dims", "jvp", "vjp", "per_sample_grads"]
 
 
 def unfold(x: Tensor, kernel: tuple[int, ...], stride: tuple[int, ...],
@@ -84,3 +85,12 @@ def vjp(spec: LayerSpec, I: Tensor, G: Tensor, c: Tensor) -> tuple[Tensor, Tenso
         list(spec.dilation), False, [0] * nd, spec.groups, [False, True, True],
     )
     return gW, gb
+
+
+def per_sample_grads(spec: LayerSpec, I: Tensor, G: Tensor) -> tuple[Tensor, Tensor]:
+    """``(dW [m, weight.numel()], db [m, c_out])`` by one grouped weight-gradient
+    convolution over the batch (aten's kernel; no unfolded input in memory)."""
+    w = spec.weight
+    P = per_sample_conv_weight_grads(G, I, w.shape, list(spec.stride), list(spec.padding),
+                                     list(spec.dilation), spec.groups)
+    return P, G.flatten(2).sum(2)

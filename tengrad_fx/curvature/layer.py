@@ -12,8 +12,10 @@ and ``o`` outputs per group, several calls of one module add their positions):
 
 * ``"factor"`` (covariance factorization, the paper's): ``2·m²·S²·(f+o)·g`` flops,
   working memory bounded by ``tensors.DEFAULT_BLOCK_BYTES``.
-* ``"materialize"`` (unfold + batched matmul, then ``J Jᵀ``): ``2·m·S·f·o·g + 2·m²·f·o·g``
-  flops, plus the unfolded input ``m·S·f·g`` for convolutions.
+* ``"materialize"`` (explicit per-sample gradients ``P``, then ``P Pᵀ``):
+  ``2·m·S·f·o·g + 2·m²·f·o·g`` flops; for convolutions ``P`` comes from one grouped
+  weight-gradient convolution over the batch (memory ``m·n``, no unfolded input), for
+  Linear from a batched matmul in output-channel chunks.
 * ``"auto"`` picks the one with fewer flops.
 """
 from __future__ import annotations
@@ -140,8 +142,7 @@ class CoveredLayer:
             if r.P is not None:
                 w, b = r.P, r.Gsum
             else:
-                A, B = self._kernel.layout(self.spec, r.I, r.G)
-                w, b = tensors.per_sample_grads(A, B)
+                w, b = self._kernel.per_sample_grads(self.spec, r.I, r.G)
             dW = w.reshape(m, -1) if dW is None else dW + w.reshape(m, -1)
             db = b.reshape(m, -1) if db is None else db + b.reshape(m, -1)
         assert dW is not None and db is not None
@@ -158,7 +159,7 @@ class CoveredLayer:
         """``J Jᵀ``, ``[m, m]``, in the captured dtype. Layers whose per-sample gradients
         were materialized in backward use them whatever the strategy."""
         how = self.choose(strategy)
-        if self.materialized or (how == "materialize" and len(self.records()) > 1):
+        if self.materialized or (how == "materialize" and (len(self.records()) > 1 or self.kind != "linear")):
             J = self.jacobian()
             return J @ J.T
         lays = self._layouts()

@@ -12,7 +12,7 @@ from torch import Tensor
 from ..capture.match import LayerSpec
 from . import tensors
 
-__all__ = ["layout", "dims", "jvp", "vjp"]
+__all__ = ["layout", "dims", "jvp", "vjp", "per_sample_grads"]
 
 
 def layout(spec: LayerSpec, I: Tensor, G: Tensor) -> tuple[Tensor, Tensor]:
@@ -40,3 +40,10 @@ def vjp(spec: LayerSpec, I: Tensor, G: Tensor, c: Tensor) -> tuple[Tensor, Tenso
     A, B = layout(spec, I, G)
     gW, gb = tensors.vjp(A, B, c)
     return gW[0], gb[0]
+
+
+def per_sample_grads(spec: LayerSpec, I: Tensor, G: Tensor) -> tuple[Tensor, Tensor]:
+    """``(dW [m, d_out·d_in], db [m, d_out])``: one batched matmul over positions."""
+    A, B = layout(spec, I, G)
+    dW, db = tensors.per_sample_grads(A, B)
+    return dW.flatten(1), db.flatten(1)

@@ -35,7 +35,7 @@ from ..capture.info import get_info
 from ..capture.prepare import capturing
 from .checks import check_choice, check_interval, check_nonneg, check_positive, check_unit
 from .mc import mc_capture
-from ..curvature.layer import CoveredLayer, covered_layers
+from ..curvature.layer import KERNELS, CoveredLayer, choose_strategy, covered_layers
 from ..solve.woodbury import CholeskyFailed, damped_cholesky, woodbury_apply, woodbury_push_through
 from .fused import LayerInput, fused_update
 
@@ -181,6 +181,7 @@ class TENGraD(torch.optim.Optimizer):
             backend = compile if isinstance(compile, str) else "inductor"
             self._fused_fn = torch.compile(fused_update, dynamic=False, fullgraph=True, backend=backend)
         self._layers = covered_layers(model)
+        self._initial_jacobian_sites()
         self._curv: list[_Curvature] = []
         self._curv_damping: Optional[float] = None
         self._warned_skip = False
@@ -433,6 +434,29 @@ class TENGraD(torch.optim.Optimizer):
                 out[p] = u[off: off + p.numel()].view_as(p).to(p.dtype)
                 off += p.numel()
         return out
+
+    def _initial_jacobian_sites(self, m: int = 128) -> None:
+        """Before any capture: mark the layers the cost model would materialize at a
+        nominal batch ``m`` (from the shapes ``prepare`` probed), so even the first
+        backward computes their per-sample gradients in place of the weight gradient.
+        The first curvature step re-decides with the real batch."""
+        sites: set[int] = set()
+        budget = self.jacobian_budget
+        for layer in self._layers:
+            spec = layer.spec
+            if not spec.input_shapes or self.strategy == "factor":
+                continue
+            g = S = f = o = 0
+            for shape in spec.input_shapes:
+                g, s_, f, o = KERNELS[spec.kind].dims(spec, (m, *shape[1:]))
+                S += s_
+            if self.strategy == "materialize" or choose_strategy(m, g, S, f, o) == "materialize":
+                n = sum(p.numel() for p in (layer.weight, layer.bias) if p is not None)
+                nbytes = m * n * layer.weight.element_size()
+                if nbytes <= budget:
+                    budget -= nbytes
+                    sites.update(spec.sites)
+        self._info.store.jacobian_sites = sites
 
     def _mark_jacobian_sites(self) -> None:
         sites: set[int] = set()
