@@ -21,7 +21,6 @@ positions), with ``ğ = k·G`` the per-sample output gradients (``k = m`` for
 from __future__ import annotations
 
 import copy
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
@@ -33,6 +32,7 @@ from ..capture.info import PrepareInfo, get_info
 from ..capture.prepare import capturing
 from .checks import check_choice, check_interval, check_nonneg, check_positive, check_unit
 from .mc import mc_capture
+from .update import apply_momentum_step, kl_clip_factor
 from ..curvature.layer import KERNELS, CoveredLayer, covered_layers
 from ..curvature.tensors import DEFAULT_BLOCK_BYTES
 
@@ -323,26 +323,8 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             return self._skip(str(exc), loss)
         if not _all_finite(list(updates.values())):
             return self._skip("non-finite preconditioned update", loss)
-        nu = 1.0
-        if self.kl_clip is not None and updates:
-            vg = float(sum((u * p.grad).sum() for p, u in updates.items())) * lr ** 2
-            if vg > 0:
-                nu = min(1.0, math.sqrt(self.kl_clip / vg))
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            d = updates[p] * nu if p in updates else p.grad.clone()
-            if wd:
-                d.add_(p, alpha=wd)
-            if momentum:
-                st = self.state[p]
-                buf = st.get("momentum_buffer")
-                if buf is None:
-                    st["momentum_buffer"] = buf = d
-                else:
-                    buf.mul_(momentum).add_(d)
-                d = buf
-            p.add_(d, alpha=-lr)
+        nu = kl_clip_factor(updates, lr, self.kl_clip)
+        apply_momentum_step(self.state, group["params"], updates, lr, momentum, wd, nu)
         self.counters["step"] += 1
         self._after_update(stats_step, closure)
         capturing(self.model, self._needs_capture(self.counters["step"]))

@@ -22,7 +22,6 @@ Training loops::
 """
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from ..capture.info import get_info
 from ..capture.prepare import capturing
 from .checks import check_choice, check_interval, check_nonneg, check_positive, check_unit
 from .mc import mc_capture
+from .update import apply_momentum_step, kl_clip_factor
 from ..curvature.layer import KERNELS, CoveredLayer, choose_strategy, covered_layers
 from ..solve.woodbury import CholeskyFailed, damped_cholesky, woodbury_apply, woodbury_push_through
 from .fused import LayerInput, fused_update
@@ -282,8 +282,7 @@ class TENGraD(torch.optim.Optimizer):
         group = self.param_groups[0]
         lr, damping = group["lr"], group["damping"]
         momentum, wd = group["momentum"], group["weight_decay"]
-        if not damping > 0:
-            raise ValueError(f"damping must be > 0, got {damping}")
+        check_positive("damping", damping)
         store = self._info.store
         store.recording = True
         curvature_step = self._is_curvature_step()
@@ -321,32 +320,8 @@ class TENGraD(torch.optim.Optimizer):
         if not self._all_finite(list(updates.values())):
             return self._skip("non-finite natural-gradient update", loss)
 
-        nu = 1.0
-        if self.kl_clip is not None and updates:
-            vg = sum((u * p.grad).sum() for p, u in updates.items()) * lr ** 2
-            if vg > 0:
-                nu = min(1.0, math.sqrt(self.kl_clip / float(vg)))
-        ps = [p for p in group["params"] if p.grad is not None]
-        ds = [updates[p] if p in updates else p.grad for p in ps]
-        if nu != 1.0:
-            ds = [d * nu if p in updates else d for p, d in zip(ps, ds)]
-        if wd:
-            ds = torch._foreach_add(ds, ps, alpha=wd)
-        if momentum:
-            new_bufs, old_bufs, old_ds = [], [], []
-            for p, d in zip(ps, ds):
-                st = self.state[p]
-                if "momentum_buffer" not in st:
-                    st["momentum_buffer"] = torch.clone(d).detach()
-                else:
-                    old_bufs.append(st["momentum_buffer"])
-                    old_ds.append(d)
-                new_bufs.append(st["momentum_buffer"])
-            if old_bufs:
-                torch._foreach_mul_(old_bufs, momentum)
-                torch._foreach_add_(old_bufs, old_ds)
-            ds = new_bufs
-        torch._foreach_add_(ps, ds, alpha=-lr)
+        nu = kl_clip_factor(updates, lr, self.kl_clip)
+        apply_momentum_step(self.state, group["params"], updates, lr, momentum, wd, nu)
         self.counters["step"] += 1
         self._set_capture()
         self.timings = {"gram": self._gram_seconds, "factorize": t1 - t0 - self._gram_seconds,
