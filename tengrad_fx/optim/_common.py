@@ -32,7 +32,7 @@ from ..capture.info import PrepareInfo, get_info
 from ..capture.prepare import capturing
 from .checks import check_choice, check_interval, check_nonneg, check_positive, check_unit
 from .mc import mc_capture
-from .update import apply_momentum_step, kl_clip_factor
+from .update import all_finite, apply_momentum_step, kl_clip_factor
 from ..curvature.layer import KERNELS, CoveredLayer, covered_layers
 from ..curvature.tensors import DEFAULT_BLOCK_BYTES
 
@@ -309,7 +309,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"{type(self).__name__}(fisher='mc'): call opt.mc_capture(outputs) "
                                "before loss.backward() on statistics steps")
         grads = [p.grad for p in group["params"] if p.grad is not None]
-        if not grads or not _all_finite(grads):
+        if not grads or not all_finite(grads):
             return self._skip("non-finite gradient", loss)
         if stats_step:
             if store.generation == self._seen_generation:
@@ -321,7 +321,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             updates = self._precondition(damping)
         except SkipStep as exc:
             return self._skip(str(exc), loss)
-        if not _all_finite(list(updates.values())):
+        if not all_finite(list(updates.values())):
             return self._skip("non-finite preconditioned update", loss)
         nu = kl_clip_factor(updates, lr, self.kl_clip)
         apply_momentum_step(self.state, group["params"], updates, lr, momentum, wd, nu)
@@ -352,12 +352,6 @@ def _to_device(v: Any, dev: torch.device) -> Any:
     if isinstance(v, (tuple, list)):
         return type(v)(_to_device(x, dev) for x in v)
     return v
-
-
-def _all_finite(ts: list[Tensor]) -> bool:
-    if not ts:
-        return True
-    return bool(torch.stack([torch.isfinite(t).all() for t in ts]).all())
 
 
 def running(old: Optional[Tensor], new: Tensor, decay: float) -> Tensor:

@@ -34,7 +34,7 @@ from ..capture.info import get_info
 from ..capture.prepare import capturing
 from .checks import check_choice, check_interval, check_nonneg, check_positive, check_unit
 from .mc import mc_capture
-from .update import apply_momentum_step, kl_clip_factor
+from .update import all_finite, apply_momentum_step, kl_clip_factor
 from ..curvature.layer import KERNELS, CoveredLayer, choose_strategy, covered_layers
 from ..solve.woodbury import CholeskyFailed, damped_cholesky, woodbury_apply, woodbury_push_through
 from .fused import LayerInput, fused_update
@@ -299,7 +299,7 @@ class TENGraD(torch.optim.Optimizer):
                           "accumulation?): the curvature uses the last micro-batch only", RuntimeWarning)
             self._warned_accum = True
         self._last_generation = store.generation
-        if not self._all_finite(grads):
+        if not all_finite(grads):
             return self._skip("non-finite gradient", loss)
         t0 = time.perf_counter()
         self._gram_seconds = 0.0
@@ -317,7 +317,7 @@ class TENGraD(torch.optim.Optimizer):
             except CholeskyFailed as exc:
                 return self._skip(str(exc), loss)
         t2 = time.perf_counter()
-        if not self._all_finite(list(updates.values())):
+        if not all_finite(list(updates.values())):
             return self._skip("non-finite natural-gradient update", loss)
 
         nu = kl_clip_factor(updates, lr, self.kl_clip)
@@ -480,12 +480,6 @@ class TENGraD(torch.optim.Optimizer):
 
     def _set_capture(self) -> None:
         capturing(self.model, self._is_curvature_step())
-
-    @staticmethod
-    def _all_finite(ts: list[Tensor]) -> bool:
-        if not ts:
-            return True
-        return bool(torch.stack([torch.isfinite(t).all() for t in ts]).all())
 
     def _skip(self, why: str, loss: Optional[Tensor]) -> Optional[Tensor]:
         self.counters["skipped"] += 1

@@ -11,7 +11,14 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["kl_clip_factor", "apply_momentum_step"]
+__all__ = ["all_finite", "kl_clip_factor", "apply_momentum_step"]
+
+
+def all_finite(ts: list[Tensor]) -> bool:
+    """True when every tensor is finite (one host sync for the whole list)."""
+    if not ts:
+        return True
+    return bool(torch.stack([torch.isfinite(t).all() for t in ts]).all())
 
 
 def kl_clip_factor(updates: dict[Tensor, Tensor], lr: float, kl_clip: Optional[float]) -> float:
