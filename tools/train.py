@@ -41,74 +41,23 @@ it is called on the logits before ``loss.backward()``. ``--subset N`` trains on
 ``zoo.subset(train, N)`` (a fixed shuffle, seed 0, so every ``--seed`` sees the same
 samples) and evaluates on ``zoo.subset(test, N)``.
 
-Files written to ``--out`` (default ``runs/<model>-<dataset>-<optimizer>-s<seed>``)
-------------------------------------------------------------------------------------
-``config.json``
-    every resolved argument (defaults filled in) plus ``n_params``, ``steps_per_epoch``,
-    ``n_train``, ``n_test``, ``optimizer_kwargs`` (what the optimizer was built with,
-    e.g. K-FAC's ``TCov``/``TInv``); nothing that differs between repeats of one experiment.
-``steps.jsonl`` -- one JSON object per training step:
-    ``step`` (1-based, global), ``epoch`` (1-based epoch the step belongs to),
-    ``loss`` (training loss of the batch, before the update), ``acc`` (training accuracy
-    of the batch, before the update), ``lr`` (learning rate used), ``train_time``
-    (cumulative training wall-clock seconds, evaluation and checkpointing excluded;
-    with ``--compile`` the first steps include the compilation),
-    ``skipped`` (true if the update was skipped: non-finite loss, or the optimizer
-    skipped it).
-``epochs.jsonl`` -- one JSON object per evaluation at the end of an epoch:
-    ``epoch`` (epochs completed; fractional ``e + k/steps_per_epoch`` for a run stopped
-    by ``--max-steps`` inside an epoch), ``step``, ``train_loss``, ``train_acc`` (means
-    over the epoch's training batches, weighted by batch size, before each update;
-    batches with a non-finite loss are left out of ``train_loss``, which is ``null`` if
-    all were),
-    ``test_loss``, ``test_acc`` (full test set, batches of 1000, ``torch.no_grad``),
-    ``lr``, ``train_time`` (cumulative, as in steps.jsonl), ``eval_time`` (cumulative
-    evaluation seconds, this evaluation included).
-``evals.jsonl`` (only with ``--eval-every N``) -- one object every N steps:
-    ``step``, ``epoch`` (fractional), ``test_loss``, ``test_acc``, ``train_time``, ``eval_time``.
-``summary.json``
-    ``test_acc``, ``test_loss``, ``train_loss``, ``train_acc`` (last epoch),
-    ``train_time``, ``eval_time``, ``epochs`` (completed, fractional if stopped inside an
-    epoch), ``steps``, ``samples_per_s``, ``optimizer``, ``model``, ``dataset``,
-    ``skipped_steps`` (= ``skipped_nonfinite_loss`` + ``skipped_by_optimizer``),
-    ``stopped_by_max_steps``, ``resumed_at_steps`` (steps at which ``--resume`` picked the
-    run up), ``out``, ``torch`` (version), ``device_name``, ``threads``. Written last: a
-    directory without it holds an unfinished run.
-``checkpoint.pt``
-    after every epoch (and when ``--max-steps`` stops a run), written atomically (a
-    temporary file in ``--out``, then ``os.replace``): model and optimizer state dicts,
-    ``epoch``/``step``/``batch_in_epoch``, the torch RNG states, the data generator's
-    state at the start of the current epoch, running epoch sums, timings, skip counts,
-    the config (TENGraD's state dict carries which layers its backward materializes).
-    ``--resume`` restores all of it and continues with the identical trajectory: on CPU
-    the parameters are bit-identical to an uninterrupted run (TENGraD with
-    ``--curvature-every`` > 1 recomputes curvature on the first step after loading,
-    so only ``T = 1`` is bit-identical). The jsonl logs are cut back to the checkpoint's
-    step and appended to.
-``coverage.txt`` (prepared models) -- :func:`tengrad_fx.report` of the model.
-``curves.png`` / ``curves.svg`` -- ``tools.plot.plot_runs`` of this run (unless ``--no-plot``).
-
-Non-finite losses: the step's update is skipped (no backward, parameters unchanged) and
-counted; optimizers with ``counters["skipped"]`` (TENGraD) also skip non-finite gradients
-and failed factorizations themselves; both counts go to ``summary.json``.
+Files written to ``--out`` (default ``runs/<model>-<dataset>-<optimizer>-s<seed>``) and the
+log columns are documented in :mod:`tools._loop`, which runs the training loop.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import math
 import os
 import re
 import sys
-import tempfile
-import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
+
+from tools import _loop
+from tools._loop import CHECKPOINT, EVAL_BATCH, evaluate, save_checkpoint  # noqa: F401  (re-exported)
 
 __all__ = ["PAPER_DEFAULTS", "LR_SCHEDULE_DEFAULTS", "OPTIMIZER_NAMES", "build_parser", "lr_factor",
            "main", "parse_lr_schedule", "resolve_config", "run"]
@@ -141,13 +90,6 @@ _DATASET_ALIASES = {
     "cifar10": "cifar10", "cifar-10": "cifar10", "cifar100": "cifar100", "cifar-100": "cifar100",
 }
 
-# Arguments that determine the trajectory: --resume refuses a checkpoint whose config differs.
-_TRAJECTORY_KEYS = ("model", "dataset", "optimizer", "batch_size", "lr", "momentum", "weight_decay", "damping",
-                    "curvature_every", "fisher", "lr_schedule", "seed", "subset")
-
-CHECKPOINT = "checkpoint.pt"
-EVAL_BATCH = 1000
-
 
 class ConfigError(ValueError):
     """A bad argument combination (reported by ``main`` as a usage error)."""
@@ -171,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tengrad-train" if called.startswith("tengrad-train") else "python -m tools.train",
         description="Train a zoo model with TENGraD / SGD / K-FAC / EK-FAC / KBFGS; logs, checkpoint and "
-                    "summary go to --out (see the module docstring for the log columns).",
+                    "summary go to --out (see tools._loop's docstring for the files and log columns).",
         formatter_class=_HelpFormatter,
     )
     p.add_argument("--model", default="3c1f", help="zoo model: 3c1f, wrn-28-4, densenet-19, mobilenetv2, "
@@ -388,92 +330,6 @@ def build_optimizer(cfg: dict[str, Any], model: nn.Module) -> torch.optim.Optimi
     raise ConfigError(f"--optimizer {name} needs tengrad_fx.optim.registry (not importable)")
 
 
-def evaluate(model: nn.Module, dataset: Any, batch_size: int = EVAL_BATCH,
-             progress: bool = False) -> tuple[float, float]:
-    """(mean cross-entropy, accuracy) over ``dataset`` under ``torch.no_grad`` in eval mode."""
-    import zoo  # noqa: PLC0415
-
-    was_training = model.training
-    model.eval()
-    loss_sum, correct, n = 0.0, 0, 0
-    bar = _progress(zoo.num_batches(dataset, batch_size), "eval", not progress, leave=False)
-    try:
-        with torch.no_grad():
-            for xb, yb in zoo.batches(dataset, batch_size):
-                out = model(xb)
-                loss_sum += float(F.cross_entropy(out.float(), yb, reduction="sum"))
-                correct += int((out.argmax(-1) == yb).sum())
-                n += int(yb.shape[0])
-                bar.update(1)
-    finally:
-        bar.close()
-        model.train(was_training)
-    return loss_sum / max(n, 1), correct / max(n, 1)
-
-
-def save_checkpoint(path: Path, obj: dict[str, Any]) -> None:
-    """``torch.save`` to a temporary file next to ``path``, then ``os.replace`` (atomic)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def _truncate_jsonl(path: Path, keep: Callable[[dict[str, Any]], bool]) -> None:
-    """Keep only the lines of a jsonl log that satisfy ``keep`` (used on resume)."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a half-written last line of a killed run
-        if keep(rec):
-            kept.append(line)
-    path.write_text("".join(f"{line}\n" for line in kept))
-
-
-class _JsonlLog:
-    def __init__(self, path: Path):
-        self.path = path
-        self._f = open(path, "a")
-
-    def write(self, rec: dict[str, Any]) -> None:
-        self._f.write(json.dumps(rec) + "\n")
-        self._f.flush()
-
-    def close(self) -> None:
-        self._f.close()
-
-
-def _skipped_by_optimizer(opt: torch.optim.Optimizer) -> int:
-    counters = getattr(opt, "counters", None)
-    if isinstance(counters, dict):
-        return int(counters.get("skipped", 0))
-    return 0
-
-
-def _progress(total: int, desc: str, disable: bool, leave: bool = True) -> Any:
-    from tqdm.auto import tqdm  # noqa: PLC0415
-
-    return tqdm(total=total, desc=desc, disable=disable, dynamic_ncols=True, leave=leave, file=sys.stderr)
-
-
-def _skip_batches(it: Iterator[Any], k: int) -> None:
-    for _ in range(k):
-        next(it)
-
-
 # --------------------------------------------------------------------------- the run
 
 
@@ -489,267 +345,26 @@ def run(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         cfg = resolve_config(args)
     except ConfigError as exc:
         parser.error(str(exc))
-    return _train(cfg, parser)
 
-
-def _train(cfg: dict[str, Any], parser: argparse.ArgumentParser) -> dict[str, Any]:
-    import zoo  # noqa: PLC0415
-
-    if cfg["threads"]:
-        torch.set_num_threads(cfg["threads"])
-    device = torch.device(cfg["device"])
-    out = Path(cfg["out"])
-    ckpt_path = out / CHECKPOINT
-
-    # ---- resume: load the checkpoint first, so a config mismatch fails before any work
-    ckpt: Optional[dict[str, Any]] = None
-    if cfg["resume"]:
-        if ckpt_path.exists():
-            ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-            old = ckpt["config"]
-            diff = [f"{k}: checkpoint {old.get(k)!r} vs now {cfg[k]!r}" for k in _TRAJECTORY_KEYS
-                    if old.get(k) != cfg[k]]
-            if diff:
-                parser.error(f"--resume: {ckpt_path} was written with a different configuration: " + "; ".join(diff))
-        else:
-            print(f"--resume: no {ckpt_path}, starting from scratch", file=sys.stderr)
-
-    # ---- data and model
-    try:
-        train_ds = zoo.get_dataset(cfg["dataset"], "train", cfg["data_dir"], download=cfg["download"])
-        test_ds = zoo.get_dataset(cfg["dataset"], "test", cfg["data_dir"], download=cfg["download"])
-    except (FileNotFoundError, ValueError) as exc:
-        parser.error(str(exc))
-    if cfg["subset"] is not None:
-        train_ds = zoo.subset(train_ds, cfg["subset"])
-        test_ds = zoo.subset(test_ds, cfg["subset"])
-    train_ds, test_ds = train_ds.to(device), test_ds.to(device)
-
-    torch.manual_seed(cfg["seed"])
-    try:
-        model = build_model(cfg["model"], train_ds).to(device)
-    except (ValueError, TypeError) as exc:
-        parser.error(f"--model {cfg['model']}: {exc}")
-    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    coverage = None
-    if cfg["optimizer"] != "sgd":
-        import tengrad_fx  # noqa: PLC0415
-
-        model = tengrad_fx.prepare(model, example_inputs=(train_ds.x[:2],))
-        coverage = str(tengrad_fx.report(model, m=cfg["batch_size"]))
-    try:
-        opt = build_optimizer(cfg, model)
-    except ConfigError as exc:
-        parser.error(str(exc))
-    forward: Callable[[torch.Tensor], torch.Tensor] = torch.compile(model) if cfg["compile"] else model
-    out.mkdir(parents=True, exist_ok=True)  # only now: a bad --model/--dataset leaves no directory behind
-    gen = torch.Generator().manual_seed(cfg["seed"])  # data order (+ augmentation), always on the CPU
-    steps_per_epoch = zoo.num_batches(train_ds, cfg["batch_size"])
-    base_lr = cfg["lr"]
-
-    # ---- state (fresh or from the checkpoint)
-    epoch, step, batch_in_epoch = 0, 0, 0
-    train_time = eval_time = 0.0
-    skipped_loss = 0
-    ep_loss_sum = ep_loss_n = ep_correct = ep_count = 0.0  # running sums of the current epoch
-    samples = 0
-    epoch_gen_state = gen.get_state()
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
-        epoch, step, batch_in_epoch = ckpt["epoch"], ckpt["step"], ckpt["batch_in_epoch"]
-        train_time, eval_time = ckpt["train_time"], ckpt["eval_time"]
-        skipped_loss = ckpt["skipped_nonfinite_loss"]
-        ep_loss_sum, ep_loss_n, ep_correct, ep_count = ckpt["epoch_sums"]
-        samples = ckpt["samples"]
-        epoch_gen_state = ckpt["rng"]["data_epoch_start"]
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"], device)
-        last_step = step
-        for name in ("steps.jsonl", "evals.jsonl", "epochs.jsonl"):
-            _truncate_jsonl(out / name, lambda r: r.get("step", 0) <= last_step)
-        with contextlib.suppress(FileNotFoundError):
-            (out / "summary.json").unlink()  # the run is unfinished again until the new summary
-    else:
-        for name in ("steps.jsonl", "evals.jsonl", "epochs.jsonl", "summary.json", CHECKPOINT):
-            with contextlib.suppress(FileNotFoundError):
-                (out / name).unlink()
-
-    resolved = {k: v for k, v in cfg.items() if k != "resume"}
-    meta = dict(resolved, resume=cfg["resume"], n_params=n_params, steps_per_epoch=steps_per_epoch,
-                n_train=len(train_ds), n_test=len(test_ds), optimizer_kwargs=optimizer_kwargs(cfg))
-    (out / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
-    resumed_at = list(ckpt.get("resumed_at", [])) + [step] if ckpt is not None else []
-    if coverage is not None:
-        (out / "coverage.txt").write_text(coverage + "\n")
-
-    steps_log, epochs_log = _JsonlLog(out / "steps.jsonl"), _JsonlLog(out / "epochs.jsonl")
-    evals_log = _JsonlLog(out / "evals.jsonl") if cfg["eval_every"] else None
-    show = not cfg["no_progress"] and sys.stderr.isatty()
-    last_eval: Optional[dict[str, Any]] = None
-    max_steps = cfg["max_steps"]
-    stopped = False
-
-    def snapshot() -> dict[str, Any]:
-        return {
-            "model": model.state_dict(),
-            "optimizer": opt.state_dict(),
-            "epoch": epoch,
-            "step": step,
-            "batch_in_epoch": batch_in_epoch,
-            "train_time": train_time,
-            "eval_time": eval_time,
-            "skipped_nonfinite_loss": skipped_loss,
-            "epoch_sums": (ep_loss_sum, ep_loss_n, ep_correct, ep_count),
-            "samples": samples,
-            "rng": {"torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-                    "data_epoch_start": epoch_gen_state},
-            "config": resolved,
-            "resumed_at": resumed_at,
-        }
-
-    def do_eval() -> tuple[float, float]:
-        nonlocal eval_time
-        t0 = time.perf_counter()
-        loss, acc = evaluate(forward_eval, test_ds, progress=show)
-        eval_time += time.perf_counter() - t0
-        return loss, acc
-
-    forward_eval = forward
-    session_samples, session_t0 = 0, train_time
-    model.train()
-    try:
-        while epoch < cfg["epochs"] and not (max_steps is not None and step >= max_steps):
-            lr = base_lr * lr_factor(cfg["lr_schedule"], epoch)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            gen.set_state(epoch_gen_state)
-            it = zoo.batches(train_ds, cfg["batch_size"], shuffle=True, generator=gen)
-            _skip_batches(it, batch_in_epoch)
-            bar = _progress(steps_per_epoch, f"epoch {epoch + 1}/{cfg['epochs']}", not show)
-            bar.update(batch_in_epoch)
-            while True:
-                if max_steps is not None and step >= max_steps:
-                    stopped = True
-                    break
-                t0 = time.perf_counter()
-                try:
-                    xb, yb = next(it)
-                except StopIteration:
-                    break
-                out_logits = forward(xb)
-                loss = F.cross_entropy(out_logits, yb)
-                loss_v = float(loss.detach())
-                before = _skipped_by_optimizer(opt)
-                opt.zero_grad(set_to_none=True)
-                if math.isfinite(loss_v):
-                    if hasattr(opt, "mc_capture"):
-                        opt.mc_capture(out_logits)
-                    loss.backward()
-                    opt.step()
-                    skipped = _skipped_by_optimizer(opt) > before
-                else:
-                    skipped_loss += 1
-                    skipped = True
-                correct = int((out_logits.detach().argmax(-1) == yb).sum())
-                train_time += time.perf_counter() - t0
-                del out_logits, loss
-                bs = int(yb.shape[0])
-                step += 1
-                batch_in_epoch += 1
-                if math.isfinite(loss_v):
-                    ep_loss_sum += loss_v * bs
-                    ep_loss_n += bs
-                ep_correct += correct
-                ep_count += bs
-                samples += bs
-                steps_log.write({"step": step, "epoch": epoch + 1, "loss": loss_v, "acc": correct / bs, "lr": lr,
-                                 "train_time": train_time, "skipped": skipped})
-                session_samples += bs
-                bar.set_postfix(loss=f"{ep_loss_sum / max(ep_loss_n, 1):.4f}",
-                                acc=f"{ep_correct / max(ep_count, 1):.3f}",
-                                samples_s=f"{session_samples / max(train_time - session_t0, 1e-9):.0f}", refresh=False)
-                bar.update(1)
-                if evals_log is not None and step % cfg["eval_every"] == 0:
-                    test_loss, test_acc = do_eval()
-                    last_eval = {"step": step, "epoch": epoch + batch_in_epoch / steps_per_epoch,
-                                 "test_loss": test_loss, "test_acc": test_acc, "train_time": train_time,
-                                 "eval_time": eval_time}
-                    evals_log.write(last_eval)
-            bar.close()
-            complete = batch_in_epoch >= steps_per_epoch
-            if not complete and batch_in_epoch == 0:
-                break  # stopped by --max-steps exactly at an epoch boundary: nothing new to log
-            test_loss, test_acc = do_eval()
-            frac_epoch: float = epoch + 1 if complete else epoch + batch_in_epoch / steps_per_epoch
-            train_loss = ep_loss_sum / ep_loss_n if ep_loss_n else None  # None: every loss was non-finite
-            rec = {"epoch": frac_epoch, "step": step, "train_loss": train_loss,
-                   "train_acc": ep_correct / max(ep_count, 1), "test_loss": test_loss, "test_acc": test_acc,
-                   "lr": lr, "train_time": train_time, "eval_time": eval_time}
-            epochs_log.write(rec)
-            last_eval = dict(rec)
-            print(f"epoch {frac_epoch:g}: train loss {train_loss if train_loss is not None else float('nan'):.4f} "
-                  f"acc {rec['train_acc']:.4f} | "
-                  f"test loss {test_loss:.4f} acc {test_acc:.4f} | train {train_time:.1f}s eval {eval_time:.1f}s",
-                  flush=True)
-            if complete:
-                epoch += 1
-                batch_in_epoch = 0
-                ep_loss_sum = ep_loss_n = ep_correct = ep_count = 0.0
-                epoch_gen_state = gen.get_state()
-            save_checkpoint(ckpt_path, snapshot())
-            if stopped:
-                break
-    finally:
-        steps_log.close()
-        epochs_log.close()
-        if evals_log is not None:
-            evals_log.close()
-
-    if last_eval is None or last_eval["step"] != step:  # nothing trained now, or stopped at a boundary
-        test_loss, test_acc = do_eval()
-        last_eval = {"test_loss": test_loss, "test_acc": test_acc, "step": step}
-        prev = [json.loads(x) for x in (out / "epochs.jsonl").read_text().splitlines() if x.strip()]
-        if prev:
-            last_eval.setdefault("train_loss", prev[-1]["train_loss"])
-            last_eval.setdefault("train_acc", prev[-1]["train_acc"])
-    skipped_opt = _skipped_by_optimizer(opt)
-    stopped = max_steps is not None and step >= max_steps and epoch < cfg["epochs"]
-    summary = {
-        "test_acc": last_eval["test_acc"], "test_loss": last_eval["test_loss"],
-        "train_loss": last_eval.get("train_loss"), "train_acc": last_eval.get("train_acc"),
-        "train_time": train_time, "eval_time": eval_time,
-        "epochs": epoch + batch_in_epoch / steps_per_epoch, "steps": step,
-        "samples_per_s": (samples / train_time) if train_time > 0 else None,
-        "optimizer": cfg["optimizer"], "model": cfg["model"], "dataset": cfg["dataset"],
-        "skipped_steps": skipped_loss + skipped_opt, "skipped_nonfinite_loss": skipped_loss,
-        "skipped_by_optimizer": skipped_opt, "stopped_by_max_steps": stopped, "resumed_at_steps": resumed_at,
-        "out": str(out), "torch": torch.__version__,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "threads": torch.get_num_threads(),
-    }
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-
-    plot_msg = ""
-    if not cfg["no_plot"]:
+    def setup(train_ds: Any) -> tuple[nn.Module, torch.optim.Optimizer, Optional[str], dict[str, Any]]:
         try:
-            from tools.plot import plot_runs  # noqa: PLC0415
+            model = build_model(cfg["model"], train_ds).to(cfg["device"])
+        except (ValueError, TypeError) as exc:
+            parser.error(f"--model {cfg['model']}: {exc}")
+        n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        coverage = None
+        if cfg["optimizer"] != "sgd":
+            import tengrad_fx  # noqa: PLC0415
 
-            plot_runs([str(out)], str(out / "curves.png"))
-            plot_msg = f", plot {out / 'curves.png'}"
-        except ImportError as exc:
-            if "matplotlib" in str(exc):
-                print("note: no curves.png (install matplotlib, e.g. pip install -e '.[plot]')", file=sys.stderr)
-        except Exception as exc:  # a plotting problem must not lose a finished run
-            print(f"warning: plotting failed ({type(exc).__name__}: {exc})", file=sys.stderr)
-    skipped_txt = f", {summary['skipped_steps']} skipped steps" if summary["skipped_steps"] else ""
-    print(f"{cfg['model']} / {cfg['dataset']} / {cfg['optimizer']}: test accuracy {summary['test_acc']:.4f} "
-          f"(loss {summary['test_loss']:.4f}) after {step} steps ({summary['epochs']:g} epochs){skipped_txt}; "
-          f"train time {train_time:.1f} s, eval time {eval_time:.1f} s")
-    print(f"logs: {out}/{{config.json,steps.jsonl,epochs.jsonl,summary.json}}, checkpoint {ckpt_path}{plot_msg}")
-    return summary
+            model = tengrad_fx.prepare(model, example_inputs=(train_ds.x[:2],))
+            coverage = str(tengrad_fx.report(model, m=cfg["batch_size"]))
+        try:
+            opt = build_optimizer(cfg, model)
+        except ConfigError as exc:
+            parser.error(str(exc))
+        return model, opt, coverage, {"n_params": n_params, "optimizer_kwargs": optimizer_kwargs(cfg)}
+
+    return _loop.train(cfg, setup=setup, lr_factor=lr_factor, error=parser.error)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
