@@ -21,9 +21,8 @@ positions), with ``ğ = k·G`` the per-sample output gradients (``k = m`` for
 from __future__ import annotations
 
 import copy
-import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -32,7 +31,7 @@ from ..capture.info import PrepareInfo, get_info
 from ..capture.prepare import capturing
 from .checks import check_choice, check_interval, check_nonneg, check_positive, check_unit
 from .mc import mc_capture
-from .update import all_finite, apply_momentum_step, kl_clip_factor
+from .skeleton import SkipStep, StepSkeleton
 from ..curvature.layer import KERNELS, CoveredLayer, covered_layers
 from ..curvature.tensors import DEFAULT_BLOCK_BYTES
 
@@ -41,11 +40,6 @@ __all__ = ["Block", "Stats", "CurvatureOptimizer", "SkipStep", "layer_stats",
            "check_unit", "check_choice"]
 
 
-class SkipStep(RuntimeError):
-    """Raised inside a step to skip it (parameters and curvature left unchanged)."""
-
-
-# --------------------------------------------------------------------------- argument checks
 # --------------------------------------------------------------------------- layer blocks
 @dataclass(eq=False)
 class Block:
@@ -194,19 +188,20 @@ def per_sample_grad_chunks(block: Block, dtype: Optional[torch.dtype] = None) ->
 
 
 # --------------------------------------------------------------------------- base optimizer
-class CurvatureOptimizer(torch.optim.Optimizer):
-    """Common step of the baselines: one param group over ``model.parameters()``.
+class CurvatureOptimizer(StepSkeleton):
+    """Common part of the baselines: one param group over ``model.parameters()``, the
+    shared step of :mod:`tengrad_fx.optim.skeleton` (host-read skips: a non-finite
+    gradient or update skips the step before any statistic is updated).
 
-    Per step: non-finite gradient → skip (params untouched); on statistics steps
-    (:meth:`_needs_capture`) :meth:`_update_curvature`; then ``u`` per covered parameter
-    from :meth:`_precondition` (``u = g`` for fallback parameters), the KL clip
-    ``ν = min(1, sqrt(kl_clip / (lr²·Σ u·g)))`` when set, ``d = ν·u + λw``,
-    ``buf = μ·buf + d``, ``w ← w − lr·buf``. Capture is switched on only before steps
-    that need statistics. Counters live in ``self.state[<method name>]``.
+    On statistics steps (:meth:`_needs_capture`) :meth:`_update_curvature`; then ``u`` per
+    covered parameter from :meth:`_precondition` (``u = g`` for fallback parameters), the
+    KL clip, weight decay and momentum. Capture is switched on only before steps that need
+    statistics. Counters live in ``self.state[<method name>]``.
     """
 
     NAME = "curvature"
     SUPPORTS_MC = True
+    EMPTY_STEP_SKIPS = True
     CURVATURE: tuple[str, ...] = ()  # attributes saved in state_dict()["curvature"]
 
     def __init__(self, model: torch.nn.Module, defaults: dict[str, Any], *, kl_clip: Optional[float],
@@ -222,23 +217,16 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         check_choice("mc_loss", mc_loss, ("cross_entropy", "mse"))
         params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, defaults)
-        self.model = model
-        self._info = info
+        self._init_skeleton(model, info)
         self.kl_clip = kl_clip
         self.fisher = fisher
         self.mc_loss = mc_loss
         self.blocks = make_blocks(covered_layers(model))
-        self.state[self.NAME] = {"step": 0, "skipped": 0}
-        self._mc_done = False
         self._seen_generation = -1
-        self._warned_skip = False
         info.store.jacobian_sites = set()  # these optimizers read I and G
         capturing(model, True)
 
     # ------------------------------------------------------------------ hooks for subclasses
-    def _needs_capture(self, step: int) -> bool:
-        raise NotImplementedError
-
     def _update_curvature(self, step: int, captured: bool) -> None:
         """Called every step before :meth:`_precondition`; ``captured``: this step's batch
         was captured (a statistics step). Raise :class:`SkipStep` before committing bad values."""
@@ -247,18 +235,24 @@ class CurvatureOptimizer(torch.optim.Optimizer):
     def _precondition(self, damping: float) -> dict[torch.nn.Parameter, Tensor]:
         raise NotImplementedError
 
-    def _after_update(self, stats_step: bool, closure: Optional[Callable[[], Tensor]]) -> None:
-        """Called after the parameters moved (KBFGS's same-batch secant pass)."""
-
     def _reset_curvature(self) -> None:
         raise NotImplementedError
 
-    # ------------------------------------------------------------------ public
-    @property
-    def counters(self) -> dict[str, int]:
-        """``{"step": steps taken, "skipped": steps skipped for non-finite values}``."""
-        return self.state[self.NAME]
+    # ------------------------------------------------------------------ skeleton hooks
+    def _check_capture(self, stats_step: bool) -> None:
+        store = self._info.store
+        if stats_step:
+            if store.generation == self._seen_generation:
+                raise RuntimeError(f"{type(self).__name__}: step {self._sched} needs the captured I, G "
+                                   "of this batch but nothing new was captured (capture switched off?)")
+            self._seen_generation = store.generation
 
+    def _updates(self, step: int, stats_step: bool, mc_step: bool, damping: float,
+                 ok: Tensor) -> dict[Tensor, Tensor]:
+        self._update_curvature(step, stats_step)
+        return self._precondition(damping)
+
+    # ------------------------------------------------------------------ public
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         """torch's state dict plus ``"curvature"``: copies of the running factors /
         inverses (attributes named in ``CURVATURE``), so a resumed run continues exactly."""
@@ -278,66 +272,16 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             for k, v in curv.items():
                 if k in self.CURVATURE:
                     setattr(self, k, _to_device(copy.deepcopy(v), dev))
-        capturing(self.model, self._needs_capture(self.counters["step"]))
+        capturing(self.model, self._needs_capture(self._sched))
 
     def mc_capture(self, outputs: Tensor) -> None:
         """MC Fisher: before ``loss.backward()``, sample targets from ``outputs`` and run one
         backward that records ``G`` only. No-op for ``fisher="empirical"`` or on steps that
         take no statistics."""
-        if self.fisher != "mc" or not self._needs_capture(self.counters["step"]):
+        if self.fisher != "mc" or not self._needs_capture(self._sched):
             return
         mc_capture(self._info.store, outputs, self.mc_loss, [b.params[0] for b in self.blocks])
         self._mc_done = True
-
-    # ------------------------------------------------------------------ step
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Optional[Tensor]:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        group = self.param_groups[0]
-        lr, damping = group["lr"], group["damping"]
-        momentum, wd = group["momentum"], group["weight_decay"]
-        check_positive("damping", damping)
-        store = self._info.store
-        store.recording = True
-        k = self.counters["step"]
-        stats_step = self._needs_capture(k)
-        mc_step, self._mc_done = self._mc_done, False
-        if stats_step and self.fisher == "mc" and not mc_step:
-            raise RuntimeError(f"{type(self).__name__}(fisher='mc'): call opt.mc_capture(outputs) "
-                               "before loss.backward() on statistics steps")
-        grads = [p.grad for p in group["params"] if p.grad is not None]
-        if not grads or not all_finite(grads):
-            return self._skip("non-finite gradient", loss)
-        if stats_step:
-            if store.generation == self._seen_generation:
-                raise RuntimeError(f"{type(self).__name__}: step {k} needs the captured I, G of this "
-                                   "batch but nothing new was captured (capture switched off?)")
-            self._seen_generation = store.generation
-        try:
-            self._update_curvature(k, stats_step)
-            updates = self._precondition(damping)
-        except SkipStep as exc:
-            return self._skip(str(exc), loss)
-        if not all_finite(list(updates.values())):
-            return self._skip("non-finite preconditioned update", loss)
-        nu = kl_clip_factor(updates, lr, self.kl_clip)
-        apply_momentum_step(self.state, group["params"], updates, lr, momentum, wd, nu)
-        self.counters["step"] += 1
-        self._after_update(stats_step, closure)
-        capturing(self.model, self._needs_capture(self.counters["step"]))
-        return loss
-
-    def _skip(self, why: str, loss: Optional[Tensor]) -> Optional[Tensor]:
-        self.counters["skipped"] += 1
-        if not self._warned_skip:
-            warnings.warn(f"{type(self).__name__}: step skipped ({why}); parameters left unchanged. "
-                          "Further skips are counted in opt.counters['skipped'].", RuntimeWarning)
-            self._warned_skip = True
-        capturing(self.model, self._needs_capture(self.counters["step"]))
-        return loss
 
     def _live_blocks(self) -> list[Block]:
         """Blocks with a gradient this step."""

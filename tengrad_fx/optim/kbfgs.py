@@ -202,7 +202,7 @@ class KBFGS(CurvatureOptimizer):
     # ------------------------------------------------------------------ same-batch pairs
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Optional[Tensor]:  # type: ignore[override]
-        if self.secant == "same_batch" and closure is None and self._needs_capture(self.counters["step"]):
+        if self.secant == "same_batch" and closure is None and self._needs_capture(self._sched):
             raise RuntimeError("KBFGS(secant='same_batch'): pass step(closure) — the closure is "
                                "re-run on the same batch after the update to form the BFGS pair")
         return super().step(closure)

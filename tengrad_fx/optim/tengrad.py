@@ -34,15 +34,12 @@ from ..capture.info import get_info
 from ..capture.prepare import capturing
 from .checks import check_choice, check_interval, check_nonneg, check_positive, check_unit
 from .mc import mc_capture
-from .update import all_finite, apply_momentum_step, kl_clip_factor
+from .skeleton import StepSkeleton
 from ..curvature.layer import KERNELS, CoveredLayer, choose_strategy, covered_layers
-from ..solve.woodbury import CholeskyFailed, damped_cholesky, woodbury_apply, woodbury_push_through
+from ..solve.woodbury import damped_cholesky_ex, woodbury_apply, woodbury_select
 from .fused import LayerInput, fused_update
 
 __all__ = ["TENGraD"]
-
-_STATE = "tengrad"  # key of the optimizer-level counters in self.state
-
 
 @dataclass
 class _Curvature:
@@ -104,8 +101,14 @@ def _materialized(layer: CoveredLayer) -> tuple[Tensor, Optional[Tensor], float]
     return dW.flatten(1), (db.flatten(1) if db is not None else None), 1.0
 
 
-class TENGraD(torch.optim.Optimizer):
+class TENGraD(StepSkeleton):
     """TENGraD over a model returned by :func:`tengrad_fx.prepare`.
+
+    The step reads nothing back from the device once warmed up (see
+    :mod:`tengrad_fx.optim.skeleton`): non-finite values skip it by a masked update,
+    Cholesky failures are caught by ``cholesky_ex`` with fixed batched jitter retries
+    (:func:`tengrad_fx.solve.damped_cholesky_ex`), and the push-through/Woodbury choice
+    is made on the device.
 
     Args:
         model: the prepared model (its parameters form the single param group).
@@ -132,6 +135,9 @@ class TENGraD(torch.optim.Optimizer):
             compilation fails or a layer has no fused form (conv/sequence by factor).
             A string names the ``torch.compile`` backend (default ``"inductor"``).
     """
+
+    NAME = "tengrad"
+    SYNC_FREE = True
 
     def __init__(
         self,
@@ -165,8 +171,7 @@ class TENGraD(torch.optim.Optimizer):
         params = [p for p in model.parameters() if p.requires_grad]
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
         super().__init__(params, defaults)
-        self.model = model
-        self._info = info
+        self._init_skeleton(model, info)
         self.curvature_every = curvature_every
         self.fisher = fisher
         self.mc_loss = mc_loss
@@ -184,35 +189,40 @@ class TENGraD(torch.optim.Optimizer):
         self._initial_jacobian_sites()
         self._curv: list[_Curvature] = []
         self._curv_damping: Optional[float] = None
-        self._warned_skip = False
+        self._chol_ok: Optional[Tensor] = None  # device bool: every cached factor is valid
+        self._step_flag: Optional[Tensor] = None  # extra device flag of the current step
+        self._curv_sched = 0  # schedule count of the last curvature step
+        self._recapture = False  # a skipped curvature step was seen: take curvature again
         self._warned_accum = False
         self._last_generation = info.store.generation
-        self.state[_STATE] = {"step": 0, "skipped": 0}
-        self._mc_done = False
-        self.timings: dict[str, float] = {}  # seconds of the last step: gram, factorize, solve, apply
         self._gram_seconds = 0.0
         capturing(model, True)
 
-    # ------------------------------------------------------------------ helpers
-    @property
-    def counters(self) -> dict[str, int]:
-        """``{"step": steps taken, "skipped": steps skipped for non-finite values}``."""
-        return self.state[_STATE]
+    # ------------------------------------------------------------------ schedule
+    def _needs_capture(self, step: int) -> bool:
+        """Curvature on every ``curvature_every``-th step since the last one (skipped
+        steps count: the skip is decided on the device), when none is cached, and once
+        more after the host saw a skipped curvature step."""
+        return not self._curv or self._recapture or step - self._curv_sched >= self.curvature_every
 
     def _is_curvature_step(self) -> bool:
-        return self.counters["step"] % self.curvature_every == 0 or not self._curv
+        return self._needs_capture(self._sched)
+
+    def _on_seen_skip(self) -> None:
+        self._recapture = True
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, momentum buffers, and which layers the backward materializes (so a
         resumed run computes its gradients exactly as the uninterrupted one would)."""
-        self.counters["jacobian_sites"] = sorted(self._info.store.jacobian_sites)
-        return super().state_dict()
+        sd = super().state_dict()
+        sd["state"][self.NAME]["jacobian_sites"] = sorted(self._info.store.jacobian_sites)
+        return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load counters and momentum buffers. Curvature is not stored: with
         ``curvature_every > 1`` the next step recomputes it (capture is switched on)."""
         super().load_state_dict(state_dict)
-        self._info.store.jacobian_sites = set(self.counters.get("jacobian_sites", []))
+        self._info.store.jacobian_sites = set(self.state[self.NAME].get("jacobian_sites", []))
         self._curv = []
         capturing(self.model, True)
 
@@ -267,66 +277,54 @@ class TENGraD(torch.optim.Optimizer):
         by_m: dict[int, list[_Curvature]] = {}
         for c in curv:
             by_m.setdefault(c.m, []).append(c)
+        oks = []
         for m, cs in by_m.items():
-            chol = damped_cholesky(torch.stack([c.K for c in cs]), m * damping, self.solve_dtype)
+            chol, ok = damped_cholesky_ex(torch.stack([c.K for c in cs]), m * damping, self.solve_dtype)
+            oks.append(ok)
             for c, L in zip(cs, chol):
                 c.chol = L
+        self._chol_ok = torch.cat(oks).all() if oks else None
 
-    # ------------------------------------------------------------------ step
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Optional[Tensor]:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        group = self.param_groups[0]
-        lr, damping = group["lr"], group["damping"]
-        momentum, wd = group["momentum"], group["weight_decay"]
-        check_positive("damping", damping)
+    # ------------------------------------------------------------------ step (skeleton hooks)
+    def _check_capture(self, stats_step: bool) -> None:
         store = self._info.store
-        store.recording = True
-        curvature_step = self._is_curvature_step()
-        mc_step, self._mc_done = self._mc_done, False
-        if curvature_step and self.fisher == "mc" and not mc_step:
-            raise RuntimeError("fisher='mc': call opt.mc_capture(outputs) before loss.backward() "
-                               "on curvature steps")
-
-        grads = [p.grad for p in group["params"] if p.grad is not None]
-        if not grads:  # nothing to do, like torch's own optimizers
-            return loss
-        if curvature_step and store.generation - self._last_generation > 1 and not self._warned_accum:
+        if stats_step and store.generation - self._last_generation > 1 and not self._warned_accum:
             warnings.warn("TENGraD: several capturing backwards since the last step (gradient "
                           "accumulation?): the curvature uses the last micro-batch only", RuntimeWarning)
             self._warned_accum = True
         self._last_generation = store.generation
-        if not all_finite(grads):
-            return self._skip("non-finite gradient", loss)
+
+    def _updates(self, step: int, curvature_step: bool, mc_step: bool, damping: float,
+                 ok: Tensor) -> dict[Tensor, Tensor]:
         t0 = time.perf_counter()
         self._gram_seconds = 0.0
+        self._step_flag = None
         updates = self._fused_step(curvature_step, mc_step, damping) if self.compile else None
         t1 = time.perf_counter()
         if updates is None:  # the modular path
-            try:
-                if curvature_step or any(c.chol is None for c in self._curv):
-                    self._refresh(damping)
-                elif damping != self._curv_damping:
-                    self._factorize(self._curv, damping)
-                    self._curv_damping = damping
-                t1 = time.perf_counter()
-                updates = self._precondition(curvature_step and not mc_step, damping)
-            except CholeskyFailed as exc:
-                return self._skip(str(exc), loss)
+            if curvature_step or any(c.chol is None for c in self._curv):
+                self._refresh(damping)
+            elif damping != self._curv_damping:
+                self._factorize(self._curv, damping)
+                self._curv_damping = damping
+            t1 = time.perf_counter()
+            updates = self._precondition(curvature_step and not mc_step, damping)
+            self._step_flag = self._chol_ok
+        if curvature_step:
+            self._curv_sched = step
+            self._recapture = False
         t2 = time.perf_counter()
-        if not all_finite(list(updates.values())):
-            return self._skip("non-finite natural-gradient update", loss)
-
-        nu = kl_clip_factor(updates, lr, self.kl_clip)
-        apply_momentum_step(self.state, group["params"], updates, lr, momentum, wd, nu)
-        self.counters["step"] += 1
-        self._set_capture()
         self.timings = {"gram": self._gram_seconds, "factorize": t1 - t0 - self._gram_seconds,
-                        "solve": t2 - t1, "apply": time.perf_counter() - t2}
-        return loss
+                        "solve": t2 - t1}
+        self._t_apply = t2
+        return updates
+
+    def _device_flags(self) -> Optional[Tensor]:
+        return self._step_flag
+
+    def _after_update(self, stats_step: bool, closure: Optional[Callable[[], Tensor]]) -> None:
+        if self.timings:
+            self.timings["apply"] = time.perf_counter() - self._t_apply
 
     def _precondition(self, push_through: bool, damping: float) -> dict[Tensor, Tensor]:
         """``{param: u}`` for every parameter of every covered layer."""
@@ -338,12 +336,11 @@ class TENGraD(torch.optim.Optimizer):
                 continue
             assert c.chol is not None
             g = torch.cat([p.grad.flatten() for p in c.params]).to(c.K.dtype)
-            u = None
             if use_pt:
                 scale = float(c.m) * (s_g if s_g is not None else 1.0 / c.m)
-                if self._is_batch_gradient(c, g, scale / c.m):
-                    u = woodbury_push_through(c.chol, scale, c.vjp)
-            if u is None:
+                push = self._is_batch_gradient(c, g, scale / c.m)
+                u = woodbury_select(c.chol, g, damping, scale, push, c.jvp, c.vjp)
+            else:
                 u = woodbury_apply(c.chol, g, damping, c.jvp, c.vjp)
             off = 0
             for p in c.params:
@@ -377,7 +374,7 @@ class TENGraD(torch.optim.Optimizer):
 
     def _fused_step(self, curvature_step: bool, mc_step: bool, damping: float) -> Optional[dict[Tensor, Tensor]]:
         """All layers' updates by the fused (compiled) function, or None to use the
-        modular path (no fused form, or a Cholesky that needs jitter)."""
+        modular path (a layer has no fused form). A failed Cholesky skips the step."""
         prep = self._fused_inputs()
         if prep is None or not prep[0]:
             return None
@@ -397,8 +394,7 @@ class TENGraD(torch.optim.Optimizer):
                           "running the fused update eagerly", RuntimeWarning)
             self._fused_fn = None
             us, info = fused_update(*args)
-        if bool((info != 0).any()):
-            return None
+        self._step_flag = (info == 0).all()  # a failed factor skips the step (on the device)
         if curvature_step:  # keep the store's materialization choice as the modular path would
             self._mark_jacobian_sites()
             self._curv = used
@@ -446,11 +442,12 @@ class TENGraD(torch.optim.Optimizer):
         self._info.store.jacobian_sites = sites
 
     @staticmethod
-    def _is_batch_gradient(c: _Curvature, g: Tensor, s: float, n_probe: int = 256) -> bool:
+    def _is_batch_gradient(c: _Curvature, g: Tensor, s: float, n_probe: int = 256) -> Tensor:
         """Is ``g`` the captured batch's gradient ``s·Jᵀ1``? (False after gradient clipping,
         a loss term outside the captured layers, or accumulation over micro-batches; the
         push-through form is exact only when it holds.) Checked on ``n_probe`` random
-        weight coordinates plus the bias where ``J`` is cheap to slice, else in full."""
+        weight coordinates plus the bias where ``J`` is cheap to slice, else in full.
+        A device ``bool`` scalar: the form is picked on the device, every curvature step."""
         layer = c.layer
         nw = c.params[0].numel()
         tol = 1e-4 if g.dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-9
@@ -476,16 +473,4 @@ class TENGraD(torch.optim.Optimizer):
         else:
             got = c.vjp(torch.ones(c.m, dtype=c.K.dtype, device=g.device)) * s
             ref = g
-        return bool(torch.linalg.vector_norm(ref - got.to(ref.dtype)) <= tol * torch.linalg.vector_norm(ref))
-
-    def _set_capture(self) -> None:
-        capturing(self.model, self._is_curvature_step())
-
-    def _skip(self, why: str, loss: Optional[Tensor]) -> Optional[Tensor]:
-        self.counters["skipped"] += 1
-        if not self._warned_skip:
-            warnings.warn(f"TENGraD: step skipped ({why}); parameters left unchanged. "
-                          "Further skips are counted in opt.counters['skipped'].", RuntimeWarning)
-            self._warned_skip = True
-        self._set_capture()
-        return loss
+        return torch.linalg.vector_norm(ref - got.to(ref.dtype)) <= tol * torch.linalg.vector_norm(ref)

@@ -2,42 +2,102 @@
 
 ``d = ν·u + λw`` (``u = g`` for parameters without a preconditioned update),
 ``buf = μ·buf + d``, ``w ← w − lr·buf``; ``ν = min(1, sqrt(kl_clip / (lr²·Σ u·g)))``.
+
+Everything here runs without reading the device on the host (no sync): the finiteness
+flag, ``ν`` and the skip decision stay device tensors, and the masked update leaves the
+parameters bit for bit unchanged when the flag is False. Each function dispatches a
+fixed number of kernels whatever the number of parameters (``_foreach`` ops, one
+``cat``), so a deeper model does not mean more launches here.
 """
 from __future__ import annotations
 
-import math
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["all_finite", "kl_clip_factor", "apply_momentum_step"]
+__all__ = ["finite_flag", "all_finite", "kl_clip_factor", "apply_momentum_step"]
+
+
+def finite_flag(ts: Iterable[Tensor]) -> Optional[Tensor]:
+    """A device ``bool`` scalar: every entry of every tensor is finite (None for no
+    tensors). One ``_foreach_norm(∞)`` (NaN and ±inf propagate into the max), no host read."""
+    ts = [t for t in ts if t.numel()]
+    if not ts:
+        return None
+    return torch.isfinite(torch.stack(torch._foreach_norm(ts, float("inf")))).all()
 
 
 def all_finite(ts: list[Tensor]) -> bool:
-    """True when every tensor is finite (one host sync for the whole list)."""
-    if not ts:
-        return True
-    return bool(torch.stack([torch.isfinite(t).all() for t in ts]).all())
+    """True when every tensor is finite (one host read for the whole list)."""
+    flag = finite_flag(ts)
+    return True if flag is None else bool(flag)
 
 
-def kl_clip_factor(updates: dict[Tensor, Tensor], lr: float, kl_clip: Optional[float]) -> float:
-    """``ν`` of the KL clip over the preconditioned parameters (1 when off or ``Σ u·g ≤ 0``)."""
+def kl_clip_factor(updates: dict[Tensor, Tensor], lr: float, kl_clip: Optional[float]) -> Optional[Tensor]:
+    """``ν`` of the KL clip over the preconditioned parameters as a device scalar, 1 where
+    ``Σ u·g ≤ 0`` (or not finite); None when the clip is off."""
     if kl_clip is None or not updates:
-        return 1.0
-    vg = float(sum((u * p.grad).sum() for p, u in updates.items())) * lr ** 2
-    return min(1.0, math.sqrt(kl_clip / vg)) if vg > 0 else 1.0
+        return None
+    us = list(updates.values())
+    prods = torch._foreach_mul(us, [p.grad.to(u.dtype) for p, u in updates.items()])
+    vg = torch.cat([t.reshape(-1) for t in prods]).sum() * (lr * lr)
+    nu = (kl_clip / vg).sqrt().clamp(max=1.0)
+    return torch.where(vg > 0, nu, torch.ones_like(nu))
+
+
+def _sanitized(ds: list[Tensor], ok: Tensor) -> list[Tensor]:
+    """``ds`` with every entry zeroed where ``ok`` is False (a select, so NaN/inf go too):
+    one ``cat`` + one ``where`` per dtype."""
+    out: list[Optional[Tensor]] = [None] * len(ds)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, d in enumerate(ds):
+        by_dtype.setdefault(d.dtype, []).append(i)
+    for idx in by_dtype.values():
+        flat = torch.cat([ds[i].reshape(-1) for i in idx])
+        flat = torch.where(ok, flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
+        for i, part in zip(idx, flat.split([ds[i].numel() for i in idx])):
+            out[i] = part.view(ds[i].shape)
+    return out  # type: ignore[return-value]
 
 
 @torch.no_grad()
 def apply_momentum_step(state: dict[Any, Any], params: list[Tensor], updates: dict[Tensor, Tensor],
-                        lr: float, momentum: float, weight_decay: float, nu: float = 1.0) -> None:
+                        lr: float, momentum: float, weight_decay: float, nu: Optional[Tensor] = None,
+                        ok: Optional[Tensor] = None) -> Optional[bool]:
     """Apply the step to every parameter with a gradient (foreach kernels); momentum buffers
-    live in ``state[p]["momentum_buffer"]`` as in ``torch.optim.SGD``."""
+    live in ``state[p]["momentum_buffer"]`` as in ``torch.optim.SGD``.
+
+    ``ok`` (device bool scalar, or None = apply): when it is False the parameters and the
+    momentum buffers keep their exact bits. Masked form, with ``o = 1[ok]``::
+
+        a = (−o·d) + 0.0            # +0.0 when skipped (never −0.0), else −d
+        buf ← buf·(o ? μ : 1) − a    # buf − (+0.0) leaves every bit of buf
+        b = (o·lr)·buf + 0.0        # +0.0 when skipped
+        w ← w − b
+
+    Momentum buffers are created on a parameter's first update (``buf = d``, as SGD);
+    while one is missing the flag is read on the host once (warm-up, a sync), so a
+    skipped first step creates no buffer. Returns False if that read found a skip
+    (nothing was changed), True if it found none, None when nothing was read.
+    """
     ps = [p for p in params if p.grad is not None]
+    if not ps:
+        return None
     ds = [updates[p] if p in updates else p.grad for p in ps]
-    if nu != 1.0:
-        ds = [d * nu if p in updates else d for p, d in zip(ps, ds)]
+    if nu is not None:
+        pre = [i for i, p in enumerate(ps) if p in updates]
+        scaled = torch._foreach_mul([ds[i] for i in pre], nu)
+        for i, d in zip(pre, scaled):
+            ds[i] = d
+    read: Optional[bool] = None
+    if ok is not None and momentum and any("momentum_buffer" not in state[p] for p in ps):
+        read = bool(ok)  # warm-up only: buffers are created from a taken step
+        if not read:
+            return False
+        ok = None
+    if ok is not None:
+        ds = _sanitized(ds, ok)
     if weight_decay:
         ds = torch._foreach_add(ds, ps, alpha=weight_decay)
     if momentum:
@@ -51,8 +111,21 @@ def apply_momentum_step(state: dict[Any, Any], params: list[Tensor], updates: di
                 old_ds.append(d)
             bufs.append(st["momentum_buffer"])
         if old_bufs:
-            torch._foreach_mul_(old_bufs, momentum)
-            torch._foreach_add_(old_bufs, old_ds)
+            if ok is None:
+                torch._foreach_mul_(old_bufs, momentum)
+                torch._foreach_add_(old_bufs, old_ds)
+            else:
+                o = ok.to(old_bufs[0].dtype)
+                a = torch._foreach_mul(old_ds, -o)
+                torch._foreach_add_(a, 0.0)
+                mu = torch.full((), momentum, dtype=o.dtype, device=o.device)
+                torch._foreach_mul_(old_bufs, torch.where(ok, mu, torch.ones_like(mu)))
+                torch._foreach_sub_(old_bufs, a)
         ds = bufs
-    if ps:
+    if ok is None:
         torch._foreach_add_(ps, ds, alpha=-lr)
+    else:
+        b = torch._foreach_mul(ds, ok.to(ds[0].dtype) * lr)
+        torch._foreach_add_(b, 0.0)
+        torch._foreach_sub_(ps, b)
+    return read

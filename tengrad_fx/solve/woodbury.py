@@ -21,45 +21,63 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["damped_cholesky", "woodbury_apply", "woodbury_push_through", "CholeskyFailed"]
+__all__ = ["damped_cholesky", "damped_cholesky_ex", "woodbury_apply", "woodbury_push_through",
+           "woodbury_select", "CholeskyFailed", "JITTERS"]
 
 
 class CholeskyFailed(RuntimeError):
     """Raised when a damped Gram stays non-positive-definite after every jitter retry."""
 
 
-def damped_cholesky(K: Tensor, shift: Tensor | float, dtype: Optional[torch.dtype] = None,
-                    max_tries: int = 6) -> Tensor:
-    """Lower Cholesky factors of ``K + shift·I``; ``K``: ``[L, m, m]`` (or ``[m, m]``).
+JITTERS = (1e-6, 1e-4, 1e-1)
+"""Relative jitters of the fixed retries of :func:`damped_cholesky_ex` (times ``mean|diag|``)."""
 
-    ``shift`` is ``m·α`` (scalar or ``[L]``). Factorization runs in ``dtype`` (default: K's).
-    A failed factor is retried with jitter ``10^k · 1e-6 · mean(diag)`` added, growing
-    tenfold, up to ``max_tries``; then :class:`CholeskyFailed`.
+
+def damped_cholesky_ex(K: Tensor, shift: Tensor | float,
+                       dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
+    """``(L, ok)``: lower Cholesky factors of ``K + shift·I`` and, per matrix, whether
+    the factor is valid; no host read (nothing here waits for the device).
+
+    ``K``: ``[B, m, m]`` (or ``[m, m]``); ``shift``: ``m·α`` (scalar or ``[B]``).
+
+    The rule: one batched ``cholesky_ex``, then always ``len(JITTERS)`` batched retries
+    of the whole batch with ``jitter·mean|diag|`` added to the damped Gram (``jitter``
+    from :data:`JITTERS`, each retry from the damped Gram itself, not cumulative); each
+    matrix keeps its first successful factor (healthy matrices keep the unjittered one,
+    bit for bit). ``ok`` is False where every try failed or the input is non-finite.
+    The retries cost three more ``m×m`` factorizations per matrix, on curvature steps only.
     """
     Kd = K if dtype is None else K.to(dtype)
     batched = Kd.dim() == 3
     if not batched:
         Kd = Kd.unsqueeze(0)
-    L_, m, _ = Kd.shape
+    m = Kd.shape[-1]
     eye = torch.eye(m, dtype=Kd.dtype, device=Kd.device)
-    shift_t = torch.as_tensor(shift, dtype=Kd.dtype, device=Kd.device).reshape(-1, 1, 1)
-    A = Kd + shift_t * eye
-    if not torch.isfinite(A).all():
-        raise CholeskyFailed("non-finite entries in the damped Gram")
+    if isinstance(shift, Tensor):
+        A = Kd + shift.to(Kd.device, Kd.dtype).reshape(-1, 1, 1) * eye
+    else:
+        A = Kd + float(shift) * eye
     chol, info = torch.linalg.cholesky_ex(A)
+    done = info == 0
     scale = A.diagonal(dim1=1, dim2=2).abs().mean(1).clamp_min(torch.finfo(A.dtype).tiny)
-    jitter = 1e-6
-    tries = 0
-    while bool((info != 0).any()):
-        if tries >= max_tries:
-            raise CholeskyFailed(f"damped Gram not positive definite after {max_tries} jitter retries")
-        bad = info != 0
-        A[bad] = A[bad] + (jitter * scale[bad]).reshape(-1, 1, 1) * eye
-        c2, i2 = torch.linalg.cholesky_ex(A[bad])
-        chol[bad], info[bad] = c2, i2
-        jitter *= 10.0
-        tries += 1
-    return chol if batched else chol[0]
+    for jitter in JITTERS:
+        c2, i2 = torch.linalg.cholesky_ex(A + (jitter * scale).reshape(-1, 1, 1) * eye)
+        take = ~done & (i2 == 0)
+        chol = torch.where(take.reshape(-1, 1, 1), c2, chol)
+        done = done | take
+    ok = done & torch.isfinite(A).flatten(1).all(1)
+    return (chol, ok) if batched else (chol[0], ok[0])
+
+
+def damped_cholesky(K: Tensor, shift: Tensor | float, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """Lower Cholesky factors of ``K + shift·I`` by :func:`damped_cholesky_ex`, raising
+    :class:`CholeskyFailed` (one host read) where a factor failed."""
+    chol, ok = damped_cholesky_ex(K, shift, dtype)
+    if not bool(ok.all()):
+        if not bool(torch.isfinite(K).all()):
+            raise CholeskyFailed("non-finite entries in the damped Gram")
+        raise CholeskyFailed(f"damped Gram not positive definite after {len(JITTERS)} jitter retries")
+    return chol
 
 
 def _solve(chol: Tensor, rhs: Tensor) -> Tensor:
@@ -86,3 +104,16 @@ def woodbury_push_through(chol: Tensor, scale: float, vjp: Callable[[Tensor], Te
     ones = torch.ones(m, dtype=chol.dtype, device=chol.device)
     c = torch.cholesky_solve(ones.unsqueeze(-1), chol).squeeze(-1)
     return vjp(c) * scale
+
+
+def woodbury_select(chol: Tensor, g: Tensor, damping: float, scale: float, push: Tensor,
+                    jvp: Callable[[Tensor], Tensor], vjp: Callable[[Tensor], Tensor]) -> Tensor:
+    """Either form, picked on the device by ``push`` (a ``bool`` scalar, no host read):
+    one solve with ``rhs = push ? 1 : J g``, then ``u = push ? scale·Jᵀc : (g − Jᵀc)/α``.
+
+    The price of deciding on the device is ``J g`` on every step (one more pass over ``J``
+    than the push-through form alone)."""
+    Jg = jvp(g)
+    rhs = torch.where(push, torch.ones_like(Jg), Jg)
+    JTc = vjp(_solve(chol, rhs))
+    return torch.where(push, JTc * scale, (g - JTc) / damping)

@@ -144,20 +144,23 @@ def test_update_equals_dense_reference(kind: str, strategy: str, budget: float, 
     materializes per-sample gradients for layers the first step chose to keep ``J`` of."""
     import tengrad_fx.optim.tengrad as mod
 
-    calls = {"push_through": 0, "apply": 0}
+    calls = {"push_through": 0, "apply": 0, "select_woodbury": 0}
 
-    def spy(name, fn):
-        def wrapped(*a, **k):
-            calls[name] += 1
-            return fn(*a, **k)
-        return wrapped
+    def spy_apply(*a, **k):
+        calls["apply"] += 1
+        return real_apply(*a, **k)
 
-    monkeypatch.setattr(mod, "woodbury_push_through", spy("push_through", mod.woodbury_push_through))
-    monkeypatch.setattr(mod, "woodbury_apply", spy("apply", mod.woodbury_apply))
+    def spy_select(chol, g, damping, scale, push, *a):  # the form is picked on the device
+        calls["push_through" if bool(push) else "select_woodbury"] += 1
+        return real_select(chol, g, damping, scale, push, *a)
+
+    real_apply, real_select = mod.woodbury_apply, mod.woodbury_select
+    monkeypatch.setattr(mod, "woodbury_apply", spy_apply)
+    monkeypatch.setattr(mod, "woodbury_select", spy_select)
     batches = [batch(kind, 8, 1), batch(kind, 6, 2)]
     deltas: dict[str, list[dict[str, torch.Tensor]]] = {}
     for form in ("auto", "woodbury"):
-        calls.update(push_through=0, apply=0)
+        calls.update(push_through=0, apply=0, select_woodbury=0)
         template, model, opt = setup(kind, update_form=form, strategy=strategy, jacobian_budget_mb=budget)
         layers = layer_params(model)
         assert len(layers) == 3
@@ -180,7 +183,7 @@ def test_update_equals_dense_reference(kind: str, strategy: str, budget: float, 
             assert_matches(deltas[form][-1], ref)
         # "auto" takes the push-through form on these (empirical, curvature) steps
         used, unused = ("push_through", "apply") if form == "auto" else ("apply", "push_through")
-        assert calls[used] > 0 and calls[unused] == 0, calls
+        assert calls[used] > 0 and calls[unused] == 0 and calls["select_woodbury"] == 0, calls
     for da, dw in zip(deltas["auto"], deltas["woodbury"]):
         for k in ref:
             assert rel(da[k], dw[k]) <= TOL

@@ -1,0 +1,233 @@
+"""The one step skeleton of TENGraD and the baselines (K-FAC, EK-FAC, KBFGS, NGD).
+
+Per ``step()``::
+
+    closure → hyper-parameters → which step kind (statistics/curvature or reuse, MC or not)
+      → ok = finite(grads)                         (a device flag)
+      → updates u (subclass: _updates)             (may raise SkipStep: a host-known skip)
+      → ok &= finite(u) [& the subclass's flags]  → ν (KL clip, device scalar)
+      → masked d = ν·u + λw, buf = μ·buf + d, w ← w − lr·buf   (update.apply_momentum_step)
+      → counters, capture switched for the next step
+
+``SYNC_FREE = True`` (TENGraD): the skip decision stays on the device; the parameters
+are left bit for bit unchanged by a masked update, and the ``step``/``skipped`` counts
+are device tensors added to the host counts when :attr:`counters` (or ``state_dict``)
+is read. A skipped step still advances the curvature schedule. The one-time skip
+warning is emitted when the host first sees a skip: a later ``step()`` polls a
+non-blocking device→host copy of the counts (CUDA: pinned memory and an event, read only
+once the event has completed, so the host never waits), or :attr:`counters` is read.
+``SYNC_FREE = False`` (baselines): the flags are read on the host, as before: a skipped
+step changes nothing and does not advance their schedules.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from ..capture.info import PrepareInfo
+from ..capture.prepare import capturing
+from .update import apply_momentum_step, finite_flag, kl_clip_factor
+from .checks import check_positive
+
+__all__ = ["StepSkeleton", "SkipStep", "HostMirror"]
+
+
+class SkipStep(RuntimeError):
+    """Raised inside a step to skip it (parameters and curvature left unchanged)."""
+
+
+class HostMirror:
+    """A small device tensor copied to the host without waiting: :meth:`post` starts a
+    non-blocking copy (pinned memory + an event on CUDA), :meth:`poll` returns the values
+    once the copy has landed (else None), never blocking and dispatching no aten op."""
+
+    def __init__(self, like: Tensor):
+        self._cuda = like.is_cuda
+        self._host = torch.zeros(like.shape, dtype=like.dtype, pin_memory=self._cuda)
+        self._event = torch.cuda.Event() if self._cuda else None
+        self._pending = False
+
+    def post(self, t: Tensor) -> None:
+        if self._pending and self._event is not None and not self._event.query():
+            return  # the last copy is still in flight: keep it
+        self._host.copy_(t, non_blocking=True)
+        if self._event is not None:
+            self._event.record()
+        self._pending = True
+
+    def poll(self) -> Optional[list[Any]]:
+        if not self._pending or (self._event is not None and not self._event.query()):
+            return None
+        self._pending = False
+        return self._host.numpy().tolist()  # host memory: no dispatch, no device wait
+
+
+class StepSkeleton(torch.optim.Optimizer):
+    """Base of every optimizer here: one param group, the shared step (module docstring).
+
+    Subclasses set ``NAME`` (key of the counters in ``self.state``) and implement
+    :meth:`_needs_capture`, :meth:`_updates`; optionally :meth:`_check_capture`,
+    :meth:`_after_update`, :meth:`_device_flags`.
+    """
+
+    NAME = "optimizer"
+    SYNC_FREE = False
+    EMPTY_STEP_SKIPS = False  # a step without any gradient counts as skipped
+
+    def _init_skeleton(self, model: torch.nn.Module, info: PrepareInfo) -> None:
+        self.model = model
+        self._info = info
+        self.state[self.NAME] = {"step": 0, "skipped": 0}
+        self._sched = 0  # host count of the steps the statistics/curvature schedule has seen
+        self._dev_counts: Optional[Tensor] = None  # [step, skipped] not yet added to the host counts
+        self._mirror: Optional[HostMirror] = None
+        self._seen_skips = 0  # skips already seen on the host through the mirror
+        self._mc_done = False
+        self._warned_skip = False
+        self.timings: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ subclass hooks
+    def _needs_capture(self, step: int) -> bool:
+        """Does step number ``step`` (schedule count) take new statistics/curvature?"""
+        raise NotImplementedError
+
+    def _check_capture(self, stats_step: bool) -> None:
+        """Before the finiteness check: checks of what was captured (may raise/warn)."""
+
+    def _updates(self, step: int, stats_step: bool, mc_step: bool, damping: float,
+                 ok: Tensor) -> dict[Tensor, Tensor]:
+        """``{param: u}`` of the preconditioned parameters; raise :class:`SkipStep` to skip."""
+        raise NotImplementedError
+
+    def _device_flags(self) -> Optional[Tensor]:
+        """More device ``bool`` conditions of this step's validity (e.g. Cholesky success)."""
+        return None
+
+    def _after_update(self, stats_step: bool, closure: Optional[Callable[[], Tensor]]) -> None:
+        """Called after the parameters moved (KBFGS's same-batch secant pass)."""
+
+    def _after_flags(self, stats_step: bool, ok: Tensor) -> None:
+        """Called with this step's device flag (TENGraD: remember a failed curvature step)."""
+
+    # ------------------------------------------------------------------ counters
+    @property
+    def counters(self) -> dict[str, int]:
+        """``{"step": steps taken, "skipped": steps skipped for non-finite values}``
+        (reading it waits for the device once when ``SYNC_FREE``)."""
+        self._sync_counters()
+        return {"step": self.state[self.NAME]["step"], "skipped": self.state[self.NAME]["skipped"]}
+
+    def _sync_counters(self) -> None:
+        if self._dev_counts is None:
+            return
+        step, skipped = self._dev_counts.tolist()
+        self._dev_counts = None
+        self._mirror = None
+        self._seen_skips = 0
+        st = self.state[self.NAME]
+        st["step"] += int(step)
+        st["skipped"] += int(skipped)
+        if skipped:
+            self._on_seen_skip()
+            self._warn_skip("non-finite gradient, curvature or update")
+
+    def _count(self, ok: Tensor) -> None:
+        inc = torch.stack([ok, ~ok]).to(torch.int64)
+        if self._dev_counts is None:
+            self._dev_counts = inc
+            self._mirror = HostMirror(inc)
+        else:
+            self._dev_counts = self._dev_counts + inc
+        assert self._mirror is not None
+        self._mirror.post(self._dev_counts)
+
+    def _poll_skips(self) -> None:
+        """Warn (once) as soon as the host sees a device-side skip, without waiting."""
+        if self._mirror is None:
+            return
+        vals = self._mirror.poll()
+        if vals is not None and vals[1] > self._seen_skips:
+            self._seen_skips = vals[1]
+            self._on_seen_skip()
+            self._warn_skip("non-finite gradient, curvature or update")
+
+    def _on_seen_skip(self) -> None:
+        """The host has just seen a device-side skip (TENGraD: re-capture curvature)."""
+
+    def _warn_skip(self, why: str) -> None:
+        if not self._warned_skip:
+            warnings.warn(f"{type(self).__name__}: step skipped ({why}); parameters left unchanged. "
+                          "Further skips are counted in opt.counters['skipped'].", RuntimeWarning)
+            self._warned_skip = True
+
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        self._sync_counters()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._dev_counts = None
+        self._mirror = None
+        st = self.state[self.NAME]
+        self._sched = int(st.get("sched", st["step"]))
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Optional[Tensor]:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        group = self.param_groups[0]
+        lr, damping = group["lr"], group["damping"]
+        momentum, wd = group["momentum"], group["weight_decay"]
+        check_positive("damping", damping)
+        self._info.store.recording = True
+        k = self._sched
+        stats_step = self._needs_capture(k)
+        mc_step, self._mc_done = self._mc_done, False
+        if stats_step and self.fisher == "mc" and not mc_step:
+            raise RuntimeError(f"{type(self).__name__}(fisher='mc'): call opt.mc_capture(outputs) "
+                               "before loss.backward() on statistics/curvature steps")
+        grads = [p.grad for p in group["params"] if p.grad is not None]
+        if not grads:  # nothing to do, like torch's own optimizers
+            return self._skip("no gradient", loss) if self.EMPTY_STEP_SKIPS else loss
+        self._check_capture(stats_step)
+        ok = finite_flag(grads)
+        assert ok is not None
+        if not self.SYNC_FREE and not bool(ok):
+            return self._skip("non-finite gradient", loss)
+        try:
+            updates = self._updates(k, stats_step, mc_step, damping, ok)
+        except SkipStep as exc:
+            return self._skip(str(exc), loss)
+        flags = [f for f in (ok, finite_flag(updates.values()), self._device_flags()) if f is not None]
+        ok = torch.stack(flags).all() if len(flags) > 1 else flags[0]
+        if not self.SYNC_FREE and not bool(ok):
+            return self._skip("non-finite preconditioned update", loss)
+        nu = kl_clip_factor(updates, lr, self.kl_clip)
+        read = apply_momentum_step(self.state, group["params"], updates, lr, momentum, wd, nu,
+                                   ok if self.SYNC_FREE else None)
+        if read is False:  # the warm-up host read found a skip
+            return self._skip("non-finite gradient, curvature or update", loss)
+        if self.SYNC_FREE:
+            self._after_flags(stats_step, ok)
+            self._count(ok)
+        else:
+            self.state[self.NAME]["step"] += 1
+        self._sched += 1
+        self.state[self.NAME]["sched"] = self._sched
+        self._after_update(stats_step, closure)
+        self._poll_skips()
+        capturing(self.model, self._needs_capture(self._sched))
+        return loss
+
+    def _skip(self, why: str, loss: Optional[Tensor]) -> Optional[Tensor]:
+        """A skip known on the host: nothing changes, the schedule does not advance."""
+        self.state[self.NAME]["skipped"] += 1
+        self._warn_skip(why)
+        capturing(self.model, self._needs_capture(self._sched))
+        return loss
