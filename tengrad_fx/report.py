@@ -43,7 +43,7 @@ def report(model: nn.Module, m: int = 128) -> Report:
     for pname, p in getattr(model, "_orig_mod", model).named_parameters():
         if pname in info.covered:
             spec = by_layer[info.covered[pname]]
-            detail = f"{spec.kind} '{spec.name}' {tuple(p.shape)}"
+            detail = f"{spec.kind} '{spec.name or '(root)'}' {tuple(p.shape)}"
             if spec.groups > 1:
                 detail += f" groups={spec.groups}"
             if len(spec.sites) > 1:

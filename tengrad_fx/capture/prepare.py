@@ -1,11 +1,13 @@
 """``prepare``: the FX pass that makes every Linear/Conv call site record (I, G)."""
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Sequence
+import dataclasses
+from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from . import ops
 from .info import ATTR, PrepareInfo, get_info
@@ -31,11 +33,15 @@ def prepare(
 
     Args:
         model: any ``nn.Module`` (timm and torchvision models included).
-        example_inputs: positional inputs of one forward call, batch first. With them,
-            each layer's sample dimension is verified by running the graph at batch
-            sizes 2 and 3; a layer whose input does not follow the batch (a folded
-            batch, a constant grid) becomes an SGD fallback. Without them the check
-            runs at every capturing forward and raises instead.
+        example_inputs: positional inputs of one forward call, batch first; each may be
+            a tensor or nested tuples/lists/dicts/namedtuples/dataclasses of them. With
+            them, each layer's sample dimension is verified by running the graph at batch
+            sizes 2 and 3: the batch is the leading dim of the first tensor leaf, and every
+            tensor leaf with that leading dim is resized (the others, and non-tensor
+            leaves such as ints, strings or None, are passed unchanged). A layer whose
+            input does not follow the batch (a folded batch, a constant grid) becomes an
+            SGD fallback. Without them the check runs at every capturing forward (against
+            the leading dim of the first tensor leaf of the inputs) and raises instead.
         loss_reduction: ``"mean"`` if the training loss averages over the batch (then
             per-sample gradients are ``m`` times the captured ones), ``"sum"`` otherwise.
 
@@ -64,8 +70,9 @@ def prepare(
             for pn, _ in mod.named_parameters(prefix=name, recurse=False):
                 fallback[pn] = why
     if not candidates:
+        why = "".join(sorted({f"; {r}" for r in fallback.values()}))
         raise ValueError(
-            f"{type(model).__name__} has no nn.Linear or nn.Conv1d/2d/3d layer to cover; "
+            f"{type(model).__name__} has no nn.Linear or nn.Conv1d/2d/3d layer to cover{why}; "
             "use a plain torch.optim optimizer for it"
         )
 
@@ -167,7 +174,7 @@ def _rewrite(graph: fx.Graph, candidates: dict[str, nn.Module], layers: dict[str
     batch_node = None
     if runtime_batch and placeholders:
         with graph.inserting_after(placeholders[-1]):
-            batch_node = graph.call_function(_leading_dim, (placeholders[0],))
+            batch_node = graph.call_function(_leading_dim, tuple(placeholders))
     for node in list(graph.nodes):
         if node.op != "call_module" or node.target not in candidates:
             continue
@@ -224,10 +231,6 @@ def _reads_value(node: fx.Node) -> bool:
             continue
         return True
     return False
-
-
-def _leading_dim(x: Any) -> Optional[int]:
-    return x.shape[0] if isinstance(x, torch.Tensor) and x.dim() > 0 else None
 
 
 def _prepare_fx(model, candidates, fallback, example_inputs):  # type: ignore[no-untyped-def]
@@ -358,10 +361,58 @@ def _capturing_class(cls: type) -> type:
 
 
 # --------------------------------------------------------------------------- verification
-def _repeat_batch(x: Any, n: int) -> Any:
-    if isinstance(x, torch.Tensor) and x.dim() > 0:
-        return x[:1].repeat(n, *([1] * (x.dim() - 1)))
-    return x
+def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    """Tensor leaves of nested tuples/lists/dicts/namedtuples (``torch.utils._pytree``) and
+    dataclasses, in order."""
+    out: list[torch.Tensor] = []
+
+    def visit(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            for f in dataclasses.fields(leaf):
+                pytree.tree_map(visit, getattr(leaf, f.name))
+        return leaf
+
+    pytree.tree_map(visit, tree)
+    return out
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
+    """``tree`` with every tensor leaf replaced by ``fn(leaf)`` (containers as in
+    :func:`_tensor_leaves`; a dataclass is rebuilt with ``dataclasses.replace``)."""
+
+    def visit(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return fn(leaf)
+        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            return dataclasses.replace(leaf, **{f.name: pytree.tree_map(visit, getattr(leaf, f.name))
+                                                for f in dataclasses.fields(leaf) if f.init})
+        return leaf
+
+    return pytree.tree_map(visit, tree)
+
+
+def _leading_dim(*inputs: Any) -> Optional[int]:
+    """The batch size of a forward call: the leading dim of its first tensor leaf."""
+    for t in _tensor_leaves(inputs):
+        if t.dim() > 0:
+            return t.shape[0]
+    return None
+
+
+def _resize_batch(inputs: Sequence[Any], n: int) -> list[Any]:
+    """``inputs`` at batch ``n``: every tensor leaf whose leading dim is the batch (that of
+    the first tensor leaf) becomes its first sample repeated ``n`` times; other leaves
+    (constants, masks of another size, non-tensors) are passed unchanged."""
+    batch = _leading_dim(*inputs)
+
+    def resize(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() > 0 and t.shape[0] == batch:
+            return t[:1].repeat(n, *([1] * (t.dim() - 1)))
+        return t
+
+    return [_map_tensors(resize, x) for x in inputs]
 
 
 def _verify_samples(prepared: nn.Module, info: PrepareInfo, example_inputs: Sequence[Any]) -> None:
@@ -376,7 +427,7 @@ def _verify_samples(prepared: nn.Module, info: PrepareInfo, example_inputs: Sequ
             with torch.no_grad():
                 for mode in modes:
                     prepared.train(mode)
-                    prepared(*[_repeat_batch(x, n) for x in example_inputs])
+                    prepared(*_resize_batch(example_inputs, n))
             shapes[n] = ops.PROBE
     except Exception as exc:
         raise RuntimeError(

@@ -2,7 +2,8 @@
 
 Covered layers are kept as leaves (one ``call_module`` node per call), and so are the
 modules and functions that timm marks as not traceable, so that timm and torchvision
-models trace without changes.
+models trace without changes. A root module that is itself a covered layer
+(``prepare(nn.Linear(10, 5))``) becomes a one-node graph calling the root as a layer.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any, Callable
 import torch.fx as fx
 import torch.nn as nn
 
-from .match import _BASES
+from .match import _BASES, match_module
 
 __all__ = ["trace"]
 
@@ -44,6 +45,18 @@ def trace(model: nn.Module) -> fx.Graph:
 
     Raises whatever the tracer raises (the caller reports it).
     """
+    if match_module(model)[0] is not None:
+        return _root_layer_graph()
     leaf_types, autowrap = _timm_notrace()
     tracer = _Tracer(leaf_types, autowrap)
     return tracer.trace(model)
+
+
+def _root_layer_graph() -> fx.Graph:
+    """``forward(input) = self(input)`` as one ``call_module`` node with target ``""`` (the
+    root itself), which the capture pass replaces by its capture op on the root's own
+    ``weight`` and ``bias``."""
+    graph = fx.Graph()
+    x = graph.placeholder("input")
+    graph.output(graph.call_module("", (x,)))
+    return graph

@@ -6,7 +6,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tengrad_fx import covered_layers, get_info, prepare
-from testing import per_sample_grads_reference
+from testing import explicit_jacobian, per_sample_grads_reference
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -23,9 +23,10 @@ def n_records(model: nn.Module) -> int:
 
 
 def check_psg(prepared: nn.Module, ref_model: nn.Module, x, y, loss_fn=sq_loss, tol=1e-10,
-               ref: dict | None = None, layers: list[str] | None = None) -> None:
+               ref: dict | None = None, layers: list[str] | None = None) -> dict:
     """Backward ``loss_fn`` through ``prepared``; compare each covered layer's per-sample
-    gradients with the ``torch.func`` oracle on ``ref_model`` (the unprepared original)."""
+    gradients with the ``torch.func`` oracle on ``ref_model`` (the unprepared original).
+    Returns the oracle's per-sample gradients."""
     for p in prepared.parameters():
         p.grad = None
     loss_fn(prepared(x), y).backward()
@@ -45,14 +46,37 @@ def check_psg(prepared: nn.Module, ref_model: nn.Module, x, y, loss_fn=sq_loss, 
             assert rel(db, ref[bn]) <= tol, (bn, rel(db, ref[bn]))
         checked += 1
     assert checked, "no covered layer compared"
+    return ref
 
 
-def loop_psg(model: nn.Module, x, y, loss_fn=sq_loss) -> dict[str, torch.Tensor]:
-    """Per-sample gradients by one backward per sample (for models vmap cannot run)."""
+def check_gram(prepared: nn.Module, ref: dict, tol: float = 1e-10) -> None:
+    """Every covered layer's Gram (each strategy), ``jvp`` and ``vjp`` against the explicit
+    ``J`` of the oracle's per-sample gradients ``ref`` (same capture as the last backward)."""
+    names = {id(p): k for k, p in prepared.named_parameters()}
+    for layer in covered_layers(prepared):
+        bn = names[id(layer.bias)] if layer.bias is not None else None
+        J = explicit_jacobian(ref, names[id(layer.weight)], bn)
+        K = J @ J.T
+        for how in ("factor", "materialize", "auto"):
+            assert rel(layer.gram(how), K) <= tol, (layer.name, how, rel(layer.gram(how), K))
+        v = torch.randn(J.shape[1], dtype=J.dtype)
+        nw = layer.weight.numel()
+        vb = v[nw:].view_as(layer.bias) if layer.bias is not None else None
+        assert rel(layer.jvp(v[:nw].view_as(layer.weight), vb), J @ v) <= tol, layer.name
+        c = torch.randn(J.shape[0], dtype=J.dtype)
+        gw, gb = layer.vjp(c)
+        got = gw.flatten() if gb is None else torch.cat([gw.flatten(), gb.flatten()])
+        assert rel(got, J.T @ c) <= tol, layer.name
+
+
+def loop_psg(model: nn.Module, x, y, loss_fn=sq_loss, take=None) -> dict[str, torch.Tensor]:
+    """Per-sample gradients by one backward per sample (for models vmap cannot run);
+    ``take(x, i)`` gives sample ``i`` of the inputs with its batch dim (default ``x[i:i+1]``)."""
     out: dict[str, list[torch.Tensor]] = {k: [] for k, _ in model.named_parameters()}
-    for i in range(x.shape[0]):
+    for i in range(y.shape[0]):
         model.zero_grad(set_to_none=True)
-        loss_fn(model(x[i:i + 1]), y[i:i + 1]).backward()
+        xi = x[i:i + 1] if take is None else take(x, i)
+        loss_fn(model(xi), y[i:i + 1]).backward()
         for k, p in model.named_parameters():
             out[k].append(p.grad.clone())
     model.zero_grad(set_to_none=True)
