@@ -26,23 +26,37 @@ class Report:
     def n_fallback(self) -> int:
         return sum(1 for _, s, _ in self.rows if s == "fallback")
 
+    @property
+    def n_frozen(self) -> int:
+        return sum(1 for _, s, _ in self.rows if s == "frozen")
+
     def __str__(self) -> str:
         w0 = max([len("parameter")] + [len(r[0]) for r in self.rows])
         lines = [self.header, f"{'parameter':<{w0}}  {'status':<8}  detail", "-" * (w0 + 40)]
         lines += [f"{p:<{w0}}  {s:<8}  {d}" for p, s, d in self.rows]
-        lines.append(f"{self.n_covered} covered, {self.n_fallback} fallback (SGD-momentum)")
+        tail = f", {self.n_frozen} frozen (requires_grad=False)" if self.n_frozen else ""
+        lines.append(f"{self.n_covered} covered, {self.n_fallback} fallback (SGD-momentum){tail}")
         return "\n".join(lines)
 
 
 def report(model: nn.Module, m: int = 128) -> Report:
     """Every parameter of a prepared model: covered (layer kind, shapes, Gram strategy at
-    batch ``m`` from the probed input shapes) or fallback (reason)."""
+    batch ``m`` from the probed input shapes), fallback (reason), or frozen
+    (``requires_grad=False`` now: not preconditioned; a covered layer's parameter is
+    covered again once unfrozen, without a new prepare)."""
     info = get_info(model)
     by_layer = {spec.name: spec for spec in info.layers}
     rows = []
     for pname, p in getattr(model, "_orig_mod", model).named_parameters():
-        if pname in info.covered:
-            spec = by_layer[info.covered[pname]]
+        layer = info.covered.get(pname)
+        if not p.requires_grad:
+            rows.append((pname, "frozen", "requires_grad=False: not preconditioned" + (
+                f"; layer '{layer or '(root)'}' covers it when unfrozen" if layer is not None else "")))
+        elif layer is not None and not by_layer[layer].weight.requires_grad:
+            rows.append((pname, "fallback", f"the weight of layer '{layer or '(root)'}' is frozen: "
+                                            "this bias gets the SGD-momentum update"))
+        elif layer is not None:
+            spec = by_layer[layer]
             detail = f"{spec.kind} '{spec.name or '(root)'}' {tuple(p.shape)}"
             if spec.groups > 1:
                 detail += f" groups={spec.groups}"

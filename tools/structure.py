@@ -153,6 +153,8 @@ def kfac_factors(layer: CoveredLayer, scale: float) -> tuple[torch.Tensor, torch
     """
     if layer.spec.kind != "linear" and getattr(layer.spec, "groups", 1) != 1:
         raise ValueError(f"layer '{layer.name}': K-FAC factors of grouped convolutions are not supported here")
+    if layer.spec.transposed:
+        raise ValueError(f"layer '{layer.name}': no K-FAC factors for transposed convolutions")
     a_all, g_all = [], []
     for r in layer.records():
         if r.I is None or r.G is None:

@@ -1,8 +1,9 @@
 """Which modules the capture pass covers, and the call arguments of their capture op.
 
-A module is *covered* when its forward is exactly ``F.linear`` / ``ConvNd`` on its own
-``weight`` and ``bias``: ``nn.Linear``, ``nn.Conv1d/2d/3d`` and subclasses that do not
-override ``forward`` (plus a short allowlist of known-exact subclasses). Everything else
+A module is *covered* when its forward is exactly ``F.linear`` / ``ConvNd`` /
+``ConvTransposeNd`` on its own ``weight`` and ``bias``: ``nn.Linear``, ``nn.Conv1d/2d/3d``,
+``nn.ConvTranspose1d/2d/3d`` and subclasses that do not override ``forward`` (plus a short
+allowlist of known-exact subclasses). Everything else
 is left alone and its parameters fall back to SGD-momentum, with a reason.
 """
 from __future__ import annotations
@@ -14,13 +15,17 @@ import torch.nn as nn
 
 __all__ = ["LayerSpec", "match_module", "conv_call_args"]
 
-Kind = Literal["linear", "conv1d", "conv2d", "conv3d"]
+Kind = Literal["linear", "conv1d", "conv2d", "conv3d",
+               "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"]
 
 _BASES: dict[type, Kind] = {
     nn.Linear: "linear",
     nn.Conv1d: "conv1d",
     nn.Conv2d: "conv2d",
     nn.Conv3d: "conv3d",
+    nn.ConvTranspose1d: "conv_transpose1d",
+    nn.ConvTranspose2d: "conv_transpose2d",
+    nn.ConvTranspose3d: "conv_transpose3d",
 }
 
 
@@ -55,6 +60,8 @@ class LayerSpec:
     groups: int = 1
     pre_pad: Optional[tuple[int, ...]] = None
     pad_mode: str = "constant"
+    transposed: bool = False  # ConvTransposeNd: weight [c_in, c_out/g, *k]
+    output_padding: tuple[int, ...] = ()
     # probed shapes of the (padded) inputs, per site, at the probe's batch size
     input_shapes: list[tuple[int, ...]] = field(default_factory=list)
 
@@ -74,8 +81,8 @@ def match_module(mod: nn.Module) -> tuple[Optional[Kind], str]:
             cls = type(mod)
             if cls.forward is not base.forward and cls not in _exact_subclasses():
                 return None, f"{cls.__name__} overrides {base.__name__}.forward (not provably exact)"
-            if kind != "linear" and getattr(mod, "transposed", False):
-                return None, "transposed convolution has no capture kernel"
+            if kind != "linear" and bool(getattr(mod, "transposed", False)) != kind.startswith("conv_transpose"):
+                return None, "convolution with a non-standard 'transposed' flag"
             if not isinstance(mod.weight, nn.Parameter):
                 return None, "weight is not a Parameter"
             return kind, ""
@@ -83,13 +90,19 @@ def match_module(mod: nn.Module) -> tuple[Optional[Kind], str]:
 
 
 def conv_call_args(mod: nn.Module) -> dict[str, Any]:
-    """Normalized capture-op arguments for a ConvNd module.
+    """Normalized capture-op arguments for a ConvNd / ConvTransposeNd module.
 
     Returns ``stride, padding, dilation, groups`` as explicit int tuples, and
     ``pre_pad``/``pad_mode`` when the input must be padded before an unpadded conv
-    (``padding_mode`` other than ``'zeros'``, or an asymmetric ``padding='same'``).
+    (``padding_mode`` other than ``'zeros'``, or an asymmetric ``padding='same'``);
+    for a transposed convolution (zeros padding only, as in torch) also
+    ``transposed=True`` and ``output_padding``.
     """
     nd = mod.weight.dim() - 2
+    if getattr(mod, "transposed", False):
+        return dict(stride=tuple(mod.stride), padding=tuple(int(p) for p in mod.padding),
+                    dilation=tuple(mod.dilation), groups=mod.groups, pre_pad=None, pad_mode="constant",
+                    transposed=True, output_padding=tuple(mod.output_padding))
     k = tuple(mod.kernel_size)
     dil = tuple(mod.dilation)
     stride = tuple(mod.stride)

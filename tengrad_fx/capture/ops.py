@@ -3,7 +3,7 @@
 Two ops per layer kind, no hooks:
 
 * ``tengrad_fx::linear`` / ``tengrad_fx::conv`` — the layer's forward (identical
-  output to ``F.linear`` / ``aten.convolution``). Its autograd formula
+  output to ``F.linear`` / ``aten.convolution``, transposed convolutions included). Its autograd formula
   (``register_autograd``) calls
 * ``tengrad_fx::linear_backward`` / ``tengrad_fx::conv_backward`` — computes the
   input/weight/bias gradients with aten's own kernels and, as a side effect of its
@@ -36,9 +36,11 @@ ENABLED: dict[int, bool] = {}
 
 
 def _active(key: int, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
-    if not ENABLED.get(key, False) or not torch.is_grad_enabled():
-        return False
-    return x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    """Capture this call? Only with capture on, grad enabled and a weight that requires
+    grad: a frozen layer (weight ``requires_grad=False``) is preconditioned by nobody, so it
+    runs the plain aten op (input and bias gradients as usual). Read at every call, so
+    ``requires_grad_(True)`` after prepare() takes effect at the next forward."""
+    return ENABLED.get(key, False) and torch.is_grad_enabled() and weight.requires_grad
 
 
 def _check_batch(x: Tensor, batch: Optional[int], name: str) -> None:
@@ -129,104 +131,105 @@ def linear(
 
 
 # --------------------------------------------------------------------------- conv
+# ``transposed``/``output_padding`` as in ``aten.convolution``: ConvTransposeNd, weight
+# ``[c_in, c_out/g, *k]``; its weight gradient is a convolution with the roles of the input
+# and the output gradient swapped, which ``aten.convolution_backward`` computes.
 @torch.library.custom_op("tengrad_fx::conv", mutates_args=())
 def _conv_op(
     x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: Sequence[int],
-    padding: Sequence[int], dilation: Sequence[int], groups: int, key: int, site: int,
+    padding: Sequence[int], dilation: Sequence[int], transposed: bool, output_padding: Sequence[int],
+    groups: int, key: int, site: int,
 ) -> Tensor:
     lookup(key).begin()
-    nd = weight.dim() - 2
-    return torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False, [0] * nd, groups)
+    return torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
 
 
 @_conv_op.register_fake
-def _(x, weight, bias, stride, padding, dilation, groups, key, site):  # type: ignore[no-untyped-def]
-    nd = weight.dim() - 2
-    return torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, False, [0] * nd, groups)
+def _(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, key, site):  # type: ignore[no-untyped-def]
+    return torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
 
 
 @torch.library.custom_op("tengrad_fx::conv_backward", mutates_args=())
 def _conv_backward_op(
     grad: Tensor, x: Tensor, weight: Tensor, stride: Sequence[int], padding: Sequence[int],
-    dilation: Sequence[int], groups: int, has_bias: bool, need_input: bool, key: int, site: int,
+    dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
+    has_bias: bool, need_input: bool, key: int, site: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     store = lookup(key)
-    nd = weight.dim() - 2
+    conf = (stride, padding, dilation, transposed, output_padding, groups)
+    n_bias = grad.shape[1]
     # fresh empty placeholders each time: a custom op's outputs must not alias each other
     zeros_w = (lambda: grad.new_zeros(weight.shape))
-    zeros_b = (lambda: grad.new_zeros(weight.shape[0]) if has_bias else grad.new_empty(0))
+    zeros_b = (lambda: grad.new_zeros(n_bias) if has_bias else grad.new_empty(0))
     if store.wants_jacobian(site):  # per-sample weight grads in place of the weight grad
-        P = per_sample_conv_weight_grads(grad, x, weight.shape, stride, padding, dilation, groups)
+        P = per_sample_conv_weight_grads(grad, x, weight.shape, stride, padding, dilation, groups,
+                                         transposed=transposed, output_padding=output_padding)
         gsum = grad.flatten(2).sum(2)
         store.record(site, Record(None, None, P, gsum, tuple(x.shape)))
-        gx = _conv_input_grad(grad, x, weight, stride, padding, dilation, groups) if need_input else grad.new_empty(0)
+        gx = _conv_input_grad(grad, x, weight, conf) if need_input else grad.new_empty(0)
         if store.grad_only:
             return gx, zeros_w(), zeros_b()
         return gx, P.sum(0).view(weight.shape), (gsum.sum(0) if has_bias else grad.new_empty(0))
     store.record(site, Record(x, grad))
     if store.grad_only:  # MC-Fisher pass: G only, no parameter gradients
-        gx = _conv_input_grad(grad, x, weight, stride, padding, dilation, groups) if need_input else grad.new_empty(0)
+        gx = _conv_input_grad(grad, x, weight, conf) if need_input else grad.new_empty(0)
         return gx, zeros_w(), zeros_b()
     gx, gw, gb = torch.ops.aten.convolution_backward(
-        grad, x, weight, [weight.shape[0]] if has_bias else None, stride, padding, dilation,
-        False, [0] * nd, groups, [need_input, True, has_bias],
+        grad, x, weight, [n_bias] if has_bias else None, *conf, [need_input, True, has_bias],
     )
     return (gx if need_input else grad.new_empty(0)), gw, (gb if has_bias else grad.new_empty(0))
 
 
-def _conv_input_grad(grad: Tensor, x: Tensor, weight: Tensor, stride: Sequence[int],
-                     padding: Sequence[int], dilation: Sequence[int], groups: int) -> Tensor:
-    nd = weight.dim() - 2
-    return torch.ops.aten.convolution_backward(
-        grad, x, weight, None, stride, padding, dilation, False, [0] * nd, groups,
-        [True, False, False])[0]
+def _conv_input_grad(grad: Tensor, x: Tensor, weight: Tensor, conf: tuple) -> Tensor:  # type: ignore[type-arg]
+    return torch.ops.aten.convolution_backward(grad, x, weight, None, *conf, [True, False, False])[0]
 
 
 def per_sample_conv_weight_grads(
     grad: Tensor, x: Tensor, weight_shape: Sequence[int], stride: Sequence[int],
-    padding: Sequence[int], dilation: Sequence[int], groups: int,
+    padding: Sequence[int], dilation: Sequence[int], groups: int, *,
+    transposed: bool = False, output_padding: Optional[Sequence[int]] = None,
 ) -> Tensor:
-    """Per-sample weight gradients of a ConvNd, ``[m, weight.numel()]``.
+    """Per-sample weight gradients of a ConvNd or ConvTransposeNd, ``[m, weight.numel()]``.
 
     One grouped weight-gradient convolution over the batch folded into channels
     (``groups = m·groups``): aten's own kernel, no unfolded input in memory.
-    x: ``[m, c_in, *spatial]``; grad: ``[m, c_out, *spatial_out]``.
+    x: ``[m, c_in, *spatial]``; grad: ``[m, c_out, *spatial_out]``; the weight is
+    ``[c_out, c_in/g, *k]``, or ``[c_in, c_out/g, *k]`` when ``transposed``.
     """
     m = x.shape[0]
     nd = len(weight_shape) - 2
     xs = x.reshape(1, -1, *x.shape[2:])
     gs = grad.reshape(1, -1, *grad.shape[2:])
     w = x.new_empty((m * weight_shape[0], *weight_shape[1:]))
+    op = list(output_padding) if output_padding is not None else [0] * nd
     gw = torch.ops.aten.convolution_backward(
-        gs, xs, w, None, stride, padding, dilation, False, [0] * nd, m * groups,
+        gs, xs, w, None, stride, padding, dilation, transposed, op, m * groups,
         [False, True, False])[1]
     return gw.reshape(m, -1)
 
 
 @_conv_backward_op.register_fake
-def _(grad, x, weight, stride, padding, dilation, groups, has_bias, need_input, key, site):  # type: ignore[no-untyped-def]
+def _(grad, x, weight, stride, padding, dilation, transposed, output_padding, groups, has_bias, need_input, key, site):  # type: ignore[no-untyped-def]
     gx = grad.new_empty(x.shape) if need_input else grad.new_empty(0)
-    gb = grad.new_empty(weight.shape[0]) if has_bias else grad.new_empty(0)
+    gb = grad.new_empty(grad.shape[1]) if has_bias else grad.new_empty(0)
     return gx, grad.new_empty(weight.shape), gb
 
 
 def _conv_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    x, weight, bias, stride, padding, dilation, groups, key, site = inputs
+    x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, key, site = inputs
     ctx.save_for_backward(x, weight)
-    ctx.conf = (list(stride), list(padding), list(dilation), groups)
+    ctx.conf = (list(stride), list(padding), list(dilation), transposed, list(output_padding), groups)
     ctx.has_bias = bias is not None
     ctx.key, ctx.site = key, site
 
 
 def _conv_grad(ctx, grad):  # type: ignore[no-untyped-def]
     x, weight = ctx.saved_tensors
-    stride, padding, dilation, groups = ctx.conf
     gx, gw, gb = torch.ops.tengrad_fx.conv_backward(
-        grad, x, weight, stride, padding, dilation, groups, ctx.has_bias,
-        ctx.needs_input_grad[0], ctx.key, ctx.site,
+        grad, x, weight, *ctx.conf, ctx.has_bias, ctx.needs_input_grad[0], ctx.key, ctx.site,
     )
     return ((gx if ctx.needs_input_grad[0] else None), gw, (gb if ctx.has_bias else None),
-            None, None, None, None, None, None)
+            None, None, None, None, None, None, None, None)
 
 
 _conv_op.register_autograd(_conv_grad, setup_context=_conv_setup)
@@ -237,24 +240,26 @@ def conv(
     padding: Sequence[int], dilation: Sequence[int], groups: int, key: int, site: int,
     pre_pad: Optional[Sequence[int]] = None, pad_mode: str = "constant",
     batch: Optional[int] = None, name: str = "",
+    transposed: bool = False, output_padding: Optional[Sequence[int]] = None,
 ) -> Tensor:
-    """ConvNd that records ``(x_padded, dL/dy)`` when capture is on.
+    """ConvNd (or ConvTransposeNd when ``transposed``) that records ``(x_padded, dL/dy)``
+    when capture is on.
 
-    x: ``[m, c_in, *spatial]``; weight: ``[c_out, c_in/groups, *k]``;
-    returns ``[m, c_out, *spatial_out]``. ``pre_pad`` (``F.pad`` order) is applied
-    first, with ``pad_mode``, for padding modes other than zeros and for asymmetric
-    ``padding='same'``; the recorded input is then the padded one.
+    x: ``[m, c_in, *spatial]``; weight: ``[c_out, c_in/groups, *k]`` (transposed:
+    ``[c_in, c_out/groups, *k]``); returns ``[m, c_out, *spatial_out]``. ``pre_pad``
+    (``F.pad`` order) is applied first, with ``pad_mode``, for padding modes other than
+    zeros and for asymmetric ``padding='same'``; the recorded input is then the padded one.
     """
     if pre_pad is not None:
         x = F.pad(x, list(pre_pad), mode=pad_mode)
     if PROBE is not None:
         PROBE[(key, site)] = tuple(x.shape)
+    op = list(output_padding) if output_padding is not None else [0] * (weight.dim() - 2)
     if not _active(key, x, weight, bias):
-        nd = weight.dim() - 2
         return torch.ops.aten.convolution(
-            x, weight, bias, list(stride), list(padding), list(dilation), False, [0] * nd, groups
+            x, weight, bias, list(stride), list(padding), list(dilation), transposed, op, groups
         )
     _check_batch(x, batch, name)
     return torch.ops.tengrad_fx.conv(
-        x, weight, bias, list(stride), list(padding), list(dilation), groups, key, site
+        x, weight, bias, list(stride), list(padding), list(dilation), transposed, op, groups, key, site
     )

@@ -178,11 +178,12 @@ def _rewrite(graph: fx.Graph, candidates: dict[str, nn.Module], layers: dict[str
     for node in list(graph.nodes):
         if node.op != "call_module" or node.target not in candidates:
             continue
-        if len(node.args) != 1 or node.kwargs:
-            odd.add(str(node.target))  # unusual call signature: leave it, its params fall back
-            continue
         name = str(node.target)
         mod = candidates[name]
+        x_arg, out_size = _call_arguments(node, mod)
+        if x_arg is None:
+            odd.add(name)  # unusual call signature: leave it, its params fall back
+            continue
         spec = layers.get(name)
         if spec is None:
             kind, _ = match_module(mod)
@@ -202,17 +203,48 @@ def _rewrite(graph: fx.Graph, candidates: dict[str, nn.Module], layers: dict[str
                     n.meta[_OURS] = True  # not a use outside the layer call
             kw: dict[str, Any] = dict(key=key, site=site, batch=batch_node, name=name)
             if spec.kind == "linear":
-                new = graph.call_function(ops.linear, (node.args[0], w, b), kw)
+                new = graph.call_function(ops.linear, (x_arg, w, b), kw)
             else:
                 kw.update(pre_pad=spec.pre_pad, pad_mode=spec.pad_mode)
+                if spec.transposed:
+                    op: Any = spec.output_padding
+                    if out_size is not None:  # computed at run time, as torch does
+                        op = graph.call_function(_transposed_output_padding, (
+                            x_arg, out_size, spec.stride, spec.padding, tuple(mod.kernel_size), spec.dilation))
+                    kw.update(transposed=True, output_padding=op)
                 new = graph.call_function(
                     ops.conv,
-                    (node.args[0], w, b, spec.stride, spec.padding, spec.dilation, spec.groups),
+                    (x_arg, w, b, spec.stride, spec.padding, spec.dilation, spec.groups),
                     kw,
                 )
         node.replace_all_uses_with(new)
         graph.erase_node(node)
     graph.lint()
+
+
+def _call_arguments(node: fx.Node, mod: nn.Module) -> tuple[Any, Any]:
+    """``(input, output_size)`` of a covered module's call, or ``(None, None)`` for any other
+    signature. ``output_size`` (positional or keyword) only for ConvTransposeNd."""
+    args, kwargs = list(node.args), dict(node.kwargs)
+    out_size = None
+    if getattr(mod, "transposed", False):
+        if len(args) == 2:
+            out_size = args.pop()
+        elif len(args) == 1 and set(kwargs) == {"output_size"}:
+            out_size = kwargs.pop("output_size")
+    if len(args) != 1 or kwargs:
+        return None, None
+    return args[0], out_size
+
+
+def _transposed_output_padding(x: torch.Tensor, output_size: Sequence[int], stride: Sequence[int],
+                               padding: Sequence[int], kernel_size: Sequence[int],
+                               dilation: Sequence[int]) -> list[int]:
+    """``output_padding`` of ``ConvTransposeNd(x, output_size)``, computed as torch does
+    (torch's method reads nothing from the module when ``output_size`` is given)."""
+    return nn.modules.conv._ConvTransposeNd._output_padding(
+        None, x, list(output_size), list(stride), list(padding), list(kernel_size),  # type: ignore[arg-type]
+        len(stride), list(dilation))
 
 
 _OURS = "tengrad_fx_capture_arg"
@@ -255,6 +287,9 @@ def _prepare_fx(model, candidates, fallback, example_inputs):  # type: ignore[no
     gm.__dict__["_tengrad_store"] = store
     _note_functional_uses(gm, g_train, g_eval, layers, fallback)
     for name in odd:
+        if name not in layers:  # every call unusual: no layer was made
+            for pn, _ in candidates[name].named_parameters(prefix=name, recurse=False):
+                fallback[pn] = "module called with keyword or extra arguments (not captured)"
         _drop_layer(layers, name, "module also called with keyword or extra arguments (that call is not captured)")
     return gm, list(layers.values()), method, ""
 
@@ -289,7 +324,8 @@ def _note_functional_uses(gm, g_train, g_eval, layers, fallback) -> None:  # typ
                 except AttributeError:
                     continue
                 for name in owners.get(id(t), []):
-                    _drop_layer(layers, name, f"parameter also read outside the layer call ({node.target})")
+                    _drop_layer(layers, name, f"also read outside the layer call ({node.target})", t,
+                                f"parameter also read outside the layer call ({node.target})")
     _note_tied(gm, layers, owners)
 
 
@@ -304,15 +340,25 @@ def _note_tied(model: nn.Module, layers: dict[str, LayerSpec], owners: dict[int,
             first = seen.setdefault(id(p), (full, mod))
             if first[1] is not mod:  # one module under two names is sharing, not tying
                 for name in owners.get(id(p), []):
-                    _drop_layer(layers, name, f"parameter tied to {first[0]} / {full}")
+                    _drop_layer(layers, name, f"tied ({first[0]} = {full})", p,
+                                f"parameter tied (shared with {full})")
 
 
-def _drop_layer(layers: dict[str, LayerSpec], name: str, reason: str) -> None:
+def _drop_layer(layers: dict[str, LayerSpec], name: str, reason: str,
+                param: Optional[torch.Tensor] = None, param_reason: str = "") -> None:
+    """Uncover layer ``name``. ``param``: the parameter that caused it; it gets
+    ``param_reason``, the layer's other parameters "layer '<name>' not covered: its
+    weight|bias is <reason>"; without ``param`` every parameter gets ``reason``."""
     spec = layers.get(name)
     if spec is not None:
         spec.__dict__.setdefault("dropped_sites", []).extend(spec.sites)
         spec.sites = []  # marks it uncovered; _classify_params records the reason
-        spec.__dict__["fallback_reason"] = reason
+        if param is None:
+            spec.__dict__["fallback_reason"] = reason
+            return
+        which = "weight" if param is spec.weight else "bias"
+        spec.__dict__["fallback_reason"] = f"layer '{name or '(root)'}' not covered: its {which} is {reason}"
+        spec.__dict__.setdefault("param_reasons", {})[id(param)] = param_reason
 
 
 # --------------------------------------------------------------------------- surgery path
@@ -342,15 +388,20 @@ def _prepare_surgery(model: nn.Module, candidates: dict[str, nn.Module]) -> tupl
 _CAPTURING: dict[type, type] = {}
 
 
-def _capturing_forward(self, input):  # type: ignore[no-untyped-def]  # nn.Linear/ConvNd's argument name
+def _capturing_forward(self, input, output_size=None):  # type: ignore[no-untyped-def]  # torch's argument names
     x = input
     key, spec = self.__dict__["_tengrad_call"]
     if not spec.sites:  # dropped to the fallback (tied, or input not per sample): plain layer
-        return super(type(self), self).forward(x)
+        return super(type(self), self).forward(x, *([output_size] if output_size is not None else []))
     if spec.kind == "linear":
         return ops.linear(x, self.weight, self.bias, key, spec.sites[0], name=spec.name)
+    extra: dict[str, Any] = {}
+    if spec.transposed:  # ConvTransposeNd.forward(input, output_size=None)
+        nd = self.weight.dim() - 2
+        op = self._output_padding(x, output_size, self.stride, self.padding, self.kernel_size, nd, self.dilation)
+        extra = dict(transposed=True, output_padding=tuple(op))
     return ops.conv(x, self.weight, self.bias, spec.stride, spec.padding, spec.dilation, spec.groups,
-                    key, spec.sites[0], pre_pad=spec.pre_pad, pad_mode=spec.pad_mode, name=spec.name)
+                    key, spec.sites[0], pre_pad=spec.pre_pad, pad_mode=spec.pad_mode, name=spec.name, **extra)
 
 
 def _capturing_class(cls: type) -> type:
@@ -476,7 +527,8 @@ def _classify_params(model: nn.Module, info: PrepareInfo) -> None:
                 info.covered[pn] = spec.name
                 info.fallback.pop(pn, None)
             else:
-                info.fallback[pn] = spec.__dict__.get("fallback_reason", "never called in forward")
+                info.fallback[pn] = spec.__dict__.get("param_reasons", {}).get(
+                    id(p), spec.__dict__.get("fallback_reason", "never called in forward"))
         elif pn not in info.fallback:
             owner = owner_of.get(pn)
             kind, _ = match_module(owner) if owner is not None else (None, "")

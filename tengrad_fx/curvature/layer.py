@@ -35,7 +35,13 @@ __all__ = ["CoveredLayer", "covered_layers", "Strategy", "gram_flops", "choose_s
 
 Strategy = Literal["auto", "factor", "materialize"]
 
-KERNELS: dict[str, ModuleType] = {"linear": linear, "conv1d": conv, "conv2d": conv, "conv3d": conv}
+KERNELS: dict[str, ModuleType] = {
+    "linear": linear,
+    "conv1d": conv, "conv2d": conv, "conv3d": conv,
+    "conv_transpose1d": conv, "conv_transpose2d": conv, "conv_transpose3d": conv,
+}
+"""Kernel module per layer kind: ``layout``, ``dims``, ``jvp``, ``vjp``, ``per_sample_grads``
+and, where the bias gradient is not ``Σ_s B`` of the layout, ``bias_grads``."""
 
 
 def gram_flops(m: int, g: int, S: int, f: int, o: int) -> dict[str, float]:
@@ -75,7 +81,10 @@ class CoveredLayer:
 
     @property
     def bias(self) -> Optional[torch.nn.Parameter]:
-        return self.spec.bias
+        """The bias if the layer has one that requires grad: a frozen bias
+        (``requires_grad=False``) is not part of ``J`` and is not preconditioned."""
+        b = self.spec.bias
+        return b if b is not None and b.requires_grad else None
 
     def __repr__(self) -> str:
         return f"CoveredLayer({self.name!r}, {self.kind}, weight={tuple(self.weight.shape)})"
@@ -167,7 +176,12 @@ class CoveredLayer:
         B = lays[0][1] if len(lays) == 1 else torch.cat([b for _, b in lays], 2)
         K = tensors.gram_factor(A, B) if how == "factor" else tensors.gram_materialize(A, B)
         if self.bias is not None:
-            K = K + tensors.gram_bias(B)
+            bias_grads = getattr(self._kernel, "bias_grads", None)
+            if bias_grads is None:
+                K = K + tensors.gram_bias(B)
+            else:
+                db = sum(bias_grads(self.spec, r.I, r.G) for r in self.records())
+                K = K + db @ db.T
         return K * self._scale() ** 2
 
     def jvp(self, v_w: Tensor, v_b: Optional[Tensor] = None) -> Tensor:
@@ -212,6 +226,9 @@ def _check_shape(layer: CoveredLayer, arg: str, v: Tensor, p: Tensor) -> None:
 
 
 def covered_layers(model: torch.nn.Module) -> list[CoveredLayer]:
-    """One :class:`CoveredLayer` per covered module of a prepared model, in graph order."""
+    """One :class:`CoveredLayer` per covered module of a prepared model, in graph order.
+
+    Layers whose weight is frozen (``requires_grad=False``, read now) are left out: they
+    capture nothing and are preconditioned by nobody; unfreezing brings them back."""
     info = get_info(model)
-    return [CoveredLayer(spec, info) for spec in info.layers]
+    return [CoveredLayer(spec, info) for spec in info.layers if spec.weight.requires_grad]

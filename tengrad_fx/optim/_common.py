@@ -21,6 +21,7 @@ positions), with ``ğ = k·G`` the per-sample output gradients (``k = m`` for
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -90,16 +91,27 @@ class Block:
         return out
 
 
-def make_blocks(layers: list[CoveredLayer]) -> list[Block]:
-    """Blocks of the layers whose parameters all require grad."""
+def make_blocks(layers: list[CoveredLayer], kronecker: bool = True) -> list[Block]:
+    """Blocks of the layers whose parameters all require grad. With ``kronecker`` (the
+    K-FAC family), transposed convolutions are left out: their bias gradient sums the
+    output gradient over OUTPUT pixels, so ``[g, o, f + b]`` with the bias as homogeneous
+    column does not describe them; they get the fallback update (a warning says so)."""
     out = []
+    skipped = []
     for layer in layers:
         params = [p for p in (layer.weight, layer.bias) if p is not None]
         if not all(p.requires_grad for p in params):
             continue
+        if kronecker and layer.spec.transposed:
+            skipped.append(layer.name)
+            continue
         w = layer.weight
         g = layer.spec.groups if layer.kind != "linear" else 1
         out.append(Block(layer, params, g, w.shape[0] // g, w[0].numel()))
+    if skipped:
+        warnings.warn(f"no Kronecker-factored curvature for transposed convolutions {skipped}: their "
+                      "parameters get the SGD-momentum fallback update (TENGraD and NGD cover them)",
+                      RuntimeWarning)
     return out
 
 
@@ -202,6 +214,7 @@ class CurvatureOptimizer(StepSkeleton):
     NAME = "curvature"
     SUPPORTS_MC = True
     EMPTY_STEP_SKIPS = True
+    KRONECKER = True  # blocks need the matrix form [g, o, f + b] (not NGD)
     CURVATURE: tuple[str, ...] = ()  # attributes saved in state_dict()["curvature"]
 
     def __init__(self, model: torch.nn.Module, defaults: dict[str, Any], *, kl_clip: Optional[float],
@@ -221,7 +234,7 @@ class CurvatureOptimizer(StepSkeleton):
         self.kl_clip = kl_clip
         self.fisher = fisher
         self.mc_loss = mc_loss
-        self.blocks = make_blocks(covered_layers(model))
+        self.blocks = make_blocks(covered_layers(model), self.KRONECKER)
         self._seen_generation = -1
         info.store.jacobian_sites = set()  # these optimizers read I and G
         capturing(model, True)

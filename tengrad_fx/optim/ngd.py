@@ -38,6 +38,7 @@ class NGD(CurvatureOptimizer):
     """
 
     NAME = "ngd"
+    KRONECKER = False
     CURVATURE = ("_chol", "_chol_damping")
 
     def __init__(

@@ -65,6 +65,30 @@ class HostMirror:
         return self._host.numpy().tolist()  # host memory: no dispatch, no device wait
 
 
+class FrozenWatch:
+    """The parameters that were frozen (``requires_grad=False``) when an optimizer was built.
+
+    They are not in its param group, so unfreezing them later does not make the optimizer
+    update them; :meth:`check` warns once, at the first step after that happened, that a
+    new optimizer is needed (``prepare`` need not be redone: capture and
+    ``covered_layers`` read ``requires_grad`` at each call). Host attributes only."""
+
+    def __init__(self, model: torch.nn.Module, owner: str):
+        self.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+        self.owner = owner
+        self.warned = False
+
+    def check(self) -> None:
+        if self.warned or not self.frozen:
+            return
+        thawed = [n for n, p in self.frozen if p.requires_grad]
+        if thawed:
+            warnings.warn(f"{self.owner}: {thawed} were frozen when the optimizer was built and are now "
+                          "trainable, but they are not in its param group and are not updated: build a "
+                          "new optimizer (no new prepare() is needed)", RuntimeWarning)
+            self.warned = True
+
+
 class StepSkeleton(torch.optim.Optimizer):
     """Base of every optimizer here: one param group, the shared step (module docstring).
 
@@ -88,6 +112,7 @@ class StepSkeleton(torch.optim.Optimizer):
         self._mc_done = False
         self._warned_skip = False
         self.timings: dict[str, float] = {}
+        self._frozen = FrozenWatch(model, type(self).__name__)
 
     # ------------------------------------------------------------------ subclass hooks
     def _needs_capture(self, step: int) -> bool:
@@ -186,6 +211,7 @@ class StepSkeleton(torch.optim.Optimizer):
         momentum, wd = group["momentum"], group["weight_decay"]
         check_positive("damping", damping)
         self._info.store.recording = True
+        self._frozen.check()
         k = self._sched
         stats_step = self._needs_capture(k)
         mc_step, self._mc_done = self._mc_done, False

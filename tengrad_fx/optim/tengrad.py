@@ -433,7 +433,7 @@ class TENGraD(StepSkeleton):
         sites: set[int] = set()
         budget = self.jacobian_budget
         for layer in self._layers:
-            if layer.choose(self.strategy) == "materialize":
+            if layer.weight.requires_grad and layer.choose(self.strategy) == "materialize":
                 n = layer.m * sum(p.numel() for p in (layer.weight, layer.bias) if p is not None)
                 nbytes = n * layer.weight.element_size()
                 if nbytes <= budget:

@@ -30,6 +30,10 @@ ROOTS = {
                                               padding=1, padding_mode="reflect"), (2, 7, 6)),
     "conv3d_same_groups": (nn.Conv3d, dict(in_channels=2, out_channels=4, kernel_size=2, padding="same",
                                            groups=2), (2, 4, 3, 5)),
+    "conv_transpose2d_groups": (nn.ConvTranspose2d, dict(in_channels=4, out_channels=6, kernel_size=3, stride=2,
+                                                         padding=1, output_padding=1, groups=2), (4, 3, 4)),
+    "conv_transpose1d_nobias": (nn.ConvTranspose1d, dict(in_channels=2, out_channels=3, kernel_size=2,
+                                                         dilation=2, bias=False), (2, 5)),
     "conv3d_valid_nobias": (nn.Conv3d, dict(in_channels=2, out_channels=3, kernel_size=(2, 1, 2),
                                             bias=False), (2, 3, 4, 3)),
 }
