@@ -3,7 +3,8 @@
 A module is *covered* when its forward is exactly ``F.linear`` / ``ConvNd`` /
 ``ConvTransposeNd`` on its own ``weight`` and ``bias``: ``nn.Linear``, ``nn.Conv1d/2d/3d``,
 ``nn.ConvTranspose1d/2d/3d`` and subclasses that do not override ``forward`` (plus a short
-allowlist of known-exact subclasses). Everything else
+allowlist of known-exact subclasses), or a norm layer with affine parameters (:mod:`.norm`:
+BatchNorm, LayerNorm, GroupNorm, RMSNorm and timm's variants). Everything else
 is left alone and its parameters fall back to SGD-momentum, with a reason.
 """
 from __future__ import annotations
@@ -13,10 +14,13 @@ from typing import Any, Literal, Optional
 
 import torch.nn as nn
 
+from .norm import match_norm
+
 __all__ = ["LayerSpec", "match_module", "conv_call_args"]
 
 Kind = Literal["linear", "conv1d", "conv2d", "conv3d",
-               "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"]
+               "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+               "batchnorm", "layernorm", "groupnorm", "rmsnorm", "layernorm2d", "rmsnorm2d"]
 
 _BASES: dict[type, Kind] = {
     nn.Linear: "linear",
@@ -71,7 +75,7 @@ class LayerSpec:
 
     @property
     def bias(self) -> Any:
-        return self.module.bias
+        return getattr(self.module, "bias", None)  # RMSNorm has none
 
 
 def match_module(mod: nn.Module) -> tuple[Optional[Kind], str]:
@@ -86,7 +90,7 @@ def match_module(mod: nn.Module) -> tuple[Optional[Kind], str]:
             if not isinstance(mod.weight, nn.Parameter):
                 return None, "weight is not a Parameter"
             return kind, ""
-    return None, ""
+    return match_norm(mod)  # type: ignore[return-value]
 
 
 def conv_call_args(mod: nn.Module) -> dict[str, Any]:

@@ -9,9 +9,10 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from . import ops
+from . import norm, ops
 from .info import ATTR, PrepareInfo, get_info
 from .match import LayerSpec, conv_call_args, match_module
+from .norm import NORM_KINDS
 from .store import CaptureStore
 from .trace import trace
 
@@ -72,7 +73,7 @@ def prepare(
     if not candidates:
         why = "".join(sorted({f"; {r}" for r in fallback.values()}))
         raise ValueError(
-            f"{type(model).__name__} has no nn.Linear or nn.Conv1d/2d/3d layer to cover{why}; "
+            f"{type(model).__name__} has no nn.Linear or nn.Conv1d/2d/3d (or norm) layer to cover{why}; "
             "use a plain torch.optim optimizer for it"
         )
 
@@ -188,13 +189,22 @@ def _rewrite(graph: fx.Graph, candidates: dict[str, nn.Module], layers: dict[str
         if spec is None:
             kind, _ = match_module(mod)
             spec = LayerSpec(name=name, kind=kind, module=mod)  # type: ignore[arg-type]
-            if kind != "linear":
+            if kind != "linear" and kind not in NORM_KINDS:
                 for k, v in conv_call_args(mod).items():
                     setattr(spec, k, v)
             layers[name] = spec
         site = next_site[0]
         next_site[0] += 1
         spec.sites.append(site)
+        if spec.kind in NORM_KINDS:
+            with graph.inserting_before(node):
+                mnode = graph.get_attr(name)
+                mnode.meta[_OURS] = True
+                new = graph.call_function(norm.norm, (node.args[0], mnode),
+                                          dict(key=key, site=site, batch=batch_node, name=name))
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            continue
         with graph.inserting_before(node):
             w = graph.get_attr(f"{name}.weight" if name else "weight")
             b = graph.get_attr(f"{name}.bias" if name else "bias") if mod.bias is not None else None
@@ -369,7 +379,7 @@ def _prepare_surgery(model: nn.Module, candidates: dict[str, nn.Module]) -> tupl
     for site, (name, mod) in enumerate(candidates.items()):
         kind, _ = match_module(mod)
         spec = LayerSpec(name=name, kind=kind, module=mod, sites=[site])  # type: ignore[arg-type]
-        if kind != "linear":
+        if kind != "linear" and kind not in NORM_KINDS:
             for k, v in conv_call_args(mod).items():
                 setattr(spec, k, v)
         mod.__class__ = _capturing_class(type(mod))
@@ -393,6 +403,8 @@ def _capturing_forward(self, input, output_size=None):  # type: ignore[no-untype
     key, spec = self.__dict__["_tengrad_call"]
     if not spec.sites:  # dropped to the fallback (tied, or input not per sample): plain layer
         return super(type(self), self).forward(x, *([output_size] if output_size is not None else []))
+    if spec.kind in NORM_KINDS:
+        return norm.norm(x, self, key, spec.sites[0], name=spec.name)
     if spec.kind == "linear":
         return ops.linear(x, self.weight, self.bias, key, spec.sites[0], name=spec.name)
     extra: dict[str, Any] = {}
@@ -407,7 +419,8 @@ def _capturing_forward(self, input, output_size=None):  # type: ignore[no-untype
 def _capturing_class(cls: type) -> type:
     if cls not in _CAPTURING:
         _CAPTURING[cls] = type(cls.__name__, (cls,), {"forward": _capturing_forward,
-                                                      "__module__": cls.__module__})
+                                                      "__module__": cls.__module__,
+                                                      "_tengrad_capturing": True})
     return _CAPTURING[cls]
 
 

@@ -13,6 +13,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .match import _BASES, match_module
+from .norm import is_norm_leaf
 
 __all__ = ["trace"]
 
@@ -34,6 +35,8 @@ class _Tracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, tuple(_BASES)):  # covered or not, a Linear/Conv stays one node
+            return True
+        if is_norm_leaf(m):  # a norm layer with a capture path (timm's too) stays one node
             return True
         if self._leaf_types and isinstance(m, self._leaf_types):
             return True

@@ -29,7 +29,8 @@ from torch import Tensor
 from ..capture.info import PrepareInfo, get_info
 from ..capture.match import LayerSpec
 from ..capture.store import Record
-from . import conv, linear, tensors
+from ..capture.norm import NORM_KINDS
+from . import conv, linear, norm, tensors
 
 __all__ = ["CoveredLayer", "covered_layers", "Strategy", "gram_flops", "choose_strategy"]
 
@@ -42,6 +43,7 @@ KERNELS: dict[str, ModuleType] = {
 }
 """Kernel module per layer kind: ``layout``, ``dims``, ``jvp``, ``vjp``, ``per_sample_grads``
 and, where the bias gradient is not ``Σ_s B`` of the layout, ``bias_grads``."""
+KERNELS.update({kind: norm for kind in NORM_KINDS})
 
 
 def gram_flops(m: int, g: int, S: int, f: int, o: int) -> dict[str, float]:

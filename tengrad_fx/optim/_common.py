@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ..capture.info import PrepareInfo, get_info
+from ..capture.norm import NORM_KINDS
 from ..capture.prepare import capturing
 from .checks import check_choice, check_interval, check_nonneg, check_positive, check_unit
 from .mc import mc_capture
@@ -106,6 +107,9 @@ def make_blocks(layers: list[CoveredLayer], kronecker: bool = True) -> list[Bloc
             skipped.append(layer.name)
             continue
         w = layer.weight
+        if layer.kind in NORM_KINDS:  # C groups of a 1-in, 1-out layer (curvature/norm.py)
+            out.append(Block(layer, params, w.numel(), 1, 1))
+            continue
         g = layer.spec.groups if layer.kind != "linear" else 1
         out.append(Block(layer, params, g, w.shape[0] // g, w[0].numel()))
     if skipped:

@@ -88,7 +88,7 @@ def test_bad_inputs_raise_clear_errors() -> None:
     with pytest.raises(TypeError, match="nn.Module"):
         prepare(lambda x: x)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"no nn\.Linear or nn\.Conv"):
-        prepare(nn.Sequential(nn.BatchNorm1d(3), nn.ReLU()))
+        prepare(nn.Sequential(nn.PReLU(3), nn.ReLU()))
     with pytest.raises(ValueError, match="loss_reduction"):
         prepare(MLP(), loss_reduction="avg")  # type: ignore[arg-type]
     prepared = prepare(MLP(), example_inputs=(torch.randn(2, 6),))

@@ -151,12 +151,12 @@ def test_capturing_context_manager_restores_state() -> None:
         step(prepared, x, y)
         assert store.records == {}
     step(prepared, x, y)
-    assert n_records(prepared) == 3
+    assert n_records(prepared) == 4  # conv1, bn, conv2, fc
     capturing(prepared, False)
     store.clear()
     with capturing(prepared, True):
         step(prepared, x, y)
-    assert n_records(prepared) == 3
+    assert n_records(prepared) == 4  # conv1, bn, conv2, fc
     store.clear()
     step(prepared, x, y)  # off again after the block
     assert store.records == {}
@@ -184,7 +184,7 @@ def test_eval_mode_still_captures() -> None:
     prepared, x, y = prepared_cnn()
     prepared.eval()
     step(prepared, x, y)
-    assert n_records(prepared) == 3
+    assert n_records(prepared) == 4  # conv1, bn, conv2, fc
     for layer in covered_layers(prepared):
         assert layer.m == 3
 
@@ -206,6 +206,6 @@ def test_new_capture_releases_previous_step() -> None:
     assert store.records == {}
     F.cross_entropy(out, y).backward()
     assert store.generation == gen + 1
-    assert n_records(prepared) == 3
+    assert n_records(prepared) == 4  # conv1, bn, conv2, fc
 
 

@@ -1,0 +1,202 @@
+"""Norm layers as capture sites: which classes, and how each is run with capture on.
+
+A norm layer's output is ``y = γ ⊙ x̂ + β`` with ``x̂`` the normalized input
+(BatchNorm 1d/2d/3d, LayerNorm, GroupNorm, RMSNorm and timm's variants). The rewritten
+call runs the module's own computation through a capture op of :mod:`.norm_ops` (aten's
+fused kernel for BatchNorm/LayerNorm/GroupNorm, the module's composite ops split at the
+affine for RMSNorm), whose backward records ``(x̂, G)`` or the per-sample gradients
+``dγ_i = Σ_s G_i[s] ⊙ x̂_i[s]``, ``dβ_i = Σ_s G_i[s]`` (``[m, C]``).
+
+Layout of the recorded ``x̂`` (``C`` = number of affine parameters):
+
+* channel-first kinds (``batchnorm``, ``groupnorm``, ``rmsnorm2d``): ``x̂ [m, C, *spatial]``;
+* trailing kinds (``layernorm``, ``rmsnorm``, and ``layernorm2d``, recorded channels-last
+  as timm computes it): ``x̂ [m, *positions, *normalized_shape]``.
+
+**BatchNorm in train mode** couples samples through the batch statistics. The
+per-sample gradient reported for *every* layer is then sample ``i``'s term of the exact
+batch gradient (their sum is the train-mode gradient, bit for bit the module's). For γ,
+β of a BatchNorm that is ``Σ_s G_i[s] ⊙ x̂_i[s]`` and ``Σ_s G_i[s]`` with ``x̂`` normalized
+by the batch statistics: the per-sample gradient with the batch statistics held fixed
+(``BN_NOTE``, printed by the report). For every layer with no train-mode BatchNorm after
+it, that equals ``∂ℓ_i/∂θ`` of the network whose BatchNorms use the batch statistics as
+constants. In eval mode every per-sample gradient is exactly ``∂ℓ_i/∂θ``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import norm_ops, ops
+
+__all__ = ["NORM_KINDS", "CHANNEL_FIRST", "match_norm", "norm_entry", "is_norm_leaf", "norm", "BN_NOTE"]
+
+NORM_KINDS = ("batchnorm", "layernorm", "groupnorm", "rmsnorm", "layernorm2d", "rmsnorm2d")
+CHANNEL_FIRST = frozenset({"batchnorm", "groupnorm", "rmsnorm2d"})
+BN_NOTE = ("BN: batch statistics held fixed (in train mode each sample's per-sample gradient "
+           "is its term of the batch gradient)")
+
+Run = Callable[[nn.Module, Tensor, int, int], Tensor]
+
+
+@dataclass(frozen=True)
+class NormEntry:
+    """How one norm class is captured: its kind, ``y = run(mod, x, key, site)`` (the
+    module's forward through a capture op), and what the module does after the affine
+    (timm's norm+act layers), ``post(mod, y)``."""
+
+    cls: type
+    kind: str
+    run: Run
+    post: Optional[Callable[[nn.Module, Tensor], Tensor]] = None
+
+
+# --------------------------------------------------------------------------- forward per class
+def _batch_norm(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:
+    """``nn.modules.batchnorm._BatchNorm.forward`` through the capture op (same
+    statistics, same running-buffer updates)."""
+    if hasattr(mod, "_check_input_dim"):
+        mod._check_input_dim(x)
+    elif x.dim() != 4:
+        raise ValueError(f"expected 4D input (got {x.dim()}D input)")
+    eaf = 0.0 if mod.momentum is None else mod.momentum
+    if mod.training and mod.track_running_stats and mod.num_batches_tracked is not None:
+        mod.num_batches_tracked.add_(1)
+        eaf = 1.0 / float(mod.num_batches_tracked) if mod.momentum is None else mod.momentum
+    bn_training = mod.training or (mod.running_mean is None and mod.running_var is None)
+    use_buffers = not mod.training or mod.track_running_stats
+    return norm_ops.batch_norm(x, mod.weight, mod.bias, mod.running_mean if use_buffers else None,
+                               mod.running_var if use_buffers else None, bn_training, eaf, mod.eps,
+                               key, site)
+
+
+def _layer_norm(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:
+    return norm_ops.layer_norm(x, mod.normalized_shape, mod.weight, mod.bias, mod.eps, key, site)
+
+
+def _layer_norm2d(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:
+    y = norm_ops.layer_norm(x.permute(0, 2, 3, 1), mod.normalized_shape, mod.weight, mod.bias,
+                            mod.eps, key, site)
+    return y.permute(0, 3, 1, 2)
+
+
+def _group_norm(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:
+    return norm_ops.group_norm(x, mod.num_groups, mod.weight, mod.bias, mod.eps, key, site)
+
+
+def _rms_norm(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:
+    xhat = F.rms_norm(x, mod.normalized_shape, None, mod.eps)
+    return norm_ops.affine(xhat, mod.weight, None, False, key, site)
+
+
+def _timm_rms_norm(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:
+    from timm.layers.fast_norm import rms_norm
+
+    xhat = rms_norm(x, list(mod.normalized_shape), None, mod.eps)
+    return norm_ops.affine(xhat, mod.weight, None, False, key, site)
+
+
+def _timm_rms_norm2d(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:
+    from timm.layers.fast_norm import rms_norm2d
+
+    xhat = rms_norm2d(x, list(mod.normalized_shape), None, mod.eps)
+    return norm_ops.affine(xhat, mod.weight, None, True, key, site)
+
+
+def _drop_act(mod: nn.Module, y: Tensor) -> Tensor:
+    return mod.act(mod.drop(y))
+
+
+_TABLE: Optional[dict[type, NormEntry]] = None
+
+
+def _table() -> dict[type, NormEntry]:
+    """Classes whose forward is exactly ``post(γ ⊙ x̂ + β)`` as ``run`` computes it."""
+    global _TABLE
+    if _TABLE is None:
+        rows: list[tuple[type, str, Run, Optional[Callable[[nn.Module, Tensor], Tensor]]]] = [
+            (nn.BatchNorm1d, "batchnorm", _batch_norm, None),
+            (nn.BatchNorm2d, "batchnorm", _batch_norm, None),
+            (nn.BatchNorm3d, "batchnorm", _batch_norm, None),
+            (nn.LayerNorm, "layernorm", _layer_norm, None),
+            (nn.GroupNorm, "groupnorm", _group_norm, None),
+            (nn.RMSNorm, "rmsnorm", _rms_norm, None),
+        ]
+        try:
+            from timm.layers import norm as tn
+            from timm.layers.norm_act import BatchNormAct2d
+
+            rows += [
+                (tn.LayerNorm, "layernorm", _layer_norm, None),
+                (tn.LayerNorm2d, "layernorm2d", _layer_norm2d, None),
+                (tn.GroupNorm, "groupnorm", _group_norm, None),
+                (tn.GroupNorm1, "groupnorm", _group_norm, None),
+                (tn.RmsNorm, "rmsnorm", _timm_rms_norm, None),
+                (tn.RmsNorm2d, "rmsnorm2d", _timm_rms_norm2d, None),
+                (BatchNormAct2d, "batchnorm", _batch_norm, _drop_act),
+            ]
+        except Exception:  # pragma: no cover - timm missing or reorganized
+            pass
+        _TABLE = {cls: NormEntry(cls, kind, f, post) for cls, kind, f, post in rows}
+    return _TABLE
+
+
+def norm_entry(mod: nn.Module) -> Optional[NormEntry]:
+    """The entry of the nearest table class in ``type(mod)``'s MRO whose ``forward`` the
+    module still uses (None: not a norm layer, or its forward is overridden)."""
+    table = _table()
+    for cls in type(mod).__mro__:
+        entry = table.get(cls)
+        if entry is not None:
+            return entry if type(mod).forward is cls.forward or _is_capturing(type(mod)) else None
+    return None
+
+
+def _is_capturing(cls: type) -> bool:
+    return cls.__dict__.get("_tengrad_capturing", False)
+
+
+def is_norm_leaf(mod: nn.Module) -> bool:
+    """Keep a (known) norm module as one node of the traced graph."""
+    return norm_entry(mod) is not None
+
+
+def match_norm(mod: nn.Module) -> tuple[Optional[str], str]:
+    """``(kind, "")`` for a covered norm layer, ``(None, reason)`` for a norm layer that
+    is not, ``(None, "")`` for anything else (or a norm layer without affine parameters)."""
+    entry = norm_entry(mod)
+    if entry is None:
+        base = next((c for c in type(mod).__mro__[1:] if c in _table()), None)
+        if base is not None and getattr(mod, "weight", None) is not None:
+            return None, f"{type(mod).__name__} overrides {base.__name__}.forward (not provably exact)"
+        return None, ""
+    w = getattr(mod, "weight", None)
+    if w is None:
+        return None, ""
+    if not isinstance(w, nn.Parameter):
+        return None, "weight is not a Parameter"
+    if getattr(mod, "_fast_norm", False) or getattr(mod, "fast_norm", False):
+        return None, "timm fast_norm (APEX) kernels have no capture path"
+    return entry.kind, ""
+
+
+def norm(x: Tensor, mod: nn.Module, key: int, site: int, batch: Optional[int] = None,
+         name: str = "") -> Tensor:
+    """The norm module ``mod`` applied to ``x``, recording ``(x̂, dL/dy)`` when capture is on.
+
+    x: ``[m, ...]`` as the module takes it; returns the module's output. With capture
+    off (or no grad) this is the module's own forward.
+    """
+    entry = norm_entry(mod)
+    assert entry is not None, f"{type(mod).__name__} is not a captured norm layer"
+    if ops.PROBE is not None:
+        ops.PROBE[(key, site)] = tuple(x.shape)
+    if not ops._active(key, x, mod.weight, getattr(mod, "bias", None)):
+        return entry.cls.forward(mod, x)
+    ops._check_batch(x, batch, name)
+    y = entry.run(mod, x, key, site)
+    return entry.post(mod, y) if entry.post is not None else y

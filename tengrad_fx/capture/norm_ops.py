@@ -1,0 +1,298 @@
+"""Capture ops of the norm layers (``torch.library`` custom ops, no hooks).
+
+* ``tengrad_fx::batch_norm`` / ``layer_norm`` / ``group_norm`` — aten's fused
+  ``native_*_norm`` kernel with the affine (same output, same running-statistics update,
+  bit for bit), returning the saved statistics too. Their backward ops compute ``∂L/∂x``
+  with aten's ``native_*_norm_backward`` and the parameter gradients from the per-sample
+  sums below.
+* ``tengrad_fx::affine`` — ``γ ⊙ x̂ + β`` for norms whose module computes ``x̂`` by
+  composite ops (RMSNorm): the module's own arithmetic, split at the affine.
+
+Every backward op recomputes ``x̂`` from the saved statistics and, through
+:func:`_finish`, hands the store either ``(x̂, G)`` or the per-sample gradients
+``P = [Σ_s G_i[s] ⊙ x̂_i[s]]_i`` and ``Gsum = [Σ_s G_i[s]]_i`` (``[m, C]``); the weight
+and bias gradients are their sums over the batch.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .store import CaptureStore, Record, lookup
+
+__all__ = ["per_sample_sums", "bcast"]
+
+
+def bcast(p: Tensor, ndim: int, channel_first: bool) -> Tensor:
+    """γ or β shaped to broadcast against ``x̂`` of ``ndim`` dims."""
+    return p.view(-1, *([1] * (ndim - 2))) if channel_first else p
+
+
+def per_sample_sums(t: Tensor, C: int, channel_first: bool) -> Tensor:
+    """``[m, C]``: ``t`` summed over every position of each sample, per affine parameter."""
+    m = t.shape[0]
+    return t.reshape(m, C, -1).sum(2) if channel_first else t.reshape(m, -1, C).sum(1)
+
+
+def _finish(store: CaptureStore, site: int, grad: Tensor, xhat: Tensor, weight: Tensor,
+            has_bias: bool, channel_first: bool, gx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Record and return ``(gx, gγ, gβ)``; per-sample sums first, then over the batch."""
+    C = weight.numel()
+    Pw = per_sample_sums(grad * xhat, C, channel_first)
+    Pb = per_sample_sums(grad, C, channel_first)
+    if store.wants_jacobian(site):
+        store.record(site, Record(None, None, Pw, Pb, tuple(xhat.shape)))
+    else:
+        store.record(site, Record(xhat, grad))
+    if store.grad_only:  # MC-Fisher pass: G only, no parameter gradients
+        return gx, grad.new_zeros(weight.shape), grad.new_zeros(weight.shape if has_bias else 0)
+    return gx, Pw.sum(0).view(weight.shape), (Pb.sum(0).view(weight.shape) if has_bias else grad.new_empty(0))
+
+
+def _fake_grads(grad: Tensor, x: Tensor, weight: Tensor, has_bias: bool, need_input: bool):  # type: ignore[no-untyped-def]
+    gx = torch.empty_like(x) if need_input else grad.new_empty(0)
+    return gx, grad.new_empty(weight.shape), grad.new_empty(weight.shape if has_bias else 0)
+
+
+# --------------------------------------------------------------------------- batch norm
+@torch.library.custom_op("tengrad_fx::batch_norm", mutates_args=())
+def _bn_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], running_mean: Optional[Tensor],
+           running_var: Optional[Tensor], training: bool, momentum: float, eps: float,
+           key: int, site: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(y, batch mean, batch rstd, new running mean, new running var)``; a functional op
+    (autograd needs one): in train mode aten updates copies of the running statistics,
+    which :func:`batch_norm` writes back."""
+    lookup(key).begin()
+    update = training and running_mean is not None and running_var is not None
+    rm = running_mean.clone() if update else running_mean
+    rv = running_var.clone() if update else running_var
+    out, mean, rstd = torch.ops.aten.native_batch_norm(x, weight, bias, rm, rv, training, momentum, eps)
+    if not update:
+        return out, mean, rstd, x.new_empty(0), x.new_empty(0)
+    return out, mean, rstd, rm, rv
+
+
+@_bn_op.register_fake
+def _(x, weight, bias, running_mean, running_var, training, momentum, eps, key, site):  # type: ignore[no-untyped-def]
+    n = x.shape[1] if training else 0
+    u = x.shape[1] if training and running_mean is not None and running_var is not None else 0
+    return torch.empty_like(x), x.new_empty(n), x.new_empty(n), x.new_empty(u), x.new_empty(u)
+
+
+@torch.library.custom_op("tengrad_fx::batch_norm_backward", mutates_args=())
+def _bn_backward_op(grad: Tensor, x: Tensor, weight: Tensor, running_mean: Optional[Tensor],
+                    running_var: Optional[Tensor], save_mean: Tensor, save_rstd: Tensor,
+                    training: bool, eps: float, has_bias: bool, need_input: bool, key: int,
+                    site: int) -> tuple[Tensor, Tensor, Tensor]:
+    gx = grad.new_empty(0)
+    if need_input:
+        gx = torch.ops.aten.native_batch_norm_backward(
+            grad, x, weight, running_mean, running_var, save_mean, save_rstd, training, eps,
+            [True, False, False])[0]
+    if training:
+        mean, rstd = save_mean, save_rstd
+    else:
+        assert running_mean is not None and running_var is not None
+        mean, rstd = running_mean, (running_var + eps).rsqrt()
+    xhat = (x - bcast(mean, x.dim(), True)) * bcast(rstd, x.dim(), True)
+    return _finish(lookup(key), site, grad, xhat, weight, has_bias, True, gx)
+
+
+@_bn_backward_op.register_fake
+def _(grad, x, weight, running_mean, running_var, save_mean, save_rstd, training, eps, has_bias,  # type: ignore[no-untyped-def]
+      need_input, key, site):
+    return _fake_grads(grad, x, weight, has_bias, need_input)
+
+
+def _bn_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    x, weight, bias, rm, rv, training, momentum, eps, key, site = inputs
+    _, mean, rstd, new_rm, new_rv = output
+    # running statistics are read by the backward only in eval mode (then they are constant)
+    ctx.save_for_backward(x, weight, mean, rstd, None if training else rm, None if training else rv)
+    ctx.conf = (training, eps, bias is not None, key, site)
+    ctx.mark_non_differentiable(mean, rstd, new_rm, new_rv)
+
+
+def _bn_grad(ctx, grad, *_):  # type: ignore[no-untyped-def]
+    x, weight, mean, rstd, rm, rv = ctx.saved_tensors
+    training, eps, has_bias, key, site = ctx.conf
+    gx, gw, gb = torch.ops.tengrad_fx.batch_norm_backward(
+        grad, x, weight, rm, rv, mean, rstd, training, eps, has_bias, ctx.needs_input_grad[0], key, site)
+    return ((gx if ctx.needs_input_grad[0] else None), gw, (gb if has_bias else None),
+            None, None, None, None, None, None, None)
+
+
+_bn_op.register_autograd(_bn_grad, setup_context=_bn_setup)
+
+
+def batch_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor], running_mean: Optional[Tensor],
+               running_var: Optional[Tensor], training: bool, momentum: float, eps: float,
+               key: int, site: int) -> Tensor:
+    """``F.batch_norm`` with affine, recording (``x [m, C, *spatial]``); in train mode the
+    running statistics are updated in place, as aten does."""
+    out, _, _, rm, rv = torch.ops.tengrad_fx.batch_norm(x, weight, bias, running_mean, running_var,
+                                                        training, momentum, eps, key, site)
+    if rm.numel():
+        with torch.no_grad():
+            running_mean.copy_(rm)  # type: ignore[union-attr]
+            running_var.copy_(rv)  # type: ignore[union-attr]
+    return out
+
+
+# --------------------------------------------------------------------------- layer norm
+@torch.library.custom_op("tengrad_fx::layer_norm", mutates_args=())
+def _ln_op(x: Tensor, normalized_shape: Sequence[int], weight: Tensor, bias: Optional[Tensor],
+           eps: float, key: int, site: int) -> tuple[Tensor, Tensor, Tensor]:
+    lookup(key).begin()
+    out, mean, rstd = torch.ops.aten.native_layer_norm(x, normalized_shape, weight, bias, eps)
+    return out, mean, rstd
+
+
+@_ln_op.register_fake
+def _(x, normalized_shape, weight, bias, eps, key, site):  # type: ignore[no-untyped-def]
+    k = len(normalized_shape)
+    stat = (*x.shape[: x.dim() - k], *([1] * k))
+    return torch.empty_like(x), x.new_empty(stat), x.new_empty(stat)
+
+
+@torch.library.custom_op("tengrad_fx::layer_norm_backward", mutates_args=())
+def _ln_backward_op(grad: Tensor, x: Tensor, normalized_shape: Sequence[int], mean: Tensor,
+                    rstd: Tensor, weight: Tensor, has_bias: bool, need_input: bool, key: int,
+                    site: int) -> tuple[Tensor, Tensor, Tensor]:
+    gx = grad.new_empty(0)
+    if need_input:
+        gx = torch.ops.aten.native_layer_norm_backward(
+            grad, x, normalized_shape, mean, rstd, weight, None, [True, False, False])[0]
+    xhat = (x - mean) * rstd
+    return _finish(lookup(key), site, grad, xhat, weight, has_bias, False, gx)
+
+
+@_ln_backward_op.register_fake
+def _(grad, x, normalized_shape, mean, rstd, weight, has_bias, need_input, key, site):  # type: ignore[no-untyped-def]
+    return _fake_grads(grad, x, weight, has_bias, need_input)
+
+
+def _stats_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    """Layer and group norm: ``inputs = (x, shape-or-groups, weight, bias, eps, key, site)``."""
+    x, arg, weight, bias, eps, key, site = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.conf = (arg, bias is not None, key, site)
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _stats_grad(backward):  # type: ignore[no-untyped-def]
+    """The autograd formula calling ``backward(grad, x, arg, mean, rstd, weight, has_bias,
+    need_input, key, site)``."""
+    def grad_fn(ctx, grad, _gmean, _grstd):  # type: ignore[no-untyped-def]
+        x, weight, mean, rstd = ctx.saved_tensors
+        arg, has_bias, key, site = ctx.conf
+        gx, gw, gb = backward(grad, x, arg, mean, rstd, weight, has_bias, ctx.needs_input_grad[0], key, site)
+        return (gx if ctx.needs_input_grad[0] else None), None, gw, (gb if has_bias else None), None, None, None
+    return grad_fn
+
+
+_ln_op.register_autograd(_stats_grad(torch.ops.tengrad_fx.layer_norm_backward), setup_context=_stats_setup)
+
+
+def layer_norm(x: Tensor, normalized_shape: Sequence[int], weight: Tensor, bias: Optional[Tensor],
+               eps: float, key: int, site: int) -> Tensor:
+    """``F.layer_norm`` with affine, recording (``x [m, *positions, *normalized_shape]``)."""
+    return torch.ops.tengrad_fx.layer_norm(x, list(normalized_shape), weight, bias, eps, key, site)[0]
+
+
+# --------------------------------------------------------------------------- group norm
+@torch.library.custom_op("tengrad_fx::group_norm", mutates_args=())
+def _gn_op(x: Tensor, num_groups: int, weight: Tensor, bias: Optional[Tensor], eps: float,
+           key: int, site: int) -> tuple[Tensor, Tensor, Tensor]:
+    lookup(key).begin()
+    N, C = x.shape[:2]
+    out, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, N, C, x[0, 0].numel(),
+                                                       num_groups, eps)
+    return out, mean, rstd
+
+
+@_gn_op.register_fake
+def _(x, num_groups, weight, bias, eps, key, site):  # type: ignore[no-untyped-def]
+    return torch.empty_like(x), x.new_empty(x.shape[0], num_groups), x.new_empty(x.shape[0], num_groups)
+
+
+@torch.library.custom_op("tengrad_fx::group_norm_backward", mutates_args=())
+def _gn_backward_op(grad: Tensor, x: Tensor, num_groups: int, mean: Tensor, rstd: Tensor,
+                    weight: Tensor, has_bias: bool, need_input: bool, key: int,
+                    site: int) -> tuple[Tensor, Tensor, Tensor]:
+    N, C = x.shape[:2]
+    gx = grad.new_empty(0)
+    if need_input:
+        gx = torch.ops.aten.native_group_norm_backward(
+            grad, x, mean, rstd, weight, N, C, x[0, 0].numel(), num_groups, [True, False, False])[0]
+    xg = x.reshape(N, num_groups, -1)
+    xhat = ((xg - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).reshape(x.shape)
+    return _finish(lookup(key), site, grad, xhat, weight, has_bias, True, gx)
+
+
+@_gn_backward_op.register_fake
+def _(grad, x, num_groups, mean, rstd, weight, has_bias, need_input, key, site):  # type: ignore[no-untyped-def]
+    return _fake_grads(grad, x, weight, has_bias, need_input)
+
+
+_gn_op.register_autograd(_stats_grad(torch.ops.tengrad_fx.group_norm_backward), setup_context=_stats_setup)
+
+
+def group_norm(x: Tensor, num_groups: int, weight: Tensor, bias: Optional[Tensor], eps: float,
+               key: int, site: int) -> Tensor:
+    """``F.group_norm`` with affine, recording (``x [m, C, *spatial]``)."""
+    return torch.ops.tengrad_fx.group_norm(x, num_groups, weight, bias, eps, key, site)[0]
+
+
+# --------------------------------------------------------------------------- affine (composite norms)
+@torch.library.custom_op("tengrad_fx::affine", mutates_args=())
+def _affine_op(xhat: Tensor, weight: Tensor, bias: Optional[Tensor], channel_first: bool,
+               key: int, site: int) -> Tensor:
+    lookup(key).begin()
+    w = bcast(weight, xhat.dim(), channel_first)
+    if bias is None:
+        return xhat * w
+    return torch.addcmul(bcast(bias, xhat.dim(), channel_first), xhat, w)
+
+
+@_affine_op.register_fake
+def _(xhat, weight, bias, channel_first, key, site):  # type: ignore[no-untyped-def]
+    return torch.empty_like(xhat)
+
+
+@torch.library.custom_op("tengrad_fx::affine_backward", mutates_args=())
+def _affine_backward_op(grad: Tensor, xhat: Tensor, weight: Tensor, has_bias: bool, need_input: bool,
+                        channel_first: bool, key: int, site: int) -> tuple[Tensor, Tensor, Tensor]:
+    gx = grad * bcast(weight, xhat.dim(), channel_first) if need_input else grad.new_empty(0)
+    return _finish(lookup(key), site, grad, xhat, weight, has_bias, channel_first, gx)
+
+
+@_affine_backward_op.register_fake
+def _(grad, xhat, weight, has_bias, need_input, channel_first, key, site):  # type: ignore[no-untyped-def]
+    return _fake_grads(grad, xhat, weight, has_bias, need_input)
+
+
+def _affine_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    xhat, weight, bias, channel_first, key, site = inputs
+    ctx.save_for_backward(xhat, weight)
+    ctx.conf = (channel_first, bias is not None, key, site)
+
+
+def _affine_grad(ctx, grad):  # type: ignore[no-untyped-def]
+    xhat, weight = ctx.saved_tensors
+    channel_first, has_bias, key, site = ctx.conf
+    gx, gw, gb = torch.ops.tengrad_fx.affine_backward(
+        grad, xhat, weight, has_bias, ctx.needs_input_grad[0], channel_first, key, site)
+    return (gx if ctx.needs_input_grad[0] else None), gw, (gb if has_bias else None), None, None, None
+
+
+_affine_op.register_autograd(_affine_grad, setup_context=_affine_setup)
+
+
+def affine(xhat: Tensor, weight: Tensor, bias: Optional[Tensor], channel_first: bool,
+           key: int, site: int) -> Tensor:
+    """``γ ⊙ x̂ + β`` (γ over dim 1 if ``channel_first``, else over the trailing dims), recording."""
+    return torch.ops.tengrad_fx.affine(xhat, weight, bias, channel_first, key, site)
