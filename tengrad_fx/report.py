@@ -101,6 +101,9 @@ def report(model: nn.Module, m: int = 128) -> Report:
         elif layer is not None and not by_layer[layer].weight.requires_grad:
             rows.append((pname, "fallback", f"the weight of layer '{layer or '(root)'}' is frozen: "
                                             "this bias gets the SGD-momentum update"))
+        elif layer is not None and by_layer[layer].kind == "param":
+            rows.append((pname, "covered", f"added parameter {tuple(p.shape)} at {len(by_layer[layer].sites)} "
+                         "use(s), per-sample gradient summed over broadcast dims"))
         elif layer is not None:
             spec = by_layer[layer]
             detail = f"{spec.kind} '{spec.name or '(root)'}' {tuple(p.shape)}"

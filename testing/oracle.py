@@ -42,3 +42,27 @@ def explicit_jacobian(psg: dict[str, Tensor], weight_name: str, bias_name: Optio
     if bias_name is not None:
         parts.append(psg[bias_name].flatten(1))
     return torch.cat(parts, 1)
+
+
+def dense_layer_updates(model: nn.Module, x: Tensor, y: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor],
+                        grads: dict[str, Tensor], damping: float,
+                        covered: dict[str, str]) -> dict[str, Tensor]:
+    """``{param name: u}`` with ``u = solve(JᵀJ/m + αI, g)`` per covered layer (``covered``:
+    param name -> layer name, as in ``PrepareInfo.covered``), ``J`` from ``vmap(grad)``
+    on the ORIGINAL ``model`` and ``g`` from ``grads``."""
+    psg = per_sample_grads_reference(model, x, loss_fn, y)
+    layers: dict[str, list[str]] = {}
+    for pn, layer in covered.items():
+        layers.setdefault(layer, []).append(pn)
+    out = {}
+    for names in layers.values():
+        names.sort(key=lambda n: not n.endswith("weight"))
+        J = torch.cat([psg[n].flatten(1) for n in names], 1)
+        m, n = J.shape
+        gv = torch.cat([grads[k].flatten() for k in names])
+        u = torch.linalg.solve(J.T @ J / m + damping * torch.eye(n, dtype=J.dtype), gv)
+        off = 0
+        for k in names:
+            out[k] = u[off: off + grads[k].numel()].view_as(grads[k])
+            off += grads[k].numel()
+    return out

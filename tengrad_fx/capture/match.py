@@ -20,7 +20,7 @@ __all__ = ["LayerSpec", "match_module", "conv_call_args"]
 
 Kind = Literal["linear", "conv1d", "conv2d", "conv3d",
                "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-               "batchnorm", "layernorm", "groupnorm", "rmsnorm", "layernorm2d", "rmsnorm2d"]
+               "batchnorm", "layernorm", "groupnorm", "rmsnorm", "layernorm2d", "rmsnorm2d", "param"]
 
 _BASES: dict[type, Kind] = {
     nn.Linear: "linear",
@@ -45,6 +45,25 @@ def _exact_subclasses() -> set[type]:
     return out
 
 
+def _dynamic_same() -> set[type]:
+    """Conv subclasses whose forward pads the input to TF 'SAME' at run time, then runs
+    the base conv without padding (timm's ``Conv2dSame``)."""
+    try:
+        from timm.layers.conv2d_same import Conv2dSame
+
+        return {Conv2dSame}
+    except Exception:  # pragma: no cover - timm missing or moved
+        return set()
+
+
+def pad_same_input(x: Any, kernel: tuple[int, ...], stride: tuple[int, ...],
+                   dilation: tuple[int, ...]) -> Any:
+    """``x [m, c, h, w]`` padded as timm's ``Conv2dSame`` pads it (asymmetric TF 'SAME')."""
+    from timm.layers.padding import pad_same
+
+    return pad_same(x, list(kernel), list(stride), list(dilation))
+
+
 @dataclass
 class LayerSpec:
     """Static facts about one covered module (a *layer*), filled in by :func:`prepare`.
@@ -66,6 +85,7 @@ class LayerSpec:
     pad_mode: str = "constant"
     transposed: bool = False  # ConvTransposeNd: weight [c_in, c_out/g, *k]
     output_padding: tuple[int, ...] = ()
+    dynamic_same: bool = False  # pad_same_input() before the conv (timm Conv2dSame)
     # probed shapes of the (padded) inputs, per site, at the probe's batch size
     input_shapes: list[tuple[int, ...]] = field(default_factory=list)
 
@@ -83,7 +103,7 @@ def match_module(mod: nn.Module) -> tuple[Optional[Kind], str]:
     for base, kind in _BASES.items():
         if isinstance(mod, base):
             cls = type(mod)
-            if cls.forward is not base.forward and cls not in _exact_subclasses():
+            if cls.forward is not base.forward and cls not in _exact_subclasses() | _dynamic_same():
                 return None, f"{cls.__name__} overrides {base.__name__}.forward (not provably exact)"
             if kind != "linear" and bool(getattr(mod, "transposed", False)) != kind.startswith("conv_transpose"):
                 return None, "convolution with a non-standard 'transposed' flag"
@@ -129,6 +149,9 @@ def conv_call_args(mod: nn.Module) -> dict[str, Any]:
         pre = tuple(v for l, r in reversed(lr) for v in (l, r))
         return dict(stride=stride, padding=(0,) * nd, dilation=dil, groups=mod.groups,
                     pre_pad=pre, pad_mode=f_mode)
+    if type(mod) in _dynamic_same():
+        return dict(stride=stride, padding=(0,) * nd, dilation=dil, groups=mod.groups,
+                    pre_pad=None, pad_mode="constant", dynamic_same=True)
     if all(l == r for l, r in lr):
         return dict(stride=stride, padding=tuple(l for l, _ in lr), dilation=dil,
                     groups=mod.groups, pre_pad=None, pad_mode="constant")

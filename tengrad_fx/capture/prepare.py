@@ -9,9 +9,9 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from . import norm, ops
+from . import norm, ops, params
 from .info import ATTR, PrepareInfo, get_info
-from .match import LayerSpec, conv_call_args, match_module
+from .match import LayerSpec, conv_call_args, match_module, pad_same_input
 from .norm import NORM_KINDS
 from .store import CaptureStore
 from .trace import trace
@@ -222,6 +222,9 @@ def _rewrite(graph: fx.Graph, candidates: dict[str, nn.Module], layers: dict[str
                         op = graph.call_function(_transposed_output_padding, (
                             x_arg, out_size, spec.stride, spec.padding, tuple(mod.kernel_size), spec.dilation))
                     kw.update(transposed=True, output_padding=op)
+                if spec.dynamic_same:
+                    x_arg = graph.call_function(pad_same_input, (x_arg, tuple(mod.weight.shape[2:]),
+                                                                 spec.stride, spec.dilation))
                 new = graph.call_function(
                     ops.conv,
                     (x_arg, w, b, spec.stride, spec.padding, spec.dilation, spec.groups),
@@ -275,6 +278,10 @@ def _reads_value(node: fx.Node) -> bool:
     return False
 
 
+def _batch_node(graph: fx.Graph) -> Optional[fx.Node]:
+    return next((n for n in graph.nodes if n.op == "call_function" and n.target is _leading_dim), None)
+
+
 def _prepare_fx(model, candidates, fallback, example_inputs):  # type: ignore[no-untyped-def]
     g_train, g_eval, c_train, c_eval = _trace_modes(model)
     n_sites = [0]
@@ -282,11 +289,15 @@ def _prepare_fx(model, candidates, fallback, example_inputs):  # type: ignore[no
     layers: dict[str, LayerSpec] = {}
     runtime_batch = example_inputs is None
     odd: set[str] = set()
+    refused: dict[str, str] = {}
+    skip = {id(p) for mod in candidates.values() for p in mod.parameters(recurse=False)}
     _rewrite(g_train, candidates, layers, store.key, n_sites, runtime_batch, odd)
+    params.rewrite_params(g_train, model, skip, layers, store.key, n_sites, _batch_node(g_train), refused, _OURS)
     gm = _graph_module(model, g_train, c_train)
     method = "fx"
     if g_eval is not None:
         _rewrite(g_eval, candidates, layers, store.key, n_sites, runtime_batch, odd)
+        params.rewrite_params(g_eval, model, skip, layers, store.key, n_sites, _batch_node(g_eval), refused, _OURS)
         gm_eval = _graph_module(model, g_eval, c_eval)
         for k, v in gm_eval._buffers.items():  # the eval graph runs on gm: give it gm_eval's extras
             if k not in gm._buffers and v is not None:
@@ -301,6 +312,9 @@ def _prepare_fx(model, candidates, fallback, example_inputs):  # type: ignore[no
             for pn, _ in candidates[name].named_parameters(prefix=name, recurse=False):
                 fallback[pn] = "module called with keyword or extra arguments (not captured)"
         _drop_layer(layers, name, "module also called with keyword or extra arguments (that call is not captured)")
+    for name, why in refused.items():  # e.g. coverable in the train graph, not in the eval graph
+        _drop_layer(layers, name, why)
+        fallback.setdefault(name, why)
     return gm, list(layers.values()), method, ""
 
 
@@ -412,6 +426,8 @@ def _capturing_forward(self, input, output_size=None):  # type: ignore[no-untype
         nd = self.weight.dim() - 2
         op = self._output_padding(x, output_size, self.stride, self.padding, self.kernel_size, nd, self.dilation)
         extra = dict(transposed=True, output_padding=tuple(op))
+    if spec.dynamic_same:
+        x = pad_same_input(x, tuple(self.weight.shape[2:]), spec.stride, spec.dilation)
     return ops.conv(x, self.weight, self.bias, spec.stride, spec.padding, spec.dilation, spec.groups,
                     key, spec.sites[0], pre_pad=spec.pre_pad, pad_mode=spec.pad_mode, name=spec.name, **extra)
 

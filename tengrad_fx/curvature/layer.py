@@ -30,7 +30,7 @@ from ..capture.info import PrepareInfo, get_info
 from ..capture.match import LayerSpec
 from ..capture.store import Record
 from ..capture.norm import NORM_KINDS
-from . import conv, linear, norm, tensors
+from . import conv, linear, norm, param, tensors
 
 __all__ = ["CoveredLayer", "covered_layers", "Strategy", "gram_flops", "choose_strategy"]
 
@@ -44,6 +44,7 @@ KERNELS: dict[str, ModuleType] = {
 """Kernel module per layer kind: ``layout``, ``dims``, ``jvp``, ``vjp``, ``per_sample_grads``
 and, where the bias gradient is not ``Σ_s B`` of the layout, ``bias_grads``."""
 KERNELS.update({kind: norm for kind in NORM_KINDS})
+KERNELS["param"] = param
 
 
 def gram_flops(m: int, g: int, S: int, f: int, o: int) -> dict[str, float]:
