@@ -1,6 +1,6 @@
 """Per-step time of SGD and TENGraD variants, interleaved in one process; ratios to SGD.
 
-    python -m tools.bench [--model 3c1f|small] [--m 128] [--steps 10] [--warmup 2]
+    python -m tools.bench [--model 3c1f|small|3c1f-bn|small-bn] [--m 128] [--steps 10] [--warmup 2]
                           [--methods sgd,tengrad,tengrad-mc,tengrad-T20] [--json out.json]
                           [--memory] [--device cpu|cuda] [--threads 2]
 
@@ -31,11 +31,13 @@ from tengrad_fx.optim.registry import make_optimizer
 # name -> (constructor of an optimizer over (prepared or plain) model, needs prepare).
 # All with the paper's Fashion-MNIST hyper-parameters (tengrad_fx.optim.registry).
 _FM = "fashion-mnist"
-METHODS: dict[str, tuple[Callable[[nn.Module], torch.optim.Optimizer], bool]] = {
+METHODS: dict[str, tuple[Callable[[nn.Module], torch.optim.Optimizer], bool | dict[str, Any]]] = {
     "sgd": (lambda mdl: torch.optim.SGD(mdl.parameters(), lr=0.03, momentum=0.9, weight_decay=1e-3), False),
     "tengrad": (lambda mdl: make_optimizer("tengrad", mdl, _FM), True),
     "tengrad-mc": (lambda mdl: make_optimizer("tengrad", mdl, _FM, fisher="mc"), True),
     "tengrad-T20": (lambda mdl: make_optimizer("tengrad", mdl, _FM, curvature_every=20), True),
+    # Linear/Conv preconditioned only: norm layers and added parameters left to SGD-momentum
+    "tengrad-linconv": (lambda mdl: make_optimizer("tengrad", mdl, _FM), {"only_linear_conv": True}),
     # baselines at T = 1 (statistics and inverses every step) and at their paper intervals
     "kfac-T1": (lambda mdl: make_optimizer("kfac", mdl, _FM, TCov=1, TInv=1), True),
     "kfac": (lambda mdl: make_optimizer("kfac", mdl, _FM), True),
@@ -47,14 +49,20 @@ METHODS: dict[str, tuple[Callable[[nn.Module], torch.optim.Optimizer], bool]] = 
 BASELINES = "kfac-T1,kfac,ekfac-T1,ekfac,kbfgs-T1,kbfgs"
 
 
+MODEL_NAMES = ("3c1f", "small", "3c1f-bn", "small-bn")
+
+
 def build_model(name: str) -> nn.Module:
     """``3c1f``: the paper's model (Conv 1→128→128→128, MaxPool 3, Linear 10368→500→10);
-    ``small``: the same with 32 channels."""
-    c = {"3c1f": 128, "small": 32}[name]
+    ``small``: the same with 32 channels; ``-bn``: a BatchNorm2d after each conv and a
+    BatchNorm1d after the first Linear."""
+    c = {"3c1f": 128, "small": 32}[name.removesuffix("-bn")]
+    bn = name.endswith("-bn")
+    norm2 = (lambda: nn.BatchNorm2d(c)) if bn else nn.Identity  # noqa: E731
     return nn.Sequential(
-        nn.Conv2d(1, c, 3, padding=1), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(c, c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3), nn.Flatten(),
-        nn.Linear(9 * 9 * c, 500), nn.ReLU(), nn.Linear(500, 10),
+        nn.Conv2d(1, c, 3, padding=1), norm2(), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1), norm2(), nn.ReLU(),
+        nn.Conv2d(c, c, 3, padding=1), norm2(), nn.ReLU(), nn.MaxPool2d(3), nn.Flatten(),
+        nn.Linear(9 * 9 * c, 500), nn.BatchNorm1d(500) if bn else nn.Identity(), nn.ReLU(), nn.Linear(500, 10),
     )
 
 
@@ -65,7 +73,8 @@ class Runner:
         make, prep = METHODS[method]
         self.method = method
         model = copy.deepcopy(base)
-        self.model = tengrad_fx.prepare(model, example_inputs=(example[:2],)) if prep else model
+        kw = prep if isinstance(prep, dict) else {}
+        self.model = tengrad_fx.prepare(model, example_inputs=(example[:2],), **kw) if prep else model
         self.opt = make(self.model)
         self.times: list[dict[str, float]] = []
 
@@ -124,7 +133,7 @@ def peak_memory(args: argparse.Namespace, method: str) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="3c1f", choices=["3c1f", "small"])
+    ap.add_argument("--model", default="3c1f", choices=list(MODEL_NAMES))
     ap.add_argument("--m", type=int, default=128)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)

@@ -24,6 +24,7 @@ def prepare(
     *,
     example_inputs: Optional[Sequence[Any]] = None,
     loss_reduction: Literal["mean", "sum"] = "mean",
+    only_linear_conv: bool = False,
 ) -> nn.Module:
     """Rewrite ``model`` so each covered Linear/Conv call records its input and output grad.
 
@@ -45,6 +46,8 @@ def prepare(
             the leading dim of the first tensor leaf of the inputs) and raises instead.
         loss_reduction: ``"mean"`` if the training loss averages over the batch (then
             per-sample gradients are ``m`` times the captured ones), ``"sum"`` otherwise.
+        only_linear_conv: cover only Linear/Conv calls; norm layers and added parameters
+            (tokens, layer scales) are left to the fallback (for comparisons).
 
     Example::
 
@@ -65,6 +68,8 @@ def prepare(
     candidates: dict[str, nn.Module] = {}
     for name, mod in model.named_modules():
         kind, why = match_module(mod)
+        if kind in NORM_KINDS and only_linear_conv:
+            kind, why = None, "norm layer left out (prepare(only_linear_conv=True))"
         if kind is not None:
             candidates[name] = mod
         elif why:
@@ -78,7 +83,8 @@ def prepare(
         )
 
     try:
-        prepared, layers, method, err = _prepare_fx(model, candidates, fallback, example_inputs)
+        prepared, layers, method, err = _prepare_fx(model, candidates, fallback, example_inputs,
+                                                    added_params=not only_linear_conv)
     except _TraceFailed as exc:
         if example_inputs is None:
             raise RuntimeError(
@@ -282,7 +288,7 @@ def _batch_node(graph: fx.Graph) -> Optional[fx.Node]:
     return next((n for n in graph.nodes if n.op == "call_function" and n.target is _leading_dim), None)
 
 
-def _prepare_fx(model, candidates, fallback, example_inputs):  # type: ignore[no-untyped-def]
+def _prepare_fx(model, candidates, fallback, example_inputs, added_params=True):  # type: ignore[no-untyped-def]
     g_train, g_eval, c_train, c_eval = _trace_modes(model)
     n_sites = [0]
     store = CaptureStore(n_sites=0)
@@ -292,12 +298,14 @@ def _prepare_fx(model, candidates, fallback, example_inputs):  # type: ignore[no
     refused: dict[str, str] = {}
     skip = {id(p) for mod in candidates.values() for p in mod.parameters(recurse=False)}
     _rewrite(g_train, candidates, layers, store.key, n_sites, runtime_batch, odd)
-    params.rewrite_params(g_train, model, skip, layers, store.key, n_sites, _batch_node(g_train), refused, _OURS)
+    if added_params:
+        params.rewrite_params(g_train, model, skip, layers, store.key, n_sites, _batch_node(g_train), refused, _OURS)
     gm = _graph_module(model, g_train, c_train)
     method = "fx"
     if g_eval is not None:
         _rewrite(g_eval, candidates, layers, store.key, n_sites, runtime_batch, odd)
-        params.rewrite_params(g_eval, model, skip, layers, store.key, n_sites, _batch_node(g_eval), refused, _OURS)
+        if added_params:
+            params.rewrite_params(g_eval, model, skip, layers, store.key, n_sites, _batch_node(g_eval), refused, _OURS)
         gm_eval = _graph_module(model, g_eval, c_eval)
         for k, v in gm_eval._buffers.items():  # the eval graph runs on gm: give it gm_eval's extras
             if k not in gm._buffers and v is not None:

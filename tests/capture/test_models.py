@@ -72,9 +72,8 @@ CASES: dict[str, Case] = {
     "tv_squeezenet1_1": Case(_tv("squeezenet1_1")),
     "tv_shufflenet_v2_x0_5": Case(_tv("shufflenet_v2_x0_5")),  # channel shuffle (view/transpose)
     "timm_resnet18_1ch": Case(_timm("resnet18", in_chans=1), in_chans=1),
-    # TF 'same' padding: Conv2dSame overrides forward -> fallback with a reason
-    "timm_tf_mobilenetv3_small_minimal": Case(_timm("tf_mobilenetv3_small_minimal_100"),
-                                              expect_fallback=("conv",)),
+    # TF 'same' padding: Conv2dSame pads at run time, then an unpadded conv (covered)
+    "timm_tf_mobilenetv3_small_minimal": Case(_timm("tf_mobilenetv3_small_minimal_100")),
 }
 
 SLOW_CASES: dict[str, Case] = {
@@ -228,10 +227,13 @@ def _check_model(name: str, case: Case) -> None:
             assert any(s in n for s in case.expect_fallback), n
             assert info.fallback[n + ".weight"]
     layers = tengrad_fx.covered_layers(prepared)
-    assert {layer.name for layer in layers} == set(ordinary)
+    assert {layer.name for layer in layers if layer.kind != "param"} == set(ordinary)
     rep = tengrad_fx.report(prepared)
     n_cov, n_fb = len(info.covered), len(info.fallback)
     assert (rep.n_covered, rep.n_fallback) == (n_cov, n_fb)
+    # issue 10's target: ≥ 99 % of the parameters (by count) preconditioned exactly; a model
+    # below it names the reason (windows folded into the batch)
+    assert rep.fraction_params >= 0.99 or case.folded, (rep.fraction_params, rep.fallbacks)
     n_lin_fb = sum(1 for n, mod in ref.named_modules() if isinstance(mod, _BASES) and n not in ordinary)
     assert n_lin_fb == len(folded) + sum(1 for n, mod in ref.named_modules()
                                          if isinstance(mod, _BASES) and not match_module(mod)[0])
@@ -283,7 +285,7 @@ def test_per_sample_grads_match_torch_func(name: str) -> None:
     F.cross_entropy(prepared(x), y).backward()
     ref = per_sample_grads_reference(orig, x, F.cross_entropy, y)
     layers = tengrad_fx.covered_layers(prepared)
-    assert len(layers) == len(_ordinary_layers(orig))
+    assert len([la for la in layers if la.kind != "param"]) == len(_ordinary_layers(orig))
     pnames = {id(p): k for k, p in prepared.named_parameters()}
     for layer in layers:
         dW, db = layer.per_sample_grads()
