@@ -53,11 +53,21 @@ def _check_batch(x: Tensor, batch: Optional[int], name: str) -> None:
         )
 
 
+def _not_a_view(out: Tensor) -> Tensor:
+    """``out`` without a view relation to the kernel's intermediate (F.linear on ``[m, *, d]``
+    and Conv1d return views). Autograd forbids in-place ops on a view made inside a custom
+    op, so an in-place activation or ``+=`` after a captured layer would raise; an alias
+    without the view relation (what ``matmul`` itself returns) is safe, nothing else holds it."""
+    if out._is_view() and out.is_contiguous():
+        return torch.ops.aten._unsafe_view(out, out.shape)
+    return out.clone() if out._is_view() else out
+
+
 # --------------------------------------------------------------------------- linear
 @torch.library.custom_op("tengrad_fx::linear", mutates_args=())
 def _linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], key: int, site: int) -> Tensor:
     lookup(key).begin()
-    return F.linear(x, weight, bias)
+    return _not_a_view(F.linear(x, weight, bias))
 
 
 @_linear_op.register_fake
@@ -141,7 +151,7 @@ def _conv_op(
     groups: int, key: int, site: int,
 ) -> Tensor:
     lookup(key).begin()
-    return torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+    return _not_a_view(torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups))
 
 
 @_conv_op.register_fake

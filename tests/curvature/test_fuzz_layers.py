@@ -1,0 +1,33 @@
+"""Fuzz: random single-layer configurations, every curvature op against ``torch.func``.
+
+See :mod:`testing.fuzz_layers` for the cases (kind, groups, stride, dilation, padding and
+padding mode, bias, batch, positions, one or two calls, float32/float64, both capture
+paths) and the check. The default run takes a fixed-seed (derandomized) subset; ``-m slow``
+runs 1000 further examples.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+
+from testing.fuzz_layers import SETTINGS, build_layer_case, check_layer, layer_cases
+
+
+def _run(case: dict[str, Any]) -> None:
+    model, x = build_layer_case(case)
+    check_layer(model, x, case["reduction"], case["seed"], case["x_grad"], case["in_backward"])
+
+
+@settings(max_examples=250, **SETTINGS)
+@given(layer_cases())
+def test_layer_fuzz(case: dict[str, Any]) -> None:
+    _run(case)
+
+
+@pytest.mark.slow
+@settings(max_examples=1000, **SETTINGS)
+@given(layer_cases())
+def test_layer_fuzz_long(case: dict[str, Any]) -> None:
+    _run(case)
