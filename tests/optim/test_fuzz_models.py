@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import event, given, settings
 
 from testing.fuzz_layers import SETTINGS
@@ -16,7 +17,12 @@ from testing.fuzz_models import check_step, model_cases
 
 
 def _run(case: dict[str, Any]) -> None:
-    counts = check_step(case)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: a second thread only contends (badly on a loaded machine)
+    try:
+        counts = check_step(case)
+    finally:
+        torch.set_num_threads(threads)
     event(f"family {case['family']}")
     event(f"covered layers {counts['covered']}")
     event(f"has fallback parameters {counts['fallback'] > 0}")
