@@ -1,7 +1,8 @@
 """Random single-layer configurations and the check of every curvature op on one.
 
 A case is one covered layer (Linear on ``[m, *seq, d]``, Conv1d/2d/3d with random groups,
-stride, dilation, padding and padding mode, bias or not), called once or twice per forward
+stride, dilation, padding and padding mode, ConvTranspose1d/2d/3d with random groups,
+stride, dilation, padding and output padding; bias or not), called once or twice per forward
 (two calls are extra positions of one layer), in float32 or float64, with either capture
 path (``I``/``G`` kept, or per-sample gradients ``P`` made in the backward).
 
@@ -26,7 +27,7 @@ import tengrad_fx
 
 from .oracle import explicit_jacobian, per_sample_grads_reference
 
-__all__ = ["SETTINGS", "TOL", "layer_cases", "build_layer_case", "check_layer"]
+__all__ = ["SETTINGS", "TOL", "KINDS", "layer_cases", "build_layer_case", "check_layer", "One", "Twice"]
 
 TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 SETTINGS: dict[str, Any] = dict(
@@ -101,16 +102,46 @@ def _conv(draw: Any, nd: int) -> dict[str, Any]:
 
 
 @st.composite
+def _conv_transpose(draw: Any, nd: int) -> dict[str, Any]:
+    groups = draw(st.integers(1, 3))
+    kernel = tuple(draw(st.integers(1, 3)) for _ in range(nd))
+    stride = tuple(draw(st.integers(1, 3)) for _ in range(nd))
+    dilation = tuple(draw(st.integers(1, 3)) for _ in range(nd))
+    padding = tuple(draw(st.integers(0, 2)) for _ in range(nd))
+    # torch: output_padding < max(stride, dilation)
+    output_padding = tuple(draw(st.integers(0, max(s, d) - 1)) for s, d in zip(stride, dilation))
+    spatial = []
+    for k, s, d, p, op in zip(kernel, stride, dilation, padding, output_padding):
+        # output size (n-1)·s - 2p + d(k-1) + op + 1 >= 1
+        lo = max(1, 1 + -(-(2 * p - d * (k - 1) - op) // s))
+        spatial.append(draw(st.integers(lo, lo + (2 if nd == 3 else 4))))
+    return dict(
+        kind=f"convT{nd}d", c_in=groups * draw(st.integers(1, 3)), c_out=groups * draw(st.integers(1, 3)),
+        kernel=kernel, stride=stride, padding=padding, output_padding=output_padding,
+        dilation=dilation, groups=groups, positions=tuple(spatial),
+    )
+
+
+@st.composite
 def _linear(draw: Any) -> dict[str, Any]:
     return dict(kind="linear", d_in=draw(st.integers(1, 9)), d_out=draw(st.integers(1, 9)),
                 positions=tuple(draw(st.lists(st.integers(1, 4), max_size=2))))
 
 
+KINDS = ("linear", "conv1d", "conv2d", "conv2d", "conv3d", "convT1d", "convT2d", "convT3d")
+
+
 @st.composite
-def layer_cases(draw: Any) -> dict[str, Any]:
-    """One random layer configuration (a dict; see the module docstring)."""
-    kind = draw(st.sampled_from(["linear", "conv1d", "conv2d", "conv2d", "conv3d"]))
-    case = draw(_linear()) if kind == "linear" else draw(_conv(int(kind[4])))
+def layer_cases(draw: Any, kinds: tuple[str, ...] = KINDS) -> dict[str, Any]:
+    """One random layer configuration (a dict; see the module docstring) of one of ``kinds``
+    (``"linear"``, ``"conv{1,2,3}d"``, ``"convT{1,2,3}d"``: transposed)."""
+    kind = draw(st.sampled_from(kinds))
+    if kind == "linear":
+        case = draw(_linear())
+    elif kind.startswith("convT"):
+        case = draw(_conv_transpose(int(kind[5])))
+    else:
+        case = draw(_conv(int(kind[4])))
     case.update(
         bias=draw(st.booleans()), m=draw(st.integers(1, 6)), calls=draw(st.sampled_from([1, 1, 2])),
         dtype=draw(st.sampled_from([torch.float64, torch.float32])),
@@ -126,6 +157,12 @@ def build_layer_case(case: dict[str, Any]) -> tuple[nn.Module, torch.Tensor]:
     if case["kind"] == "linear":
         layer: nn.Module = nn.Linear(case["d_in"], case["d_out"], bias=case["bias"])
         shape = (*case["positions"], case["d_in"])
+    elif case["kind"].startswith("convT"):
+        cls = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}[int(case["kind"][5])]
+        layer = cls(case["c_in"], case["c_out"], case["kernel"], stride=case["stride"],
+                    padding=case["padding"], output_padding=case["output_padding"], groups=case["groups"],
+                    bias=case["bias"], dilation=case["dilation"])
+        shape = (case["c_in"], *case["positions"])
     else:
         cls = {"conv1d": nn.Conv1d, "conv2d": nn.Conv2d, "conv3d": nn.Conv3d}[case["kind"]]
         layer = cls(case["c_in"], case["c_out"], case["kernel"], stride=case["stride"],

@@ -1,6 +1,7 @@
 """ConvTranspose1d/2d/3d: per-sample gradients, every Gram strategy, jvp and vjp against
 the explicit J of torch.func in float64 (hypothesis over stride, padding, output_padding,
-dilation, groups, bias), and the capture op's outputs/gradients against the plain layer."""
+dilation, groups, bias, dtype: ``testing.fuzz_layers``), and the capture op's
+outputs/gradients against the plain layer."""
 from __future__ import annotations
 
 import copy
@@ -10,52 +11,15 @@ import pytest
 import torch
 import torch.nn as nn
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import tengrad_fx
-from test_gram_hypothesis import SETTINGS, check_layer
-
-CLS = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
-
-
-@st.composite
-def conv_transpose_cases(draw: Any) -> dict[str, Any]:
-    nd = draw(st.sampled_from([1, 2, 2, 3]))
-    groups = draw(st.integers(1, 3))
-    kernel = tuple(draw(st.integers(1, 3)) for _ in range(nd))
-    stride = tuple(draw(st.integers(1, 3)) for _ in range(nd))
-    dilation = tuple(draw(st.integers(1, 3)) for _ in range(nd))
-    padding = tuple(draw(st.integers(0, 2)) for _ in range(nd))
-    # torch: output_padding < max(stride, dilation)
-    output_padding = tuple(draw(st.integers(0, max(s, d) - 1)) for s, d in zip(stride, dilation))
-    spatial = []
-    for k, s, d, p, op in zip(kernel, stride, dilation, padding, output_padding):
-        # output size (n-1)·s - 2p + d(k-1) + op + 1 >= 1
-        lo = max(1, 1 + -(-(2 * p - d * (k - 1) - op) // s))
-        spatial.append(draw(st.integers(lo, lo + (2 if nd == 3 else 4))))
-    return dict(
-        nd=nd, c_in=groups * draw(st.integers(1, 3)), c_out=groups * draw(st.integers(1, 3)),
-        kernel=kernel, stride=stride, padding=padding, output_padding=output_padding,
-        dilation=dilation, groups=groups, bias=draw(st.booleans()), spatial=tuple(spatial),
-        m=draw(st.integers(1, 5)), reduction=draw(st.sampled_from(["sum", "mean"])),
-        seed=draw(st.integers(0, 2**16)), x_grad=draw(st.booleans()), in_backward=draw(st.booleans()),
-    )
-
-
-def _layer(case: dict[str, Any]) -> nn.Module:
-    torch.manual_seed(case["seed"])
-    return CLS[case["nd"]](case["c_in"], case["c_out"], case["kernel"], stride=case["stride"],
-                           padding=case["padding"], output_padding=case["output_padding"],
-                           groups=case["groups"], bias=case["bias"], dilation=case["dilation"])
-
+from testing.fuzz_layers import SETTINGS, build_layer_case, check_layer, layer_cases
 
 @settings(max_examples=100, **SETTINGS)
-@given(conv_transpose_cases())
+@given(layer_cases(kinds=("convT1d", "convT2d", "convT2d", "convT3d")))
 def test_conv_transpose(case: dict[str, Any]) -> None:
-    layer = _layer(case)
-    g = torch.Generator().manual_seed(case["seed"] + 1)
-    x = torch.randn(case["m"], case["c_in"], *case["spatial"], generator=g, dtype=torch.float64)
-    check_layer(layer, x, case["reduction"], case["seed"], case["x_grad"], case["in_backward"])
+    model, x = build_layer_case(case)
+    check_layer(model, x, case["reduction"], case["seed"], case["x_grad"], case["in_backward"])
 
 
 @pytest.mark.parametrize("in_backward", [False, True])
