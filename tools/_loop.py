@@ -35,17 +35,22 @@ Files written to ``--out`` (default ``runs/<model>-<dataset>-<optimizer>-s<seed>
     ``stopped_by_max_steps``, ``resumed_at_steps`` (steps at which ``--resume`` picked the
     run up), ``out``, ``torch`` (version), ``device_name``, ``threads``. Written last: a
     directory without it holds an unfinished run.
-``checkpoint.pt``
+``checkpoint.pt``, ``checkpoint.prev.pt``
     after every epoch (and when ``--max-steps`` stops a run), written atomically (a
-    temporary file in ``--out``, then ``os.replace``): model and optimizer state dicts,
+    temporary file in ``--out``, then ``os.replace``; the former one is kept as
+    ``checkpoint.prev.pt``, see ``tools._checkpoint``): model and optimizer state dicts,
     ``epoch``/``step``/``batch_in_epoch``, the torch RNG states, the data generator's
     state at the start of the current epoch, running epoch sums, timings, skip counts,
     the config (TENGraD's state dict carries which layers its backward materializes).
     ``--resume`` restores all of it and continues with the identical trajectory: on CPU
-    the parameters are bit-identical to an uninterrupted run (TENGraD with
-    ``--curvature-every`` > 1 recomputes curvature on the first step after loading,
-    so only ``T = 1`` is bit-identical). The jsonl logs are cut back to the checkpoint's
-    step and appended to.
+    the parameters are bit-identical to an uninterrupted run, for any
+    ``--curvature-every`` (TENGraD's state dict carries the curvature records the next
+    reuse steps need, ``tengrad_fx.optim.resume``). The jsonl logs are cut back to the checkpoint's
+    step and appended to, so a run killed at any moment (``kill -9``) and resumed has
+    the logs and parameters of an uninterrupted one. A truncated or corrupt
+    ``checkpoint.pt`` is reported on stderr, moved to ``checkpoint.pt.corrupt``, and the
+    run resumes from ``checkpoint.prev.pt``; if no checkpoint loads, ``--resume`` stops
+    with an error naming the files.
 ``coverage.txt`` (prepared models) -- :func:`tengrad_fx.report` of the model.
 ``curves.png`` / ``curves.svg`` -- ``tools.plot.plot_runs`` of this run (unless ``--no-plot``).
 
@@ -58,9 +63,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn, Optional
@@ -69,13 +72,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tools._checkpoint import (CHECKPOINT, CheckpointError, load_for_resume, remove_stale, save_checkpoint,
+                               save_rotating)
+
 __all__ = ["CHECKPOINT", "EVAL_BATCH", "TRAJECTORY_KEYS", "evaluate", "save_checkpoint", "train"]
 
 # Arguments that determine the trajectory: --resume refuses a checkpoint whose config differs.
 TRAJECTORY_KEYS = ("model", "dataset", "optimizer", "batch_size", "lr", "momentum", "weight_decay", "damping",
                    "curvature_every", "fisher", "lr_schedule", "seed", "subset")
 
-CHECKPOINT = "checkpoint.pt"
 EVAL_BATCH = 1000
 
 # train_ds -> (model, optimizer, coverage report or None, extra config.json entries)
@@ -103,21 +108,6 @@ def evaluate(model: nn.Module, dataset: Any, batch_size: int = EVAL_BATCH,
         bar.close()
         model.train(was_training)
     return loss_sum / max(n, 1), correct / max(n, 1)
-
-
-def save_checkpoint(path: Path, obj: dict[str, Any]) -> None:
-    """``torch.save`` to a temporary file next to ``path``, then ``os.replace`` (atomic)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _truncate_jsonl(path: Path, keep: Callable[[dict[str, Any]], bool]) -> None:
@@ -189,13 +179,16 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
     # ---- resume: load the checkpoint first, so a config mismatch fails before any work
     ckpt: Optional[dict[str, Any]] = None
     if cfg["resume"]:
-        if ckpt_path.exists():
-            ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        try:
+            ckpt, name = load_for_resume(out, lambda msg: print(msg, file=sys.stderr)) if out.is_dir() else (None, "")
+        except CheckpointError as exc:
+            error(f"--resume: {exc}")
+        if ckpt is not None:
             old = ckpt["config"]
             diff = [f"{k}: checkpoint {old.get(k)!r} vs now {cfg[k]!r}" for k in TRAJECTORY_KEYS
                     if old.get(k) != cfg[k]]
             if diff:
-                error(f"--resume: {ckpt_path} was written with a different configuration: " + "; ".join(diff))
+                error(f"--resume: {out / name} was written with a different configuration: " + "; ".join(diff))
         else:
             print(f"--resume: no {ckpt_path}, starting from scratch", file=sys.stderr)
 
@@ -243,9 +236,10 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
         with contextlib.suppress(FileNotFoundError):
             (out / "summary.json").unlink()  # the run is unfinished again until the new summary
     else:
-        for name in ("steps.jsonl", "evals.jsonl", "epochs.jsonl", "summary.json", CHECKPOINT):
+        for name in ("steps.jsonl", "evals.jsonl", "epochs.jsonl", "summary.json"):
             with contextlib.suppress(FileNotFoundError):
                 (out / name).unlink()
+    remove_stale(out, fresh=ckpt is None)
 
     resolved = {k: v for k, v in cfg.items() if k != "resume"}
     meta = dict(resolved, resume=cfg["resume"], steps_per_epoch=steps_per_epoch,
@@ -370,7 +364,7 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
                 batch_in_epoch = 0
                 ep_loss_sum = ep_loss_n = ep_correct = ep_count = 0.0
                 epoch_gen_state = gen.get_state()
-            save_checkpoint(ckpt_path, snapshot())
+            save_rotating(ckpt_path, snapshot())
             if stopped:
                 break
     finally:

@@ -31,6 +31,7 @@ from ..capture.info import PrepareInfo
 from ..capture.prepare import capturing
 from .update import apply_momentum_step, finite_flag, kl_clip_factor
 from .checks import check_positive
+from .state_check import META, check_loadable, layout_meta
 
 __all__ = ["StepSkeleton", "SkipStep", "HostMirror"]
 
@@ -189,10 +190,24 @@ class StepSkeleton(torch.optim.Optimizer):
             self._warned_skip = True
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """torch's state dict plus ``"tengrad_fx"``: who saved it (:mod:`.state_check`)."""
         self._sync_counters()
-        return super().state_dict()
+        sd = super().state_dict()
+        sd[META] = layout_meta(self)
+        return sd
+
+    def _layout_meta(self) -> dict[str, Any]:
+        """More entries of ``state_dict()["tengrad_fx"]`` that a loader must match."""
+        return {}
+
+    def _check_layout_meta(self, meta: dict[str, Any]) -> None:
+        """Raise ``ValueError`` if the saved :meth:`_layout_meta` entries do not fit."""
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Refuse (``ValueError``, nothing loaded) a state dict of another optimizer kind,
+        parameter layout or materialization (:func:`.state_check.check_loadable`), then load."""
+        check_loadable(self, state_dict)
+        state_dict = {k: v for k, v in state_dict.items() if k != META}
         super().load_state_dict(state_dict)
         self._dev_counts = None
         self._mirror = None

@@ -34,6 +34,8 @@ from ..capture.info import get_info
 from ..capture.prepare import capturing
 from .checks import check_choice, check_interval, check_nonneg, check_positive, check_unit
 from .mc import mc_capture
+from .resume import restore_curvature, save_curvature
+from .state_check import check_materialization, materialization_meta
 from .skeleton import StepSkeleton
 from ..curvature.layer import KERNELS, CoveredLayer, choose_strategy, covered_layers
 from ..solve.woodbury import damped_cholesky_ex, woodbury_apply, woodbury_select
@@ -212,19 +214,34 @@ class TENGraD(StepSkeleton):
         self._recapture = True
 
     def state_dict(self) -> dict[str, Any]:
-        """Counters, momentum buffers, and which layers the backward materializes (so a
-        resumed run computes its gradients exactly as the uninterrupted one would)."""
+        """Counters, momentum buffers, which layers the backward materializes, and (with
+        ``curvature_every > 1``, when the next step reuses curvature) the curvature records
+        that step needs (:mod:`.resume`), so a resumed run continues bit for bit."""
         sd = super().state_dict()
         sd["state"][self.NAME]["jacobian_sites"] = sorted(self._info.store.jacobian_sites)
+        curv = save_curvature(self)
+        if curv is not None:
+            sd["curvature"] = curv
         return sd
 
+    def _layout_meta(self) -> dict[str, Any]:
+        return materialization_meta(self)
+
+    def _check_layout_meta(self, meta: dict[str, Any]) -> None:
+        check_materialization(self, meta)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load counters and momentum buffers. Curvature is not stored: with
-        ``curvature_every > 1`` the next step recomputes it (capture is switched on)."""
-        super().load_state_dict(state_dict)
+        """Load counters, momentum buffers and the saved curvature records (if any; else
+        the next step takes curvature: capture is switched on). Refuses another
+        optimizer's state, parameter layout or materialization (``ValueError``)."""
+        sd = dict(state_dict)
+        curv = sd.pop("curvature", None)
+        super().load_state_dict(sd)
         self._info.store.jacobian_sites = set(self.state[self.NAME].get("jacobian_sites", []))
         self._curv = []
-        capturing(self.model, True)
+        if curv is not None:
+            restore_curvature(self, curv)
+        capturing(self.model, self._needs_capture(self._sched))
 
     def mc_capture(self, outputs: Tensor) -> None:
         """MC Fisher: before ``loss.backward()``, sample labels from ``outputs`` and run one
