@@ -107,6 +107,12 @@ class CoveredLayer:
         return recs
 
     @property
+    def captured(self) -> bool:
+        """Whether the last capture recorded any call of this layer (False for a layer the
+        forward did not call, or called with capture off)."""
+        return any(self._info.store.records.get(site) for site in self.spec.sites)
+
+    @property
     def m(self) -> int:
         """Number of samples in the captured batch."""
         return self.records()[0].m

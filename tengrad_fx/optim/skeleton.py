@@ -31,7 +31,9 @@ from ..capture.info import PrepareInfo
 from ..capture.prepare import capturing
 from .update import apply_momentum_step, finite_flag, kl_clip_factor
 from .checks import check_positive
+from .reduction_check import check_loss_reduction
 from .state_check import META, check_loadable, layout_meta
+from ..curvature.layer import covered_layers
 
 __all__ = ["StepSkeleton", "SkipStep", "HostMirror"]
 
@@ -114,6 +116,7 @@ class StepSkeleton(torch.optim.Optimizer):
         self._warned_skip = False
         self.timings: dict[str, float] = {}
         self._frozen = FrozenWatch(model, type(self).__name__)
+        self._reduction_checked = False
 
     # ------------------------------------------------------------------ subclass hooks
     def _needs_capture(self, step: int) -> bool:
@@ -141,10 +144,13 @@ class StepSkeleton(torch.optim.Optimizer):
     # ------------------------------------------------------------------ counters
     @property
     def counters(self) -> dict[str, int]:
-        """``{"step": steps taken, "skipped": steps skipped for non-finite values}``
+        """``{"step": steps taken, "skipped": steps skipped for non-finite values,
+        "uncaptured": layer-steps given the SGD-momentum update because the layer had a
+        gradient but nothing captured (TENGraD)}``
         (reading it waits for the device once when ``SYNC_FREE``)."""
         self._sync_counters()
-        return {"step": self.state[self.NAME]["step"], "skipped": self.state[self.NAME]["skipped"]}
+        st = self.state[self.NAME]
+        return {"step": st["step"], "skipped": st["skipped"], "uncaptured": st.get("uncaptured", 0)}
 
     def _sync_counters(self) -> None:
         if self._dev_counts is None:
@@ -237,6 +243,9 @@ class StepSkeleton(torch.optim.Optimizer):
         if not grads:  # nothing to do, like torch's own optimizers
             return self._skip("no gradient", loss) if self.EMPTY_STEP_SKIPS else loss
         self._check_capture(stats_step)
+        if stats_step and not self._reduction_checked and self.fisher == "empirical":
+            self._reduction_checked = True  # once: a one-time host read (reduction_check)
+            check_loss_reduction(covered_layers(self.model), self._info.loss_reduction, type(self).__name__)
         ok = finite_flag(grads)
         assert ok is not None
         if not self.SYNC_FREE and not bool(ok):

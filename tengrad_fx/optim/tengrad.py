@@ -263,10 +263,10 @@ class TENGraD(StepSkeleton):
         t_start = time.perf_counter()
         curv: list[_Curvature] = []
         budget = self.jacobian_budget
-        sites: set[int] = set()
+        sites = self._uncaptured_sites()
         for layer in self._layers:
             params = [p for p in (layer.weight, layer.bias) if p is not None]
-            if not all(p.requires_grad for p in params):
+            if not all(p.requires_grad for p in params) or not layer.captured:
                 continue
             how = layer.choose(self.strategy)
             if how == "materialize":
@@ -330,6 +330,7 @@ class TENGraD(StepSkeleton):
         if curvature_step:
             self._curv_sched = step
             self._recapture = False
+        self._count_uncaptured(updates)
         t2 = time.perf_counter()
         self.timings = {"gram": self._gram_seconds, "factorize": t1 - t0 - self._gram_seconds,
                         "solve": t2 - t1}
@@ -371,7 +372,7 @@ class TENGraD(StepSkeleton):
         used: list[_Curvature] = []
         for layer in self._layers:
             params = [p for p in (layer.weight, layer.bias) if p is not None]
-            if not all(p.requires_grad and p.grad is not None for p in params):
+            if not all(p.requires_grad and p.grad is not None for p in params) or not layer.captured:
                 continue
             recs = layer.records()
             k = layer._scale()
@@ -446,11 +447,24 @@ class TENGraD(StepSkeleton):
                     sites.update(spec.sites)
         self._info.store.jacobian_sites = sites
 
+    def _uncaptured_sites(self) -> set[int]:
+        """The materialized sites of layers with no record now: they keep the choice."""
+        old = self._info.store.jacobian_sites
+        return {s for lay in self._layers if not lay.captured for s in lay.spec.sites if s in old}
+
+    def _count_uncaptured(self, updates: dict[Tensor, Tensor]) -> None:
+        """Layers with a weight gradient but no curvature (not called, or called with
+        capture off, on this step's capture): their SGD-momentum updates are counted."""
+        n = sum(1 for lay in self._layers if lay.weight.requires_grad and lay.weight.grad is not None
+                and lay.weight not in updates)
+        if n:
+            self.state[self.NAME]["uncaptured"] = self.state[self.NAME].get("uncaptured", 0) + n
+
     def _mark_jacobian_sites(self) -> None:
-        sites: set[int] = set()
+        sites = self._uncaptured_sites()
         budget = self.jacobian_budget
         for layer in self._layers:
-            if layer.weight.requires_grad and layer.choose(self.strategy) == "materialize":
+            if layer.weight.requires_grad and layer.captured and layer.choose(self.strategy) == "materialize":
                 n = layer.m * sum(p.numel() for p in (layer.weight, layer.bias) if p is not None)
                 nbytes = n * layer.weight.element_size()
                 if nbytes <= budget:

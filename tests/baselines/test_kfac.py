@@ -117,7 +117,7 @@ def test_capture_only_on_statistics_steps():
         gens.append(store.generation)
         opt.step()
     assert gens == [1, 1, 1, 2, 2, 2]
-    assert opt.counters == {"step": 6, "skipped": 0}
+    assert opt.counters == {"step": 6, "skipped": 0, "uncaptured": 0}
 
 
 def test_mc_fisher_uses_sampled_targets():
@@ -163,7 +163,7 @@ def test_nonfinite_gradient_skips_step():
         warnings.simplefilter("always")
         opt.step()
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    assert opt.counters == {"step": 0, "skipped": 1}
+    assert opt.counters == {"step": 0, "skipped": 1, "uncaptured": 0}
 
 
 def test_linear_on_sequences_positions_and_repeated_calls():

@@ -51,7 +51,7 @@ def test_trains_small_cnn_on_fashion_mnist(name):
         after = F.cross_entropy(model(Xe), Ye).item()
     assert after < 0.85 * before, (name, before, after)
     if hasattr(opt, "counters"):
-        assert opt.counters == {"step": 30, "skipped": 0}
+        assert opt.counters == {"step": 30, "skipped": 0, "uncaptured": 0}
 
 
 def test_kfac_mc_fisher_trains():

@@ -80,7 +80,7 @@ def test_warm_step_has_no_host_sync(case: str) -> None:
         assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
     want = {"curvature", "reuse"} if "T1" not in case else {"curvature"}
     assert kinds == want
-    assert opt.counters == {"step": 9, "skipped": 0}
+    assert opt.counters == {"step": 9, "skipped": 0, "uncaptured": 0}
 
 
 def test_skip_is_decided_on_device_and_leaves_bits_unchanged() -> None:
@@ -111,11 +111,11 @@ def test_skip_is_decided_on_device_and_leaves_bits_unchanged() -> None:
         assert torch.equal(b, opt.state[p]["momentum_buffer"].view(torch.int32))
     assert [str(c.message) for c in caught if "TENGraD" in str(c.message)], "no skip warning"
     assert opt._is_curvature_step(), "a seen skip re-captures curvature on the next step"
-    assert opt.counters == {"step": 2, "skipped": 1}
+    assert opt.counters == {"step": 2, "skipped": 1, "uncaptured": 0}
     x, y = batches[3]
     _forward_backward(model, opt, x, y)
     opt.step()
-    assert opt.counters == {"step": 3, "skipped": 1}
+    assert opt.counters == {"step": 3, "skipped": 1, "uncaptured": 0}
     assert not opt._is_curvature_step()
 
 

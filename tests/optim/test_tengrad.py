@@ -356,7 +356,7 @@ def test_curvature_reuse_uses_stored_batch() -> None:
     assert store.generation == gen0 + 1
     g = full_grad(ref3, x3, y3, F.cross_entropy)
     assert_matches(step_delta(model, opt), dense_u(ref3, x3, y3, F.cross_entropy, g, 0.2, layers))
-    assert opt.counters == {"step": 4, "skipped": 0}
+    assert opt.counters == {"step": 4, "skipped": 0, "uncaptured": 0}
 
 
 def test_small_last_batch_with_reused_curvature() -> None:
@@ -461,7 +461,7 @@ def test_non_finite_gradient_skips_step() -> None:
     before = model.get_parameter("0.weight").detach().clone()
     opt.step()
     assert not torch.equal(before, model.get_parameter("0.weight"))
-    assert opt.counters == {"step": 1, "skipped": 2}
+    assert opt.counters == {"step": 1, "skipped": 2, "uncaptured": 0}
 
 
 @pytest.mark.parametrize("kw,arg", [
