@@ -1,11 +1,12 @@
-"""Per-layer Gram benchmark: ``factor`` vs ``materialize`` on the paper's 3C1F.
+"""Per-layer Gram benchmark: ``factor`` vs ``materialize`` on the paper's 3C1F (or a
+transposed-convolution decoder).
 
-Run: ``python -m tools.gram_bench [--m 128] [--threads 2] [--repeats 3] [--max-gflop 2000]
-[--json out.json]``.
+Run: ``python -m tools.gram_bench [--model 3c1f|decoder] [--m 128] [--threads 2] [--repeats 3]
+[--max-gflop 2000] [--json out.json]``.
 
 Prepares 3C1F (``zoo.get_model('3c1f')`` when ``zoo`` is importable, else the same
-network defined here), runs one capturing forward/backward on a random batch of ``m``
-28×28 images, then times ``layer.gram(strategy)`` for both strategies on every covered
+network defined here) or :func:`decoder_local` (three ``ConvTranspose2d``, 4×4 → 32×32),
+runs one capturing forward/backward on a random batch of ``m`` inputs, then times ``layer.gram(strategy)`` for both strategies on every covered
 layer (median of ``--repeats``). A strategy whose cost-model estimate
 (:func:`tengrad_fx.curvature.gram_flops`) exceeds ``--max-gflop`` is skipped, not run.
 Also times a plain forward+backward (capture off) and a capturing one for reference.
@@ -39,7 +40,22 @@ def c3f1_local(num_classes: int = 10) -> nn.Module:
     )
 
 
-def build_model() -> tuple[nn.Module, str]:
+def decoder_local(num_classes: int = 10) -> nn.Module:
+    """A DCGAN-like decoder: ``[m, 256, 4, 4]`` → three transposed convolutions → 32×32."""
+    return nn.Sequential(
+        nn.ConvTranspose2d(256, 128, 2, stride=2), nn.ReLU(),           # 4 -> 8
+        nn.ConvTranspose2d(128, 64, 4, stride=2, padding=1), nn.ReLU(),  # 8 -> 16
+        nn.ConvTranspose2d(64, 32, 4, stride=2, padding=1), nn.ReLU(),   # 16 -> 32
+        nn.Conv2d(32, num_classes, 1), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+    )
+
+
+MODELS: dict[str, tuple[int, ...]] = {"3c1f": (1, 28, 28), "decoder": (256, 4, 4)}  # input shapes
+
+
+def build_model(name: str = "3c1f") -> tuple[nn.Module, str]:
+    if name == "decoder":
+        return decoder_local(), "transposed-conv decoder"
     try:
         from zoo import get_model
 
@@ -58,12 +74,12 @@ def median_ms(fn: Callable[[], Any], repeats: int) -> float:
 
 
 def run(m: int = 128, threads: int = 2, repeats: int = 3, max_gflop: float = 2000.0,
-        seed: int = 0) -> dict[str, Any]:
+        seed: int = 0, model_name: str = "3c1f") -> dict[str, Any]:
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
-    model, source = build_model()
+    model, source = build_model(model_name)
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, 1, 28, 28, generator=g)
+    x = torch.randn(m, *MODELS[model_name], generator=g)
     y = torch.randint(0, 10, (m,), generator=g)
     model = tengrad_fx.prepare(model, example_inputs=(x[:2],))
 
@@ -109,9 +125,9 @@ def run(m: int = 128, threads: int = 2, repeats: int = 3, max_gflop: float = 200
 
 
 def format_table(res: dict[str, Any]) -> str:
-    head = (f"{'layer':<14} {'kind':<7} {'(g, S, f, o)':<22} {'est GFLOP fac':>13} {'est GFLOP mat':>13} "
+    head = (f"{'layer':<14} {'kind':<16} {'(g, S, f, o)':<22} {'est GFLOP fac':>13} {'est GFLOP mat':>13} "
             f"{'ms factor':>26} {'ms materialize':>26} {'auto':<11}")
-    lines = [f"3C1F Gram benchmark: {res['model']}, m={res['m']}, threads={res['threads']}, "
+    lines = [f"Gram benchmark: {res['model']}, m={res['m']}, threads={res['threads']}, "
              f"median of {res['repeats']}, torch {res['torch']}, {res['device']}",
              head, "-" * len(head)]
 
@@ -121,7 +137,7 @@ def format_table(res: dict[str, Any]) -> str:
 
     for r in res["layers"]:
         dims = "(" + ", ".join(str(d) for d in r["dims"]) + ")"
-        lines.append(f"{r['layer']:<14} {r['kind']:<7} {dims:<22} {r['est_gflop']['factor']:>13.3g} "
+        lines.append(f"{r['layer']:<14} {r['kind']:<16} {dims:<22} {r['est_gflop']['factor']:>13.3g} "
                      f"{r['est_gflop']['materialize']:>13.3g} {cell(r, 'factor'):>26} "
                      f"{cell(r, 'materialize'):>26} {r['auto']:<11}")
     lines.append("")
@@ -136,6 +152,7 @@ def format_table(res: dict[str, Any]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=sorted(MODELS), default="3c1f", help="network to prepare")
     ap.add_argument("--m", type=int, default=128, help="batch size")
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     ap.add_argument("--repeats", type=int, default=3, help="timed repeats (median reported)")
@@ -144,7 +161,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=str, default=None, help="also write the results here")
     a = ap.parse_args(argv)
-    res = run(m=a.m, threads=a.threads, repeats=a.repeats, max_gflop=a.max_gflop, seed=a.seed)
+    res = run(m=a.m, threads=a.threads, repeats=a.repeats, max_gflop=a.max_gflop, seed=a.seed,
+              model_name=a.model)
     print(format_table(res))
     if a.json:
         with open(a.json, "w") as fh:
