@@ -1,19 +1,20 @@
 """``prepare``: the FX pass that makes every Linear/Conv call site record (I, G)."""
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
 from . import norm, ops, params
 from .info import ATTR, PrepareInfo, get_info
+from .inputs import leading_dim, resize_batch
 from .match import LayerSpec, conv_call_args, match_module, pad_same_input
 from .norm import NORM_KINDS
+from .sharing import OURS, drop_layer, note_functional_uses
 from .store import CaptureStore
+from .surgery import prepare_surgery
 from .trace import trace
 
 __all__ = ["prepare", "capturing"]
@@ -92,7 +93,7 @@ def prepare(
                 "Pass example_inputs=(...) to prepare() to use the module-surgery fallback, whose "
                 "per-sample structure is verified on those inputs."
             ) from exc.__cause__
-        prepared, layers = _prepare_surgery(model, candidates)
+        prepared, layers = prepare_surgery(model, candidates)
         method, err = "surgery", exc.reason
 
     info = PrepareInfo(
@@ -181,7 +182,7 @@ def _rewrite(graph: fx.Graph, candidates: dict[str, nn.Module], layers: dict[str
     batch_node = None
     if runtime_batch and placeholders:
         with graph.inserting_after(placeholders[-1]):
-            batch_node = graph.call_function(_leading_dim, tuple(placeholders))
+            batch_node = graph.call_function(leading_dim, tuple(placeholders))
     for node in list(graph.nodes):
         if node.op != "call_module" or node.target not in candidates:
             continue
@@ -205,7 +206,7 @@ def _rewrite(graph: fx.Graph, candidates: dict[str, nn.Module], layers: dict[str
         if spec.kind in NORM_KINDS:
             with graph.inserting_before(node):
                 mnode = graph.get_attr(name)
-                mnode.meta[_OURS] = True
+                mnode.meta[OURS] = True
                 new = graph.call_function(norm.norm, (node.args[0], mnode),
                                           dict(key=key, site=site, batch=batch_node, name=name))
             node.replace_all_uses_with(new)
@@ -216,7 +217,7 @@ def _rewrite(graph: fx.Graph, candidates: dict[str, nn.Module], layers: dict[str
             b = graph.get_attr(f"{name}.bias" if name else "bias") if mod.bias is not None else None
             for n in (w, b):
                 if n is not None:
-                    n.meta[_OURS] = True  # not a use outside the layer call
+                    n.meta[OURS] = True  # not a use outside the layer call
             kw: dict[str, Any] = dict(key=key, site=site, batch=batch_node, name=name)
             if spec.kind == "linear":
                 new = graph.call_function(ops.linear, (x_arg, w, b), kw)
@@ -266,26 +267,8 @@ def _transposed_output_padding(x: torch.Tensor, output_size: Sequence[int], stri
         len(stride), list(dilation))
 
 
-_OURS = "tengrad_fx_capture_arg"
-# reading only these attributes of a covered weight does not use its value
-_META_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout"}
-_META_METHODS = {"size", "dim", "numel", "type", "get_device"}
-
-
-def _reads_value(node: fx.Node) -> bool:
-    """Does any user of this ``get_attr`` node read the tensor's values (not just metadata)?"""
-    for user in node.users:
-        if user.op == "call_function" and user.target is getattr and len(user.args) > 1 \
-                and user.args[1] in _META_ATTRS:
-            continue
-        if user.op == "call_method" and user.target in _META_METHODS:
-            continue
-        return True
-    return False
-
-
 def _batch_node(graph: fx.Graph) -> Optional[fx.Node]:
-    return next((n for n in graph.nodes if n.op == "call_function" and n.target is _leading_dim), None)
+    return next((n for n in graph.nodes if n.op == "call_function" and n.target is leading_dim), None)
 
 
 def _prepare_fx(model, candidates, fallback, example_inputs, added_params=True):  # type: ignore[no-untyped-def]
@@ -299,13 +282,13 @@ def _prepare_fx(model, candidates, fallback, example_inputs, added_params=True):
     skip = {id(p) for mod in candidates.values() for p in mod.parameters(recurse=False)}
     _rewrite(g_train, candidates, layers, store.key, n_sites, runtime_batch, odd)
     if added_params:
-        params.rewrite_params(g_train, model, skip, layers, store.key, n_sites, _batch_node(g_train), refused, _OURS)
+        params.rewrite_params(g_train, model, skip, layers, store.key, n_sites, _batch_node(g_train), refused, OURS)
     gm = _graph_module(model, g_train, c_train)
     method = "fx"
     if g_eval is not None:
         _rewrite(g_eval, candidates, layers, store.key, n_sites, runtime_batch, odd)
         if added_params:
-            params.rewrite_params(g_eval, model, skip, layers, store.key, n_sites, _batch_node(g_eval), refused, _OURS)
+            params.rewrite_params(g_eval, model, skip, layers, store.key, n_sites, _batch_node(g_eval), refused, OURS)
         gm_eval = _graph_module(model, g_eval, c_eval)
         for k, v in gm_eval._buffers.items():  # the eval graph runs on gm: give it gm_eval's extras
             if k not in gm._buffers and v is not None:
@@ -314,14 +297,14 @@ def _prepare_fx(model, candidates, fallback, example_inputs, added_params=True):
         method = "fx-dual"
     store.n_sites = n_sites[0]
     gm.__dict__["_tengrad_store"] = store
-    _note_functional_uses(gm, g_train, g_eval, layers, fallback)
+    note_functional_uses(gm, g_train, g_eval, layers, fallback)
     for name in odd:
         if name not in layers:  # every call unusual: no layer was made
             for pn, _ in candidates[name].named_parameters(prefix=name, recurse=False):
                 fallback[pn] = "module called with keyword or extra arguments (not captured)"
-        _drop_layer(layers, name, "module also called with keyword or extra arguments (that call is not captured)")
+        drop_layer(layers, name, "module also called with keyword or extra arguments (that call is not captured)")
     for name, why in refused.items():  # e.g. coverable in the train graph, not in the eval graph
-        _drop_layer(layers, name, why)
+        drop_layer(layers, name, why)
         fallback.setdefault(name, why)
     return gm, list(layers.values()), method, ""
 
@@ -341,168 +324,8 @@ def _dispatch_on_mode(gm: fx.GraphModule, gm_eval: fx.GraphModule) -> None:
     gm.__dict__["_tengrad_eval_graph"] = gm_eval.graph
 
 
-def _note_functional_uses(gm, g_train, g_eval, layers, fallback) -> None:  # type: ignore[no-untyped-def]
-    """A covered weight also read elsewhere (tied weights, functional use) is not exact."""
-    owners: dict[int, list[str]] = {}
-    for spec in layers.values():
-        for t in (spec.weight, spec.bias):
-            if t is not None:
-                owners.setdefault(id(t), []).append(spec.name)
-    for graph in (g for g in (g_train, g_eval) if g is not None):
-        for node in graph.nodes:
-            if node.op == "get_attr" and not node.meta.get(_OURS) and _reads_value(node):
-                try:
-                    t = gm.get_parameter(node.target)
-                except AttributeError:
-                    continue
-                for name in owners.get(id(t), []):
-                    _drop_layer(layers, name, f"also read outside the layer call ({node.target})", t,
-                                f"parameter also read outside the layer call ({node.target})")
-    _note_tied(gm, layers, owners)
-
-
-def _note_tied(model: nn.Module, layers: dict[str, LayerSpec], owners: dict[int, list[str]]) -> None:
-    """The same Parameter registered under several modules (weight tying): all owners fall back."""
-    seen: dict[int, tuple[str, nn.Module]] = {}
-    for mod_name, mod in model.named_modules(remove_duplicate=False):
-        for pn, p in mod._parameters.items():
-            if p is None:
-                continue
-            full = f"{mod_name}.{pn}" if mod_name else pn
-            first = seen.setdefault(id(p), (full, mod))
-            if first[1] is not mod:  # one module under two names is sharing, not tying
-                for name in owners.get(id(p), []):
-                    _drop_layer(layers, name, f"tied ({first[0]} = {full})", p,
-                                f"parameter tied (shared with {full})")
-
-
-def _drop_layer(layers: dict[str, LayerSpec], name: str, reason: str,
-                param: Optional[torch.Tensor] = None, param_reason: str = "") -> None:
-    """Uncover layer ``name``. ``param``: the parameter that caused it; it gets
-    ``param_reason``, the layer's other parameters "layer '<name>' not covered: its
-    weight|bias is <reason>"; without ``param`` every parameter gets ``reason``."""
-    spec = layers.get(name)
-    if spec is not None:
-        spec.__dict__.setdefault("dropped_sites", []).extend(spec.sites)
-        spec.sites = []  # marks it uncovered; _classify_params records the reason
-        if param is None:
-            spec.__dict__["fallback_reason"] = reason
-            return
-        which = "weight" if param is spec.weight else "bias"
-        spec.__dict__["fallback_reason"] = f"layer '{name or '(root)'}' not covered: its {which} is {reason}"
-        spec.__dict__.setdefault("param_reasons", {})[id(param)] = param_reason
-
-
-# --------------------------------------------------------------------------- surgery path
-def _prepare_surgery(model: nn.Module, candidates: dict[str, nn.Module]) -> tuple[nn.Module, list[LayerSpec]]:
-    """Tracing failed: swap each covered module's class for a capturing subclass."""
-    store = CaptureStore(n_sites=len(candidates))
-    layers = []
-    for site, (name, mod) in enumerate(candidates.items()):
-        kind, _ = match_module(mod)
-        spec = LayerSpec(name=name, kind=kind, module=mod, sites=[site])  # type: ignore[arg-type]
-        if kind != "linear" and kind not in NORM_KINDS:
-            for k, v in conv_call_args(mod).items():
-                setattr(spec, k, v)
-        mod.__class__ = _capturing_class(type(mod))
-        mod.__dict__["_tengrad_call"] = (store.key, spec)
-        layers.append(spec)
-    model.__dict__["_tengrad_store"] = store
-    owners: dict[int, list[str]] = {}
-    for spec in layers:
-        for t in (spec.weight, spec.bias):
-            if t is not None:
-                owners.setdefault(id(t), []).append(spec.name)
-    _note_tied(model, {spec.name: spec for spec in layers}, owners)
-    return model, layers
-
-
-_CAPTURING: dict[type, type] = {}
-
-
-def _capturing_forward(self, input, output_size=None):  # type: ignore[no-untyped-def]  # torch's argument names
-    x = input
-    key, spec = self.__dict__["_tengrad_call"]
-    if not spec.sites:  # dropped to the fallback (tied, or input not per sample): plain layer
-        return super(type(self), self).forward(x, *([output_size] if output_size is not None else []))
-    if spec.kind in NORM_KINDS:
-        return norm.norm(x, self, key, spec.sites[0], name=spec.name)
-    if spec.kind == "linear":
-        return ops.linear(x, self.weight, self.bias, key, spec.sites[0], name=spec.name)
-    extra: dict[str, Any] = {}
-    if spec.transposed:  # ConvTransposeNd.forward(input, output_size=None)
-        nd = self.weight.dim() - 2
-        op = self._output_padding(x, output_size, self.stride, self.padding, self.kernel_size, nd, self.dilation)
-        extra = dict(transposed=True, output_padding=tuple(op))
-    if spec.dynamic_same:
-        x = pad_same_input(x, tuple(self.weight.shape[2:]), spec.stride, spec.dilation)
-    return ops.conv(x, self.weight, self.bias, spec.stride, spec.padding, spec.dilation, spec.groups,
-                    key, spec.sites[0], pre_pad=spec.pre_pad, pad_mode=spec.pad_mode, name=spec.name, **extra)
-
-
-def _capturing_class(cls: type) -> type:
-    if cls not in _CAPTURING:
-        _CAPTURING[cls] = type(cls.__name__, (cls,), {"forward": _capturing_forward,
-                                                      "__module__": cls.__module__,
-                                                      "_tengrad_capturing": True})
-    return _CAPTURING[cls]
-
 
 # --------------------------------------------------------------------------- verification
-def _tensor_leaves(tree: Any) -> list[torch.Tensor]:
-    """Tensor leaves of nested tuples/lists/dicts/namedtuples (``torch.utils._pytree``) and
-    dataclasses, in order."""
-    out: list[torch.Tensor] = []
-
-    def visit(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor):
-            out.append(leaf)
-        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-            for f in dataclasses.fields(leaf):
-                pytree.tree_map(visit, getattr(leaf, f.name))
-        return leaf
-
-    pytree.tree_map(visit, tree)
-    return out
-
-
-def _map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], tree: Any) -> Any:
-    """``tree`` with every tensor leaf replaced by ``fn(leaf)`` (containers as in
-    :func:`_tensor_leaves`; a dataclass is rebuilt with ``dataclasses.replace``)."""
-
-    def visit(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor):
-            return fn(leaf)
-        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
-            return dataclasses.replace(leaf, **{f.name: pytree.tree_map(visit, getattr(leaf, f.name))
-                                                for f in dataclasses.fields(leaf) if f.init})
-        return leaf
-
-    return pytree.tree_map(visit, tree)
-
-
-def _leading_dim(*inputs: Any) -> Optional[int]:
-    """The batch size of a forward call: the leading dim of its first tensor leaf."""
-    for t in _tensor_leaves(inputs):
-        if t.dim() > 0:
-            return t.shape[0]
-    return None
-
-
-def _resize_batch(inputs: Sequence[Any], n: int) -> list[Any]:
-    """``inputs`` at batch ``n``: every tensor leaf whose leading dim is the batch (that of
-    the first tensor leaf) becomes its first sample repeated ``n`` times; other leaves
-    (constants, masks of another size, non-tensors) are passed unchanged."""
-    batch = _leading_dim(*inputs)
-
-    def resize(t: torch.Tensor) -> torch.Tensor:
-        if t.dim() > 0 and t.shape[0] == batch:
-            return t[:1].repeat(n, *([1] * (t.dim() - 1)))
-        return t
-
-    return [_map_tensors(resize, x) for x in inputs]
-
-
 def _verify_samples(prepared: nn.Module, info: PrepareInfo, example_inputs: Sequence[Any]) -> None:
     """Run at batch 2 and 3 (no grad, buffers restored); drop layers whose input isn't per sample."""
     saved = {n: b.detach().clone() for n, b in prepared.named_buffers()}
@@ -515,7 +338,7 @@ def _verify_samples(prepared: nn.Module, info: PrepareInfo, example_inputs: Sequ
             with torch.no_grad():
                 for mode in modes:
                     prepared.train(mode)
-                    prepared(*_resize_batch(example_inputs, n))
+                    prepared(*resize_batch(example_inputs, n))
             shapes[n] = ops.PROBE
     except Exception as exc:
         raise RuntimeError(
@@ -541,7 +364,7 @@ def _verify_samples(prepared: nn.Module, info: PrepareInfo, example_inputs: Sequ
                 bad.append(f"leading dim {s2[0]} at batch 2 and {s3[0]} at batch 3")
             spec.input_shapes.append(s2)
         if bad:
-            _drop_layer({spec.name: spec}, spec.name,
+            drop_layer({spec.name: spec}, spec.name,
                         f"input does not index samples ({bad[0]})")
 
 

@@ -1,0 +1,92 @@
+"""Weight sharing and tying among covered layers: which layers must fall back, and why.
+
+A covered weight also read outside its layer call (functional reuse, tied weights read by
+another op) or registered under several modules (weight tying) makes its layer inexact, so
+the layer is dropped to the SGD fallback with a reason per parameter.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .match import LayerSpec
+
+__all__ = ["OURS", "reads_value", "note_functional_uses", "param_owners", "note_tied", "drop_layer"]
+
+OURS = "tengrad_fx_capture_arg"
+# reading only these attributes of a covered weight does not use its value
+_META_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout"}
+_META_METHODS = {"size", "dim", "numel", "type", "get_device"}
+
+
+def reads_value(node: fx.Node) -> bool:
+    """Does any user of this ``get_attr`` node read the tensor's values (not just metadata)?"""
+    for user in node.users:
+        if user.op == "call_function" and user.target is getattr and len(user.args) > 1 \
+                and user.args[1] in _META_ATTRS:
+            continue
+        if user.op == "call_method" and user.target in _META_METHODS:
+            continue
+        return True
+    return False
+
+
+def note_functional_uses(gm, g_train, g_eval, layers, fallback) -> None:  # type: ignore[no-untyped-def]
+    """A covered weight also read elsewhere (tied weights, functional use) is not exact."""
+    owners = param_owners(layers.values())
+    for graph in (g for g in (g_train, g_eval) if g is not None):
+        for node in graph.nodes:
+            if node.op == "get_attr" and not node.meta.get(OURS) and reads_value(node):
+                try:
+                    t = gm.get_parameter(node.target)
+                except AttributeError:
+                    continue
+                for name in owners.get(id(t), []):
+                    drop_layer(layers, name, f"also read outside the layer call ({node.target})", t,
+                                f"parameter also read outside the layer call ({node.target})")
+    note_tied(gm, layers, owners)
+
+
+def param_owners(specs: Iterable[LayerSpec]) -> dict[int, list[str]]:
+    """``id(parameter) -> names of the layers holding it`` (weight and bias)."""
+    owners: dict[int, list[str]] = {}
+    for spec in specs:
+        for t in (spec.weight, spec.bias):
+            if t is not None:
+                owners.setdefault(id(t), []).append(spec.name)
+    return owners
+
+
+def note_tied(model: nn.Module, layers: dict[str, LayerSpec], owners: dict[int, list[str]]) -> None:
+    """The same Parameter registered under several modules (weight tying): all owners fall back."""
+    seen: dict[int, tuple[str, nn.Module]] = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for pn, p in mod._parameters.items():
+            if p is None:
+                continue
+            full = f"{mod_name}.{pn}" if mod_name else pn
+            first = seen.setdefault(id(p), (full, mod))
+            if first[1] is not mod:  # one module under two names is sharing, not tying
+                for name in owners.get(id(p), []):
+                    drop_layer(layers, name, f"tied ({first[0]} = {full})", p,
+                                f"parameter tied (shared with {full})")
+
+
+def drop_layer(layers: dict[str, LayerSpec], name: str, reason: str,
+                param: Optional[torch.Tensor] = None, param_reason: str = "") -> None:
+    """Uncover layer ``name``. ``param``: the parameter that caused it; it gets
+    ``param_reason``, the layer's other parameters "layer '<name>' not covered: its
+    weight|bias is <reason>"; without ``param`` every parameter gets ``reason``."""
+    spec = layers.get(name)
+    if spec is not None:
+        spec.__dict__.setdefault("dropped_sites", []).extend(spec.sites)
+        spec.sites = []  # marks it uncovered; _classify_params records the reason
+        if param is None:
+            spec.__dict__["fallback_reason"] = reason
+            return
+        which = "weight" if param is spec.weight else "bias"
+        spec.__dict__["fallback_reason"] = f"layer '{name or '(root)'}' not covered: its {which} is {reason}"
+        spec.__dict__.setdefault("param_reasons", {})[id(param)] = param_reason

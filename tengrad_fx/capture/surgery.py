@@ -1,0 +1,64 @@
+"""The module-surgery fallback: when torch.fx cannot trace a model, covered modules'
+classes are swapped for capturing subclasses (in place; needs ``example_inputs``)."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from . import norm, ops
+from .match import LayerSpec, conv_call_args, match_module, pad_same_input
+from .norm import NORM_KINDS
+from .sharing import note_tied, param_owners
+from .store import CaptureStore
+
+__all__ = ["prepare_surgery"]
+
+
+def prepare_surgery(model: nn.Module, candidates: dict[str, nn.Module]) -> tuple[nn.Module, list[LayerSpec]]:
+    """Tracing failed: swap each covered module's class for a capturing subclass."""
+    store = CaptureStore(n_sites=len(candidates))
+    layers = []
+    for site, (name, mod) in enumerate(candidates.items()):
+        kind, _ = match_module(mod)
+        spec = LayerSpec(name=name, kind=kind, module=mod, sites=[site])  # type: ignore[arg-type]
+        if kind != "linear" and kind not in NORM_KINDS:
+            for k, v in conv_call_args(mod).items():
+                setattr(spec, k, v)
+        mod.__class__ = _capturing_class(type(mod))
+        mod.__dict__["_tengrad_call"] = (store.key, spec)
+        layers.append(spec)
+    model.__dict__["_tengrad_store"] = store
+    note_tied(model, {spec.name: spec for spec in layers}, param_owners(layers))
+    return model, layers
+
+
+_CAPTURING: dict[type, type] = {}
+
+
+def _capturing_forward(self, input, output_size=None):  # type: ignore[no-untyped-def]  # torch's argument names
+    x = input
+    key, spec = self.__dict__["_tengrad_call"]
+    if not spec.sites:  # dropped to the fallback (tied, or input not per sample): plain layer
+        return super(type(self), self).forward(x, *([output_size] if output_size is not None else []))
+    if spec.kind in NORM_KINDS:
+        return norm.norm(x, self, key, spec.sites[0], name=spec.name)
+    if spec.kind == "linear":
+        return ops.linear(x, self.weight, self.bias, key, spec.sites[0], name=spec.name)
+    extra: dict[str, Any] = {}
+    if spec.transposed:  # ConvTransposeNd.forward(input, output_size=None)
+        nd = self.weight.dim() - 2
+        op = self._output_padding(x, output_size, self.stride, self.padding, self.kernel_size, nd, self.dilation)
+        extra = dict(transposed=True, output_padding=tuple(op))
+    if spec.dynamic_same:
+        x = pad_same_input(x, tuple(self.weight.shape[2:]), spec.stride, spec.dilation)
+    return ops.conv(x, self.weight, self.bias, spec.stride, spec.padding, spec.dilation, spec.groups,
+                    key, spec.sites[0], pre_pad=spec.pre_pad, pad_mode=spec.pad_mode, name=spec.name, **extra)
+
+
+def _capturing_class(cls: type) -> type:
+    if cls not in _CAPTURING:
+        _CAPTURING[cls] = type(cls.__name__, (cls,), {"forward": _capturing_forward,
+                                                      "__module__": cls.__module__,
+                                                      "_tengrad_capturing": True})
+    return _CAPTURING[cls]
