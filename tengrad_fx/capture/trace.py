@@ -2,7 +2,7 @@
 
 Covered layers are kept as leaves (one ``call_module`` node per call), and so are the
 modules and functions that timm marks as not traceable, so that timm and torchvision
-models trace without changes. A root module that is itself a covered layer
+models trace without changes. A root module that is itself a covered Linear/Conv/ConvTranspose
 (``prepare(nn.Linear(10, 5))``) becomes a one-node graph calling the root as a layer.
 """
 from __future__ import annotations
@@ -48,8 +48,8 @@ def trace(model: nn.Module) -> fx.Graph:
 
     Raises whatever the tracer raises (the caller reports it).
     """
-    if match_module(model)[0] is not None:
-        return _root_layer_graph()
+    if isinstance(model, tuple(_BASES)) and match_module(model)[0] is not None:
+        return _root_layer_graph()  # (a bare norm layer is traced as usual: it falls back)
     leaf_types, autowrap = _timm_notrace()
     tracer = _Tracer(leaf_types, autowrap)
     return tracer.trace(model)

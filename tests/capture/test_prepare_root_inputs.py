@@ -77,6 +77,23 @@ def test_bare_layer_subclass_overriding_forward_falls_back() -> None:
         prepare(Scaled(3, 2), example_inputs=(torch.randn(2, 3),))
 
 
+@pytest.mark.parametrize("mod, shape", [(nn.BatchNorm2d(3), (3, 5, 5)), (nn.LayerNorm(5), (7, 5))])
+def test_bare_norm_layer_is_not_a_root_capture_module(mod, shape) -> None:
+    """A bare norm layer is traced as usual (no one-op root graph): it runs exactly, and
+    each parameter is covered and exact (eval mode) or falls back with a reason."""
+    torch.manual_seed(0)
+    mod = mod.double().eval()
+    x = torch.randn(4, *shape, dtype=torch.float64)
+    orig = copy.deepcopy(mod)
+    prepared = prepare(mod, example_inputs=(x[:2],))
+    torch.testing.assert_close(prepared(x), orig(x), rtol=0, atol=0)
+    info = get_info(prepared)
+    assert set(info.covered) | set(info.fallback) == {"weight", "bias"}
+    assert all(info.fallback.values())
+    if covered_layers(prepared):
+        check_psg(prepared, orig, x, torch.randn(4, *shape, dtype=torch.float64))
+
+
 # --------------------------------------------------------------------------- dict / nested inputs
 class DictNet(nn.Module):
     """Called as ``model({"img": [B,2,5,5], "feat": [B,3], "mask": [5,5] (no batch dim),
