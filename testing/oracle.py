@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch import Tensor
-from torch.func import functional_call, grad, vmap
+from torch.func import functional_call, grad, jacrev, vmap
 
 
 def per_sample_grads_reference(
@@ -34,6 +34,18 @@ def per_sample_grads_reference(
         return loss_fn(out, yi.unsqueeze(0))
 
     return vmap(grad(loss_i), in_dims=(None, 0, 0))(params, [leaves[i] for i in idx], y)
+
+
+def output_jacobians_reference(model: nn.Module, x: Tensor) -> dict[str, Tensor]:
+    """``{param name: [m, k, *param.shape]}``: per-sample Jacobians ``∂f(x_i)/∂θ`` of the
+    ``k`` flattened outputs, by ``vmap(jacrev(...))`` on the ORIGINAL module."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    buffers = {k: v.detach() for k, v in model.named_buffers()}
+
+    def f_i(p: dict[str, Tensor], xi: Tensor) -> Tensor:
+        return functional_call(model, (p, buffers), (xi.unsqueeze(0),)).reshape(-1)
+
+    return vmap(jacrev(f_i), in_dims=(None, 0))(params, x)
 
 
 def explicit_jacobian(psg: dict[str, Tensor], weight_name: str, bias_name: Optional[str]) -> Tensor:

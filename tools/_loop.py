@@ -32,6 +32,7 @@ Files written to ``--out`` (default ``runs/<model>-<dataset>-<optimizer>-s<seed>
     ``train_time``, ``eval_time``, ``epochs`` (completed, fractional if stopped inside an
     epoch), ``steps``, ``samples_per_s``, ``optimizer``, ``model``, ``dataset``,
     ``skipped_steps`` (= ``skipped_nonfinite_loss`` + ``skipped_by_optimizer``),
+    ``kl_clipped_steps`` (steps whose update the KL clip scaled down, ``opt.kl_clipped_steps``),
     ``stopped_by_max_steps``, ``resumed_at_steps`` (steps at which ``--resume`` picked the
     run up), ``out``, ``torch`` (version), ``device_name``, ``threads``. Written last: a
     directory without it holds an unfinished run.
@@ -79,7 +80,7 @@ __all__ = ["CHECKPOINT", "EVAL_BATCH", "TRAJECTORY_KEYS", "evaluate", "save_chec
 
 # Arguments that determine the trajectory: --resume refuses a checkpoint whose config differs.
 TRAJECTORY_KEYS = ("model", "dataset", "optimizer", "batch_size", "lr", "momentum", "weight_decay", "damping",
-                   "curvature_every", "fisher", "lr_schedule", "seed", "subset")
+                   "curvature_every", "fisher", "kl_clip", "lr_schedule", "seed", "subset")
 
 EVAL_BATCH = 1000
 
@@ -200,7 +201,9 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
         error(str(exc))
     if cfg["subset"] is not None:
         train_ds = zoo.subset(train_ds, cfg["subset"])
-        test_ds = zoo.subset(test_ds, cfg["subset"])
+    n_test = cfg["subset"] if cfg.get("test_subset") is None else cfg["test_subset"]
+    if n_test:
+        test_ds = zoo.subset(test_ds, n_test)
     train_ds, test_ds = train_ds.to(device), test_ds.to(device)
 
     torch.manual_seed(cfg["seed"])
@@ -390,7 +393,8 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
         "samples_per_s": (samples / train_time) if train_time > 0 else None,
         "optimizer": cfg["optimizer"], "model": cfg["model"], "dataset": cfg["dataset"],
         "skipped_steps": skipped_loss + skipped_opt, "skipped_nonfinite_loss": skipped_loss,
-        "skipped_by_optimizer": skipped_opt, "stopped_by_max_steps": stopped, "resumed_at_steps": resumed_at,
+        "skipped_by_optimizer": skipped_opt, "kl_clipped_steps": int(getattr(opt, "kl_clipped_steps", 0)),
+        "stopped_by_max_steps": stopped, "resumed_at_steps": resumed_at,
         "out": str(out), "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": torch.get_num_threads(),

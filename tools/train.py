@@ -11,35 +11,37 @@ with the machine shared by other jobs, so one Fashion-MNIST epoch (469 steps, pl
 to evaluate 10k test images) takes over an hour there. Use ``--subset N`` /
 ``--max-steps N`` for smoke runs and ``--device cuda`` for real ones.
 
-Hyperparameters
----------------
-``--lr``, ``--weight-decay`` and ``--damping`` default to the paper's tuned values for the
-(optimizer, dataset) pair (``tengrad_fx.optim.registry.PAPER_DEFAULTS`` when that module
-is importable and has the pair, else :data:`PAPER_DEFAULTS` below, the same numbers)::
+Hyperparameters: the paper's by default
+---------------------------------------
+Every hyperparameter not given defaults to the paper's run of the (optimizer, dataset,
+model) triple, :func:`tengrad_fx.optim.registry.paper_settings`:
 
-    Fashion-MNIST (3C1F)   lr     wd     damping      CIFAR-10/100 (WRN)   lr     wd     damping
-    tengrad                0.003  0.001  0.1                               0.03   0.003  0.1
-    kfac                   0.003  0.001  0.1                               0.03   0.003  0.03
-    ekfac                  0.001  0.003  0.03                              0.01   0.003  0.03
-    kbfgs                  0.03   0.01   0.01                              0.03   0.003  0.03
-    sgd                    0.03   0.001  -                                 0.01   0.003  -
+* ``--lr``, ``--weight-decay``, ``--damping``: the appendix's tuned values
+  (``PAPER_DEFAULTS[optimizer][dataset][model]``; Fashion-MNIST: 3C1F, CIFAR-10/100:
+  wrn-28-4, densenet-19, mobilenetv2). Another model on CIFAR takes the wrn-28-4 row
+  (said in ``config.json``'s ``defaults_from``).
+* ``--momentum`` 0.9 for all.
+* ``--fisher``: ``mc`` (one label sampled per example from the model's prediction, on
+  curvature steps only) for TENGraD, K-FAC and EK-FAC, as in the authors' code.
+* ``--curvature-every``: TENGraD's curvature period, 100 (the paper's "frequency of
+  inversion"); K-FAC / EK-FAC / KBFGS take ``PAPER_INTERVALS`` (statistics every 20 steps,
+  inversion every 100) and reject the option.
+* ``--kl-clip``: 0.01 (the authors' code) for every method except SGD; 0 turns it off.
+* ``--lr-schedule`` (in epochs): ``const`` on Fashion-MNIST, ``step:10:0.5`` on CIFAR-10,
+  ``multistep:30,45:0.1`` on CIFAR-100: ``lr(epoch e, 0-based) = lr · FACTOR^(e // EVERY)``
+  resp. ``lr · FACTOR^(#{Ei <= e})``; it is applied at the start of every epoch.
 
-The CIFAR-10 values (tuned on WRN) are used for every CIFAR model and for CIFAR-100.
-``--momentum`` defaults to 0.9 for all. ``--curvature-every`` defaults to 1 for TENGraD
-(curvature from every batch, as in the paper's accuracy runs; pass e.g. 20 to amortize)
-and does not apply to the others (K-FAC / EK-FAC / KBFGS take the registry's
-``PAPER_INTERVALS``: statistics every 20 steps, inversion every 100). ``--lr-schedule``
-(in epochs) defaults to ``const`` on Fashion-MNIST, ``step:10:0.5`` on CIFAR-10,
-``multistep:30,45:0.1`` on CIFAR-100: ``lr(epoch e, 0-based) = lr · FACTOR^(e // EVERY)``
-resp. ``lr · FACTOR^(#{Ei <= e})``; it is applied at the start of every epoch.
+The empirical Fisher with curvature every step and no clip (``--fisher empirical
+--curvature-every 1 --kl-clip 0``) is what ``TENGraD(model, lr, damping)`` does without a
+dataset; on 3C1F / Fashion-MNIST it trains markedly worse (see the README).
 
 Optimizers are built by ``tengrad_fx.optim.registry.make_optimizer`` with every value
-explicit (without the registry: ``torch.optim.SGD`` / ``tengrad_fx.TENGraD``; K-FAC,
-EK-FAC and KBFGS need it). SGD gets the plain model; every other optimizer the model
+explicit. SGD gets the plain model; every other optimizer the model
 prepared by :func:`tengrad_fx.prepare`; if the optimizer has ``mc_capture`` (MC Fisher)
 it is called on the logits before ``loss.backward()``. ``--subset N`` trains on
 ``zoo.subset(train, N)`` (a fixed shuffle, seed 0, so every ``--seed`` sees the same
-samples) and evaluates on ``zoo.subset(test, N)``.
+samples) and evaluates on ``zoo.subset(test, N)`` (``--test-subset M``: on M test
+samples instead, 0 = the whole test set).
 
 Files written to ``--out`` (default ``runs/<model>-<dataset>-<optimizer>-s<seed>``) and the
 log columns are documented in :mod:`tools._loop`, which runs the training loop.
@@ -56,34 +58,16 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from tengrad_fx.optim import registry
 from tools import _loop
 from tools._loop import CHECKPOINT, EVAL_BATCH, evaluate, save_checkpoint  # noqa: F401  (re-exported)
 
-__all__ = ["PAPER_DEFAULTS", "LR_SCHEDULE_DEFAULTS", "OPTIMIZER_NAMES", "build_parser", "lr_factor",
+__all__ = ["LR_SCHEDULE_DEFAULTS", "OPTIMIZER_NAMES", "build_parser", "lr_factor",
            "main", "parse_lr_schedule", "resolve_config", "run"]
 
 OPTIMIZER_NAMES = ("sgd", "tengrad", "kfac", "ekfac", "kbfgs")
 
-# method -> dataset -> {lr, weight_decay, damping}; fallback when the optimizer registry
-# (tengrad_fx.optim.registry.PAPER_DEFAULTS) is not importable or lacks an entry.
-_FMNIST = {
-    "tengrad": dict(lr=0.003, weight_decay=0.001, damping=0.1),
-    "kfac": dict(lr=0.003, weight_decay=0.001, damping=0.1),
-    "ekfac": dict(lr=0.001, weight_decay=0.003, damping=0.03),
-    "kbfgs": dict(lr=0.03, weight_decay=0.01, damping=0.01),
-    "sgd": dict(lr=0.03, weight_decay=0.001, damping=None),
-}
-_CIFAR = {
-    "tengrad": dict(lr=0.03, weight_decay=0.003, damping=0.1),
-    "kfac": dict(lr=0.03, weight_decay=0.003, damping=0.03),
-    "ekfac": dict(lr=0.01, weight_decay=0.003, damping=0.03),
-    "kbfgs": dict(lr=0.03, weight_decay=0.003, damping=0.03),
-    "sgd": dict(lr=0.01, weight_decay=0.003, damping=None),
-}
-PAPER_DEFAULTS: dict[str, dict[str, dict[str, Optional[float]]]] = {
-    m: {"fashion-mnist": _FMNIST[m], "cifar10": _CIFAR[m], "cifar100": _CIFAR[m]} for m in OPTIMIZER_NAMES
-}
-LR_SCHEDULE_DEFAULTS = {"fashion-mnist": "const", "cifar10": "step:10:0.5", "cifar100": "multistep:30,45:0.1"}
+LR_SCHEDULE_DEFAULTS = registry.PAPER_LR_SCHEDULES
 
 _DATASET_ALIASES = {
     "fashion-mnist": "fashion-mnist", "fashionmnist": "fashion-mnist", "fmnist": "fashion-mnist",
@@ -122,22 +106,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="tengrad", choices=OPTIMIZER_NAMES, help="optimizer")
     p.add_argument("--epochs", type=int, default=1, help="total epochs (also when resuming)")
     p.add_argument("--batch-size", type=int, default=128, help="training batch size")
-    p.add_argument("--lr", type=float, default=None, help="default: paper value for (optimizer, dataset)")
+    p.add_argument("--lr", type=float, default=None, help="default: paper value for (optimizer, dataset, model)")
     p.add_argument("--momentum", type=float, default=0.9, help="momentum (all optimizers)")
     p.add_argument("--weight-decay", type=float, default=None, help="default: paper value")
     p.add_argument("--damping", type=float, default=None, help="default: paper value (not used by sgd)")
     p.add_argument("--curvature-every", type=int, default=None,
-                   help="TENGraD curvature period T in steps (default 1); kfac/ekfac/kbfgs use the paper intervals")
+                   help="TENGraD curvature period T in steps (default: the paper's 100); kfac/ekfac/kbfgs use the "
+                        "paper intervals")
     p.add_argument("--fisher", choices=("empirical", "mc"), default=None,
-                   help="Fisher: empirical or Monte-Carlo sampled labels (default: empirical for tengrad)")
+                   help="empirical, or Monte-Carlo: labels sampled from the model (default: mc, the paper's, for "
+                        "tengrad/kfac/ekfac)")
+    p.add_argument("--kl-clip", type=float, default=None,
+                   help="KL clip of the update (default: the paper code's 0.01; 0 = off; not for sgd)")
     p.add_argument("--lr-schedule", default=None,
                    help="const | step:EVERY:FACTOR | multistep:E1,E2,...:FACTOR (epochs); default: const for "
                         "fashion-mnist, step:10:0.5 for cifar10, multistep:30,45:0.1 for cifar100")
     p.add_argument("--seed", type=int, default=0, help="model init, data order, MC sampling")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:1, ...")
     p.add_argument("--compile", action="store_true", help="torch.compile the model's forward")
     p.add_argument("--subset", type=int, default=None, metavar="N",
                    help="train on N samples (zoo.subset, fixed seed 0) and test on N test samples")
+    p.add_argument("--test-subset", type=int, default=None, metavar="M",
+                   help="evaluate on M test samples (0 = the whole test set; default: as --subset)")
     p.add_argument("--max-steps", "--steps-limit", dest="max_steps", type=int, default=None, metavar="N",
                    help="stop after N optimizer steps in total (smoke runs, tests); a checkpoint is written")
     p.add_argument("--out", default=None, help="output directory (default runs/<model>-<dataset>-<optimizer>-s<seed>)")
@@ -200,30 +190,16 @@ def lr_factor(spec: str, epoch: int) -> float:
     return float(factor ** sum(1 for e in milestones if e <= epoch))
 
 
-def _registry() -> Optional[Any]:
-    """The optimizer registry module, or None while it is not importable."""
-    try:
-        from tengrad_fx.optim import registry  # noqa: PLC0415
-    except ImportError:
-        return None
-    return registry if hasattr(registry, "make_optimizer") else None
-
-
-def _paper_defaults(optimizer: str, dataset: str) -> dict[str, Optional[float]]:
-    reg = _registry()
-    table = getattr(reg, "PAPER_DEFAULTS", None) if reg is not None else None
-    entry: Optional[dict[str, Any]] = None
-    if isinstance(table, dict):
-        by_ds = table.get(optimizer)
-        if isinstance(by_ds, dict):
-            for key in (dataset, dataset.replace("cifar", "cifar-"), "cifar10" if dataset == "cifar100" else None):
-                if key is not None and isinstance(by_ds.get(key), dict):
-                    entry = by_ds[key]
-                    break
-    base = dict(PAPER_DEFAULTS[optimizer][dataset])
-    if entry is not None:
-        base.update({k: entry[k] for k in ("lr", "weight_decay", "damping") if k in entry})
-    return base
+def _paper_defaults(optimizer: str, dataset: str, model: str = "3c1f") -> dict[str, Any]:
+    """The paper's settings for (``optimizer``, ``dataset``, ``model``), plus
+    ``defaults_from``: which appendix row they are (a model without a row of its own takes
+    the dataset's first paper model, wrn-28-4 on CIFAR)."""
+    rows = registry.PAPER_MODELS[dataset]
+    row = model.lower() if model.lower() in rows else rows[0]
+    out = registry.paper_settings(optimizer, dataset, row)
+    out["defaults_from"] = f"paper: {optimizer} / {dataset} / {row}" + ("" if row == model.lower() else
+                                                                         f" (no row for {model})")
+    return out
 
 
 def resolve_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -233,26 +209,22 @@ def resolve_config(args: argparse.Namespace) -> dict[str, Any]:
     cfg["model"] = args.model.strip()
     if args.optimizer not in OPTIMIZER_NAMES:
         raise ConfigError(f"unknown optimizer {args.optimizer!r}; valid: {', '.join(OPTIMIZER_NAMES)}")
-    if args.optimizer not in ("sgd", "tengrad") and _registry() is None:
-        raise ConfigError(f"--optimizer {args.optimizer} needs tengrad_fx.optim.registry.make_optimizer, "
-                          "which is not importable in this checkout (sgd and tengrad work without it)")
-    defaults = _paper_defaults(args.optimizer, cfg["dataset"])
-    for key in ("lr", "weight_decay", "damping"):
+    defaults = _paper_defaults(args.optimizer, cfg["dataset"], cfg["model"])
+    cfg["defaults_from"] = defaults["defaults_from"]
+    if cfg["device"] == "auto":
+        cfg["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    not_for = {"sgd": ("damping", "curvature_every", "fisher", "kl_clip"), "kbfgs": ("curvature_every", "fisher"),
+               "kfac": ("curvature_every",), "ekfac": ("curvature_every",), "tengrad": ()}[args.optimizer]
+    for key in not_for:
+        if vars(args)[key] is not None:
+            raise ConfigError(f"--{key.replace('_', '-')} does not apply to --optimizer {args.optimizer}"
+                              + ("" if key != "curvature_every" else "; it uses the paper's statistics/inversion "
+                                 "periods (tengrad_fx.optim.registry.PAPER_INTERVALS)"))
+    for key in ("lr", "weight_decay", "damping", "curvature_every", "fisher", "kl_clip"):
         if cfg[key] is None:
             cfg[key] = defaults.get(key)
-    if args.optimizer == "sgd":
-        for key in ("damping", "curvature_every", "fisher"):
-            if vars(args)[key] is not None:
-                raise ConfigError(f"--{key.replace('_', '-')} does not apply to --optimizer sgd")
-        cfg["damping"] = None
-    if args.optimizer in ("kfac", "ekfac", "kbfgs") and args.curvature_every is not None:
-        raise ConfigError(f"--curvature-every applies to tengrad only; {args.optimizer} uses the paper's "
-                          "statistics/inversion periods (tengrad_fx.optim.registry.PAPER_INTERVALS)")
-    if args.optimizer == "kbfgs" and args.fisher is not None:
-        raise ConfigError("--fisher does not apply to --optimizer kbfgs")
-    if args.optimizer == "tengrad":
-        cfg["curvature_every"] = 1 if args.curvature_every is None else args.curvature_every
-        cfg["fisher"] = "empirical" if args.fisher is None else args.fisher
+    if cfg["kl_clip"] == 0:
+        cfg["kl_clip"] = None
     if cfg["lr_schedule"] is None:
         cfg["lr_schedule"] = LR_SCHEDULE_DEFAULTS[cfg["dataset"]]
     parse_lr_schedule(cfg["lr_schedule"])
@@ -264,9 +236,11 @@ def resolve_config(args: argparse.Namespace) -> dict[str, Any]:
         (cfg["weight_decay"] is not None and cfg["weight_decay"] >= 0,
          f"--weight-decay must be >= 0, got {cfg['weight_decay']}"),
         (cfg["damping"] is None or cfg["damping"] > 0, f"--damping must be > 0, got {cfg['damping']}"),
+        (cfg["kl_clip"] is None or cfg["kl_clip"] > 0, f"--kl-clip must be >= 0, got {cfg['kl_clip']}"),
         (cfg["curvature_every"] is None or cfg["curvature_every"] >= 1,
          f"--curvature-every must be >= 1, got {cfg['curvature_every']}"),
         (args.subset is None or args.subset >= 1, f"--subset must be >= 1, got {args.subset}"),
+        (args.test_subset is None or args.test_subset >= 0, f"--test-subset must be >= 0, got {args.test_subset}"),
         (args.max_steps is None or args.max_steps >= 1, f"--max-steps must be >= 1, got {args.max_steps}"),
         (args.eval_every >= 0, f"--eval-every must be >= 0, got {args.eval_every}"),
         (args.threads >= 0, f"--threads must be >= 0, got {args.threads}"),
@@ -293,41 +267,29 @@ def build_model(name: str, dataset: Any) -> nn.Module:
 
 
 def optimizer_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Keyword arguments of the optimizer: lr, momentum, weight_decay, damping (not SGD),
-    curvature_every / fisher where set, and the registry's ``PAPER_INTERVALS`` (K-FAC,
-    EK-FAC, KBFGS statistics/inversion periods) when it has them."""
+    """Keyword arguments of the optimizer: lr, momentum, weight_decay; damping,
+    curvature_every / fisher / kl_clip where they apply; the K-FAC-family
+    ``PAPER_INTERVALS`` (statistics/inversion periods)."""
     name = cfg["optimizer"]
     kw: dict[str, Any] = dict(lr=cfg["lr"], momentum=cfg["momentum"], weight_decay=cfg["weight_decay"])
     if name != "sgd":
         kw["damping"] = cfg["damping"]
+        kw["kl_clip"] = cfg["kl_clip"]
         for key in ("curvature_every", "fisher"):
             if cfg[key] is not None:
                 kw[key] = cfg[key]
-    reg = _registry()
-    intervals = getattr(reg, "PAPER_INTERVALS", {}) if reg is not None else {}
-    if isinstance(intervals, dict) and isinstance(intervals.get(name), dict):
-        kw = {**intervals[name], **kw}
+    if name != "tengrad":
+        kw = {**registry.PAPER_INTERVALS.get(name, {}), **kw}
     return kw
 
 
 def build_optimizer(cfg: dict[str, Any], model: nn.Module) -> torch.optim.Optimizer:
-    """SGD over the plain model; any other optimizer over the prepared model. Through
-    ``tengrad_fx.optim.registry.make_optimizer`` when importable (every value explicit)."""
-    name = cfg["optimizer"]
-    kw = optimizer_kwargs(cfg)
-    reg = _registry()
+    """SGD over the plain model; any other optimizer over the prepared model, by
+    ``tengrad_fx.optim.registry.make_optimizer`` with every value explicit."""
     try:
-        if reg is not None:
-            return reg.make_optimizer(name, model, **kw)
-        if name == "sgd":
-            return torch.optim.SGD(model.parameters(), **kw)
-        if name == "tengrad":
-            from tengrad_fx import TENGraD  # noqa: PLC0415
-
-            return TENGraD(model, **kw)
+        return registry.make_optimizer(cfg["optimizer"], model, **optimizer_kwargs(cfg))
     except TypeError as exc:  # an option this optimizer does not take
-        raise ConfigError(f"--optimizer {name}: {exc}") from exc
-    raise ConfigError(f"--optimizer {name} needs tengrad_fx.optim.registry (not importable)")
+        raise ConfigError(f"--optimizer {cfg['optimizer']}: {exc}") from exc
 
 
 # --------------------------------------------------------------------------- the run

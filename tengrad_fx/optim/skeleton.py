@@ -117,6 +117,7 @@ class StepSkeleton(torch.optim.Optimizer):
         self.timings: dict[str, float] = {}
         self._frozen = FrozenWatch(model, type(self).__name__)
         self._reduction_checked = False
+        self._kl_clipped: Optional[Tensor] = None  # device count of steps with KL-clip factor ν < 1
 
     # ------------------------------------------------------------------ subclass hooks
     def _needs_capture(self, step: int) -> bool:
@@ -151,6 +152,12 @@ class StepSkeleton(torch.optim.Optimizer):
         self._sync_counters()
         st = self.state[self.NAME]
         return {"step": st["step"], "skipped": st["skipped"], "uncaptured": st.get("uncaptured", 0)}
+
+    @property
+    def kl_clipped_steps(self) -> int:
+        """Steps (since construction) whose update the KL clip scaled down, ``ν < 1``
+        (reading it waits for the device once)."""
+        return 0 if self._kl_clipped is None else int(self._kl_clipped)
 
     def _sync_counters(self) -> None:
         if self._dev_counts is None:
@@ -236,8 +243,8 @@ class StepSkeleton(torch.optim.Optimizer):
         k = self._sched
         stats_step = self._needs_capture(k)
         mc_step, self._mc_done = self._mc_done, False
-        if stats_step and self.fisher == "mc" and not mc_step:
-            raise RuntimeError(f"{type(self).__name__}(fisher='mc'): call opt.mc_capture(outputs) "
+        if stats_step and self.fisher != "empirical" and not mc_step:
+            raise RuntimeError(f"{type(self).__name__}(fisher={self.fisher!r}): call opt.mc_capture(outputs) "
                                "before loss.backward() on statistics/curvature steps")
         grads = [p.grad for p in group["params"] if p.grad is not None]
         if not grads:  # nothing to do, like torch's own optimizers
@@ -259,6 +266,9 @@ class StepSkeleton(torch.optim.Optimizer):
         if not self.SYNC_FREE and not bool(ok):
             return self._skip("non-finite preconditioned update", loss)
         nu = kl_clip_factor(updates, lr, self.kl_clip)
+        if nu is not None:  # counted on the device (no sync); read by kl_clipped_steps
+            clipped = ((nu < 1.0) & ok).to(torch.int64)
+            self._kl_clipped = clipped if self._kl_clipped is None else self._kl_clipped + clipped
         read = apply_momentum_step(self.state, group["params"], updates, lr, momentum, wd, nu,
                                    ok if self.SYNC_FREE else None)
         if read is False:  # the warm-up host read found a skip

@@ -33,6 +33,7 @@ from torch import Tensor
 from ..capture.info import get_info
 from ..capture.prepare import capturing
 from .checks import check_choice, check_interval, check_nonneg, check_positive, check_unit
+from .gauss_newton import gauss_newton_capture
 from .mc import mc_capture
 from .resume import restore_curvature, save_curvature
 from .state_check import check_materialization, materialization_meta
@@ -120,8 +121,11 @@ class TENGraD(StepSkeleton):
         curvature_every: ``T >= 1``; on other steps the stored ``I, G`` (or materialized
             ``J``) of the last curvature step are reused and capture is switched off,
             so those forwards cost what SGD's cost.
-        fisher: ``"empirical"`` (G from the training loss) or ``"mc"`` (labels sampled
-            from the model's prediction by :meth:`mc_capture`; needs ``mc_loss``).
+        fisher: ``"empirical"`` (G from the training loss), ``"mc"`` (labels sampled
+            from the model's prediction by :meth:`mc_capture`; needs ``mc_loss``) or
+            ``"gauss-newton"`` (exact GGN of ``½‖out − y‖²``, for regression with at most
+            16 outputs: :meth:`mc_capture` runs one backward per output; see
+            :mod:`tengrad_fx.optim.gauss_newton`).
         mc_loss: ``"cross_entropy"`` (categorical sampling) or ``"mse"`` (Gaussian, unit
             variance; MC loss ``½‖out − ŷ‖²`` summed over outputs, mean over the batch).
         kl_clip: optional KL clipping threshold.
@@ -149,7 +153,7 @@ class TENGraD(StepSkeleton):
         momentum: float = 0.9,
         weight_decay: float = 0.0,
         curvature_every: int = 1,
-        fisher: Literal["empirical", "mc"] = "empirical",
+        fisher: Literal["empirical", "mc", "gauss-newton"] = "empirical",
         mc_loss: Literal["cross_entropy", "mse"] = "cross_entropy",
         kl_clip: Optional[float] = None,
         update_form: Literal["auto", "woodbury"] = "auto",
@@ -164,7 +168,7 @@ class TENGraD(StepSkeleton):
         check_unit("momentum", momentum)
         check_nonneg("weight_decay", weight_decay)
         check_interval("curvature_every", curvature_every)
-        check_choice("fisher", fisher, ("empirical", "mc"))
+        check_choice("fisher", fisher, ("empirical", "mc", "gauss-newton"))
         check_choice("mc_loss", mc_loss, ("cross_entropy", "mse"))
         if kl_clip is not None:
             check_positive("kl_clip", kl_clip)
@@ -245,11 +249,16 @@ class TENGraD(StepSkeleton):
 
     def mc_capture(self, outputs: Tensor) -> None:
         """MC Fisher: before ``loss.backward()``, sample labels from ``outputs`` and run one
-        backward that records ``G`` only (no parameter gradients). No-op for the empirical
-        Fisher or on steps that reuse curvature."""
-        if self.fisher != "mc" or not self._is_curvature_step():
+        backward that records ``G`` only (no parameter gradients); ``fisher="gauss-newton"``:
+        one such backward per output (exact GGN). No-op for the empirical Fisher or on
+        steps that reuse curvature."""
+        if self.fisher == "empirical" or not self._is_curvature_step():
             return
-        mc_capture(self._info.store, outputs, self.mc_loss, [layer.weight for layer in self._layers if layer.weight.requires_grad])
+        weights = [layer.weight for layer in self._layers if layer.weight.requires_grad]
+        if self.fisher == "gauss-newton":
+            gauss_newton_capture(self._info.store, outputs, weights, self._info.loss_reduction)
+        else:
+            mc_capture(self._info.store, outputs, self.mc_loss, weights)
         self._mc_done = True
 
     # ------------------------------------------------------------------ curvature

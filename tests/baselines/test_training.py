@@ -32,9 +32,7 @@ def small_cnn() -> nn.Module:
 def test_trains_small_cnn_on_fashion_mnist(name):
     X, Y = need_fmnist()
     model = tengrad_fx.prepare(small_cnn(), example_inputs=(X[:2],))
-    hp = dict(PAPER_DEFAULTS.get(name, PAPER_DEFAULTS["tengrad"])["fashion-mnist"], momentum=0.9)
-    if name == "ngd":  # no paper row: TENGraD's (same update)
-        hp.update(PAPER_DEFAULTS["tengrad"]["fashion-mnist"])
+    hp = dict(PAPER_DEFAULTS.get(name, PAPER_DEFAULTS["tengrad"])["fashion-mnist"]["3c1f"], momentum=0.9)
     hp.update(FAST.get(name, {}))
     opt = make_optimizer(name, model, **hp)
     Xe, Ye = X[:256], Y[:256]

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tengrad_fx
-from tengrad_fx import TENGraD, capturing
+from tengrad_fx import TENGraD
 from testing import explicit_jacobian, per_sample_grads_reference
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -495,9 +495,8 @@ def test_theorem1_linear_convergence_overparameterized_relu() -> None:
 
     Theorem 1 (as Zhang et al. 2019 for NGD) is about the Fisher of the Gaussian model,
     i.e. the Gauss-Newton matrix ``F = J_fᵀJ_f/n`` (``J_f``: Jacobian of the outputs),
-    not the empirical Fisher of the loss gradients. It is computed here by the library
-    itself: capture on ``mean(f)`` (per-sample gradients ``∇f_i``), then the real loss
-    backward with capture off, and ``update_form="woodbury"`` (g is not ``Jᵀ1/m``).
+    not the empirical Fisher of the loss gradients: ``fisher="gauss-newton"`` through the
+    public API (``opt.mc_capture(out)`` before the loss backward).
     With the loss ``½·mean(r²)`` and two blocks, each block's exact update moves the
     outputs by ``−η·r`` (invertible block Grams), so ``η = 1/4`` contracts the residual by
     ``1 − 2η = ½`` per step. The default (empirical-Fisher) run is printed for reference.
@@ -514,20 +513,14 @@ def test_theorem1_linear_convergence_overparameterized_relu() -> None:
 
     def tengrad(lr: float, fisher: str) -> list[float]:
         model = tengrad_fx.prepare(copy.deepcopy(base), example_inputs=(X[:2],))
-        opt = TENGraD(model, lr=lr, damping=damping, momentum=0.0,
-                      update_form="woodbury" if fisher == "gn" else "auto")
+        opt = TENGraD(model, lr=lr, damping=damping, momentum=0.0, fisher=fisher)
         losses = []
         for _ in range(steps):
             opt.zero_grad()
-            if fisher == "gn":
-                model(X).mean().backward()  # capture: J rows = ∇f_i
-                opt.zero_grad()
-                with capturing(model, False):
-                    loss = loss_fn(model(X), Y)
-                    loss.backward()
-            else:
-                loss = loss_fn(model(X), Y)
-                loss.backward()
+            out = model(X)
+            loss = loss_fn(out, Y)
+            opt.mc_capture(out)  # gauss-newton: J rows = ∇f_i; a no-op for the empirical Fisher
+            loss.backward()
             losses.append(loss.item())
             opt.step()
         with torch.no_grad():
@@ -551,7 +544,7 @@ def test_theorem1_linear_convergence_overparameterized_relu() -> None:
     def decades(L: list[float]) -> float:
         return math.log10(L[0] / L[-1]) if 0 < L[-1] < math.inf else -math.inf
 
-    ten = tengrad(0.25, "gn")
+    ten = tengrad(0.25, "gauss-newton")
     emp = tengrad(0.25, "empirical")
     gds = {lr: gd(lr) for lr in (0.01, 0.03, 0.1, 0.3, 1.0)}
     best_lr = max(gds, key=lambda lr: decades(gds[lr]))

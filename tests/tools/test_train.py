@@ -28,7 +28,7 @@ STEP_KEYS = {"step", "epoch", "loss", "acc", "lr", "train_time", "skipped"}
 EPOCH_KEYS = {"epoch", "step", "train_loss", "train_acc", "test_loss", "test_acc", "lr", "train_time", "eval_time"}
 SUMMARY_KEYS = {"test_acc", "test_loss", "train_loss", "train_acc", "train_time", "eval_time", "epochs", "steps",
                 "samples_per_s", "optimizer", "model", "dataset", "skipped_steps", "skipped_nonfinite_loss",
-                "skipped_by_optimizer", "stopped_by_max_steps", "resumed_at_steps", "out", "torch", "device_name",
+                "skipped_by_optimizer", "kl_clipped_steps", "stopped_by_max_steps", "resumed_at_steps", "out", "torch", "device_name",
                 "threads"}
 
 
@@ -63,10 +63,6 @@ def _params(out: Path) -> dict[str, torch.Tensor]:
     return torch.load(out / T.CHECKPOINT, map_location="cpu", weights_only=False)["model"]
 
 
-def _registry_available() -> bool:
-    return T._registry() is not None
-
-
 def _tiny_cnn(name: str, dataset: Any) -> nn.Module:
     return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(4), nn.Flatten(),
                          nn.Linear(8 * 7 * 7, 32), nn.ReLU(), nn.Linear(32, 10))
@@ -84,8 +80,6 @@ def tiny(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("optimizer", ["sgd", "tengrad", *REGISTRY_OPTIMIZERS])
 def test_two_steps(optimizer: str, data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if optimizer in REGISTRY_OPTIMIZERS:
-        if not _registry_available():
-            pytest.skip(f"{optimizer} needs tengrad_fx.optim.registry.make_optimizer, not importable yet")
         monkeypatch.setattr(T, "build_model", _tiny_cnn)
     out = tmp_path / optimizer
     summary = _run(out, data_dir, "--optimizer", optimizer, "--epochs", "2", "--max-steps", "2")
@@ -96,7 +90,7 @@ def test_two_steps(optimizer: str, data_dir: Path, tmp_path: Path, monkeypatch: 
     assert [s["step"] for s in steps] == [1, 2]
     assert all(np.isfinite(s["loss"]) for s in steps)
     cfg = json.loads((out / "config.json").read_text())
-    defaults = T._paper_defaults(optimizer, "fashion-mnist")
+    defaults = T._paper_defaults(optimizer, "fashion-mnist", "3c1f")
     assert cfg["lr"] == defaults["lr"] and cfg["weight_decay"] == defaults["weight_decay"]
     assert steps[0]["lr"] == defaults["lr"]
     if optimizer == "sgd":
@@ -108,8 +102,6 @@ def test_two_steps(optimizer: str, data_dir: Path, tmp_path: Path, monkeypatch: 
 
 @pytest.mark.parametrize("optimizer", ["tengrad", "kfac", "ekfac"])
 def test_mc_fisher(optimizer: str, data_dir: Path, tmp_path: Path, tiny: None) -> None:
-    if optimizer != "tengrad" and not _registry_available():
-        pytest.skip(f"{optimizer} needs tengrad_fx.optim.registry.make_optimizer, not importable yet")
     out = tmp_path / optimizer
     summary = _run(out, data_dir, "--optimizer", optimizer, "--fisher", "mc", "--max-steps", "2", "--epochs", "2")
     assert summary["steps"] == 2 and summary["skipped_steps"] == 0 and np.isfinite(summary["test_loss"])
@@ -151,14 +143,24 @@ def test_logs_have_documented_columns(data_dir: Path, tmp_path: Path, tiny: None
 
 
 def test_tengrad_defaults_resolved(data_dir: Path) -> None:
+    """The paper's TENGraD: tuned values, MC Fisher, curvature every 100 steps, KL clip 0.01."""
     args = T.build_parser().parse_args([])
     cfg = T.resolve_config(args)
     assert (cfg["lr"], cfg["weight_decay"], cfg["damping"]) == (0.003, 0.001, 0.1)
-    assert cfg["curvature_every"] == 1 and cfg["fisher"] == "empirical" and cfg["lr_schedule"] == "const"
+    assert (cfg["curvature_every"], cfg["fisher"], cfg["kl_clip"], cfg["lr_schedule"]) == (100, "mc", 0.01, "const")
     assert cfg["out"] == str(Path("runs") / "3c1f-fashion-mnist-tengrad-s0")
+    assert cfg["device"] in ("cpu", "cuda")
     cfg = T.resolve_config(T.build_parser().parse_args(["--dataset", "CIFAR-100", "--optimizer", "sgd"]))
-    assert (cfg["lr"], cfg["weight_decay"], cfg["damping"]) == (0.01, 0.003, None)
+    assert (cfg["lr"], cfg["weight_decay"], cfg["damping"], cfg["kl_clip"]) == (0.01, 0.003, None, None)
     assert cfg["lr_schedule"] == "multistep:30,45:0.1"
+    # the model picks the appendix row; a model without one takes wrn-28-4's, and says so
+    cfg = T.resolve_config(T.build_parser().parse_args(["--dataset", "cifar10", "--model", "densenet-19"]))
+    assert (cfg["lr"], cfg["weight_decay"], cfg["damping"]) == (0.1, 0.003, 0.2)
+    cfg = T.resolve_config(T.build_parser().parse_args(["--dataset", "cifar100", "--model", "timm:resnet18"]))
+    assert (cfg["lr"], cfg["damping"]) == (0.01, 0.3) and "no row for timm:resnet18" in cfg["defaults_from"]
+    cfg = T.resolve_config(T.build_parser().parse_args(["--optimizer", "kfac", "--kl-clip", "0"]))
+    assert cfg["kl_clip"] is None and cfg["fisher"] == "mc"
+    assert T.optimizer_kwargs(cfg)["TCov"] == 20
 
 
 def test_lr_schedules() -> None:
@@ -180,12 +182,14 @@ def test_resume_is_bit_identical(optimizer: str, data_dir: Path, tmp_path: Path,
     if optimizer == "sgd":
         monkeypatch.setattr(T, "build_model", _tiny_cnn)
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    _run(straight, data_dir, "--optimizer", optimizer, "--epochs", "2")
-    _run(resumed, data_dir, "--optimizer", optimizer, "--epochs", "1")
+    # curvature every step (bit-identical resume; with T > 1 the first step after loading recomputes it)
+    opt = ["--optimizer", optimizer, *(["--curvature-every", "1"] if optimizer == "tengrad" else [])]
+    _run(straight, data_dir, *opt, "--epochs", "2")
+    _run(resumed, data_dir, *opt, "--epochs", "1")
     if optimizer == "tengrad":  # also stop and resume inside an epoch
-        s = _run(resumed, data_dir, "--optimizer", optimizer, "--epochs", "2", "--max-steps", "3", "--resume")
+        s = _run(resumed, data_dir, *opt, "--epochs", "2", "--max-steps", "3", "--resume")
         assert s["steps"] == 3 and s["stopped_by_max_steps"] and s["epochs"] == 1.5
-    summary = _run(resumed, data_dir, "--optimizer", optimizer, "--epochs", "2", "--resume")
+    summary = _run(resumed, data_dir, *opt, "--epochs", "2", "--resume")
     a, b = _params(straight), _params(resumed)
     assert a.keys() == b.keys()
     for k in a:
@@ -251,10 +255,15 @@ def test_bad_arguments_exit_cleanly(argv: list[str], message: str, data_dir: Pat
     assert not (tmp_path / "bad").exists()  # nothing written for a run that never started
 
 
-def test_registry_optimizer_without_registry_is_a_clean_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(T, "_registry", lambda: None)
-    with pytest.raises(T.ConfigError, match="registry"):
-        T.resolve_config(T.build_parser().parse_args(["--optimizer", "kfac"]))
+@pytest.mark.parametrize("argv, message", [
+    (["--optimizer", "kfac", "--curvature-every", "5"], "PAPER_INTERVALS"),
+    (["--optimizer", "kbfgs", "--fisher", "mc"], "--fisher does not apply"),
+    (["--optimizer", "sgd", "--kl-clip", "0.1"], "--kl-clip does not apply"),
+    (["--kl-clip", "-1"], "--kl-clip must be >= 0"),
+])
+def test_options_that_do_not_apply(argv: list[str], message: str) -> None:
+    with pytest.raises(T.ConfigError, match=message):
+        T.resolve_config(T.build_parser().parse_args(argv))
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "tengrad"])
@@ -287,3 +296,18 @@ def test_no_temp_files_and_rerun_overwrites(data_dir: Path, tmp_path: Path, tiny
     assert [s["step"] for s in _jsonl(out / "steps.jsonl")] == [1]
     assert not any(p.name.endswith(".tmp") for p in out.iterdir())
     assert os.path.getsize(out / T.CHECKPOINT) > 0
+
+
+def test_paper_tengrad_runs_mc_and_clips(data_dir: Path, tmp_path: Path, tiny: None) -> None:
+    """No options: the paper's TENGraD, MC Fisher through ``opt.mc_capture`` in the loop (a
+    missing call raises in ``step``) and the KL clip applied (counted by the optimizer).
+    A large lr makes ``lr²·Σu·g`` exceed 0.01 on this tiny problem; ``--kl-clip 0`` turns it off."""
+    out = tmp_path / "paper"
+    summary = _run(out, data_dir, "--epochs", "2", "--max-steps", "3", "--lr", "0.5")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["fisher"] == "mc" and cfg["optimizer_kwargs"]["fisher"] == "mc"
+    assert cfg["kl_clip"] == 0.01 and cfg["optimizer_kwargs"]["curvature_every"] == 100
+    assert summary["skipped_steps"] == 0 and summary["kl_clipped_steps"] == 3
+    off = _run(tmp_path / "off", data_dir, "--epochs", "2", "--max-steps", "3", "--lr", "0.5", "--kl-clip", "0")
+    assert off["kl_clipped_steps"] == 0
+    assert json.loads((tmp_path / "off" / "config.json").read_text())["optimizer_kwargs"]["kl_clip"] is None
