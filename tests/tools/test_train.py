@@ -8,7 +8,6 @@ inversion of 3C1F's 10369×10369 input factor alone takes minutes on 2 CPU cores
 """
 from __future__ import annotations
 
-import gzip
 import json
 import os
 from pathlib import Path
@@ -17,10 +16,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 import zoo
 from tools import train as T
+
+from testing.tiny_data import tiny_cnn as _tiny_cnn
 
 REGISTRY_OPTIMIZERS = ("kfac", "ekfac", "kbfgs")
 
@@ -30,23 +30,6 @@ SUMMARY_KEYS = {"test_acc", "test_loss", "train_loss", "train_acc", "train_time"
                 "samples_per_s", "optimizer", "model", "dataset", "skipped_steps", "skipped_nonfinite_loss",
                 "skipped_by_optimizer", "kl_clipped_steps", "stopped_by_max_steps", "resumed_at_steps", "out", "torch", "device_name",
                 "threads"}
-
-
-def _write_idx(path: Path, arr: np.ndarray) -> None:
-    header = bytes([0, 0, 0x08, arr.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in arr.shape)
-    with gzip.open(path, "wb") as f:
-        f.write(header + arr.astype(np.uint8).tobytes())
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """64 training and 32 test images of random Fashion-MNIST-shaped data."""
-    d = tmp_path_factory.mktemp("fmnist")
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 64), ("t10k", 32)):
-        _write_idx(d / f"{split}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28)))
-        _write_idx(d / f"{split}-labels-idx1-ubyte.gz", rng.integers(0, 10, n))
-    return d
 
 
 def _run(out: Path, data_dir: Path, *extra: str, plot: bool = False) -> dict[str, Any]:
@@ -63,9 +46,6 @@ def _params(out: Path) -> dict[str, torch.Tensor]:
     return torch.load(out / T.CHECKPOINT, map_location="cpu", weights_only=False)["model"]
 
 
-def _tiny_cnn(name: str, dataset: Any) -> nn.Module:
-    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(4), nn.Flatten(),
-                         nn.Linear(8 * 7 * 7, 32), nn.ReLU(), nn.Linear(32, 10))
 
 
 @pytest.fixture
