@@ -113,12 +113,20 @@ class TENGraD(StepSkeleton):
     (:func:`tengrad_fx.solve.damped_cholesky_ex`), and the push-through/Woodbury choice
     is made on the device.
 
+    Library defaults (no dataset named): the paper's curvature period ``T = 100`` and KL
+    clip 0.01, with the empirical Fisher, which needs no change to an SGD loop. Chosen from
+    measurements on 3C1F / Fashion-MNIST (README, "Which settings are the paper's"): the
+    empirical Fisher at ``T = 1`` without a clip trains markedly worse (90.1 % vs 93.1 % in
+    10 epochs); the paper's MC Fisher adds 0.2 % there (``fisher="mc"`` and one
+    ``opt.mc_capture(out)`` line). For exact per-step updates pass ``curvature_every=1,
+    kl_clip=None``.
+
     Args:
         model: the prepared model (its parameters form the single param group).
         lr: learning rate (``>= 0``).
         damping: ``α > 0`` (a float, or in ``param_groups[0]["damping"]`` for schedules).
         momentum, weight_decay: as in the paper's experiments (all methods).
-        curvature_every: ``T >= 1``; on other steps the stored ``I, G`` (or materialized
+        curvature_every: ``T >= 1`` (default 100, the paper's); on other steps the stored ``I, G`` (or materialized
             ``J``) of the last curvature step are reused and capture is switched off,
             so those forwards cost what SGD's cost.
         fisher: ``"empirical"`` (G from the training loss), ``"mc"`` (labels sampled
@@ -128,7 +136,7 @@ class TENGraD(StepSkeleton):
             :mod:`tengrad_fx.optim.gauss_newton`).
         mc_loss: ``"cross_entropy"`` (categorical sampling) or ``"mse"`` (Gaussian, unit
             variance; MC loss ``½‖out − ŷ‖²`` summed over outputs, mean over the batch).
-        kl_clip: optional KL clipping threshold.
+        kl_clip: KL clipping threshold (``None``: off).
         update_form: ``"auto"`` (push-through on empirical curvature steps, Woodbury
             otherwise), ``"woodbury"`` (always the general form).
         solve_dtype: dtype of the m×m Cholesky (default: the parameters'); e.g. float64.
@@ -152,10 +160,10 @@ class TENGraD(StepSkeleton):
         damping: float,
         momentum: float = 0.9,
         weight_decay: float = 0.0,
-        curvature_every: int = 1,
+        curvature_every: int = 100,
         fisher: Literal["empirical", "mc", "gauss-newton"] = "empirical",
         mc_loss: Literal["cross_entropy", "mse"] = "cross_entropy",
-        kl_clip: Optional[float] = None,
+        kl_clip: Optional[float] = 0.01,
         update_form: Literal["auto", "woodbury"] = "auto",
         solve_dtype: Optional[torch.dtype] = None,
         jacobian_budget_mb: float = 1024.0,

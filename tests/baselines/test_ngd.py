@@ -51,7 +51,7 @@ def test_tengrad_step_equals_ngd_step(m):
     for cls in (NGD, TENGraD):
         net = cnn()
         _, model = prepared(net, x)
-        opt = cls(model, lr=1.0, damping=ALPHA, momentum=0.0, weight_decay=0.0)
+        opt = cls(model, lr=1.0, damping=ALPHA, momentum=0.0, weight_decay=0.0, curvature_every=1, kl_clip=None)
         model.zero_grad()
         F.cross_entropy(model(x), y).backward()
         deltas.append(step_delta(model, opt))

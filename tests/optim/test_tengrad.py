@@ -67,7 +67,7 @@ def setup(kind: str, **opt_kw) -> tuple[nn.Module, nn.Module, TENGraD]:
     template = copy.deepcopy(net)
     x, _ = batch(kind, 2, 99)
     model = tengrad_fx.prepare(net, example_inputs=(x,))
-    kw = dict(lr=1.0, damping=0.05, momentum=0.0, weight_decay=0.0)
+    kw = dict(lr=1.0, damping=0.05, momentum=0.0, weight_decay=0.0, curvature_every=1, kl_clip=None)
     kw.update(opt_kw)
     return template, model, TENGraD(model, **kw)
 
@@ -260,7 +260,7 @@ def test_fallback_parameters_get_plain_gradient() -> None:
     template = copy.deepcopy(net)
     x, y = batch("mlp", 8, 3)
     model = tengrad_fx.prepare(net, example_inputs=(x[:2],))
-    opt = TENGraD(model, lr=1.0, damping=0.1, momentum=0.0)
+    opt = TENGraD(model, lr=1.0, damping=0.1, momentum=0.0, curvature_every=1, kl_clip=None)
     ref_model = snapshot(template, model)
     forward_backward(model, opt, x, y)
     g = full_grad(ref_model, x, y, F.cross_entropy)
@@ -275,7 +275,7 @@ def test_fallback_parameters_get_plain_gradient() -> None:
 def test_solve_dtype_float64_for_float32_model() -> None:
     template, model, _ = setup("mlp")
     model.float()
-    opt = TENGraD(model, lr=1.0, damping=0.05, momentum=0.0, solve_dtype=torch.float64)
+    opt = TENGraD(model, lr=1.0, damping=0.05, momentum=0.0, solve_dtype=torch.float64, curvature_every=1, kl_clip=None)
     x, y = batch("mlp", 8, 4)
     ref_model = snapshot(template, model).double()
     forward_backward(model, opt, x.float(), y)
@@ -393,7 +393,7 @@ def _train(model: nn.Module, opt: TENGraD, batches) -> None:
 
 
 def test_state_dict_round_trip_mid_training() -> None:
-    kw = dict(lr=0.1, damping=0.1, momentum=0.9, weight_decay=1e-3)
+    kw = dict(lr=0.1, damping=0.1, momentum=0.9, weight_decay=1e-3, curvature_every=1, kl_clip=None)
     batches = [batch("cnn", 8, 40 + t) for t in range(4)]
     net = cnn()
     pristine = copy.deepcopy(net)
@@ -513,7 +513,7 @@ def test_theorem1_linear_convergence_overparameterized_relu() -> None:
 
     def tengrad(lr: float, fisher: str) -> list[float]:
         model = tengrad_fx.prepare(copy.deepcopy(base), example_inputs=(X[:2],))
-        opt = TENGraD(model, lr=lr, damping=damping, momentum=0.0, fisher=fisher)
+        opt = TENGraD(model, lr=lr, damping=damping, momentum=0.0, fisher=fisher, curvature_every=1, kl_clip=None)
         losses = []
         for _ in range(steps):
             opt.zero_grad()
@@ -603,7 +603,7 @@ def test_short_fashion_mnist_run() -> None:
         model = net()
         if name == "tengrad":
             model = tengrad_fx.prepare(model, example_inputs=(x[:2],))
-            opt: torch.optim.Optimizer = TENGraD(model, lr=0.01, damping=0.1, weight_decay=1e-3)
+            opt: torch.optim.Optimizer = TENGraD(model, lr=0.01, damping=0.1, weight_decay=1e-3, curvature_every=1, kl_clip=None)
         else:
             opt = torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9, weight_decay=1e-3)
         g = torch.Generator().manual_seed(1)
