@@ -36,7 +36,7 @@ def _batches(n: int, m: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _setup(**kw):
     x0 = _batches(1)[0][0]
     model = tengrad_fx.prepare(_model(), example_inputs=(x0[:2],))
-    args = dict(lr=0.05, damping=0.1, momentum=0.9, weight_decay=1e-3, kl_clip=1e-3)
+    args = dict(lr=0.05, damping=0.1, momentum=0.9, weight_decay=1e-3, kl_clip=1e-3, curvature_every=1)
     args.update(kw)
     fused = args.pop("fused", False)
     opt = TENGraD(model, **args, compile=fused)

@@ -65,7 +65,7 @@ def test_unet_is_fully_covered() -> None:
 def test_first_step_is_dense_natural_gradient(strategy: str) -> None:
     x, y = _data(6, seed=1)
     template, model = _model(x)
-    opt = TENGraD(model, lr=1.0, damping=ALPHA, momentum=0.0, strategy=strategy)
+    opt = TENGraD(model, lr=1.0, damping=ALPHA, momentum=0.0, strategy=strategy, curvature_every=1, kl_clip=None)
     F.cross_entropy(model(x), y).backward()
     g = {n: p.grad.clone() for n, p in model.named_parameters()}
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -88,7 +88,7 @@ def test_training_steps_equal_block_ngd(strategy: str) -> None:
     for cls in (NGD, TENGraD):
         _, model = _model(x)
         kw = dict(strategy=strategy) if cls is TENGraD else {}
-        opt = cls(model, lr=0.3, damping=ALPHA, momentum=0.9, weight_decay=1e-3, **kw)
+        opt = cls(model, lr=0.3, damping=ALPHA, momentum=0.9, weight_decay=1e-3, curvature_every=1, kl_clip=None, **kw)
         run = []
         for step in range(4):
             xb, yb = _data(5, seed=10 + step)
