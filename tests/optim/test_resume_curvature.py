@@ -87,7 +87,7 @@ def test_resume_at_every_step_is_bit_identical(name: str) -> None:
 
 def test_no_curvature_for_t1_and_size_bound() -> None:
     net, data = _net(), _batches()
-    model, opt = _setup(net)
+    model, opt = _setup(net, curvature_every=1)
     _step(model, opt, *data[0])
     assert "curvature" not in opt.state_dict()
     model, opt = _setup(net, curvature_every=5)
