@@ -263,7 +263,8 @@ def check_step(case: dict[str, Any]) -> dict[str, int]:
         psg = per_sample_grads_reference(ref, x, F.cross_entropy, y)
         prepared = tengrad_fx.prepare(model, example_inputs=(x[:2],), loss_reduction=case["reduction"])
         opt = tengrad_fx.TENGraD(prepared, lr=1.0, damping=alpha, momentum=0.0, weight_decay=0.0,
-                                 update_form=case["update_form"], strategy=case["strategy"])
+                                 update_form=case["update_form"], strategy=case["strategy"],
+                                 curvature_every=1, kl_clip=None)
         prepared.zero_grad()
         F.cross_entropy(prepared(x), y, reduction=case["reduction"]).backward()
         g = {n: p.grad.detach().clone() for n, p in prepared.named_parameters()}
