@@ -117,7 +117,8 @@ def report(model: nn.Module, m: int = 128) -> Report:
                 for shp in spec.input_shapes:
                     g, s, f, o = kern.dims(spec, shp)
                     S += s
-                detail += f" S={S} auto->{choose_strategy(m, g, S, f, o)}@m={m}"
+                how = choose_strategy(m, g, S, f, o) if getattr(kern, "MATERIALIZE", True) else "index matching"
+                detail += f" S={S} auto->{how}@m={m}"
             rows.append((pname, "covered", detail))
         else:
             rows.append((pname, "fallback", info.fallback.get(pname, "not covered")))

@@ -5,6 +5,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.func import functional_call, grad, jacrev, vmap
@@ -78,3 +79,22 @@ def dense_layer_updates(model: nn.Module, x: Tensor, y: Tensor, loss_fn: Callabl
             out[k] = u[off: off + grads[k].numel()].view_as(grads[k])
             off += grads[k].numel()
     return out
+
+
+def check_tengrad_step(model: nn.Module, opt: torch.optim.Optimizer, orig: nn.Module, x: Tensor, y: Tensor,
+                       damping: float, tol: float = 1e-8) -> None:
+    """One ``opt.step()`` (``lr=1``, no momentum) on the prepared ``model`` after a
+    cross-entropy backward equals ``-u`` of :func:`dense_layer_updates` on ``orig`` for
+    EVERY parameter (all of them must be covered)."""
+    from tengrad_fx import get_info  # testing helpers may import the package
+
+    F.cross_entropy(model(x), y).backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.step()
+    ref = dense_layer_updates(orig, x, y, F.cross_entropy, grads, damping, get_info(model).covered)
+    assert set(ref) == set(before), set(before) - set(ref)
+    for n, p in model.named_parameters():
+        d = before[n] - p.detach()
+        err = ((d - ref[n]).norm() / ref[n].norm().clamp_min(1e-300)).item()
+        assert err <= tol, f"{n}: rel err {err:.2e}"

@@ -14,13 +14,15 @@ from typing import Any, Literal, Optional
 
 import torch.nn as nn
 
+from .embedding import match_embedding
 from .norm import match_norm
 
 __all__ = ["LayerSpec", "match_module", "conv_call_args"]
 
 Kind = Literal["linear", "conv1d", "conv2d", "conv3d",
                "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-               "batchnorm", "layernorm", "groupnorm", "rmsnorm", "layernorm2d", "rmsnorm2d", "param"]
+               "batchnorm", "layernorm", "groupnorm", "rmsnorm", "layernorm2d", "rmsnorm2d", "param",
+               "embedding"]
 
 _BASES: dict[type, Kind] = {
     nn.Linear: "linear",
@@ -110,7 +112,10 @@ def match_module(mod: nn.Module) -> tuple[Optional[Kind], str]:
             if not isinstance(mod.weight, nn.Parameter):
                 return None, "weight is not a Parameter"
             return kind, ""
-    return match_norm(mod)  # type: ignore[return-value]
+    kind, why = match_norm(mod)
+    if kind is not None or why:
+        return kind, why  # type: ignore[return-value]
+    return match_embedding(mod)  # type: ignore[return-value]
 
 
 def conv_call_args(mod: nn.Module) -> dict[str, Any]:

@@ -8,14 +8,15 @@
 * ``tengrad_fx::affine`` — ``γ ⊙ x̂ + β`` for norms whose module computes ``x̂`` by
   composite ops (RMSNorm): the module's own arithmetic, split at the affine.
 
-Every backward op recomputes ``x̂`` from the saved statistics and, through
-:func:`_finish`, hands the store either ``(x̂, G)`` or the per-sample gradients
-``P = [Σ_s G_i[s] ⊙ x̂_i[s]]_i`` and ``Gsum = [Σ_s G_i[s]]_i`` (``[m, C]``); the weight
-and bias gradients are their sums over the batch.
+Every backward op computes, from the saved statistics, the per-sample gradients
+``P = [Σ_s G_i[s] ⊙ x̂_i[s]]_i`` and ``Gsum = [Σ_s G_i[s]]_i`` (``[m, C]``; for BatchNorm and
+GroupNorm as ``rstd ⊙ (Σ_s G x − mean ⊙ Gsum)``, one batched dot product, no ``x̂``) and,
+through :func:`_record`, hands the store either those or ``(x̂, G)``; the weight and bias
+gradients are their sums over the batch.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -36,19 +37,42 @@ def per_sample_sums(t: Tensor, C: int, channel_first: bool) -> Tensor:
     return t.reshape(m, C, -1).sum(2) if channel_first else t.reshape(m, -1, C).sum(1)
 
 
-def _finish(store: CaptureStore, site: int, grad: Tensor, xhat: Tensor, weight: Tensor,
-            has_bias: bool, channel_first: bool, gx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Record and return ``(gx, gγ, gβ)``; per-sample sums first, then over the batch."""
-    C = weight.numel()
-    Pw = per_sample_sums(grad * xhat, C, channel_first)
-    Pb = per_sample_sums(grad, C, channel_first)
+def _record(store: CaptureStore, site: int, grad: Tensor, Pw: Tensor, Pb: Tensor, weight: Tensor,
+            has_bias: bool, gx: Tensor, xhat: Callable[[], Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """Record ``P``/``Gsum`` (materialized sites) or ``(x̂, G)`` and return ``(gx, gγ, gβ)``."""
     if store.wants_jacobian(site):
-        store.record(site, Record(None, None, Pw, Pb, tuple(xhat.shape)))
+        store.record(site, Record(None, None, Pw, Pb, tuple(grad.shape)))
     else:
-        store.record(site, Record(xhat, grad))
+        store.record(site, Record(xhat(), grad))
     if store.grad_only:  # MC-Fisher pass: G only, no parameter gradients
         return gx, grad.new_zeros(weight.shape), grad.new_zeros(weight.shape if has_bias else 0)
     return gx, Pw.sum(0).view(weight.shape), (Pb.sum(0).view(weight.shape) if has_bias else grad.new_empty(0))
+
+
+def _finish(store: CaptureStore, site: int, grad: Tensor, xhat: Tensor, weight: Tensor,
+            has_bias: bool, channel_first: bool, gx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """From an explicit ``x̂``: per-sample sums first, then over the batch."""
+    C = weight.numel()
+    Pw = per_sample_sums(grad * xhat, C, channel_first)
+    Pb = per_sample_sums(grad, C, channel_first)
+    return _record(store, site, grad, Pw, Pb, weight, has_bias, gx, lambda: xhat)
+
+
+def _finish_channel_stats(store: CaptureStore, site: int, grad: Tensor, x: Tensor, mean: Tensor,
+                          rstd: Tensor, weight: Tensor, has_bias: bool,
+                          gx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Channel-first norms whose statistics are constant over each (sample, channel)'s
+    positions (BatchNorm, GroupNorm; ``mean``, ``rstd``: ``[m or 1, C]``): without forming
+    ``x̂``, ``dγ_i = rstd ⊙ (Σ_s G_i[s] x_i[s] − mean ⊙ dβ_i)``; the sums are one batched
+    dot product over positions, no full-size temporary."""
+    m, C = grad.shape[:2]
+    g3, x3 = grad.reshape(m * C, 1, -1), x.reshape(m * C, -1, 1)
+    Pgx = torch.bmm(g3, x3).view(m, C)
+    Pb = grad.reshape(m, C, -1).sum(2)
+    Pw = rstd * (Pgx - mean * Pb)
+    shape = (-1, C, *([1] * (x.dim() - 2)))
+    return _record(store, site, grad, Pw, Pb, weight, has_bias, gx,
+                   lambda: (x - mean.reshape(shape)) * rstd.reshape(shape))
 
 
 def _fake_grads(grad: Tensor, x: Tensor, weight: Tensor, has_bias: bool, need_input: bool):  # type: ignore[no-untyped-def]
@@ -96,8 +120,8 @@ def _bn_backward_op(grad: Tensor, x: Tensor, weight: Tensor, running_mean: Optio
     else:
         assert running_mean is not None and running_var is not None
         mean, rstd = running_mean, (running_var + eps).rsqrt()
-    xhat = (x - bcast(mean, x.dim(), True)) * bcast(rstd, x.dim(), True)
-    return _finish(lookup(key), site, grad, xhat, weight, has_bias, True, gx)
+    return _finish_channel_stats(lookup(key), site, grad, x, mean.unsqueeze(0), rstd.unsqueeze(0),
+                                 weight, has_bias, gx)
 
 
 @_bn_backward_op.register_fake
@@ -165,8 +189,14 @@ def _ln_backward_op(grad: Tensor, x: Tensor, normalized_shape: Sequence[int], me
     if need_input:
         gx = torch.ops.aten.native_layer_norm_backward(
             grad, x, normalized_shape, mean, rstd, weight, None, [True, False, False])[0]
-    xhat = (x - mean) * rstd
-    return _finish(lookup(key), site, grad, xhat, weight, has_bias, False, gx)
+    # dγ_i = Σ_s G[s] ⊙ (x[s] − μ_s) r_s = Σ_s r_s (G ⊙ x)[s] − Σ_s μ_s r_s G[s]: two
+    # batched products over positions, one full-size temporary (G ⊙ x)
+    m, D = x.shape[0], weight.numel()
+    r = rstd.reshape(m, 1, -1)
+    g3 = grad.reshape(m, -1, D)
+    Pw = (torch.bmm(r, (grad * x).reshape(m, -1, D)) - torch.bmm(mean.reshape(m, 1, -1) * r, g3)).view(m, D)
+    Pb = g3.sum(1)
+    return _record(lookup(key), site, grad, Pw, Pb, weight, has_bias, gx, lambda: (x - mean) * rstd)
 
 
 @_ln_backward_op.register_fake
@@ -228,9 +258,9 @@ def _gn_backward_op(grad: Tensor, x: Tensor, num_groups: int, mean: Tensor, rstd
     if need_input:
         gx = torch.ops.aten.native_group_norm_backward(
             grad, x, mean, rstd, weight, N, C, x[0, 0].numel(), num_groups, [True, False, False])[0]
-    xg = x.reshape(N, num_groups, -1)
-    xhat = ((xg - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)).reshape(x.shape)
-    return _finish(lookup(key), site, grad, xhat, weight, has_bias, True, gx)
+    k = C // num_groups  # channels per group: the group's statistics per channel
+    return _finish_channel_stats(lookup(key), site, grad, x, mean.repeat_interleave(k, 1),
+                                 rstd.repeat_interleave(k, 1), weight, has_bias, gx)
 
 
 @_gn_backward_op.register_fake

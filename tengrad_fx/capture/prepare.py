@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from . import norm, ops, params
+from . import embedding, norm, ops, params
 from .info import ATTR, PrepareInfo, get_info
 from .inputs import leading_dim, resize_batch
 from .match import LayerSpec, conv_call_args, match_module, pad_same_input
@@ -196,7 +196,7 @@ def _rewrite(graph: fx.Graph, candidates: dict[str, nn.Module], layers: dict[str
         if spec is None:
             kind, _ = match_module(mod)
             spec = LayerSpec(name=name, kind=kind, module=mod)  # type: ignore[arg-type]
-            if kind != "linear" and kind not in NORM_KINDS:
+            if kind != "linear" and kind not in NORM_KINDS and kind != "embedding":
                 for k, v in conv_call_args(mod).items():
                     setattr(spec, k, v)
             layers[name] = spec
@@ -207,7 +207,16 @@ def _rewrite(graph: fx.Graph, candidates: dict[str, nn.Module], layers: dict[str
             with graph.inserting_before(node):
                 mnode = graph.get_attr(name)
                 mnode.meta[OURS] = True
-                new = graph.call_function(norm.norm, (node.args[0], mnode),
+                new = graph.call_function(norm.norm, (x_arg, mnode),
+                                          dict(key=key, site=site, batch=batch_node, name=name))
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            continue
+        if spec.kind == "embedding":
+            with graph.inserting_before(node):
+                w = graph.get_attr(f"{name}.weight" if name else "weight")
+                w.meta[OURS] = True
+                new = graph.call_function(embedding.embedding, (x_arg, w, mod.padding_idx),
                                           dict(key=key, site=site, batch=batch_node, name=name))
             node.replace_all_uses_with(new)
             graph.erase_node(node)

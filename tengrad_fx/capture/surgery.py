@@ -6,7 +6,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from . import norm, ops
+from . import embedding, norm, ops
 from .match import LayerSpec, conv_call_args, match_module, pad_same_input
 from .norm import NORM_KINDS
 from .sharing import note_tied, param_owners
@@ -22,7 +22,7 @@ def prepare_surgery(model: nn.Module, candidates: dict[str, nn.Module]) -> tuple
     for site, (name, mod) in enumerate(candidates.items()):
         kind, _ = match_module(mod)
         spec = LayerSpec(name=name, kind=kind, module=mod, sites=[site])  # type: ignore[arg-type]
-        if kind != "linear" and kind not in NORM_KINDS:
+        if kind != "linear" and kind not in NORM_KINDS and kind != "embedding":
             for k, v in conv_call_args(mod).items():
                 setattr(spec, k, v)
         mod.__class__ = _capturing_class(type(mod))
@@ -43,6 +43,8 @@ def _capturing_forward(self, input, output_size=None):  # type: ignore[no-untype
         return super(type(self), self).forward(x, *([output_size] if output_size is not None else []))
     if spec.kind in NORM_KINDS:
         return norm.norm(x, self, key, spec.sites[0], name=spec.name)
+    if spec.kind == "embedding":
+        return embedding.embedding(x, self.weight, self.padding_idx, key, spec.sites[0], name=spec.name)
     if spec.kind == "linear":
         return ops.linear(x, self.weight, self.bias, key, spec.sites[0], name=spec.name)
     extra: dict[str, Any] = {}

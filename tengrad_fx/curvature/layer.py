@@ -30,7 +30,7 @@ from ..capture.info import PrepareInfo, get_info
 from ..capture.match import LayerSpec
 from ..capture.store import Record
 from ..capture.norm import NORM_KINDS
-from . import conv, linear, norm, param, tensors
+from . import conv, embedding, linear, norm, param, tensors
 
 __all__ = ["CoveredLayer", "covered_layers", "Strategy", "gram_flops", "choose_strategy"]
 
@@ -45,6 +45,7 @@ KERNELS: dict[str, ModuleType] = {
 and, where the bias gradient is not ``Σ_s B`` of the layout, ``bias_grads``."""
 KERNELS.update({kind: norm for kind in NORM_KINDS})
 KERNELS["param"] = param
+KERNELS["embedding"] = embedding
 
 
 def gram_flops(m: int, g: int, S: int, f: int, o: int) -> dict[str, float]:
@@ -145,6 +146,8 @@ class CoveredLayer:
         """Resolve ``"auto"`` with the cost model for the captured batch."""
         if strategy not in ("auto", "factor", "materialize"):
             raise ValueError(f"strategy must be 'auto', 'factor' or 'materialize', got {strategy!r}")
+        if not getattr(self._kernel, "MATERIALIZE", True):
+            return "factor"  # a kernel with its own Gram (embeddings: index matching)
         if strategy != "auto":
             return strategy
         if self.materialized:
@@ -177,6 +180,8 @@ class CoveredLayer:
         """``J Jᵀ``, ``[m, m]``, in the captured dtype. Layers whose per-sample gradients
         were materialized in backward use them whatever the strategy."""
         how = self.choose(strategy)
+        if hasattr(self._kernel, "gram"):
+            return self._kernel.gram(self.spec, [(r.I, r.G) for r in self.records()]) * self._scale() ** 2
         if self.materialized or (how == "materialize" and (len(self.records()) > 1 or self.kind != "linear")):
             J = self.jacobian()
             return J @ J.T

@@ -107,7 +107,7 @@ def make_blocks(layers: list[CoveredLayer], kronecker: bool = True) -> list[Bloc
             skipped.append(layer.name)
             continue
         w = layer.weight
-        if layer.kind == "param":  # no I, G form (tokens, layer scales): plain gradient here
+        if layer.kind in ("param", "embedding"):  # no Kronecker form here: plain gradient
             continue
         if layer.kind in NORM_KINDS:  # C groups of a 1-in, 1-out layer (curvature/norm.py)
             out.append(Block(layer, params, w.numel(), 1, 1))

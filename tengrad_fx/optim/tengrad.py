@@ -450,7 +450,8 @@ class TENGraD(StepSkeleton):
         budget = self.jacobian_budget
         for layer in self._layers:
             spec = layer.spec
-            if not spec.input_shapes or self.strategy == "factor":
+            if not spec.input_shapes or self.strategy == "factor" or \
+                    not getattr(KERNELS[spec.kind], "MATERIALIZE", True):
                 continue
             g = S = f = o = 0
             for shape in spec.input_shapes:

@@ -14,7 +14,7 @@ from timm.layers.conv2d_same import Conv2dSame
 
 import tengrad_fx
 from tengrad_fx import TENGraD
-from testing import dense_layer_updates, per_sample_grads_reference
+from testing import check_tengrad_step, per_sample_grads_reference
 
 TOL = 1e-10
 
@@ -78,14 +78,7 @@ def test_tengrad_update_with_added_parameters_is_exact() -> None:
     x, y = torch.randn(6, 5, 4, dtype=torch.float64), torch.tensor([0, 2, 1, 2, 1, 0])
     model = tengrad_fx.prepare(net, example_inputs=(x[:2],))
     opt = TENGraD(model, lr=1.0, damping=0.05, momentum=0.0, curvature_every=1, kl_clip=None)
-    F.cross_entropy(model(x), y).backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt.step()
-    ref = dense_layer_updates(orig, x, y, F.cross_entropy, grads, 0.05, tengrad_fx.get_info(model).covered)
-    assert set(ref) == set(before)
-    for n, p in model.named_parameters():
-        assert rel(before[n] - p.detach(), ref[n]) <= 1e-8, n
+    check_tengrad_step(model, opt, orig, x, y, 0.05)
 
 
 class _Odd(nn.Module):

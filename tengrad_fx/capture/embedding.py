@@ -1,0 +1,99 @@
+"""``nn.Embedding`` as a capture site: ``tengrad_fx::embedding`` records ``(idx, G)``.
+
+The forward is ``F.embedding`` (aten's kernel), the backward op returns aten's
+``embedding_dense_backward`` weight gradient and hands the store the indices ``I = idx``
+(``[m, *positions]``, integer) and ``G = dL/dy`` (``[m, *positions, D]``). Sample ``i``'s
+gradient is the row-sparse scatter sum ``Σ_s onehot(idx_i[s]) G_i[s]ᵀ`` over its positions
+(rows ``padding_idx`` excluded); the Gram is computed by index matching
+(:mod:`..curvature.embedding`), never as ``m`` dense ``vocab × D`` matrices.
+
+Covered: ``nn.Embedding`` itself with ``max_norm=None`` (it renormalizes the weight in
+place during the forward), ``scale_grad_by_freq=False`` (the gradient scale depends on the
+whole batch) and ``sparse=False``; otherwise a fallback with that reason.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import ops
+from .store import Record, lookup
+
+__all__ = ["match_embedding", "embedding"]
+
+
+def match_embedding(mod: nn.Module) -> tuple[Optional[str], str]:
+    """``("embedding", "")`` for a covered ``nn.Embedding``, ``(None, reason)`` otherwise
+    (``(None, "")`` for modules that are not embeddings)."""
+    if not isinstance(mod, nn.Embedding):
+        return None, ""
+    if type(mod).forward is not nn.Embedding.forward:
+        return None, f"{type(mod).__name__} overrides Embedding.forward (not provably exact)"
+    if mod.max_norm is not None:
+        return None, "Embedding(max_norm=...) renormalizes its weight in the forward"
+    if mod.scale_grad_by_freq:
+        return None, "Embedding(scale_grad_by_freq=True): the gradient scale depends on the whole batch"
+    if mod.sparse:
+        return None, "Embedding(sparse=True): sparse gradients have no capture path"
+    if not isinstance(mod.weight, nn.Parameter):
+        return None, "weight is not a Parameter"
+    return "embedding", ""
+
+
+@torch.library.custom_op("tengrad_fx::embedding", mutates_args=())
+def _embedding_op(idx: Tensor, weight: Tensor, padding_idx: int, key: int, site: int) -> Tensor:
+    lookup(key).begin()
+    return F.embedding(idx, weight, None if padding_idx < 0 else padding_idx)
+
+
+@_embedding_op.register_fake
+def _(idx, weight, padding_idx, key, site):  # type: ignore[no-untyped-def]
+    return weight.new_empty((*idx.shape, weight.shape[1]))
+
+
+@torch.library.custom_op("tengrad_fx::embedding_backward", mutates_args=())
+def _embedding_backward_op(grad: Tensor, idx: Tensor, num_weights: int, padding_idx: int,
+                           key: int, site: int) -> Tensor:
+    store = lookup(key)
+    store.record(site, Record(idx, grad))
+    if store.grad_only:
+        return grad.new_zeros(num_weights, grad.shape[-1])
+    return torch.ops.aten.embedding_dense_backward(grad, idx, num_weights, padding_idx, False)
+
+
+@_embedding_backward_op.register_fake
+def _(grad, idx, num_weights, padding_idx, key, site):  # type: ignore[no-untyped-def]
+    return grad.new_empty(num_weights, grad.shape[-1])
+
+
+def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    idx, weight, padding_idx, key, site = inputs
+    ctx.save_for_backward(idx)
+    ctx.conf = (weight.shape[0], padding_idx, key, site)
+
+
+def _grad(ctx, grad):  # type: ignore[no-untyped-def]
+    (idx,) = ctx.saved_tensors
+    n, padding_idx, key, site = ctx.conf
+    return None, torch.ops.tengrad_fx.embedding_backward(grad, idx, n, padding_idx, key, site), None, None, None
+
+
+_embedding_op.register_autograd(_grad, setup_context=_setup)
+
+
+def embedding(idx: Tensor, weight: Tensor, padding_idx: Optional[int], key: int, site: int,
+              batch: Optional[int] = None, name: str = "") -> Tensor:
+    """``F.embedding(idx, weight, padding_idx)`` recording ``(idx, dL/dy)`` when capture is on.
+
+    idx: ``[m, *positions]`` integer; weight: ``[vocab, D]``; returns ``[m, *positions, D]``.
+    """
+    if ops.PROBE is not None:
+        ops.PROBE[(key, site)] = tuple(idx.shape)
+    if not ops._active(key, idx, weight, None):
+        return F.embedding(idx, weight, padding_idx)
+    ops._check_batch(idx, batch, name)
+    return torch.ops.tengrad_fx.embedding(idx, weight, -1 if padding_idx is None else padding_idx, key, site)
