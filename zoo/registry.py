@@ -35,6 +35,7 @@ _Builder = Callable[..., nn.Module]
 PAPER_MODELS: dict[str, tuple[_Builder, int]] = {
     # name: (builder(num_classes=, in_chans=, **kwargs), default in_chans)
     "3c1f": (C3F1, 1),
+    "3c1f-bn": (lambda **kw: C3F1(batch_norm=True, **kw), 1),
     "wrn-28-4": (lambda **kw: WideResNet(depth=28, widen_factor=4, **kw), 3),
     "densenet-19": (lambda **kw: DenseNetBC(depth=19, growth_rate=100, reduction=0.5, **kw), 3),
     "mobilenetv2": (MobileNetV2, 3),
@@ -42,6 +43,7 @@ PAPER_MODELS: dict[str, tuple[_Builder, int]] = {
 
 PARAM_COUNTS: dict[str, int] = {
     "3c1f": 5_485_958,
+    "3c1f-bn": 5_486_726,
     "wrn-28-4": 5_849_050,
     "densenet-19": 2_939_610,
     "mobilenetv2": 2_296_922,

@@ -60,6 +60,7 @@ def test_param_count(models: dict[str, Any], name: str) -> None:
 def test_param_count_table() -> None:
     assert PARAM_COUNTS == {
         "3c1f": 5_485_958,
+        "3c1f-bn": 5_486_726,  # 3c1f + a BatchNorm2d(128) after each conv (issue 10's training check)
         "wrn-28-4": 5_849_050,
         "densenet-19": 2_939_610,
         "mobilenetv2": 2_296_922,
@@ -223,3 +224,10 @@ def test_torchvision_default_channels_untouched() -> None:
 def test_timm_img_size_passthrough() -> None:
     model = get_model("timm:vit_tiny_patch16_224", num_classes=10, img_size=32)
     assert model(torch.randn(1, 3, 32, 32)).shape == (1, 10)
+
+
+def test_3c1f_bn_structure() -> None:
+    model = get_model("3c1f-bn")
+    kinds = [type(m).__name__ for m in model.modules() if not list(m.children())]
+    assert kinds == [*("Conv2d", "BatchNorm2d", "ReLU") * 3, "MaxPool2d", "Flatten", "Linear", "ReLU", "Linear"]
+    assert _n_params(model) == PARAM_COUNTS["3c1f-bn"]

@@ -30,20 +30,20 @@ class C3F1(nn.Module):
         in_chans: number of input channels (1 for Fashion-MNIST).
         img_size: input height/width; the flattened feature size is
             ``128 * (img_size // 3) ** 2`` (10368 for the default 28).
+        batch_norm: a BatchNorm2d after each convolution (zoo name ``3c1f-bn``).
     """
 
-    def __init__(self, num_classes: int = 10, in_chans: int = 1, img_size: int = 28) -> None:
+    def __init__(self, num_classes: int = 10, in_chans: int = 1, img_size: int = 28,
+                 batch_norm: bool = False) -> None:
         super().__init__()
         pooled = img_size // 3
-        self.features = nn.Sequential(
-            nn.Conv2d(in_chans, 128, kernel_size=3, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(128, 128, kernel_size=3, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(128, 128, kernel_size=3, padding=1),
-            nn.ReLU(),
-            nn.MaxPool2d(3),
-        )
+        layers: list[nn.Module] = []
+        for c_in in (in_chans, 128, 128):
+            layers.append(nn.Conv2d(c_in, 128, kernel_size=3, padding=1))
+            if batch_norm:  # "3c1f-bn": a BatchNorm2d after each convolution
+                layers.append(nn.BatchNorm2d(128))
+            layers.append(nn.ReLU())
+        self.features = nn.Sequential(*layers, nn.MaxPool2d(3))
         self.flatten = nn.Flatten()
         self.classifier = nn.Sequential(
             nn.Linear(128 * pooled * pooled, 500),
