@@ -79,7 +79,7 @@ def test_embedding_exact(vocab, d, pos, pad, twice, m, seed) -> None:  # type: i
 
 def test_tengrad_update_with_embedding_is_exact() -> None:
     orig, model, idx, y = _setup(7, 3, (4,), 0, True, 6, 5)
-    opt = TENGraD(model, lr=1.0, damping=0.05, momentum=0.0)
+    opt = TENGraD(model, lr=1.0, damping=0.05, momentum=0.0, curvature_every=1, kl_clip=None)
     assert not tengrad_fx.get_info(model).store.jacobian_sites & set(
         next(s for s in tengrad_fx.get_info(model).layers if s.kind == "embedding").sites)
     check_tengrad_step(model, opt, orig, idx, y, 0.05)
