@@ -1,14 +1,31 @@
 """Per-step time of SGD and TENGraD variants, interleaved in one process; ratios to SGD.
 
-    python -m tools.bench [--model 3c1f|small|3c1f-bn|small-bn] [--m 128] [--steps 10] [--warmup 2]
-                          [--methods sgd,tengrad,tengrad-mc,tengrad-T20] [--json out.json]
-                          [--memory] [--device cpu|cuda] [--threads 2]
+    python -m tools.bench [--model 3c1f|small|tiny|3c1f-bn|small-bn|wrn-28-4|densenet-19|mobilenetv2]
+                          [--m 128] [--steps 10] [--warmup 2] [--methods a,b,...|paper|all]
+                          [--json out.json] [--memory] [--device cpu|cuda] [--threads 2]
+                          [--ops] [--profile DIR]
 
 Every method trains its own copy of the same initial model on the same random batches;
 steps are interleaved (one step of each method per round) so machine noise hits all
 alike; the median over rounds after warm-up is reported, with a breakdown into forward,
 backward and optimizer step (TENGraD: gram, factorize, solve, apply). ``--memory`` runs
 each method alone in a subprocess and reports its peak RSS (CPU) or peak CUDA memory.
+On CUDA every phase ends with ``torch.cuda.synchronize()``.
+
+Rows with ``curvature_every = T > 1`` (``tengrad-T20``, ``tengrad-mc-T100``) report the
+amortized step ``(curvature + (T−1)·reuse)/T`` in ``x SGD``: the reuse steps are measured
+in the row, the curvature step is the T=1 row of the same Fisher (``tengrad`` or
+``tengrad-mc``, added to the run if missing); ``reuse x`` is the reuse step alone over
+SGD's. Beside them: the reuse step's curvature work (``J·g``, ``Jᵀc``, solves) in GFLOP
+and MB (``TENGraD.reuse_cost``) and the measured ``solve`` time.
+
+``--methods paper`` = sgd, tengrad (T=1 empirical), tengrad-mc (T=1 MC), tengrad-mc-T100
+(MC, T=100, KL clip 0.01: the paper's protocol). ``--model tiny`` is the CPU proxy of the
+launch-bound GPU regime: 3C1F with 8 channels, ``m = 32``, 1 thread (unless ``--m`` /
+``--threads`` are given). ``--ops`` prints per method and step kind the aten ops one
+warmed-up ``opt.step()`` dispatches (all / kernel-launching) and its host syncs;
+``--profile DIR`` writes a ``torch.profiler`` trace per method and prints the top kernels
+and the syncs per step (``tools.step_facts``).
 """
 from __future__ import annotations
 
@@ -27,6 +44,7 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx.optim.registry import make_optimizer
+from tools import step_facts
 
 # name -> (constructor of an optimizer over (prepared or plain) model, needs prepare).
 # All with the paper's Fashion-MNIST lr / wd / damping (tengrad_fx.optim.registry); the
@@ -38,6 +56,9 @@ METHODS: dict[str, tuple[Callable[[nn.Module], torch.optim.Optimizer], bool | di
     "tengrad": (lambda mdl: make_optimizer("tengrad", mdl, _FM, curvature_every=1, **_EMP), True),
     "tengrad-mc": (lambda mdl: make_optimizer("tengrad", mdl, _FM, curvature_every=1, fisher="mc"), True),
     "tengrad-T20": (lambda mdl: make_optimizer("tengrad", mdl, _FM, curvature_every=20, **_EMP), True),
+    # the paper's protocol: MC Fisher, inversion every 100 steps, KL clip 0.01
+    "tengrad-mc-T100": (lambda mdl: make_optimizer("tengrad", mdl, _FM, fisher="mc", curvature_every=100,
+                                                  kl_clip=0.01), True),
     # Linear/Conv preconditioned only: norm layers and added parameters left to SGD-momentum
     "tengrad-linconv": (lambda mdl: make_optimizer("tengrad", mdl, _FM, curvature_every=1, **_EMP),
                         {"only_linear_conv": True}),
@@ -52,21 +73,40 @@ METHODS: dict[str, tuple[Callable[[nn.Module], torch.optim.Optimizer], bool | di
 BASELINES = "kfac-T1,kfac,ekfac-T1,ekfac,kbfgs-T1,kbfgs"
 
 
-MODEL_NAMES = ("3c1f", "small", "3c1f-bn", "small-bn")
+PAPER_ROWS = "sgd,tengrad,tengrad-mc,tengrad-mc-T100"
+ZOO_MODELS = ("wrn-28-4", "densenet-19", "mobilenetv2")
+MODEL_NAMES = ("3c1f", "small", "tiny", "3c1f-bn", "small-bn", *ZOO_MODELS)
 
 
-def build_model(name: str) -> nn.Module:
-    """``3c1f``: the paper's model (Conv 1→128→128→128, MaxPool 3, Linear 10368→500→10);
-    ``small``: the same with 32 channels; ``-bn``: a BatchNorm2d after each conv and a
-    BatchNorm1d after the first Linear."""
-    c = {"3c1f": 128, "small": 32}[name.removesuffix("-bn")]
+def build_model(name: str) -> tuple[nn.Module, tuple[int, ...]]:
+    """``(model, input shape)``. ``3c1f``: the paper's model (Conv 1→128→128→128,
+    MaxPool 3, Linear 10368→500→10); ``small``/``tiny``: the same with 32/8 channels;
+    ``-bn``: a BatchNorm2d after each conv and a BatchNorm1d after the first Linear;
+    ``wrn-28-4``, ``densenet-19``, ``mobilenetv2``: the zoo's CIFAR models (3×32×32)."""
+    if name in ZOO_MODELS:
+        from zoo.registry import get_model
+        return get_model(name, num_classes=10), (3, 32, 32)
+    c = {"3c1f": 128, "small": 32, "tiny": 8}[name.removesuffix("-bn")]
     bn = name.endswith("-bn")
     norm2 = (lambda: nn.BatchNorm2d(c)) if bn else nn.Identity  # noqa: E731
     return nn.Sequential(
         nn.Conv2d(1, c, 3, padding=1), norm2(), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1), norm2(), nn.ReLU(),
         nn.Conv2d(c, c, 3, padding=1), norm2(), nn.ReLU(), nn.MaxPool2d(3), nn.Flatten(),
         nn.Linear(9 * 9 * c, 500), nn.BatchNorm1d(500) if bn else nn.Identity(), nn.ReLU(), nn.Linear(500, 10),
-    )
+    ), (1, 28, 28)
+
+
+def method_list(spec: str) -> list[str]:
+    """``--methods``: a comma list, ``paper`` or ``all``; T>1 TENGraD rows bring their T=1 row."""
+    if spec == "paper":
+        spec = PAPER_ROWS
+    elif spec == "all":
+        spec = "sgd,tengrad,tengrad-mc,tengrad-T20,tengrad-mc-T100," + BASELINES
+    out = spec.split(",")
+    for meth, base in (("tengrad-T20", "tengrad"), ("tengrad-mc-T100", "tengrad-mc")):
+        if meth in out and base not in out:
+            out.insert(out.index(meth), base)
+    return out
 
 
 class Runner:
@@ -81,7 +121,14 @@ class Runner:
         self.opt = make(self.model)
         self.times: list[dict[str, float]] = []
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, sync: Callable[[], None]) -> None:
+    def is_curvature_step(self) -> bool:
+        check = getattr(self.opt, "_is_curvature_step", None)
+        return bool(check()) if check is not None else True
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, sync: Callable[[], None],
+             wrap_step: Callable[[Callable[[], Any]], Any] | None = None) -> None:
+        curvature = self.is_curvature_step()
+        sync()
         t0 = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         out = self.model(x)
@@ -93,36 +140,65 @@ class Runner:
         loss.backward()
         sync()
         t2 = time.perf_counter()
-        self.opt.step()
+        if wrap_step is None:
+            self.opt.step()
+        else:
+            wrap_step(self.opt.step)
         sync()
         t3 = time.perf_counter()
-        row = {"total": t3 - t0, "forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2}
+        row = {"total": t3 - t0, "forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2,
+               "reuse": 0.0 if curvature else 1.0}
         row.update(getattr(self.opt, "timings", {}))
         self.times.append(row)
 
     def summary(self, warmup: int) -> dict[str, float]:
+        """Medians after warm-up; for T>1 rows over the reuse steps (amortized in main)."""
         rows = self.times[warmup:]
-        return {k: statistics.median(r.get(k, 0.0) for r in rows) for k in rows[0]}
+        reuse = [r for r in rows if r["reuse"]]
+        use = reuse or rows
+        out = {k: statistics.median(r.get(k, 0.0) for r in use) for k in rows[0]}
+        out["reuse"] = float(bool(reuse))
+        cost = getattr(self.opt, "reuse_cost", None)
+        if reuse and cost is not None:
+            flops, nbytes = cost()
+            out["reuse_gflop"], out["reuse_mb"] = flops / 1e9, nbytes / 2**20
+        return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    base = build_model(args.model).to(dev)
+    base, shape = build_model(args.model)
+    base = base.to(dev)
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(args.m, 1, 28, 28, generator=g).to(dev),
+    batches = [(torch.randn(args.m, *shape, generator=g).to(dev),
                 torch.randint(0, 10, (args.m,), generator=g).to(dev)) for _ in range(4)]
-    methods = args.methods.split(",") if args.methods != "all" else \
-        ["sgd", "tengrad", "tengrad-mc", "tengrad-T20", *BASELINES.split(",")]
+    methods = method_list(args.methods)
     runners = [Runner(m, base, batches[0][0]) for m in methods]
     for r in range(args.warmup + args.steps):
         x, y = batches[r % len(batches)]
         for run_ in runners:
             run_.step(x, y, sync)
     res = {r.method: r.summary(args.warmup) for r in runners}
-    return {"model": args.model, "m": args.m, "device": str(dev), "threads": torch.get_num_threads(),
-            "steps": args.steps, "torch": torch.__version__, "results": res}
+    out = {"model": args.model, "m": args.m, "device": str(dev), "threads": torch.get_num_threads(),
+           "steps": args.steps, "torch": torch.__version__, "results": res}
+    if getattr(args, "ops", False):
+        out["ops"] = step_facts.ops_table(runners, batches[0], sync)
+    if getattr(args, "profile", None):
+        out["profile"] = step_facts.profile(runners, batches[0], sync, args.profile)
+    return out
+
+
+def amortize(res: dict[str, dict[str, float]]) -> None:
+    """``amortized`` total of every row: T>1 rows ``(curvature + (T−1)·reuse)/T`` with the
+    curvature step from the T=1 row of the same Fisher (module docstring)."""
+    for meth, r in res.items():
+        r["amortized"] = r["total"]
+        T = {"tengrad-T20": 20, "tengrad-mc-T100": 100}.get(meth)
+        base = res.get("tengrad-mc" if "-mc" in meth else "tengrad")
+        if T and r["reuse"] and base:
+            r["amortized"] = (base["total"] + (T - 1) * r["total"]) / T
 
 
 def peak_memory(args: argparse.Namespace, method: str) -> float:
@@ -137,18 +213,24 @@ def peak_memory(args: argparse.Namespace, method: str) -> float:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="3c1f", choices=list(MODEL_NAMES))
-    ap.add_argument("--m", type=int, default=128)
+    ap.add_argument("--m", type=int, default=None, help="batch size (default 128; tiny: 32)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--methods", default="sgd,tengrad,tengrad-mc,tengrad-T20",
-                    help=f"comma list of {sorted(METHODS)}; 'all' adds the baselines ({BASELINES}): "
-                         "on CPU use them with --model small (K-FAC's 10369² factor of 3C1F is slow)")
+                    help=f"comma list of {sorted(METHODS)}; 'paper' = {PAPER_ROWS}; 'all' adds the "
+                         f"baselines ({BASELINES}): on CPU use them with --model small (K-FAC's 10369² "
+                         "factor of 3C1F is slow)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads (default 2; tiny: 1)")
+    ap.add_argument("--ops", action="store_true", help="print aten ops and host syncs per opt.step()")
+    ap.add_argument("--profile", default=None, metavar="DIR", help="torch.profiler traces + top kernels")
     ap.add_argument("--json", default=None)
     ap.add_argument("--memory", action="store_true", help="also measure each method's peak memory")
     ap.add_argument("--_report-peak", dest="report_peak", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    tiny = args.model == "tiny"
+    args.m = args.m or (32 if tiny else 128)
+    args.threads = args.threads or (1 if tiny else 2)
     torch.set_num_threads(args.threads)
     if args.report_peak:
         if args.device == "cuda":
@@ -165,24 +247,40 @@ def main(argv: list[str] | None = None) -> None:
     if args.memory:
         for meth in out["results"]:
             out["results"][meth]["peak_mib"] = peak_memory(args, meth)
-    base = out["results"].get("sgd")
-    print(f"model={out['model']} m={out['m']} device={out['device']} threads={out['threads']} "
-          f"torch={out['torch']} median of {args.steps} interleaved steps after {args.warmup} warm-up")
-    cols = ["total", "forward", "backward", "step", "gram", "factorize", "solve", "apply"]
-    print(f"{'method':<13}" + "".join(f"{c + ' ms':>12}" for c in cols) + f"{'x SGD':>8}"
-          + (f"{'peak MiB':>10}{'mem x SGD':>10}" if args.memory else ""))
-    for meth, r in out["results"].items():
-        ratio = r["total"] / base["total"] if base else float("nan")
-        r["ratio_to_sgd"] = ratio
-        line = f"{meth:<13}" + "".join(f"{r.get(c, 0.0) * 1e3:>12.1f}" for c in cols) + f"{ratio:>8.3f}"
-        if args.memory:
-            mr = r["peak_mib"] / base["peak_mib"] if base else float("nan")
-            r["mem_ratio_to_sgd"] = mr
-            line += f"{r['peak_mib']:>10.0f}{mr:>10.3f}"
-        print(line)
+    report(out, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
+
+
+def report(out: dict[str, Any], args: argparse.Namespace) -> None:
+    """Print the timing table (and the ops / profile tables when measured)."""
+    res = out["results"]
+    amortize(res)
+    base = res.get("sgd")
+    print(f"model={out['model']} m={out['m']} device={out['device']} threads={out['threads']} "
+          f"torch={out['torch']} median of {args.steps} interleaved steps after {args.warmup} warm-up")
+    cols = ["total", "forward", "backward", "step", "gram", "factorize", "solve", "apply"]
+    print(f"{'method':<16}" + "".join(f"{c + ' ms':>11}" for c in cols) + f"{'x SGD':>8}{'reuse x':>8}"
+          + f"{'reuse GFLOP':>12}{'reuse MB':>9}" + (f"{'peak MiB':>10}{'mem x SGD':>10}" if args.memory else ""))
+    for meth, r in res.items():
+        r["ratio_to_sgd"] = ratio = r["amortized"] / base["total"] if base else float("nan")
+        reuse = f"{r['total'] / base['total']:>8.3f}" if base and r["reuse"] else f"{'':>8}"
+        line = f"{meth:<16}" + "".join(f"{r.get(c, 0.0) * 1e3:>11.1f}" for c in cols) + f"{ratio:>8.3f}" + reuse
+        line += f"{r['reuse_gflop']:>12.3f}{r['reuse_mb']:>9.1f}" if "reuse_gflop" in r else f"{'':>21}"
+        if args.memory:
+            r["mem_ratio_to_sgd"] = mr = r["peak_mib"] / base["peak_mib"] if base else float("nan")
+            line += f"{r['peak_mib']:>10.0f}{mr:>10.3f}"
+        print(line)
+    if "ops" in out:
+        print("\naten ops per warmed-up opt.step() (kernels = non-view ops), host syncs")
+        print(f"{'method':<16}{'kind':>10}{'ops':>8}{'kernels':>9}{'syncs':>7}")
+        for row in out["ops"]:
+            print(f"{row['method']:<16}{row['kind']:>10}{row['ops']:>8}{row['kernels']:>9}{row['syncs']:>7}")
+    for meth, p in out.get("profile", {}).items():
+        print(f"\n{meth}: trace {p['trace']}, host syncs per opt.step() {p['syncs_per_step']:.1f}; top kernels:")
+        for name, calls, ms in p["top"]:
+            print(f"  {ms:9.3f} ms/step {calls:6d} calls/step  {name[:90]}")
 
 
 if __name__ == "__main__":

@@ -61,6 +61,10 @@ class HostMirror:
             self._event.record()
         self._pending = True
 
+    def reset(self) -> None:
+        """Forget a copy in flight (its values are stale)."""
+        self._pending = False
+
     def poll(self) -> Optional[list[Any]]:
         if not self._pending or (self._event is not None and not self._event.query()):
             return None
@@ -163,8 +167,9 @@ class StepSkeleton(torch.optim.Optimizer):
         if self._dev_counts is None:
             return
         step, skipped = self._dev_counts.tolist()
-        self._dev_counts = None
-        self._mirror = None
+        self._dev_counts.zero_()  # in place: a captured CUDA graph keeps adding to it
+        if self._mirror is not None:
+            self._mirror.reset()
         self._seen_skips = 0
         st = self.state[self.NAME]
         st["step"] += int(step)
@@ -179,9 +184,7 @@ class StepSkeleton(torch.optim.Optimizer):
             self._dev_counts = inc
             self._mirror = HostMirror(inc)
         else:
-            self._dev_counts = self._dev_counts + inc
-        assert self._mirror is not None
-        self._mirror.post(self._dev_counts)
+            self._dev_counts.add_(inc)  # in place: a static buffer for CUDA graphs
 
     def _poll_skips(self) -> None:
         """Warn (once) as soon as the host sees a device-side skip, without waiting."""
@@ -235,9 +238,7 @@ class StepSkeleton(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         group = self.param_groups[0]
-        lr, damping = group["lr"], group["damping"]
-        momentum, wd = group["momentum"], group["weight_decay"]
-        check_positive("damping", damping)
+        check_positive("damping", group["damping"])
         self._info.store.recording = True
         self._frozen.check()
         k = self._sched
@@ -253,29 +254,14 @@ class StepSkeleton(torch.optim.Optimizer):
         if stats_step and not self._reduction_checked and self.fisher == "empirical":
             self._reduction_checked = True  # once: a one-time host read (reduction_check)
             check_loss_reduction(covered_layers(self.model), self._info.loss_reduction, type(self).__name__)
-        ok = finite_flag(grads)
-        assert ok is not None
-        if not self.SYNC_FREE and not bool(ok):
-            return self._skip("non-finite gradient", loss)
         try:
-            updates = self._updates(k, stats_step, mc_step, damping, ok)
+            ok = self._run_device(stats_step, lambda: self._device_step(k, stats_step, mc_step, group))
         except SkipStep as exc:
             return self._skip(str(exc), loss)
-        flags = [f for f in (ok, finite_flag(updates.values()), self._device_flags()) if f is not None]
-        ok = torch.stack(flags).all() if len(flags) > 1 else flags[0]
-        if not self.SYNC_FREE and not bool(ok):
-            return self._skip("non-finite preconditioned update", loss)
-        nu = kl_clip_factor(updates, lr, self.kl_clip)
-        if nu is not None:  # counted on the device (no sync); read by kl_clipped_steps
-            clipped = ((nu < 1.0) & ok).to(torch.int64)
-            self._kl_clipped = clipped if self._kl_clipped is None else self._kl_clipped + clipped
-        read = apply_momentum_step(self.state, group["params"], updates, lr, momentum, wd, nu,
-                                   ok if self.SYNC_FREE else None)
-        if read is False:  # the warm-up host read found a skip
-            return self._skip("non-finite gradient, curvature or update", loss)
         if self.SYNC_FREE:
             self._after_flags(stats_step, ok)
-            self._count(ok)
+            assert self._mirror is not None and self._dev_counts is not None
+            self._mirror.post(self._dev_counts)
         else:
             self.state[self.NAME]["step"] += 1
         self._sched += 1
@@ -284,6 +270,38 @@ class StepSkeleton(torch.optim.Optimizer):
         self._poll_skips()
         capturing(self.model, self._needs_capture(self._sched))
         return loss
+
+    def _device_step(self, k: int, stats_step: bool, mc_step: bool, group: dict[str, Any]) -> Tensor:
+        """The device part of a step: finite check → ``u`` → flags → ``ν`` → masked update →
+        counts. Returns the step's flag; raises :class:`SkipStep` for a host-known skip
+        (``SYNC_FREE = False``, or the warm-up read of the first step)."""
+        lr, damping = group["lr"], group["damping"]
+        grads = [p.grad for p in group["params"] if p.grad is not None]
+        ok = finite_flag(grads)
+        assert ok is not None
+        if not self.SYNC_FREE and not bool(ok):
+            raise SkipStep("non-finite gradient")
+        updates = self._updates(k, stats_step, mc_step, damping, ok)
+        flags = [f for f in (ok, finite_flag(updates.values()), self._device_flags()) if f is not None]
+        ok = torch.stack(flags).all() if len(flags) > 1 else flags[0]
+        if not self.SYNC_FREE and not bool(ok):
+            raise SkipStep("non-finite preconditioned update")
+        nu = kl_clip_factor(updates, lr, self.kl_clip)
+        if nu is not None:  # counted on the device, in place (no sync; graph-safe); read by kl_clipped_steps
+            if self._kl_clipped is None:
+                self._kl_clipped = torch.zeros((), dtype=torch.int64, device=nu.device)
+            self._kl_clipped.add_(((nu < 1.0) & ok).to(torch.int64))
+        read = apply_momentum_step(self.state, group["params"], updates, lr, group["momentum"],
+                                   group["weight_decay"], nu, ok if self.SYNC_FREE else None)
+        if read is False:  # the warm-up host read found a skip
+            raise SkipStep("non-finite gradient, curvature or update")
+        if self.SYNC_FREE:
+            self._count(ok)
+        return ok
+
+    def _run_device(self, stats_step: bool, fn: Callable[[], Tensor]) -> Tensor:
+        """Run the device part (TENGraD: replays a CUDA graph of it when asked)."""
+        return fn()
 
     def _skip(self, why: str, loss: Optional[Tensor]) -> Optional[Tensor]:
         """A skip known on the host: nothing changes, the schedule does not advance."""

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional
 
 import torch
@@ -38,70 +37,13 @@ from .mc import mc_capture
 from .resume import restore_curvature, save_curvature
 from .state_check import check_materialization, materialization_meta
 from .skeleton import StepSkeleton
-from ..curvature.layer import KERNELS, CoveredLayer, choose_strategy, covered_layers
-from ..solve.woodbury import damped_cholesky_ex, woodbury_apply, woodbury_select
+from ..curvature.layer import KERNELS, choose_strategy, covered_layers
+from ..solve.woodbury import damped_cholesky_ex
+from .graphs import StepGraphs
+from .tengrad_groups import LayerGroup, build_groups, reuse_cost
 from .fused import LayerInput, fused_update
 
 __all__ = ["TENGraD"]
-
-@dataclass
-class _Curvature:
-    """One layer's curvature from the last curvature step.
-
-    ``Pw``/``Pb``: materialized per-sample gradients WITHOUT the loss-reduction scale
-    (``J = k·[Pw, Pb]``), kept when the cost model materializes the layer; else ``J`` is
-    used through the layer's ``jvp``/``vjp`` on the stored ``I``, ``G``.
-    """
-
-    layer: CoveredLayer
-    params: list[torch.nn.Parameter]
-    m: int
-    K: Tensor
-    Pw: Optional[Tensor] = None  # [m, n_w]
-    Pb: Optional[Tensor] = None  # [m, n_b] or None (no bias)
-    k: float = 1.0
-    chol: Optional[Tensor] = None
-
-    def jvp(self, g: Tensor) -> Tensor:
-        nw = self.params[0].numel()
-        if self.Pw is not None:
-            out = self.Pw @ g[:nw]
-            if self.Pb is not None:
-                out = out + self.Pb @ g[nw:]
-            return out * self.k
-        w = self.params[0]
-        vb = g[nw:].view_as(self.params[1]) if len(self.params) > 1 else None
-        return self.layer.jvp(g[:nw].view_as(w), vb)
-
-    def vjp(self, c: Tensor) -> Tensor:
-        c = c.to(self.K.dtype)
-        if self.Pw is not None:
-            parts = [self.Pw.T @ c] + ([self.Pb.T @ c] if self.Pb is not None else [])
-            return torch.cat(parts) * self.k
-        gw, gb = self.layer.vjp(c)
-        return gw.flatten() if gb is None else torch.cat([gw.flatten(), gb.flatten()])
-
-
-_PROBE_GENERATORS: dict[str, torch.Generator] = {}
-
-
-def _probe_generator(device: torch.device) -> torch.Generator:
-    """A private generator for the consistency probe (the global RNG stays untouched)."""
-    key = str(device)
-    if key not in _PROBE_GENERATORS:
-        _PROBE_GENERATORS[key] = torch.Generator(device=device).manual_seed(0)
-    return _PROBE_GENERATORS[key]
-
-
-def _materialized(layer: CoveredLayer) -> tuple[Tensor, Optional[Tensor], float]:
-    """``(Pw, Pb, k)`` with ``J = k·[Pw, Pb]``, without copying backward-made ``P``."""
-    recs = layer.records()
-    k = layer._scale()
-    if len(recs) == 1 and recs[0].P is not None:
-        r = recs[0]
-        return r.P, (r.Gsum if layer.bias is not None else None), k
-    dW, db = layer.per_sample_grads()  # already scaled
-    return dW.flatten(1), (db.flatten(1) if db is not None else None), 1.0
 
 
 class TENGraD(StepSkeleton):
@@ -148,6 +90,9 @@ class TENGraD(StepSkeleton):
             of equal shapes share one ``vmap``. Falls back to eager, with one warning, if
             compilation fails or a layer has no fused form (conv/sequence by factor).
             A string names the ``torch.compile`` backend (default ``"inductor"``).
+        cuda_graph: on CUDA, capture the device part of reuse steps (no new curvature) as a
+            CUDA graph per step kind and replay it (:mod:`tengrad_fx.optim.graphs`); eager
+            with one warning if capture fails; on a CPU the same code runs eagerly.
     """
 
     NAME = "tengrad"
@@ -169,6 +114,7 @@ class TENGraD(StepSkeleton):
         jacobian_budget_mb: float = 1024.0,
         strategy: Literal["auto", "factor", "materialize"] = "auto",
         compile: bool | str = False,
+        cuda_graph: bool = False,
     ):
         info = get_info(model)  # raises ValueError for an unprepared model
         check_nonneg("lr", lr)
@@ -195,13 +141,18 @@ class TENGraD(StepSkeleton):
         self.jacobian_budget = jacobian_budget_mb * 2**20
         self.strategy = strategy
         self.compile = bool(compile)
+        self.cuda_graph = bool(cuda_graph)
+        self._graphs = StepGraphs()
+        self._graph_version = 0  # bumped when a static tensor of the captured step is replaced
+        self._gbuf: dict[Tensor, Tensor] = {}  # static gradient buffers (cuda_graph)
         self._fused_fn: Optional[Callable[..., Any]] = None
         if self.compile:
             backend = compile if isinstance(compile, str) else "inductor"
             self._fused_fn = torch.compile(fused_update, dynamic=False, fullgraph=True, backend=backend)
         self._layers = covered_layers(model)
         self._initial_jacobian_sites()
-        self._curv: list[_Curvature] = []
+        self._curv: list[Any] = []  # LayerGroups (modular path) or (params, m) (fused path)
+        self._chol: Optional[Tensor] = None  # [L_total, m, m]: all layers' factors, group order
         self._curv_damping: Optional[float] = None
         self._chol_ok: Optional[Tensor] = None  # device bool: every cached factor is valid
         self._step_flag: Optional[Tensor] = None  # extra device flag of the current step
@@ -218,6 +169,13 @@ class TENGraD(StepSkeleton):
         steps count: the skip is decided on the device), when none is cached, and once
         more after the host saw a skipped curvature step."""
         return not self._curv or self._recapture or step - self._curv_sched >= self.curvature_every
+
+    def reuse_cost(self) -> tuple[float, float]:
+        """``(flops, bytes)`` of the curvature work of a step without new curvature, from
+        the cached groups (:func:`tengrad_fx.optim.tengrad_groups.reuse_cost`); zeros
+        before the first curvature step or on the fused path."""
+        groups = [g for g in self._curv if isinstance(g, LayerGroup)]
+        return reuse_cost(groups) if groups else (0.0, 0.0)
 
     def _is_curvature_step(self) -> bool:
         return self._needs_capture(self._sched)
@@ -251,6 +209,7 @@ class TENGraD(StepSkeleton):
         super().load_state_dict(sd)
         self._info.store.jacobian_sites = set(self.state[self.NAME].get("jacobian_sites", []))
         self._curv = []
+        self._graphs.clear()
         if curv is not None:
             restore_curvature(self, curv)
         capturing(self.model, self._needs_capture(self._sched))
@@ -271,53 +230,49 @@ class TENGraD(StepSkeleton):
 
     # ------------------------------------------------------------------ curvature
     def _refresh(self, damping: float) -> None:
-        """Grams and batched Cholesky factors of every covered layer from the store.
+        """Grams and Cholesky factors of every covered layer from the store, by groups of
+        equal shape (:mod:`tengrad_fx.optim.tengrad_groups`).
 
         Layers the cost model materializes (within ``jacobian_budget_mb``) are marked in
         the store, so later capturing backwards compute their per-sample gradients in
         place of the weight gradient (``P``), and the Gram is ``P Pᵀ``.
         """
         t_start = time.perf_counter()
-        curv: list[_Curvature] = []
-        budget = self.jacobian_budget
-        sites = self._uncaptured_sites()
-        for layer in self._layers:
-            params = [p for p in (layer.weight, layer.bias) if p is not None]
-            if not all(p.requires_grad for p in params) or not layer.captured:
-                continue
-            how = layer.choose(self.strategy)
-            if how == "materialize":
-                Pw, Pb, k = _materialized(layer)
-                K = Pw @ Pw.T
-                if Pb is not None:
-                    K = K + Pb @ Pb.T
-                K = K * (k * k)
-                nbytes = (Pw.numel() + (Pb.numel() if Pb is not None else 0)) * Pw.element_size()
-                if nbytes <= budget:
-                    budget -= nbytes
-                    sites.update(layer.spec.sites)
-                    curv.append(_Curvature(layer, params, K.shape[0], K, Pw, Pb, k))
-                    continue
-            else:
-                K = layer.gram("factor")
-            curv.append(_Curvature(layer, params, K.shape[0], K))
+        groups, sites = build_groups(self._layers, self.strategy, self.jacobian_budget, self._uncaptured_sites())
         self._info.store.jacobian_sites = sites
+        old = self._curv
+        if self.cuda_graph and len(old) == len(groups) and all(
+                isinstance(o, LayerGroup) and o.adopt(n) for o, n in zip(old, groups)):
+            groups = old  # the captured reuse step keeps reading the same tensors
+        elif self.cuda_graph:
+            self._graph_version += 1
+        self._K = [grp.gram() for grp in groups]
         self._gram_seconds = time.perf_counter() - t_start
-        self._factorize(curv, damping)
-        self._curv = curv
-        self._curv_damping = damping
+        self._curv = groups
+        self._factorize(damping)
 
-    def _factorize(self, curv: list[_Curvature], damping: float) -> None:
-        by_m: dict[int, list[_Curvature]] = {}
-        for c in curv:
-            by_m.setdefault(c.m, []).append(c)
-        oks = []
-        for m, cs in by_m.items():
-            chol, ok = damped_cholesky_ex(torch.stack([c.K for c in cs]), m * damping, self.solve_dtype)
-            oks.append(ok)
-            for c, L in zip(cs, chol):
-                c.chol = L
-        self._chol_ok = torch.cat(oks).all() if oks else None
+    def _factorize(self, damping: float) -> None:
+        """One batched Cholesky of every layer's ``K + mαI`` (all layers share ``m``)."""
+        groups: list[LayerGroup] = self._curv
+        old_chol, old_ok = self._chol, self._chol_ok
+        self._chol, self._chol_ok = None, None
+        if groups:
+            m = groups[0].m
+            if any(grp.m != m for grp in groups):
+                raise RuntimeError("TENGraD: covered layers captured different batch sizes")
+            chol, ok = damped_cholesky_ex(torch.cat(self._K), m * damping, self.solve_dtype)
+            ok = ok.all()
+            if old_chol is not None and old_ok is not None and old_chol.shape == chol.shape \
+                    and old_chol.dtype == chol.dtype:  # in place: static for a captured step
+                chol, ok = old_chol.copy_(chol), old_ok.copy_(ok)
+            elif self.cuda_graph:
+                self._graph_version += 1
+            off = 0
+            for grp, K in zip(groups, self._K):
+                grp.chol = chol[off: off + K.shape[0]]
+                off += K.shape[0]
+            self._chol, self._chol_ok = chol, ok
+        self._curv_damping = damping
 
     # ------------------------------------------------------------------ step (skeleton hooks)
     def _check_capture(self, stats_step: bool) -> None:
@@ -336,11 +291,10 @@ class TENGraD(StepSkeleton):
         updates = self._fused_step(curvature_step, mc_step, damping) if self.compile else None
         t1 = time.perf_counter()
         if updates is None:  # the modular path
-            if curvature_step or any(c.chol is None for c in self._curv):
+            if curvature_step or self._chol is None or not all(isinstance(g, LayerGroup) for g in self._curv):
                 self._refresh(damping)
             elif damping != self._curv_damping:
-                self._factorize(self._curv, damping)
-                self._curv_damping = damping
+                self._factorize(damping)
             t1 = time.perf_counter()
             updates = self._precondition(curvature_step and not mc_step, damping)
             self._step_flag = self._chol_ok
@@ -354,6 +308,34 @@ class TENGraD(StepSkeleton):
         self._t_apply = t2
         return updates
 
+    def _run_device(self, stats_step: bool, fn: Callable[[], Tensor]) -> Tensor:
+        """Reuse steps with ``cuda_graph``: static gradients, then the graph of this kind."""
+        group = self.param_groups[0]
+        params = [p for p in group["params"] if p.grad is not None]
+        if not self.cuda_graph or stats_step or self.compile or self._chol is None or not params \
+                or (group["momentum"] and any("momentum_buffer" not in self.state[p] for p in params)):
+            return fn()
+        self._static_grads(params)
+        key = ("reuse", group["lr"], group["damping"], group["momentum"], group["weight_decay"],
+               self.kl_clip, self._graph_version, tuple(id(p) for p in params))
+        return self._graphs.run(key, fn, params[0].device)
+
+    def _static_grads(self, params: list[Tensor]) -> None:
+        """Copy the gradients into static buffers that become ``p.grad`` (a captured graph
+        reads fixed addresses; with ``zero_grad(set_to_none=False)`` nothing is copied)."""
+        src, dst = [], []
+        for p in params:
+            buf = self._gbuf.get(p)
+            if buf is None or buf.shape != p.grad.shape or buf.dtype != p.grad.dtype:
+                buf = self._gbuf[p] = torch.empty_like(p.grad)
+                self._graph_version += 1
+            if p.grad is not buf:
+                src.append(p.grad)
+                dst.append(buf)
+                p.grad = buf
+        if dst:
+            torch._foreach_copy_(dst, src)
+
     def _device_flags(self) -> Optional[Tensor]:
         return self._step_flag
 
@@ -362,31 +344,51 @@ class TENGraD(StepSkeleton):
             self.timings["apply"] = time.perf_counter() - self._t_apply
 
     def _precondition(self, push_through: bool, damping: float) -> dict[Tensor, Tensor]:
-        """``{param: u}`` for every parameter of every covered layer."""
-        out: dict[Tensor, Tensor] = {}
+        """``{param: u}`` for every parameter with a gradient of every covered layer:
+        per group ``J g``, one solve for all layers, per group ``Jᵀ c``; on empirical
+        curvature steps (``push_through``) each layer takes the push-through form where
+        its probe holds (picked on the device; ``J g`` is computed either way)."""
+        groups: list[LayerGroup] = self._curv
+        if not groups or self._chol is None:
+            return {}
         use_pt = push_through and self.update_form == "auto"
-        s_g = 1.0 if self._info.loss_reduction == "sum" else None
-        for c in self._curv:
-            if any(p.grad is None for p in c.params):
-                continue
-            assert c.chol is not None
-            g = torch.cat([p.grad.flatten() for p in c.params]).to(c.K.dtype)
+        m = groups[0].m
+        scale = float(m) * (1.0 if self._info.loss_reduction == "sum" else 1.0 / m)
+        grads, rhs, push = [], [], []
+        for grp in groups:
+            gw, gb = grp.grads()
+            Jg = grp.jvp(gw, gb)
             if use_pt:
-                scale = float(c.m) * (s_g if s_g is not None else 1.0 / c.m)
-                push = self._is_batch_gradient(c, g, scale / c.m)
-                u = woodbury_select(c.chol, g, damping, scale, push, c.jvp, c.vjp)
-            else:
-                u = woodbury_apply(c.chol, g, damping, c.jvp, c.vjp)
-            off = 0
-            for p in c.params:
-                out[p] = u[off: off + p.numel()].view_as(p).to(p.dtype)
-                off += p.numel()
+                ok = grp.probe(gw, gb, scale / m)
+                push.append(ok)
+                Jg = torch.where(ok.unsqueeze(1), torch.ones_like(Jg), Jg)
+            grads.append((gw, gb))
+            rhs.append(Jg)
+        chol = self._chol
+        # (K + mαI)⁻¹ rhs by two batched triangular solves (what cholesky_solve does; trsm
+        # never synchronizes, so it can be captured in a CUDA graph)
+        y = torch.linalg.solve_triangular(chol, torch.cat(rhs).to(chol.dtype).unsqueeze(2), upper=False)
+        c_all = torch.linalg.solve_triangular(chol.mH, y, upper=True).squeeze(2)
+        out: dict[Tensor, Tensor] = {}
+        off = 0
+        for i, (grp, (gw, gb)) in enumerate(zip(groups, grads)):
+            L = gw.shape[0]
+            JTw, JTb = grp.vjp(c_all[off: off + L])
+            off += L
+            uw = (gw - JTw.to(gw.dtype)) / damping
+            ub = (gb - JTb.to(gb.dtype)) / damping if gb is not None and JTb is not None else None
+            if use_pt:
+                sel = push[i].unsqueeze(1)
+                uw = torch.where(sel, JTw.to(gw.dtype) * scale, uw)
+                if ub is not None and JTb is not None:
+                    ub = torch.where(sel, JTb.to(ub.dtype) * scale, ub)
+            out.update(grp.split(uw, ub))
         return out
 
-    def _fused_inputs(self) -> Optional[tuple[list[LayerInput], list[_Curvature]]]:
+    def _fused_inputs(self) -> Optional[tuple[list[LayerInput], list[tuple[list[torch.nn.Parameter], int]]]]:
         """Layer inputs of :func:`fused_update`, or None if a layer has no fused form."""
         ins: list[LayerInput] = []
-        used: list[_Curvature] = []
+        used: list[tuple[list[torch.nn.Parameter], int]] = []
         for layer in self._layers:
             params = [p for p in (layer.weight, layer.bias) if p is not None]
             if not all(p.requires_grad and p.grad is not None for p in params) or not layer.captured:
@@ -404,7 +406,7 @@ class TENGraD(StepSkeleton):
                 ins.append(("IG", r.I, r.G * k, layer.bias is not None))
             else:
                 return None
-            used.append(_Curvature(layer, params, m, r.I if r.I is not None else r.P, None))
+            used.append((params, m))
         return ins, used
 
     def _fused_step(self, curvature_step: bool, mc_step: bool, damping: float) -> Optional[dict[Tensor, Tensor]]:
@@ -414,12 +416,12 @@ class TENGraD(StepSkeleton):
         if prep is None or not prep[0]:
             return None
         ins, used = prep
-        m = used[0].m
-        if any(c.m != m for c in used):
+        m = used[0][1]
+        if any(cm != m for _, cm in used):
             return None
         push = curvature_step and not mc_step and self.update_form == "auto"
         scale = float(m) * (1.0 if self._info.loss_reduction == "sum" else 1.0 / m)
-        grads = [torch.cat([p.grad.flatten() for p in c.params]) for c in used]
+        grads = [torch.cat([p.grad.flatten() for p in params]) for params, _ in used]
         args = (ins, grads, m * damping, scale, damping, push, self.solve_dtype)
         fn = self._fused_fn if self._fused_fn is not None else fused_update
         try:
@@ -432,11 +434,11 @@ class TENGraD(StepSkeleton):
         self._step_flag = (info == 0).all()  # a failed factor skips the step (on the device)
         if curvature_step:  # keep the store's materialization choice as the modular path would
             self._mark_jacobian_sites()
-            self._curv = used
+            self._curv, self._chol = used, None
         out: dict[Tensor, Tensor] = {}
-        for c, u in zip(used, us):
+        for (params, _), u in zip(used, us):
             off = 0
-            for p in c.params:
+            for p in params:
                 out[p] = u[off: off + p.numel()].view_as(p).to(p.dtype)
                 off += p.numel()
         return out
@@ -489,37 +491,3 @@ class TENGraD(StepSkeleton):
                     budget -= nbytes
                     sites.update(layer.spec.sites)
         self._info.store.jacobian_sites = sites
-
-    @staticmethod
-    def _is_batch_gradient(c: _Curvature, g: Tensor, s: float, n_probe: int = 256) -> Tensor:
-        """Is ``g`` the captured batch's gradient ``s·Jᵀ1``? (False after gradient clipping,
-        a loss term outside the captured layers, or accumulation over micro-batches; the
-        push-through form is exact only when it holds.) Checked on ``n_probe`` random
-        weight coordinates plus the bias where ``J`` is cheap to slice, else in full.
-        A device ``bool`` scalar: the form is picked on the device, every curvature step."""
-        layer = c.layer
-        nw = c.params[0].numel()
-        tol = 1e-4 if g.dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-9
-        idx = torch.randint(0, nw, (min(n_probe, nw),), device=g.device,
-                            generator=_probe_generator(g.device))
-        recs = layer.records()
-        if c.Pw is not None:
-            got = c.Pw[:, idx].sum(0) * (c.k * s)
-            ref = g[idx]
-            if c.Pb is not None:
-                got = torch.cat([got, c.Pb.sum(0) * (c.k * s)])
-                ref = torch.cat([ref, g[nw:]])
-        elif layer.kind == "linear" and len(recs) == 1 and recs[0].I is not None:
-            I, G = recs[0].I, recs[0].G
-            f = I.shape[-1]
-            rows, cols = idx // f, idx % f
-            I2, G2 = I.reshape(-1, f), G.reshape(-1, G.shape[-1])
-            got = (G2[:, rows] * I2[:, cols]).sum(0) * (layer._scale() * s)
-            ref = g[idx]
-            if len(c.params) > 1:
-                got = torch.cat([got, G2.sum(0) * (layer._scale() * s)])
-                ref = torch.cat([ref, g[nw:]])
-        else:
-            got = c.vjp(torch.ones(c.m, dtype=c.K.dtype, device=g.device)) * s
-            ref = g
-        return torch.linalg.vector_norm(ref - got.to(ref.dtype)) <= tol * torch.linalg.vector_norm(ref)

@@ -20,12 +20,15 @@ __all__ = ["finite_flag", "all_finite", "kl_clip_factor", "apply_momentum_step"]
 
 
 def finite_flag(ts: Iterable[Tensor]) -> Optional[Tensor]:
-    """A device ``bool`` scalar: every entry of every tensor is finite (None for no
-    tensors). One ``_foreach_norm(∞)`` (NaN and ±inf propagate into the max), no host read."""
+    """A device ``bool`` scalar: every tensor's 2-norm is finite (None for no tensors). One
+    ``_foreach_norm`` (the fast, fused one; NaN and ±inf propagate into it), squares summed
+    in at least float32, no host read. An entry beyond ~1e19 overflows the norm and counts
+    as non-finite too (such a step would not give a finite update anyway)."""
     ts = [t for t in ts if t.numel()]
     if not ts:
         return None
-    return torch.isfinite(torch.stack(torch._foreach_norm(ts, float("inf")))).all()
+    dtype = torch.float32 if all(t.dtype in (torch.float16, torch.bfloat16, torch.float32) for t in ts) else None
+    return torch.isfinite(torch.stack(torch._foreach_norm(ts, 2, dtype=dtype))).all()
 
 
 def all_finite(ts: list[Tensor]) -> bool:

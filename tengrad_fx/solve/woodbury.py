@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 __all__ = ["damped_cholesky", "damped_cholesky_ex", "woodbury_apply", "woodbury_push_through",
-           "woodbury_select", "CholeskyFailed", "JITTERS"]
+           "CholeskyFailed", "JITTERS"]
 
 
 class CholeskyFailed(RuntimeError):
@@ -105,15 +105,3 @@ def woodbury_push_through(chol: Tensor, scale: float, vjp: Callable[[Tensor], Te
     c = torch.cholesky_solve(ones.unsqueeze(-1), chol).squeeze(-1)
     return vjp(c) * scale
 
-
-def woodbury_select(chol: Tensor, g: Tensor, damping: float, scale: float, push: Tensor,
-                    jvp: Callable[[Tensor], Tensor], vjp: Callable[[Tensor], Tensor]) -> Tensor:
-    """Either form, picked on the device by ``push`` (a ``bool`` scalar, no host read):
-    one solve with ``rhs = push ? 1 : J g``, then ``u = push ? scale·Jᵀc : (g − Jᵀc)/α``.
-
-    The price of deciding on the device is ``J g`` on every step (one more pass over ``J``
-    than the push-through form alone)."""
-    Jg = jvp(g)
-    rhs = torch.where(push, torch.ones_like(Jg), Jg)
-    JTc = vjp(_solve(chol, rhs))
-    return torch.where(push, JTc * scale, (g - JTc) / damping)

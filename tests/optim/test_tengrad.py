@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx import TENGraD
-from testing import explicit_jacobian, per_sample_grads_reference
+from testing import dense_layer_updates
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 TOL = 1e-8
@@ -93,22 +93,11 @@ def full_grad(ref: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn)
     return {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
 
 
-def dense_u(J_ref: nn.Module, xJ: torch.Tensor, yJ: torch.Tensor, lossJ: LossFn,
-            g: dict[str, torch.Tensor], damping: float, layers: dict[str, list[str]]) -> dict[str, torch.Tensor]:
-    """``{param name: u}``, ``u = solve(JᵀJ/m + αI, g)`` per layer, J from per-sample grads."""
-    psg = per_sample_grads_reference(J_ref, xJ, lossJ, yJ)
-    out = {}
-    for _, names in layers.items():
-        w, b = names[0], (names[1] if len(names) > 1 else None)
-        J = explicit_jacobian(psg, w, b)
-        m, n = J.shape
-        gv = torch.cat([g[k].flatten() for k in names])
-        u = torch.linalg.solve(J.T @ J / m + damping * torch.eye(n, dtype=J.dtype), gv)
-        off = 0
-        for k in names:
-            out[k] = u[off: off + g[k].numel()].view_as(g[k])
-            off += g[k].numel()
-    return out
+def dense_u(J_ref: nn.Module, xJ: torch.Tensor, yJ: torch.Tensor, lossJ: LossFn, g: dict[str, torch.Tensor],
+            damping: float, layers: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """``{param name: u}``, ``u = solve(JᵀJ/m + αI, g)`` per layer (``layers``: name -> params)."""
+    covered = {pn: lay for lay, names in layers.items() for pn in names}
+    return dense_layer_updates(J_ref, xJ, yJ, lossJ, g, damping, covered)
 
 
 def step_delta(model: nn.Module, opt: TENGraD) -> dict[str, torch.Tensor]:
@@ -142,25 +131,22 @@ STRATEGIES = [("auto", 1024.0), ("factor", 1024.0), ("materialize", 1024.0), ("m
 def test_update_equals_dense_reference(kind: str, strategy: str, budget: float, monkeypatch) -> None:
     """Two curvature steps (m=8, then m=6): the second one runs the backward that
     materializes per-sample gradients for layers the first step chose to keep ``J`` of."""
-    import tengrad_fx.optim.tengrad as mod
+    from tengrad_fx.optim.tengrad_groups import LayerGroup
 
-    calls = {"push_through": 0, "apply": 0, "select_woodbury": 0}
+    calls = {"push_through": 0, "woodbury": 0}
+    real_probe = LayerGroup.probe
 
-    def spy_apply(*a, **k):
-        calls["apply"] += 1
-        return real_apply(*a, **k)
+    def spy_probe(self, *a, **k):  # the form is picked per layer on the device by the probe
+        ok = real_probe(self, *a, **k)
+        calls["push_through"] += int(ok.sum())
+        calls["woodbury"] += int((~ok).sum())
+        return ok
 
-    def spy_select(chol, g, damping, scale, push, *a):  # the form is picked on the device
-        calls["push_through" if bool(push) else "select_woodbury"] += 1
-        return real_select(chol, g, damping, scale, push, *a)
-
-    real_apply, real_select = mod.woodbury_apply, mod.woodbury_select
-    monkeypatch.setattr(mod, "woodbury_apply", spy_apply)
-    monkeypatch.setattr(mod, "woodbury_select", spy_select)
+    monkeypatch.setattr(LayerGroup, "probe", spy_probe)
     batches = [batch(kind, 8, 1), batch(kind, 6, 2)]
     deltas: dict[str, list[dict[str, torch.Tensor]]] = {}
     for form in ("auto", "woodbury"):
-        calls.update(push_through=0, apply=0, select_woodbury=0)
+        calls.update(push_through=0, woodbury=0)
         template, model, opt = setup(kind, update_form=form, strategy=strategy, jacobian_budget_mb=budget)
         layers = layer_params(model)
         assert len(layers) == 3
@@ -182,8 +168,10 @@ def test_update_equals_dense_reference(kind: str, strategy: str, budget: float, 
             deltas[form].append(step_delta(model, opt))
             assert_matches(deltas[form][-1], ref)
         # "auto" takes the push-through form on these (empirical, curvature) steps
-        used, unused = ("push_through", "apply") if form == "auto" else ("apply", "push_through")
-        assert calls[used] > 0 and calls[unused] == 0 and calls["select_woodbury"] == 0, calls
+        if form == "auto":
+            assert calls["push_through"] > 0 and calls["woodbury"] == 0, calls
+        else:  # no probe: the Woodbury form throughout
+            assert calls == {"push_through": 0, "woodbury": 0}, calls
     for da, dw in zip(deltas["auto"], deltas["woodbury"]):
         for k in ref:
             assert rel(da[k], dw[k]) <= TOL

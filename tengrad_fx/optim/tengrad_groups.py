@@ -1,0 +1,294 @@
+"""TENGraD's curvature as groups of equal-shape layers: one batched op per group.
+
+Per covered layer, ``J`` (``[m, n]``, rows = per-sample gradients) enters the update only
+through ``K = J Jᵀ``, ``J g`` and ``Jᵀ c``. Layers of equal shape and form are stacked
+into a :class:`LayerGroup` (``L`` layers), so each of these is one ``bmm`` per group and
+the number of ops a step dispatches does not grow with depth. Forms:
+
+* ``"P"`` — materialized per-sample gradients (made by the backward in place of the
+  weight gradient): ``Pw [L, m, n_w]``, ``Pb [L, m, n_b]`` (or None), ``J = k·[Pw, Pb]``.
+  ``J g`` and ``Jᵀ c`` are two GEMVs per layer over ``P`` (one ``bmm`` each per group).
+* ``"IG"`` — Linear layers with one position per sample, by factorization: inputs
+  ``A [L, m, f]``, captured output gradients ``B [L, m, o]``, ``J_i = k·vec(B_i A_iᵀ, B_i)``.
+  ``J g = k·Σ (A Gwᵀ)⊙B`` or ``k·Σ (B Gw)⊙A`` — the order with the smaller ``[m, min(o, f)]``
+  intermediate (equal flops ``m·o·f``); ``Jᵀ c = k·(B⊙c)ᵀ A``.
+* ``"layer"`` — one layer through :class:`~tengrad_fx.curvature.layer.CoveredLayer`
+  (convolutions by factorization, several calls of one module, sequences).
+
+``k`` is the per-sample scale of the captured ``G`` (``m`` for a mean loss). Gradients of
+a group are stacked the same way: ``gw [L, n_w]``, ``gb [L, n_b]``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+import torch
+from torch import Tensor
+
+from ..curvature.layer import CoveredLayer
+
+__all__ = ["LayerGroup", "build_groups", "probe_generator", "reuse_cost"]
+
+Form = Literal["P", "IG", "layer"]
+_PROBE_GENERATORS: dict[str, torch.Generator] = {}
+
+
+def probe_generator(device: torch.device) -> torch.Generator:
+    """A private generator for the consistency probe (the global RNG stays untouched)."""
+    key = str(device)
+    if key not in _PROBE_GENERATORS:
+        _PROBE_GENERATORS[key] = torch.Generator(device=device).manual_seed(0)
+    return _PROBE_GENERATORS[key]
+
+
+def _stack(ts: list[Tensor]) -> Tensor:
+    return ts[0].unsqueeze(0) if len(ts) == 1 else torch.stack(ts)
+
+
+@dataclass(eq=False)
+class LayerGroup:
+    """``L`` layers of one form and shape (module docstring)."""
+
+    form: Form
+    layers: list[CoveredLayer]
+    m: int
+    k: float = 1.0
+    Pw: Optional[Tensor] = None  # "P": [L, m, n_w]
+    Pb: Optional[Tensor] = None  # "P": [L, m, n_b]
+    A: Optional[Tensor] = None  # "IG": [L, m, f]
+    B: Optional[Tensor] = None  # "IG": [L, m, o]
+    strategy: str = "auto"  # "layer": Gram strategy
+    chol: Optional[Tensor] = None  # [L, m, m]: factors of K + mαI
+
+    @property
+    def has_bias(self) -> bool:
+        return self.layers[0].bias is not None
+
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for lay in self.layers for p in (lay.weight, lay.bias) if p is not None]
+
+    def adopt(self, new: "LayerGroup") -> bool:
+        """Copy ``new``'s stacked tensors into this group's (same layers, form and shapes),
+        pointing the store's records at this group's views; False when they differ. Keeps
+        the tensors a captured CUDA graph reads at fixed addresses."""
+        names = ("Pw", "Pb", "A", "B")
+        if new.form != self.form or new.form == "layer" or new.layers != self.layers or new.k != self.k:
+            return False
+        for n in names:
+            a, b = getattr(self, n), getattr(new, n)
+            if (a is None) != (b is None) or (a is not None and (a.shape != b.shape or a.dtype != b.dtype)):
+                return False
+        for n in names:
+            a, b = getattr(self, n), getattr(new, n)
+            if a is not None:
+                a.copy_(b)
+        for i, lay in enumerate(self.layers):
+            recs = lay.records()
+            if len(recs) == 1 and self.form == "P" and recs[0].P is not None:
+                recs[0].P, recs[0].Gsum = self.Pw[i], (self.Pb[i] if self.Pb is not None else recs[0].Gsum)  # type: ignore[index]
+            elif len(recs) == 1 and self.form == "IG":
+                recs[0].I, recs[0].G = self.A[i], self.B[i]  # type: ignore[index]
+        return True
+
+    # ------------------------------------------------------------------ gradients
+    def grads(self) -> tuple[Tensor, Optional[Tensor]]:
+        """``(gw [L, n_w], gb [L, n_b] or None)``; a missing ``.grad`` counts as zeros."""
+        def one(p: Tensor) -> Tensor:  # flat: a "P" group may mix shapes of equal size
+            return (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+        gw = _stack([one(lay.weight) for lay in self.layers])
+        gb = _stack([one(lay.bias) for lay in self.layers]) if self.has_bias else None  # type: ignore[arg-type]
+        return gw, gb
+
+    def split(self, uw: Tensor, ub: Optional[Tensor]) -> dict[Tensor, Tensor]:
+        """``{param: u}`` (views of the stacked ``uw``/``ub``) for parameters with a gradient."""
+        out: dict[Tensor, Tensor] = {}
+        for i, lay in enumerate(self.layers):
+            for p, u in ((lay.weight, uw[i]), (lay.bias, ub[i] if ub is not None else None)):
+                if p is not None and p.grad is not None and u is not None:
+                    out[p] = u.view(p.shape).to(p.dtype)
+        return out
+
+    # ------------------------------------------------------------------ J products
+    def gram(self) -> Tensor:
+        """``K = J Jᵀ``, ``[L, m, m]``."""
+        if self.form == "P":
+            assert self.Pw is not None
+            K = torch.bmm(self.Pw, self.Pw.transpose(1, 2))
+            if self.Pb is not None:
+                K = torch.baddbmm(K, self.Pb, self.Pb.transpose(1, 2))
+        elif self.form == "IG":
+            assert self.A is not None and self.B is not None
+            AA = torch.bmm(self.A, self.A.transpose(1, 2))
+            K = (AA + 1.0 if self.has_bias else AA) * torch.bmm(self.B, self.B.transpose(1, 2))
+        else:
+            return self.layers[0].gram(self.strategy).unsqueeze(0)  # type: ignore[arg-type]
+        return K * (self.k * self.k)
+
+    def jvp(self, gw: Tensor, gb: Optional[Tensor]) -> Tensor:
+        """``J g``, ``[L, m]``."""
+        if self.form == "P":
+            assert self.Pw is not None
+            out = torch.bmm(self.Pw, gw.unsqueeze(2)).squeeze(2)
+            if self.Pb is not None and gb is not None:
+                out = torch.baddbmm(out.unsqueeze(2), self.Pb, gb.unsqueeze(2)).squeeze(2)
+            return out * self.k
+        if self.form == "IG":
+            A, B = self.A, self.B
+            assert A is not None and B is not None
+            Gw = gw.view(gw.shape[0], B.shape[2], A.shape[2])  # [L, o, f]
+            if B.shape[2] <= A.shape[2]:
+                out = (torch.bmm(A, Gw.transpose(1, 2)) * B).sum(2)
+            else:
+                out = (torch.bmm(B, Gw) * A).sum(2)
+            if gb is not None:
+                out = out + torch.bmm(B, gb.unsqueeze(2)).squeeze(2)
+            return out * self.k
+        lay = self.layers[0]
+        vb = gb[0].view_as(lay.bias) if gb is not None and lay.bias is not None else None
+        return lay.jvp(gw[0].view_as(lay.weight), vb).unsqueeze(0)
+
+    def vjp(self, c: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        """``Jᵀ c`` for ``c [L, m]``: ``(w [L, n_w], b [L, n_b] or None)``."""
+        if self.form == "P":
+            assert self.Pw is not None
+            c = c.to(self.Pw.dtype) * self.k
+            w = torch.bmm(self.Pw.transpose(1, 2), c.unsqueeze(2)).squeeze(2)
+            b = torch.bmm(self.Pb.transpose(1, 2), c.unsqueeze(2)).squeeze(2) if self.Pb is not None else None
+            return w, b
+        if self.form == "IG":
+            assert self.A is not None and self.B is not None
+            Bc = self.B * (c.to(self.B.dtype) * self.k).unsqueeze(2)
+            w = torch.bmm(Bc.transpose(1, 2), self.A).flatten(1)
+            return w, (Bc.sum(1) if self.has_bias else None)
+        lay = self.layers[0]
+        w, b = lay.vjp(c[0])
+        return w.reshape(1, -1), (b.reshape(1, -1) if b is not None else None)
+
+    def probe(self, gw: Tensor, gb: Optional[Tensor], s: float, n_probe: int = 256) -> Tensor:
+        """Is each layer's gradient the captured batch's ``s·Jᵀ1``? ``[L]`` bool, on the
+        device (False after gradient clipping, a loss term outside the captured layers or
+        accumulation; the push-through form is exact only when it holds). Checked on
+        ``n_probe`` random weight coordinates plus the bias, in full for ``"layer"``."""
+        tol = 1e-4 if gw.dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-9
+        nw = gw.shape[1]
+        if self.form == "layer":
+            got_w, got_b = self.vjp(torch.ones(1, self.m, dtype=gw.dtype, device=gw.device))
+            got, ref = got_w * s, gw
+            if got_b is not None and gb is not None:
+                got, ref = torch.cat([got, got_b * s], 1), torch.cat([ref, gb], 1)
+        else:
+            idx = torch.randint(0, nw, (min(n_probe, nw),), device=gw.device,
+                                generator=probe_generator(gw.device))
+            if self.form == "P":
+                assert self.Pw is not None
+                got = self.Pw[:, :, idx].sum(1)
+                got_b = self.Pb.sum(1) if self.Pb is not None else None
+            else:
+                assert self.A is not None and self.B is not None
+                f = self.A.shape[2]
+                got = (self.B[:, :, idx // f] * self.A[:, :, idx % f]).sum(1)
+                got_b = self.B.sum(1) if self.has_bias else None
+            got, ref = got * (self.k * s), gw[:, idx]
+            if got_b is not None and gb is not None:
+                got, ref = torch.cat([got, got_b * (self.k * s)], 1), torch.cat([ref, gb], 1)
+        err = torch.linalg.vector_norm(ref - got.to(ref.dtype), dim=1)
+        return err <= tol * torch.linalg.vector_norm(ref, dim=1)
+
+
+def _materialized(layer: CoveredLayer) -> tuple[Tensor, Optional[Tensor], float]:
+    """``(Pw, Pb, k)`` with ``J = k·[Pw, Pb]``, without copying backward-made ``P``."""
+    recs = layer.records()
+    if len(recs) == 1 and recs[0].P is not None:
+        r = recs[0]
+        return r.P, (r.Gsum if layer.bias is not None else None), layer._scale()
+    dW, db = layer.per_sample_grads()  # already scaled
+    return dW.flatten(1), (db.flatten(1) if db is not None else None), 1.0
+
+
+def build_groups(layers: list[CoveredLayer], strategy: str, budget: float,
+                 sites: Optional[set[int]] = None) -> tuple[list[LayerGroup], set[int]]:
+    """Groups of the trainable covered layers with a record in the store, and the call
+    sites whose ``J`` is kept (materialized by later backwards, within ``budget`` bytes;
+    added to ``sites``, e.g. the kept choice of layers not captured this time).
+
+    Stacking copies each group's ``P`` (or ``I``, ``G``) once; the store's records are
+    then pointed at views of the stack, so no second copy stays alive.
+    """
+    sites = set() if sites is None else set(sites)
+    keyed: dict[tuple, list[tuple[CoveredLayer, Tensor, Optional[Tensor], float]]] = {}
+    single: list[LayerGroup] = []
+    for layer in layers:
+        params = [p for p in (layer.weight, layer.bias) if p is not None]
+        if not all(p.requires_grad for p in params) or not layer.captured:
+            continue
+        how = layer.choose(strategy)  # type: ignore[arg-type]
+        recs = layer.records()
+        m = recs[0].m
+        if how == "materialize":
+            Pw, Pb, k = _materialized(layer)
+            nbytes = (Pw.numel() + (Pb.numel() if Pb is not None else 0)) * Pw.element_size()
+            if nbytes <= budget:
+                budget -= nbytes
+                sites.update(layer.spec.sites)
+                key = ("P", Pw.shape[1], Pb.shape[1] if Pb is not None else 0, k, Pw.dtype)
+                keyed.setdefault(key, []).append((layer, Pw, Pb, k))
+                continue
+        elif layer.kind == "linear" and len(recs) == 1 and recs[0].I is not None and recs[0].I.dim() == 2:
+            I, G = recs[0].I, recs[0].G
+            assert G is not None
+            key = ("IG", I.shape[1], G.shape[1], layer.bias is not None, layer._scale(), I.dtype)
+            keyed.setdefault(key, []).append((layer, I, G, layer._scale()))
+            continue
+        single.append(LayerGroup("layer", [layer], m, strategy=how))
+    groups: list[LayerGroup] = []
+    for key, members in keyed.items():
+        lays = [mb[0] for mb in members]
+        X = _stack([mb[1] for mb in members])
+        Y = _stack([mb[2] for mb in members]) if members[0][2] is not None else None  # type: ignore[misc]
+        for i, lay in enumerate(lays):  # the records now view the stack (no second copy)
+            recs = lay.records()
+            if len(recs) != 1:
+                continue
+            r = recs[0]
+            if key[0] == "P" and r.P is not None:
+                r.P = X[i]
+                if Y is not None:
+                    r.Gsum = Y[i]
+            elif key[0] == "IG":
+                r.I, r.G = X[i], Y[i]  # type: ignore[index]
+        m, k = X.shape[1], members[0][3]
+        if key[0] == "P":
+            groups.append(LayerGroup("P", lays, m, k, Pw=X, Pb=Y))
+        else:
+            groups.append(LayerGroup("IG", lays, m, k, A=X, B=Y))
+    return groups + single, sites
+
+
+def reuse_cost(groups: list[LayerGroup]) -> tuple[float, float]:
+    """``(flops, bytes)`` of a reuse step's curvature work over ``groups``: per layer
+    ``J g`` and ``Jᵀ c`` (each one pass over the cached ``P``, or over ``I``, ``G``), the two
+    triangular solves with the cached factors, and reading ``g`` / writing ``u``. The
+    final momentum update (a few passes over the parameters) is not included."""
+    flops = nbytes = 0.0
+    for grp in groups:
+        L = len(grp.layers)
+        n = sum(p.numel() for p in (grp.layers[0].weight, grp.layers[0].bias) if p is not None)
+        es = grp.layers[0].weight.element_size()
+        if grp.form == "P":
+            assert grp.Pw is not None
+            flops += 2 * 2.0 * L * grp.m * n
+            nbytes += 2.0 * (grp.Pw.numel() + (grp.Pb.numel() if grp.Pb is not None else 0)) * es
+        elif grp.form == "IG":
+            assert grp.A is not None and grp.B is not None
+            flops += 2 * 2.0 * L * grp.m * grp.A.shape[2] * grp.B.shape[2]
+            nbytes += 2.0 * (grp.A.numel() + grp.B.numel()) * es
+        else:
+            lay = grp.layers[0]
+            g, S, f, o = lay.dims()
+            flops += 2 * 2.0 * grp.m * S * f * o * g
+            nbytes += 2.0 * sum((r.I.numel() if r.I is not None else 0) + (r.G.numel() if r.G is not None else 0)
+                                for r in lay.records()) * es
+        flops += 2 * 2.0 * L * grp.m * grp.m
+        nbytes += L * grp.m * grp.m * (grp.chol.element_size() if grp.chol is not None else es) + 2.0 * L * n * es
+    return flops, nbytes

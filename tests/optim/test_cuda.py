@@ -1,0 +1,80 @@
+"""GPU-only checks (skipped without CUDA): a warmed-up step never synchronizes, the CUDA
+step equals the CPU one over 5 steps of each kind, and ``cuda_graph=True`` (replayed reuse
+steps) equals eager to 1e-6.
+
+``torch.cuda.set_sync_debug_mode("error")`` makes every synchronizing CUDA call raise,
+so this is the real-device counterpart of ``tests/optim/test_syncs.py``.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tengrad_fx
+from tengrad_fx import TENGraD
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+KINDS = {"empirical-T1": dict(), "mc-T1": dict(fisher="mc"),
+         "empirical-T3": dict(curvature_every=3), "mc-T100": dict(fisher="mc", curvature_every=100, kl_clip=0.01)}
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                         nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3), nn.Flatten(),
+                         nn.Linear(8 * 9 * 9, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def _run(device: str, steps: int, debug_sync: bool = False, **kw) -> list[torch.Tensor]:
+    net = _net().to(device)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(32, 1, 28, 28, generator=g), torch.randint(0, 10, (32,), generator=g)) for _ in range(steps)]
+    pm = tengrad_fx.prepare(net, example_inputs=(data[0][0][:2].to(device),))
+    opt = TENGraD(pm, lr=0.01, damping=0.1, momentum=0.9, weight_decay=1e-3, **kw)
+    for t, (x, y) in enumerate(data):
+        x, y = x.to(device), y.to(device)
+        opt.zero_grad()
+        out = pm(x)
+        torch.manual_seed(10 + t)
+        opt.mc_capture(out)
+        F.cross_entropy(out, y).backward()
+        if debug_sync and t >= 3:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert opt.counters["skipped"] == 0
+    if kw.get("cuda_graph"):
+        assert opt._graphs.replays >= 5 and not opt._graphs.failed
+    return [p.detach().cpu() for p in pm.parameters()]
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_cuda_step_never_synchronizes(kind: str) -> None:
+    _run("cuda", 7, debug_sync=True, **KINDS[kind])
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_cuda_step_equals_cpu_step(kind: str) -> None:
+    kw = copy.deepcopy(KINDS[kind])
+    if kw.get("fisher") == "mc":
+        pytest.skip("MC labels come from different RNG streams on CPU and CUDA")
+    cpu, gpu = _run("cpu", 5, **kw), _run("cuda", 5, **kw)
+    for a, b in zip(cpu, gpu):
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["empirical-T3", "mc-T100"])
+def test_cuda_graph_replay_equals_eager(kind: str) -> None:
+    """5+ reuse steps replayed from a captured CUDA graph equal the eager ones to 1e-6."""
+    kw = dict(KINDS[kind])
+    eager = _run("cuda", 8, **kw)
+    graphed = _run("cuda", 8, cuda_graph=True, **kw)
+    for a, b in zip(eager, graphed):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)

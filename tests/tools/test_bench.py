@@ -1,0 +1,29 @@
+"""Smoke test of ``tools.bench`` on the ``tiny`` proxy: rows, amortized T=100 ratio, the reuse
+step's flops/bytes, and the machine-independent facts of ``--ops`` (0 host syncs)."""
+from __future__ import annotations
+
+import json
+
+from tools import bench
+
+
+def test_bench_tiny_paper_rows_with_ops(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "bench.json"
+    bench.main(["--model", "tiny", "--m", "4", "--steps", "2", "--warmup", "1", "--methods", "paper",
+                "--ops", "--json", str(out)])
+    res = json.loads(out.read_text())
+    assert res["threads"] == 1 and res["m"] == 4
+    rows = res["results"]
+    assert list(rows) == ["sgd", "tengrad", "tengrad-mc", "tengrad-mc-T100"]
+    t100 = rows["tengrad-mc-T100"]
+    assert t100["reuse"] == 1.0 and t100["reuse_gflop"] > 0 and t100["reuse_mb"] > 0
+    amortized = (rows["tengrad-mc"]["total"] + 99 * t100["total"]) / 100
+    assert abs(t100["ratio_to_sgd"] - amortized / rows["sgd"]["total"]) < 1e-9
+    kinds = {(r["method"], r["kind"]): r for r in res["ops"]}
+    assert ("tengrad-mc-T100", "reuse") in kinds and ("tengrad", "curvature") in kinds
+    for (meth, _), r in kinds.items():
+        assert r["syncs"] == 0, r
+        assert r["kernels"] <= r["ops"]
+    assert kinds[("tengrad-mc-T100", "reuse")]["kernels"] < kinds[("tengrad-mc", "curvature")]["kernels"]
+    printed = capsys.readouterr().out
+    assert "x SGD" in printed and "host syncs" in printed
