@@ -19,7 +19,7 @@ from tengrad_fx import TENGraD
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-KINDS = {"empirical-T1": dict(), "mc-T1": dict(fisher="mc"),
+KINDS = {"empirical-T1": dict(curvature_every=1), "mc-T1": dict(fisher="mc", curvature_every=1),
          "empirical-T3": dict(curvature_every=3), "mc-T100": dict(fisher="mc", curvature_every=100, kl_clip=0.01)}
 
 
