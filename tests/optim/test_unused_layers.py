@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -155,3 +156,29 @@ def test_cached_factors_kept_across_reuse_steps() -> None:
     assert ((got - want).norm() / want.norm()).item() < 1e-10
     assert torch.count_nonzero(u2["b.weight"]) == 0
     assert opt.counters == {"step": 3, "skipped": 0, "uncaptured": 1}
+
+
+@pytest.mark.parametrize("name", ["kfac", "ekfac", "kbfgs", "ngd"])
+def test_baselines_branch_layers_and_gradient_without_record(name: str) -> None:
+    """The baselines share the step skeleton: a layer the forward does not call is skipped
+    (parameters unchanged), and a layer with a gradient but no record gets ``u = g``
+    (SGD-momentum, no momentum here), counted in ``opt.counters["uncaptured"]``."""
+    from tengrad_fx.optim.registry import make_optimizer
+
+    _, model, _ = _setup()
+    opt = make_optimizer(name, model, lr=1.0, damping=0.1, momentum=0.0, weight_decay=0.0)
+    b_before = model.b.weight.detach().clone()
+    _step(model, opt, *_pos(1))  # branch a: b has no gradient and no record
+    assert torch.equal(model.b.weight.detach(), b_before)
+    assert opt.counters["uncaptured"] == 0
+    x, y = _pos(3)
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    with tengrad_fx.capturing(model, False):
+        loss = loss + 0.1 * model.b(torch.tanh(model.stem(x))).square().mean()
+    loss.backward()
+    g_b = model.b.weight.grad.clone()
+    before = model.b.weight.detach().clone()
+    opt.step()
+    assert torch.allclose(before - model.b.weight.detach(), g_b, rtol=0, atol=1e-15)
+    assert opt.counters["uncaptured"] == 1
