@@ -269,9 +269,7 @@ class CurvatureOptimizer(StepSkeleton):
     def _updates(self, step: int, stats_step: bool, mc_step: bool, damping: float,
                  ok: Tensor) -> dict[Tensor, Tensor]:
         if stats_step:  # a gradient but no record (capture was off for it): u = g, counted
-            n = sum(1 for b in self.blocks if self._has_grad(b) and not self._recorded(b))
-            if n:
-                self.state[self.NAME]["uncaptured"] = self.state[self.NAME].get("uncaptured", 0) + n
+            self._add_uncaptured(sum(1 for b in self.blocks if self._has_grad(b) and not b.layer.captured))
         self._update_curvature(step, stats_step)
         return self._precondition(damping)
 
@@ -310,15 +308,11 @@ class CurvatureOptimizer(StepSkeleton):
         """Blocks with a gradient and a record this step (a layer the forward did not call,
         or called with capture off, keeps its previous statistics; without any it gets
         ``u = g``)."""
-        return [b for b in self.blocks if self._has_grad(b) and self._recorded(b)]
+        return [b for b in self.blocks if self._has_grad(b) and b.layer.captured]
 
     @staticmethod
     def _has_grad(b: Block) -> bool:
         return all(p.grad is not None for p in b.params)
-
-    def _recorded(self, b: Block) -> bool:
-        records = self._info.store.records
-        return any(records.get(site) for site in b.layer.spec.sites)
 
 
 def _to_device(v: Any, dev: torch.device) -> Any:

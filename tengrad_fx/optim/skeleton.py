@@ -151,11 +151,16 @@ class StepSkeleton(torch.optim.Optimizer):
     def counters(self) -> dict[str, int]:
         """``{"step": steps taken, "skipped": steps skipped for non-finite values,
         "uncaptured": layer-steps given the SGD-momentum update because the layer had a
-        gradient but nothing captured (TENGraD)}``
+        gradient but nothing captured}``
         (reading it waits for the device once when ``SYNC_FREE``)."""
         self._sync_counters()
         st = self.state[self.NAME]
         return {"step": st["step"], "skipped": st["skipped"], "uncaptured": st.get("uncaptured", 0)}
+
+    def _add_uncaptured(self, n: int) -> None:
+        """Count ``n`` layer-steps given ``u = g`` for lack of a record (host count)."""
+        if n:
+            self.state[self.NAME]["uncaptured"] = self.state[self.NAME].get("uncaptured", 0) + n
 
     @property
     def kl_clipped_steps(self) -> int:

@@ -475,10 +475,8 @@ class TENGraD(StepSkeleton):
     def _count_uncaptured(self, updates: dict[Tensor, Tensor]) -> None:
         """Layers with a weight gradient but no curvature (not called, or called with
         capture off, on this step's capture): their SGD-momentum updates are counted."""
-        n = sum(1 for lay in self._layers if lay.weight.requires_grad and lay.weight.grad is not None
-                and lay.weight not in updates)
-        if n:
-            self.state[self.NAME]["uncaptured"] = self.state[self.NAME].get("uncaptured", 0) + n
+        self._add_uncaptured(sum(1 for lay in self._layers if lay.weight.requires_grad
+                                   and lay.weight.grad is not None and lay.weight not in updates))
 
     def _mark_jacobian_sites(self) -> None:
         sites = self._uncaptured_sites()
