@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -59,6 +60,13 @@ METHODS: dict[str, tuple[Callable[[nn.Module], torch.optim.Optimizer], bool | di
     # the paper's protocol: MC Fisher, inversion every 100 steps, KL clip 0.01
     "tengrad-mc-T100": (lambda mdl: make_optimizer("tengrad", mdl, _FM, fisher="mc", curvature_every=100,
                                                   kl_clip=0.01), True),
+    # the same step under torch.compile, and without CUDA graphs (the default replays reuse steps on CUDA)
+    "tengrad-compile": (lambda mdl: make_optimizer("tengrad", mdl, _FM, curvature_every=1, compile=True,
+                                                   **_EMP), True),
+    "tengrad-mc-T100-compile": (lambda mdl: make_optimizer("tengrad", mdl, _FM, fisher="mc", curvature_every=100,
+                                                          kl_clip=0.01, compile=True), True),
+    "tengrad-mc-T100-eager": (lambda mdl: make_optimizer("tengrad", mdl, _FM, fisher="mc", curvature_every=100,
+                                                        kl_clip=0.01, cuda_graph=False), True),
     # Linear/Conv preconditioned only: norm layers and added parameters left to SGD-momentum
     "tengrad-linconv": (lambda mdl: make_optimizer("tengrad", mdl, _FM, curvature_every=1, **_EMP),
                         {"only_linear_conv": True}),
@@ -103,10 +111,24 @@ def method_list(spec: str) -> list[str]:
     elif spec == "all":
         spec = "sgd,tengrad,tengrad-mc,tengrad-T20,tengrad-mc-T100," + BASELINES
     out = spec.split(",")
-    for meth, base in (("tengrad-T20", "tengrad"), ("tengrad-mc-T100", "tengrad-mc")):
-        if meth in out and base not in out:
+    for meth in list(out):
+        base = curvature_row(meth)
+        if base and base not in out:
             out.insert(out.index(meth), base)
     return out
+
+
+def period(method: str) -> int:
+    """``T`` of a TENGraD row: ``tengrad-mc-T100-eager`` → 100, rows without ``-T<n>`` → 1."""
+    found = re.search(r"-T(\d+)", method)
+    return int(found.group(1)) if method.startswith("tengrad") and found else 1
+
+
+def curvature_row(method: str) -> str | None:
+    """The eager T=1 row of the same Fisher whose step is a T>1 row's curvature step."""
+    if period(method) == 1:
+        return None
+    return "tengrad-mc" if "-mc" in method else "tengrad"
 
 
 class Runner:
@@ -195,9 +217,8 @@ def amortize(res: dict[str, dict[str, float]]) -> None:
     curvature step from the T=1 row of the same Fisher (module docstring)."""
     for meth, r in res.items():
         r["amortized"] = r["total"]
-        T = {"tengrad-T20": 20, "tengrad-mc-T100": 100}.get(meth)
-        base = res.get("tengrad-mc" if "-mc" in meth else "tengrad")
-        if T and r["reuse"] and base:
+        T, base = period(meth), res.get(curvature_row(meth) or "")
+        if T > 1 and r["reuse"] and base:
             r["amortized"] = (base["total"] + (T - 1) * r["total"]) / T
 
 
@@ -261,12 +282,12 @@ def report(out: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"model={out['model']} m={out['m']} device={out['device']} threads={out['threads']} "
           f"torch={out['torch']} median of {args.steps} interleaved steps after {args.warmup} warm-up")
     cols = ["total", "forward", "backward", "step", "gram", "factorize", "solve", "apply"]
-    print(f"{'method':<16}" + "".join(f"{c + ' ms':>11}" for c in cols) + f"{'x SGD':>8}{'reuse x':>8}"
+    print(f"{'method':<24}" + "".join(f"{c + ' ms':>11}" for c in cols) + f"{'x SGD':>8}{'reuse x':>8}"
           + f"{'reuse GFLOP':>12}{'reuse MB':>9}" + (f"{'peak MiB':>10}{'mem x SGD':>10}" if args.memory else ""))
     for meth, r in res.items():
         r["ratio_to_sgd"] = ratio = r["amortized"] / base["total"] if base else float("nan")
         reuse = f"{r['total'] / base['total']:>8.3f}" if base and r["reuse"] else f"{'':>8}"
-        line = f"{meth:<16}" + "".join(f"{r.get(c, 0.0) * 1e3:>11.1f}" for c in cols) + f"{ratio:>8.3f}" + reuse
+        line = f"{meth:<24}" + "".join(f"{r.get(c, 0.0) * 1e3:>11.1f}" for c in cols) + f"{ratio:>8.3f}" + reuse
         line += f"{r['reuse_gflop']:>12.3f}{r['reuse_mb']:>9.1f}" if "reuse_gflop" in r else f"{'':>21}"
         if args.memory:
             r["mem_ratio_to_sgd"] = mr = r["peak_mib"] / base["peak_mib"] if base else float("nan")
@@ -274,9 +295,9 @@ def report(out: dict[str, Any], args: argparse.Namespace) -> None:
         print(line)
     if "ops" in out:
         print("\naten ops per warmed-up opt.step() (kernels = non-view ops), host syncs")
-        print(f"{'method':<16}{'kind':>10}{'ops':>8}{'kernels':>9}{'syncs':>7}")
+        print(f"{'method':<24}{'kind':>10}{'ops':>8}{'kernels':>9}{'syncs':>7}")
         for row in out["ops"]:
-            print(f"{row['method']:<16}{row['kind']:>10}{row['ops']:>8}{row['kernels']:>9}{row['syncs']:>7}")
+            print(f"{row['method']:<24}{row['kind']:>10}{row['ops']:>8}{row['kernels']:>9}{row['syncs']:>7}")
     for meth, p in out.get("profile", {}).items():
         print(f"\n{meth}: trace {p['trace']}, host syncs per opt.step() {p['syncs_per_step']:.1f}; top kernels:")
         for name, calls, ms in p["top"]:

@@ -1,25 +1,44 @@
 #!/usr/bin/env bash
-# Fill the README's GPU rows in one go (< 8 min on an H100/H200): the bench on the four
-# paper models (SGD in the same process, interleaved, CUDA-synchronized), ops/syncs and a
-# profile of 3C1F, then the GPU-only tests. Everything is teed to $OUT (default ./gpu_check).
-#   bash tools/gpu_check.sh            # from the repository root, with the venv's python
+# One prepared GPU session (< 8 min on an H100/H200): the GPU-only tests, the bench on the
+# four paper models (SGD in the same process, interleaved, CUDA-synchronized; the default
+# CUDA-graph reuse step beside the eager one), compile rows, and the paper's Fashion-MNIST
+# runs (SGD and TENGraD for 2 seeds, then K-FAC, EK-FAC, KBFGS). Everything is teed to
+# $OUT/log.txt; the reproduce tables come back as CSV.
+#   OUT=gpu_out bash tools/gpu_check.sh     # from the repository root (data in .data/fashion-mnist)
 set -uo pipefail
-OUT=${OUT:-gpu_check}
-PY=${PY:-python}
-mkdir -p "$OUT"
-{
-  date -u
-  $PY -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
-} 2>&1 | tee "$OUT/device.txt"
+OUT=${OUT:-gpu_out}
+PY=${PY:-python3}
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+mkdir -p "$OUT" /tmp/gc
+L="$OUT/log.txt"
+step() { echo; echo "=== $(date -u +%T) $*" | tee -a "$L"; }
+step device
+{ $PY -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } 2>&1 | tee -a "$L"
+step "GPU tests"
+timeout 150 $PY -m pytest -q -p no:cacheprovider -rs tests/optim/test_cuda.py tests/optim/test_syncs.py \
+  tests/optim/test_graphs.py $(grep -rl "cuda.is_available" tests --include='test_*.py' | grep -v optim/test_cuda.py) \
+  2>&1 | tail -25 | tee -a "$L"
+ROWS=sgd,tengrad,tengrad-mc,tengrad-mc-T100,tengrad-mc-T100-eager
 for model in 3c1f wrn-28-4 densenet-19 mobilenetv2; do
-  timeout 120 $PY -m tools.bench --device cuda --model "$model" --m 128 --methods paper \
-    --steps 30 --warmup 5 --memory --json "$OUT/bench-$model.json" 2>&1 | tee "$OUT/bench-$model.txt"
+  step "bench $model"
+  timeout 100 $PY -m tools.bench --device cuda --model "$model" --m 128 --methods $ROWS \
+    --steps 20 --warmup 5 --json "$OUT/bench-$model.json" 2>&1 | grep -v Warn | tee -a "$L"
 done
-timeout 90 $PY -m tools.bench --device cuda --model 3c1f --methods paper --steps 3 --warmup 3 \
-  --ops --profile "$OUT/profile-3c1f" 2>&1 | tee "$OUT/ops-profile-3c1f.txt"
-timeout 90 $PY -m tools.bench --device cuda --model wrn-28-4 --methods paper --steps 3 --warmup 3 \
-  --ops 2>&1 | tee "$OUT/ops-wrn-28-4.txt"
-timeout 120 $PY -m pytest -q -p no:cacheprovider tests/optim/test_cuda.py tests/optim/test_syncs.py 2>&1 \
-  | tee "$OUT/tests.txt"
-date -u | tee -a "$OUT/device.txt"
+for model in wrn-28-4 mobilenetv2 3c1f; do
+  step "bench $model, per-sample conv grads by unfold + bmm (TENGRAD_FX_PER_SAMPLE_CONV=unfold)"
+  TENGRAD_FX_PER_SAMPLE_CONV=unfold timeout 60 $PY -m tools.bench --device cuda --model "$model" --m 128 \
+    --methods sgd,tengrad,tengrad-mc --steps 10 --warmup 3 2>&1 | grep -v Warn | tee -a "$L"
+done
+step "reproduce fmnist sgd,tengrad, 2 seeds (paper protocol, 10 epochs)"
+timeout 170 $PY -m tools.reproduce fmnist --methods sgd,tengrad --seeds 2 --device cuda \
+  --data-dir .data/fashion-mnist --out /tmp/gc/repro --no-progress 2>&1 | grep -v "^epoch\|^logs" | tee -a "$L"
+cp /tmp/gc/repro/table.csv "$OUT/table-sgd-tengrad.csv" 2>/dev/null
+step "compile 3c1f"
+timeout 60 $PY -m tools.bench --device cuda --model 3c1f --steps 15 --warmup 5 \
+  --methods sgd,tengrad,tengrad-compile,tengrad-mc-T100,tengrad-mc-T100-compile 2>&1 | grep -v Warn | tee -a "$L"
+step "reproduce fmnist kfac,ekfac,kbfgs (1 seed)"
+timeout 230 $PY -m tools.reproduce fmnist --methods kbfgs,kfac,ekfac --device cuda \
+  --data-dir .data/fashion-mnist --out /tmp/gc/repro --no-progress 2>&1 | grep -v "^logs" | tee -a "$L"
+cp /tmp/gc/repro/table.csv "$OUT/table-baselines.csv" 2>/dev/null
+step done

@@ -19,6 +19,7 @@ or when nothing requires grad — then capture costs nothing.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -31,6 +32,12 @@ __all__ = ["linear", "conv", "PROBE"]
 
 # When not None, prepare() is probing shapes: wrappers record (key, site) -> input shape.
 PROBE: Optional[dict[tuple[int, int], tuple[int, ...]]] = None
+# Per-sample ConvNd weight gradients (materialized layers): "grouped" = one grouped
+# weight-gradient convolution (aten/cuDNN, no unfolded input in memory); "unfold" = unfold +
+# one bmm (Conv2d only; more memory, plain GEMMs). Environment: TENGRAD_FX_PER_SAMPLE_CONV.
+PER_SAMPLE_CONV: str = os.environ.get("TENGRAD_FX_PER_SAMPLE_CONV", "grouped")
+if PER_SAMPLE_CONV not in ("grouped", "unfold"):
+    raise ValueError(f"TENGRAD_FX_PER_SAMPLE_CONV={PER_SAMPLE_CONV!r}: use 'grouped' or 'unfold'")
 # key -> capture enabled? (read by the wrappers; a plain dict so torch.compile guards on it)
 ENABLED: dict[int, bool] = {}
 
@@ -208,6 +215,8 @@ def per_sample_conv_weight_grads(
     """
     m = x.shape[0]
     nd = len(weight_shape) - 2
+    if PER_SAMPLE_CONV == "unfold" and nd == 2 and not transposed:
+        return _per_sample_conv2d_unfold(grad, x, weight_shape, stride, padding, dilation, groups)
     xs = x.reshape(1, -1, *x.shape[2:])
     gs = grad.reshape(1, -1, *grad.shape[2:])
     w = x.new_empty((m * weight_shape[0], *weight_shape[1:]))
@@ -216,6 +225,20 @@ def per_sample_conv_weight_grads(
         gs, xs, w, None, stride, padding, dilation, transposed, op, m * groups,
         [False, True, False])[1]
     return gw.reshape(m, -1)
+
+
+def _per_sample_conv2d_unfold(grad: Tensor, x: Tensor, weight_shape: Sequence[int], stride: Sequence[int],
+                              padding: Sequence[int], dilation: Sequence[int], groups: int) -> Tensor:
+    """Per-sample Conv2d weight gradients by one ``bmm`` over ``m·groups``: with the
+    unfolded input ``U [m, c_in·kh·kw, S]`` and ``G [m, c_out, S]``, group ``j`` of sample
+    ``i`` is ``G_ij U_ijᵀ`` (``[c_out/g, S] @ [S, c_in/g·kh·kw]``). ``[m, weight.numel()]``;
+    memory ``m·c_in·kh·kw·S`` for ``U``."""
+    m, g = x.shape[0], groups
+    o, f = weight_shape[0] // g, weight_shape[1] * weight_shape[2] * weight_shape[3]
+    U = F.unfold(x, tuple(weight_shape[2:]), dilation=tuple(dilation), padding=tuple(padding), stride=tuple(stride))
+    S = U.shape[2]
+    Gs = grad.reshape(m * g, o, S)
+    return torch.bmm(Gs, U.view(m * g, f, S).transpose(1, 2)).reshape(m, -1)
 
 
 @_conv_backward_op.register_fake

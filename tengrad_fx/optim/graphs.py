@@ -10,7 +10,10 @@ weight decay, KL clip, and a version that changes when the static tensors are re
 * the inputs are static: gradients are copied into static buffers that then serve as
   ``p.grad`` (``TENGraD._static_grads``), and a curvature step copies its stacked ``P``
   (or ``I``, ``G``) and factors into the previous ones when the shapes match;
-* if capture fails, one warning, and every later step runs eagerly.
+* if capture fails, one warning, and every later step runs eagerly;
+* at most ``MAX_KEYS`` keys are captured: an lr schedule that changes the lr on every
+  step makes every key new, so after ``MAX_KEYS`` distinct keys the step runs eagerly
+  (one warning) rather than capturing a graph per step.
 
 Only reuse steps (no new curvature) are captured; curvature steps run eagerly. On a CPU
 the same code runs, eagerly (``run`` calls the function; the static-buffer copies still
@@ -30,6 +33,8 @@ __all__ = ["StepGraphs"]
 class StepGraphs:
     """CUDA graphs of a step's device part, by key (module docstring)."""
 
+    MAX_KEYS = 16
+
     def __init__(self) -> None:
         self.graphs: dict[Hashable, tuple[Any, Tensor]] = {}
         self.seen: set[Hashable] = set()
@@ -47,6 +52,12 @@ class StepGraphs:
             return fn()
         hit = self.graphs.get(key)
         if hit is None:
+            if key not in self.seen and len(self.seen) >= self.MAX_KEYS:
+                self.failed = True
+                warnings.warn(f"TENGraD(cuda_graph=True): more than {self.MAX_KEYS} step kinds (an lr or "
+                              "damping that changes every step?); running eagerly", RuntimeWarning)
+                self.eager_runs += 1
+                return fn()
             if key not in self.seen:  # warm-up: eager, allocations settle
                 self.seen.add(key)
                 self.eager_runs += 1

@@ -41,7 +41,7 @@ from ..curvature.layer import KERNELS, choose_strategy, covered_layers
 from ..solve.woodbury import damped_cholesky_ex
 from .graphs import StepGraphs
 from .tengrad_groups import LayerGroup, build_groups, reuse_cost
-from .fused import LayerInput, fused_update
+from .fused_step import FusedStep
 
 __all__ = ["TENGraD"]
 
@@ -93,6 +93,7 @@ class TENGraD(StepSkeleton):
         cuda_graph: on CUDA, capture the device part of reuse steps (no new curvature) as a
             CUDA graph per step kind and replay it (:mod:`tengrad_fx.optim.graphs`); eager
             with one warning if capture fails; on a CPU the same code runs eagerly.
+            Default (None): on when the parameters are on a CUDA device at construction.
     """
 
     NAME = "tengrad"
@@ -114,7 +115,7 @@ class TENGraD(StepSkeleton):
         jacobian_budget_mb: float = 1024.0,
         strategy: Literal["auto", "factor", "materialize"] = "auto",
         compile: bool | str = False,
-        cuda_graph: bool = False,
+        cuda_graph: Optional[bool] = None,
     ):
         info = get_info(model)  # raises ValueError for an unprepared model
         check_nonneg("lr", lr)
@@ -141,14 +142,12 @@ class TENGraD(StepSkeleton):
         self.jacobian_budget = jacobian_budget_mb * 2**20
         self.strategy = strategy
         self.compile = bool(compile)
-        self.cuda_graph = bool(cuda_graph)
+        # default: on when the parameters live on a CUDA device (graphs.py)
+        self.cuda_graph = any(p.is_cuda for p in params) if cuda_graph is None else bool(cuda_graph)
         self._graphs = StepGraphs()
         self._graph_version = 0  # bumped when a static tensor of the captured step is replaced
         self._gbuf: dict[Tensor, Tensor] = {}  # static gradient buffers (cuda_graph)
-        self._fused_fn: Optional[Callable[..., Any]] = None
-        if self.compile:
-            backend = compile if isinstance(compile, str) else "inductor"
-            self._fused_fn = torch.compile(fused_update, dynamic=False, fullgraph=True, backend=backend)
+        self._fused = FusedStep((compile if isinstance(compile, str) else "inductor") if self.compile else None)
         self._layers = covered_layers(model)
         self._initial_jacobian_sites()
         self._curv: list[Any] = []  # LayerGroups (modular path) or (params, m) (fused path)
@@ -288,7 +287,14 @@ class TENGraD(StepSkeleton):
         t0 = time.perf_counter()
         self._gram_seconds = 0.0
         self._step_flag = None
-        updates = self._fused_step(curvature_step, mc_step, damping) if self.compile else None
+        updates = None
+        if self.compile and curvature_step:  # reuse steps take the modular path (fused_step.py)
+            fused = self._fused(self._layers, not mc_step and self.update_form == "auto", damping,
+                                self._info.loss_reduction, self.solve_dtype)
+            if fused is not None:  # keep the store's materialization choice as the modular path would
+                updates, self._step_flag, self._curv = fused
+                self._chol = None
+                self._mark_jacobian_sites()
         t1 = time.perf_counter()
         if updates is None:  # the modular path
             if curvature_step or self._chol is None or not all(isinstance(g, LayerGroup) for g in self._curv):
@@ -312,12 +318,14 @@ class TENGraD(StepSkeleton):
         """Reuse steps with ``cuda_graph``: static gradients, then the graph of this kind."""
         group = self.param_groups[0]
         params = [p for p in group["params"] if p.grad is not None]
-        if not self.cuda_graph or stats_step or self.compile or self._chol is None or not params \
+        if not self.cuda_graph or stats_step or self._chol is None or not params \
                 or (group["momentum"] and any("momentum_buffer" not in self.state[p] for p in params)):
             return fn()
         self._static_grads(params)
         key = ("reuse", group["lr"], group["damping"], group["momentum"], group["weight_decay"],
                self.kl_clip, self._graph_version, tuple(id(p) for p in params))
+        # a replay runs no Python of the step: its whole device time is reported as "apply"
+        self.timings, self._t_apply = {"gram": 0.0, "factorize": 0.0, "solve": 0.0}, time.perf_counter()
         return self._graphs.run(key, fn, params[0].device)
 
     def _static_grads(self, params: list[Tensor]) -> None:
@@ -373,74 +381,19 @@ class TENGraD(StepSkeleton):
         off = 0
         for i, (grp, (gw, gb)) in enumerate(zip(groups, grads)):
             L = gw.shape[0]
-            JTw, JTb = grp.vjp(c_all[off: off + L])
+            c = c_all[off: off + L]
             off += L
-            uw = (gw - JTw.to(gw.dtype)) / damping
-            ub = (gb - JTb.to(gb.dtype)) / damping if gb is not None and JTb is not None else None
-            if use_pt:
-                sel = push[i].unsqueeze(1)
-                uw = torch.where(sel, JTw.to(gw.dtype) * scale, uw)
-                if ub is not None and JTb is not None:
-                    ub = torch.where(sel, JTb.to(ub.dtype) * scale, ub)
-            out.update(grp.split(uw, ub))
-        return out
-
-    def _fused_inputs(self) -> Optional[tuple[list[LayerInput], list[tuple[list[torch.nn.Parameter], int]]]]:
-        """Layer inputs of :func:`fused_update`, or None if a layer has no fused form."""
-        ins: list[LayerInput] = []
-        used: list[tuple[list[torch.nn.Parameter], int]] = []
-        for layer in self._layers:
-            params = [p for p in (layer.weight, layer.bias) if p is not None]
-            if not all(p.requires_grad and p.grad is not None for p in params) or not layer.captured:
+            if not use_pt:  # u = (g − Jᵀc)/α, fused per group
+                out.update(grp.split(*grp.woodbury(c, gw, gb, damping)))
                 continue
-            recs = layer.records()
-            k = layer._scale()
-            if len(recs) != 1:
-                return None
-            r = recs[0]
-            m = r.m
-            if r.P is not None:
-                Jb = r.Gsum * k if layer.bias is not None else r.P.new_zeros(m, 0)
-                ins.append(("J", r.P * k, Jb))
-            elif layer.kind == "linear" and r.I is not None and r.I.dim() == 2:
-                ins.append(("IG", r.I, r.G * k, layer.bias is not None))
-            else:
-                return None
-            used.append((params, m))
-        return ins, used
-
-    def _fused_step(self, curvature_step: bool, mc_step: bool, damping: float) -> Optional[dict[Tensor, Tensor]]:
-        """All layers' updates by the fused (compiled) function, or None to use the
-        modular path (a layer has no fused form). A failed Cholesky skips the step."""
-        prep = self._fused_inputs()
-        if prep is None or not prep[0]:
-            return None
-        ins, used = prep
-        m = used[0][1]
-        if any(cm != m for _, cm in used):
-            return None
-        push = curvature_step and not mc_step and self.update_form == "auto"
-        scale = float(m) * (1.0 if self._info.loss_reduction == "sum" else 1.0 / m)
-        grads = [torch.cat([p.grad.flatten() for p in params]) for params, _ in used]
-        args = (ins, grads, m * damping, scale, damping, push, self.solve_dtype)
-        fn = self._fused_fn if self._fused_fn is not None else fused_update
-        try:
-            us, info = fn(*args)
-        except Exception as exc:  # compilation failure: eager from now on
-            warnings.warn(f"TENGraD(compile=True): torch.compile failed ({type(exc).__name__}: {exc}); "
-                          "running the fused update eagerly", RuntimeWarning)
-            self._fused_fn = None
-            us, info = fused_update(*args)
-        self._step_flag = (info == 0).all()  # a failed factor skips the step (on the device)
-        if curvature_step:  # keep the store's materialization choice as the modular path would
-            self._mark_jacobian_sites()
-            self._curv, self._chol = used, None
-        out: dict[Tensor, Tensor] = {}
-        for (params, _), u in zip(used, us):
-            off = 0
-            for p in params:
-                out[p] = u[off: off + p.numel()].view_as(p).to(p.dtype)
-                off += p.numel()
+            # push-through where the probe holds (u = scale·Jᵀc), the Woodbury form elsewhere
+            JTw, JTb = grp.vjp(c)
+            sel = push[i].unsqueeze(1)
+            uw = torch.where(sel, JTw.to(gw.dtype) * scale, (gw - JTw.to(gw.dtype)) / damping)
+            ub = None
+            if gb is not None and JTb is not None:
+                ub = torch.where(sel, JTb.to(gb.dtype) * scale, (gb - JTb.to(gb.dtype)) / damping)
+            out.update(grp.split(uw, ub))
         return out
 
     def _initial_jacobian_sites(self, m: int = 128) -> None:

@@ -129,10 +129,10 @@ class LayerGroup:
         """``J g``, ``[L, m]``."""
         if self.form == "P":
             assert self.Pw is not None
-            out = torch.bmm(self.Pw, gw.unsqueeze(2)).squeeze(2)
+            out = torch.baddbmm(self.Pw.new_empty(()), self.Pw, gw.unsqueeze(2), beta=0.0, alpha=self.k)
             if self.Pb is not None and gb is not None:
-                out = torch.baddbmm(out.unsqueeze(2), self.Pb, gb.unsqueeze(2)).squeeze(2)
-            return out * self.k
+                out = torch.baddbmm(out, self.Pb, gb.unsqueeze(2), alpha=self.k)
+            return out.squeeze(2)
         if self.form == "IG":
             A, B = self.A, self.B
             assert A is not None and B is not None
@@ -164,6 +164,32 @@ class LayerGroup:
         lay = self.layers[0]
         w, b = lay.vjp(c[0])
         return w.reshape(1, -1), (b.reshape(1, -1) if b is not None else None)
+
+    def woodbury(self, c: Tensor, gw: Tensor, gb: Optional[Tensor], damping: float) -> tuple[Tensor, Optional[Tensor]]:
+        """``u = (g − Jᵀc)/α`` for ``c [L, m]``: ``(uw [L, n_w], ub [L, n_b] or None)``.
+
+        For stacked ``P`` (and a factored Linear's weight) one ``baddbmm`` per parameter
+        computes ``g/α − (k/α)·Pᵀc`` (a reuse step's whole per-group work after ``J g``)."""
+        a = 1.0 / damping
+        if self.form == "P":
+            assert self.Pw is not None
+            c3 = c.to(self.Pw.dtype).unsqueeze(2)
+            uw = torch.baddbmm(gw.unsqueeze(2), self.Pw.transpose(1, 2), c3, beta=a, alpha=-self.k * a)
+            ub = None
+            if self.Pb is not None and gb is not None:
+                ub = torch.baddbmm(gb.unsqueeze(2), self.Pb.transpose(1, 2), c3, beta=a, alpha=-self.k * a)
+            return uw.squeeze(2), (ub.squeeze(2) if ub is not None else None)
+        if self.form == "IG":
+            assert self.A is not None and self.B is not None
+            Bc = self.B * c.to(self.B.dtype).unsqueeze(2)  # [L, m, o]
+            Gw = gw.view(gw.shape[0], self.B.shape[2], self.A.shape[2])  # [L, o, f]
+            uw = torch.baddbmm(Gw, Bc.transpose(1, 2), self.A, beta=a, alpha=-self.k * a).flatten(1)
+            ub = torch.sub(gb, Bc.sum(1), alpha=self.k).mul_(a) if gb is not None and self.has_bias else None
+            return uw, ub
+        JTw, JTb = self.vjp(c)
+        uw = (gw - JTw.to(gw.dtype)) * a
+        ub = (gb - JTb.to(gb.dtype)) * a if gb is not None and JTb is not None else None
+        return uw, ub
 
     def probe(self, gw: Tensor, gb: Optional[Tensor], s: float, n_probe: int = 256) -> Tensor:
         """Is each layer's gradient the captured batch's ``s·Jᵀ1``? ``[L]`` bool, on the

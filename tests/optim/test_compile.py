@@ -31,7 +31,7 @@ def _train(model: nn.Module, steps: int, **kw) -> torch.Tensor:
     kw = {"curvature_every": 1, "kl_clip": None, **kw}
     opt = tengrad_fx.TENGraD(pm, lr=0.2, damping=0.05, weight_decay=1e-3, **kw)
     if fused_fn is None:
-        opt._fused_fn = None  # fused function, run eagerly
+        opt._fused.fn = None  # fused function, run eagerly
     for it in range(steps):
         opt.zero_grad()
         F.cross_entropy(pm(x + 0.05 * it), y).backward()

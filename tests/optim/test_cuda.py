@@ -1,6 +1,6 @@
 """GPU-only checks (skipped without CUDA): a warmed-up step never synchronizes, the CUDA
-step equals the CPU one over 5 steps of each kind, and ``cuda_graph=True`` (replayed reuse
-steps) equals eager to 1e-6.
+step equals the CPU one (float64) over 5 steps of each kind, ``cuda_graph=True`` (replayed
+reuse steps, the default on CUDA) equals eager to 1e-6.
 
 ``torch.cuda.set_sync_debug_mode("error")`` makes every synchronizing CUDA call raise,
 so this is the real-device counterpart of ``tests/optim/test_syncs.py``.
@@ -30,10 +30,12 @@ def _net() -> nn.Module:
                          nn.Linear(8 * 9 * 9, 32), nn.ReLU(), nn.Linear(32, 10))
 
 
-def _run(device: str, steps: int, debug_sync: bool = False, **kw) -> list[torch.Tensor]:
-    net = _net().to(device)
+def _run(device: str, steps: int, debug_sync: bool = False, dtype: torch.dtype = torch.float32,
+         **kw) -> list[torch.Tensor]:
+    net = _net().to(device, dtype)
     g = torch.Generator().manual_seed(1)
-    data = [(torch.randn(32, 1, 28, 28, generator=g), torch.randint(0, 10, (32,), generator=g)) for _ in range(steps)]
+    data = [(torch.randn(32, 1, 28, 28, generator=g, dtype=dtype), torch.randint(0, 10, (32,), generator=g))
+            for _ in range(steps)]
     pm = tengrad_fx.prepare(net, example_inputs=(data[0][0][:2].to(device),))
     opt = TENGraD(pm, lr=0.01, damping=0.1, momentum=0.9, weight_decay=1e-3, **kw)
     for t, (x, y) in enumerate(data):
@@ -57,7 +59,8 @@ def _run(device: str, steps: int, debug_sync: bool = False, **kw) -> list[torch.
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_cuda_step_never_synchronizes(kind: str) -> None:
-    _run("cuda", 7, debug_sync=True, **KINDS[kind])
+    """The eager step (what a CUDA graph captures) never synchronizes."""
+    _run("cuda", 7, debug_sync=True, cuda_graph=False, **KINDS[kind])
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -65,16 +68,23 @@ def test_cuda_step_equals_cpu_step(kind: str) -> None:
     kw = copy.deepcopy(KINDS[kind])
     if kw.get("fisher") == "mc":
         pytest.skip("MC labels come from different RNG streams on CPU and CUDA")
-    cpu, gpu = _run("cpu", 5, **kw), _run("cuda", 5, **kw)
+    # float64: no TF32 convolutions; on CUDA the default (reuse steps as CUDA graphs)
+    cpu, gpu = _run("cpu", 5, dtype=torch.float64, **kw), _run("cuda", 5, dtype=torch.float64, **kw)
     for a, b in zip(cpu, gpu):
-        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-5)
+        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-10)
 
 
 @pytest.mark.parametrize("kind", ["empirical-T3", "mc-T100"])
 def test_cuda_graph_replay_equals_eager(kind: str) -> None:
     """5+ reuse steps replayed from a captured CUDA graph equal the eager ones to 1e-6."""
     kw = dict(KINDS[kind])
-    eager = _run("cuda", 8, **kw)
+    eager = _run("cuda", 8, cuda_graph=False, **kw)
     graphed = _run("cuda", 8, cuda_graph=True, **kw)
     for a, b in zip(eager, graphed):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+
+
+def test_cuda_graph_is_the_default_on_cuda() -> None:
+    pm = tengrad_fx.prepare(_net().cuda(), example_inputs=(torch.randn(2, 1, 28, 28, device="cuda"),))
+    assert TENGraD(pm, lr=0.01, damping=0.1).cuda_graph
+    assert not TENGraD(pm, lr=0.01, damping=0.1, cuda_graph=False).cuda_graph

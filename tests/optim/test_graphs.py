@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx import TENGraD
+from tengrad_fx.optim.graphs import StepGraphs
 
 
 def _run(cuda_graph: bool, **kw):
@@ -44,3 +45,22 @@ def test_cuda_graph_option_on_cpu_equals_eager_bit_for_bit(fisher: str) -> None:
     # the second and third curvature steps (t = 3, 6) copied into the first one's tensors
     assert all(a is b for a, b in zip(groups[0], groups[3])) and all(a is b for a, b in zip(groups[0], groups[6]))
     assert opt.counters == {"step": 7, "skipped": 0, "uncaptured": 0}
+
+
+def test_cuda_graph_default_is_off_on_cpu() -> None:
+    _, opt, _ = _run(None)
+    assert opt.cuda_graph is False and not opt._gbuf
+
+
+def test_step_graphs_stop_capturing_after_max_keys() -> None:
+    """An lr that changes every step makes every key new: after MAX_KEYS warm-ups the
+    runner gives up capturing (one warning) instead of capturing a graph per step. The
+    warm-up of a key is eager, so no CUDA call is made before the cap."""
+    graphs, calls = StepGraphs(), []
+    dev = torch.device("cuda")
+    for k in range(StepGraphs.MAX_KEYS):
+        graphs.run(("reuse", k), lambda: calls.append(1), dev)
+    assert not graphs.failed and graphs.eager_runs == StepGraphs.MAX_KEYS
+    with pytest.warns(RuntimeWarning, match="step kinds"):
+        graphs.run(("reuse", "new"), lambda: calls.append(1), dev)
+    assert graphs.failed and len(calls) == StepGraphs.MAX_KEYS + 1 and not graphs.graphs

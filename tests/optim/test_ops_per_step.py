@@ -59,3 +59,24 @@ def test_deep_step_dispatches_about_what_shallow_does(prepared, fisher: str, str
         ratio = deep[kind] / shallow[kind]
         assert ratio <= bound, (kind, deep[kind], shallow[kind], ratio)
     assert deep["reuse"] < deep["curvature"]
+
+
+def test_reuse_step_forms_u_inside_the_gemm(prepared) -> None:
+    """On a reuse step of stacked ``P`` groups, ``u = g/α − (k/α)·Pᵀc`` is one ``baddbmm``
+    per parameter stack (and ``J g`` one per stack): no separate ``bmm``/``sub``/``div``
+    pass over ``[L, n]`` (each was a kernel per group on the GPU)."""
+    pm = prepared[10]
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 5, (4,), generator=g)
+    opt = tengrad_fx.TENGraD(pm, lr=0.01, damping=0.1, curvature_every=10, strategy="materialize")
+    for _ in range(3):
+        opt.zero_grad()
+        F.cross_entropy(pm(x), y).backward()
+        with OpCounter() as oc:
+            opt.step()
+    groups = len(opt._curv)
+    ops = {str(k): v for k, v in oc.ops.items()}
+    assert ops.get("aten.bmm.default", 0) == 0 and ops.get("aten.div.Tensor", 0) == 0, ops
+    assert ops.get("aten.sub.Tensor", 0) == 0, ops
+    # J g (weight + bias) and u (weight + bias) per group
+    assert ops["aten.baddbmm.default"] <= 4 * groups, (ops["aten.baddbmm.default"], groups)

@@ -41,7 +41,7 @@ def _setup(**kw):
     fused = args.pop("fused", False)
     opt = TENGraD(model, **args, compile=fused)
     if fused:
-        opt._fused_fn = None  # the fused update, eagerly
+        opt._fused.fn = None  # the fused update, eagerly
     return model, opt
 
 

@@ -1,0 +1,92 @@
+"""``TENGraD(compile=True)``: curvature steps by :func:`~tengrad_fx.optim.fused.fused_update`.
+
+:class:`FusedStep` gathers every covered layer's record in the fused function's input form
+(materialized ``P [m, n]`` or a single-position Linear's ``I [m, f]``, ``G [m, o]``), runs it
+under ``torch.compile`` (eager, with one warning, if compilation fails) and splits the flat
+per-layer updates back into ``{param: u}``.
+
+Only curvature steps take this path: the compiled function recomputes the Gram and its
+Cholesky from the records, which is the work of a curvature step. A reuse step (no new
+curvature) runs the modular path (:mod:`tengrad_fx.optim.tengrad_groups`): its first one
+builds the groups and factors from the same records, the following ones only apply
+``J g`` / ``Jᵀ c``. So ``compile=True`` never turns a reuse step into a curvature step.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from .fused import LayerInput, fused_update
+
+__all__ = ["FusedStep"]
+
+Used = list[tuple[list[torch.nn.Parameter], int]]
+
+
+class FusedStep:
+    """The compiled fused update of a curvature step (module docstring).
+
+    Args:
+        backend: the ``torch.compile`` backend (e.g. ``"inductor"``), or None for eager.
+    """
+
+    def __init__(self, backend: Optional[str]):
+        self.fn: Optional[Callable[..., Any]] = None
+        if backend is not None:
+            self.fn = torch.compile(fused_update, dynamic=False, fullgraph=True, backend=backend)
+
+    @staticmethod
+    def inputs(layers: list[Any]) -> Optional[tuple[list[LayerInput], Used]]:
+        """Layer inputs of :func:`fused_update` and ``(params, m)`` per used layer, or None
+        if a layer has no fused form (several records, or a conv/sequence by factors)."""
+        ins: list[LayerInput] = []
+        used: Used = []
+        for layer in layers:
+            params = [p for p in (layer.weight, layer.bias) if p is not None]
+            if not all(p.requires_grad and p.grad is not None for p in params) or not layer.captured:
+                continue
+            recs = layer.records()
+            if len(recs) != 1:
+                return None
+            r, k = recs[0], layer._scale()
+            if r.P is not None:
+                Jb = r.Gsum * k if layer.bias is not None else r.P.new_zeros(r.m, 0)
+                ins.append(("J", r.P * k, Jb))
+            elif layer.kind == "linear" and r.I is not None and r.I.dim() == 2:
+                ins.append(("IG", r.I, r.G * k, layer.bias is not None))
+            else:
+                return None
+            used.append((params, r.m))
+        return ins, used
+
+    def __call__(self, layers: list[Any], push_through: bool, damping: float, loss_reduction: str,
+                 solve_dtype: Optional[torch.dtype]) -> Optional[tuple[dict[Tensor, Tensor], Tensor, Used]]:
+        """``({param: u}, ok, used)`` with ``ok`` a device bool (every Cholesky succeeded;
+        a failed one skips the step on the device), or None for the modular path."""
+        prep = self.inputs(layers)
+        if prep is None or not prep[0]:
+            return None
+        ins, used = prep
+        m = used[0][1]
+        if any(cm != m for _, cm in used):
+            return None
+        scale = float(m) * (1.0 if loss_reduction == "sum" else 1.0 / m)
+        grads = [torch.cat([p.grad.flatten() for p in params]) for params, _ in used]
+        args = (ins, grads, m * damping, scale, damping, push_through, solve_dtype)
+        try:
+            us, info = (self.fn or fused_update)(*args)
+        except Exception as exc:  # compilation failure: eager from now on
+            warnings.warn(f"TENGraD(compile=True): torch.compile failed ({type(exc).__name__}: {exc}); "
+                          "running the fused update eagerly", RuntimeWarning)
+            self.fn = None
+            us, info = fused_update(*args)
+        out: dict[Tensor, Tensor] = {}
+        for (params, _), u in zip(used, us):
+            off = 0
+            for p in params:
+                out[p] = u[off: off + p.numel()].view_as(p).to(p.dtype)
+                off += p.numel()
+        return out, (info == 0).all(), used
