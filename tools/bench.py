@@ -70,6 +70,11 @@ METHODS: dict[str, tuple[Callable[[nn.Module], torch.optim.Optimizer], bool | di
     # Linear/Conv preconditioned only: norm layers and added parameters left to SGD-momentum
     "tengrad-linconv": (lambda mdl: make_optimizer("tengrad", mdl, _FM, curvature_every=1, **_EMP),
                         {"only_linear_conv": True}),
+    "tengrad-mc-T100-linconv": (lambda mdl: make_optimizer("tengrad", mdl, _FM, fisher="mc", curvature_every=100,
+                                                          kl_clip=0.01), {"only_linear_conv": True}),
+    # every layer's J kept (4 GiB budget): reuse steps by GEMVs on P only, no factored convs
+    "tengrad-mc-T100-budget4g": (lambda mdl: make_optimizer("tengrad", mdl, _FM, fisher="mc", curvature_every=100,
+                                                           kl_clip=0.01, jacobian_budget_mb=4096), True),
     # baselines at T = 1 (statistics and inverses every step) and at their paper intervals
     "kfac-T1": (lambda mdl: make_optimizer("kfac", mdl, _FM, TCov=1, TInv=1, **_EMP), True),
     "kfac": (lambda mdl: make_optimizer("kfac", mdl, _FM, **_EMP), True),

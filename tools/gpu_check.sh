@@ -25,6 +25,12 @@ for model in 3c1f wrn-28-4 densenet-19 mobilenetv2; do
   timeout 100 $PY -m tools.bench --device cuda --model "$model" --m 128 --methods $ROWS \
     --steps 20 --warmup 5 --json "$OUT/bench-$model.json" 2>&1 | grep -v Warn | tee -a "$L"
 done
+step "bench wrn-28-4: reuse step with every J kept (jacobian_budget_mb=4096)"
+timeout 60 $PY -m tools.bench --device cuda --model wrn-28-4 --m 128 --steps 15 --warmup 5 \
+  --methods sgd,tengrad-mc,tengrad-mc-T100,tengrad-mc-T100-budget4g 2>&1 | grep -v Warn | tee -a "$L"
+step "bench 3c1f-bn: norm layers preconditioned vs Linear/Conv only"
+timeout 60 $PY -m tools.bench --device cuda --model 3c1f-bn --m 128 --steps 15 --warmup 5 \
+  --methods sgd,tengrad,tengrad-linconv,tengrad-mc,tengrad-mc-T100,tengrad-mc-T100-linconv 2>&1 | grep -v Warn | tee -a "$L"
 for model in wrn-28-4 mobilenetv2 3c1f; do
   step "bench $model, per-sample conv grads by unfold + bmm (TENGRAD_FX_PER_SAMPLE_CONV=unfold)"
   TENGRAD_FX_PER_SAMPLE_CONV=unfold timeout 60 $PY -m tools.bench --device cuda --model "$model" --m 128 \
@@ -35,10 +41,10 @@ timeout 170 $PY -m tools.reproduce fmnist --methods sgd,tengrad --seeds 2 --devi
   --data-dir .data/fashion-mnist --out /tmp/gc/repro --no-progress 2>&1 | grep -v "^epoch\|^logs" | tee -a "$L"
 cp /tmp/gc/repro/table.csv "$OUT/table-sgd-tengrad.csv" 2>/dev/null
 step "compile 3c1f"
-timeout 60 $PY -m tools.bench --device cuda --model 3c1f --steps 15 --warmup 5 \
+timeout 50 $PY -m tools.bench --device cuda --model 3c1f --steps 10 --warmup 4 \
   --methods sgd,tengrad,tengrad-compile,tengrad-mc-T100,tengrad-mc-T100-compile 2>&1 | grep -v Warn | tee -a "$L"
 step "reproduce fmnist kfac,ekfac,kbfgs (1 seed)"
-timeout 230 $PY -m tools.reproduce fmnist --methods kbfgs,kfac,ekfac --device cuda \
+timeout 200 $PY -m tools.reproduce fmnist --methods kbfgs,kfac,ekfac --device cuda \
   --data-dir .data/fashion-mnist --out /tmp/gc/repro --no-progress 2>&1 | grep -v "^logs" | tee -a "$L"
 cp /tmp/gc/repro/table.csv "$OUT/table-baselines.csv" 2>/dev/null
 step done
