@@ -1,0 +1,115 @@
+"""Dense float64 references for TENGraD steps on two small float64 models.
+
+``mlp``: Linear 6→16→12→4; ``cnn``: Conv2d(3→4), grouped Conv2d (groups 2, stride 2, no
+bias), Linear(36→4) on ``[B, 3, 8, 8]``. :func:`setup` returns an unprepared template,
+the prepared model and a :class:`TENGraD` with ``lr=1, momentum=0, weight_decay=0``, so a
+step's parameter change is ``-u`` (:func:`step_delta`); :func:`dense_u` is the reference
+``u = solve(JᵀJ/m + αI, g)`` per covered layer.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tengrad_fx
+from tengrad_fx import TENGraD
+
+from .oracle import dense_layer_updates
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+TOL = 1e-8
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+# --------------------------------------------------------------------------- models / data
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 12), nn.ReLU(), nn.Linear(12, 4)).double()
+
+
+def cnn() -> nn.Module:
+    """Conv, grouped conv (groups=2, stride 2, no bias), Linear; input ``[B, 3, 8, 8]``."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(),
+        nn.Conv2d(4, 4, 3, groups=2, stride=2, bias=False), nn.ReLU(),
+        nn.Flatten(), nn.Linear(4 * 3 * 3, 4),
+    ).double()
+
+
+MODELS = {"mlp": (mlp, (6,)), "cnn": (cnn, (3, 8, 8))}
+
+
+def batch(kind: str, m: int, seed: int, classes: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, *MODELS[kind][1], generator=g, dtype=torch.float64)
+    y = torch.randint(0, classes, (m,), generator=g)
+    return x, y
+
+
+def setup(kind: str, **opt_kw) -> tuple[nn.Module, nn.Module, TENGraD]:
+    """(pristine unprepared template, prepared model, optimizer)."""
+    net = MODELS[kind][0]()
+    template = copy.deepcopy(net)
+    x, _ = batch(kind, 2, 99)
+    model = tengrad_fx.prepare(net, example_inputs=(x,))
+    kw = dict(lr=1.0, damping=0.05, momentum=0.0, weight_decay=0.0, curvature_every=1, kl_clip=None)
+    kw.update(opt_kw)
+    return template, model, TENGraD(model, **kw)
+
+
+def snapshot(template: nn.Module, model: nn.Module) -> nn.Module:
+    """An unprepared copy holding ``model``'s current parameters."""
+    ref = copy.deepcopy(template)
+    ref.load_state_dict(model.state_dict())
+    return ref
+
+
+def layer_params(model: nn.Module) -> dict[str, list[str]]:
+    """Covered layer name -> its parameter names (weight first)."""
+    out: dict[str, list[str]] = {}
+    for pn, layer in sorted(tengrad_fx.get_info(model).covered.items(), key=lambda kv: not kv[0].endswith("weight")):
+        out.setdefault(layer, []).append(pn)
+    return out
+
+
+def full_grad(ref: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> dict[str, torch.Tensor]:
+    ref.zero_grad()
+    loss_fn(ref(x), y).backward()
+    return {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
+
+
+def dense_u(J_ref: nn.Module, xJ: torch.Tensor, yJ: torch.Tensor, lossJ: LossFn, g: dict[str, torch.Tensor],
+            damping: float, layers: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """``{param name: u}``, ``u = solve(JᵀJ/m + αI, g)`` per layer (``layers``: name -> params)."""
+    covered = {pn: lay for lay, names in layers.items() for pn in names}
+    return dense_layer_updates(J_ref, xJ, yJ, lossJ, g, damping, covered)
+
+
+def step_delta(model: nn.Module, opt: TENGraD) -> dict[str, torch.Tensor]:
+    """``{name: p_before - p_after}`` over one ``opt.step()``; with lr=1 that is ``u``."""
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.step()
+    return {n: (before[n] - p.detach()) / opt.param_groups[0]["lr"] for n, p in model.named_parameters()}
+
+
+def forward_backward(model: nn.Module, opt: TENGraD, x, y, loss_fn: LossFn = F.cross_entropy) -> torch.Tensor:
+    out = model(x)
+    loss = loss_fn(out, y)
+    opt.zero_grad()
+    loss.backward()
+    return out
+
+
+def assert_matches(delta: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], tol: float = TOL) -> None:
+    assert ref, "no covered layer"
+    for k, u_ref in ref.items():
+        r = rel(delta[k], u_ref)
+        assert r <= tol, f"{k}: rel err {r:.2e}"
