@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import norm_ops, ops
+from .rows import FOLDS, fold_rows, unfold_rows
 
 __all__ = ["NORM_KINDS", "CHANNEL_FIRST", "match_norm", "norm_entry", "is_norm_leaf", "norm", "BN_NOTE"]
 
@@ -193,10 +194,15 @@ def norm(x: Tensor, mod: nn.Module, key: int, site: int, batch: Optional[int] = 
     """
     entry = norm_entry(mod)
     assert entry is not None, f"{type(mod).__name__} is not a captured norm layer"
-    if ops.PROBE is not None:
-        ops.PROBE[(key, site)] = tuple(x.shape)
+    ops.probe(key, site, x)
     if not ops._active(key, x, mod.weight, getattr(mod, "bias", None)):
         return entry.cls.forward(mod, x)
-    ops._check_batch(x, batch, name)
-    y = entry.run(mod, x, key, site)
+    fold = FOLDS.get((key, site))
+    if fold is not None:  # a folded batch (trailing kinds only, see fold.FOLDABLE)
+        keep = len(mod.normalized_shape)
+        y = entry.run(mod, fold_rows(x, fold, keep, name), key, site)
+        y = unfold_rows(y, fold, x.shape[:x.dim() - keep])
+    else:
+        ops._check_batch(x, batch, name)
+        y = entry.run(mod, x, key, site)
     return entry.post(mod, y) if entry.post is not None else y

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .rows import FOLDS, fold_rows, unfold_rows
 from .store import Record, lookup
 
 __all__ = ["linear", "conv", "PROBE"]
@@ -38,6 +39,18 @@ PROBE: Optional[dict[tuple[int, int], tuple[int, ...]]] = None
 PER_SAMPLE_CONV: str = os.environ.get("TENGRAD_FX_PER_SAMPLE_CONV", "grouped")
 if PER_SAMPLE_CONV not in ("grouped", "unfold"):
     raise ValueError(f"TENGRAD_FX_PER_SAMPLE_CONV={PER_SAMPLE_CONV!r}: use 'grouped' or 'unfold'")
+# When not None, prepare()'s fold probe also keeps (key, site) -> the input itself.
+PROBE_INPUTS: Optional[dict[tuple[int, int], Tensor]] = None
+
+
+def probe(key: int, site: int, x: Tensor) -> None:
+    """Note one call's input for prepare()'s probes (no-op outside them)."""
+    if PROBE is not None:
+        PROBE[(key, site)] = tuple(x.shape)
+        if PROBE_INPUTS is not None:
+            PROBE_INPUTS[(key, site)] = x.detach().clone()
+
+
 # key -> capture enabled? (read by the wrappers; a plain dict so torch.compile guards on it)
 ENABLED: dict[int, bool] = {}
 
@@ -139,10 +152,13 @@ def linear(
 
     x: ``[m, *, d_in]``; weight: ``[d_out, d_in]``; returns ``[m, *, d_out]``.
     """
-    if PROBE is not None:
-        PROBE[(key, site)] = tuple(x.shape)
+    probe(key, site, x)
     if not _active(key, x, weight, bias):
         return F.linear(x, weight, bias)
+    fold = FOLDS.get((key, site))
+    if fold is not None:  # a folded batch: run on the rows regrouped per sample
+        y = torch.ops.tengrad_fx.linear(fold_rows(x, fold, 1, name), weight, bias, key, site)
+        return unfold_rows(y, fold, x.shape[:-1])
     _check_batch(x, batch, name)
     return torch.ops.tengrad_fx.linear(x, weight, bias, key, site)
 
@@ -285,8 +301,7 @@ def conv(
     """
     if pre_pad is not None:
         x = F.pad(x, list(pre_pad), mode=pad_mode)
-    if PROBE is not None:
-        PROBE[(key, site)] = tuple(x.shape)
+    probe(key, site, x)
     op = list(output_padding) if output_padding is not None else [0] * (weight.dim() - 2)
     if not _active(key, x, weight, bias):
         return torch.ops.aten.convolution(

@@ -42,11 +42,12 @@ _BINARY_METHODS = {"add", "sub", "mul", "div", "add_", "sub_", "mul_", "div_"}
 
 
 class ParamHolder:
-    """Stands in for a module in the :class:`LayerSpec` of an added parameter."""
+    """Stands in for a module in the :class:`LayerSpec` of an added parameter (or of a
+    projection that is a parameter pair of a bigger module, e.g. attention's in-projection)."""
 
-    def __init__(self, weight: nn.Parameter):
+    def __init__(self, weight: nn.Parameter, bias: Optional[nn.Parameter] = None):
         self.weight = weight
-        self.bias = None
+        self.bias = bias
 
 
 # --------------------------------------------------------------------------- the op

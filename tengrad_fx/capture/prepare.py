@@ -7,15 +7,16 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from . import embedding, norm, ops, params
+from . import attention, embedding, norm, ops, params
 from .info import ATTR, PrepareInfo, get_info
-from .inputs import leading_dim, resize_batch
+from .inputs import leading_dim
 from .match import LayerSpec, conv_call_args, match_module, pad_same_input
 from .norm import NORM_KINDS
 from .sharing import OURS, drop_layer, note_functional_uses
 from .store import CaptureStore
 from .surgery import prepare_surgery
 from .trace import trace
+from .verify import verify_samples
 
 __all__ = ["prepare", "capturing"]
 
@@ -76,6 +77,10 @@ def prepare(
         elif why:
             for pn, _ in mod.named_parameters(prefix=name, recurse=False):
                 fallback[pn] = why
+    for name in attention.functional_children(model):  # F.linear on its weight inside the attention
+        if candidates.pop(name, None) is not None:
+            for pn, _ in model.get_submodule(name).named_parameters(prefix=name, recurse=False):
+                fallback[pn] = "attention out-projection called functionally (covered only via an fx-rewritten attention call)"
     if not candidates:
         why = "".join(sorted({f"; {r}" for r in fallback.values()}))
         raise ValueError(
@@ -104,7 +109,7 @@ def prepare(
     prepared.__dict__[ATTR] = info
     ops.ENABLED[info.store.key] = True
     if example_inputs is not None:
-        _verify_samples(prepared, info, example_inputs)
+        verify_samples(prepared, info, example_inputs)
     _classify_params(model, info)
     return prepared
 
@@ -291,12 +296,14 @@ def _prepare_fx(model, candidates, fallback, example_inputs, added_params=True):
     skip = {id(p) for mod in candidates.values() for p in mod.parameters(recurse=False)}
     _rewrite(g_train, candidates, layers, store.key, n_sites, runtime_batch, odd)
     if added_params:
+        attention.rewrite_attention(g_train, model, layers, store.key, n_sites, _batch_node(g_train), OURS)
         params.rewrite_params(g_train, model, skip, layers, store.key, n_sites, _batch_node(g_train), refused, OURS)
     gm = _graph_module(model, g_train, c_train)
     method = "fx"
     if g_eval is not None:
         _rewrite(g_eval, candidates, layers, store.key, n_sites, runtime_batch, odd)
         if added_params:
+            attention.rewrite_attention(g_eval, model, layers, store.key, n_sites, _batch_node(g_eval), OURS)
             params.rewrite_params(g_eval, model, skip, layers, store.key, n_sites, _batch_node(g_eval), refused, OURS)
         gm_eval = _graph_module(model, g_eval, c_eval)
         for k, v in gm_eval._buffers.items():  # the eval graph runs on gm: give it gm_eval's extras
@@ -332,49 +339,6 @@ def _dispatch_on_mode(gm: fx.GraphModule, gm_eval: fx.GraphModule) -> None:
     cls.forward = forward  # type: ignore[method-assign]
     gm.__dict__["_tengrad_eval_graph"] = gm_eval.graph
 
-
-
-# --------------------------------------------------------------------------- verification
-def _verify_samples(prepared: nn.Module, info: PrepareInfo, example_inputs: Sequence[Any]) -> None:
-    """Run at batch 2 and 3 (no grad, buffers restored); drop layers whose input isn't per sample."""
-    saved = {n: b.detach().clone() for n, b in prepared.named_buffers()}
-    shapes: dict[int, dict[tuple[int, int], tuple[int, ...]]] = {}
-    was_training = prepared.training
-    modes = (True, False) if info.method == "fx-dual" else (was_training,)
-    try:
-        for n in (2, 3):
-            ops.PROBE = {}
-            with torch.no_grad():
-                for mode in modes:
-                    prepared.train(mode)
-                    prepared(*resize_batch(example_inputs, n))
-            shapes[n] = ops.PROBE
-    except Exception as exc:
-        raise RuntimeError(
-            f"tengrad_fx.prepare: the prepared model failed on example_inputs at batch {n}: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-    finally:
-        ops.PROBE = None
-        prepared.train(was_training)
-        with torch.no_grad():
-            for name, b in prepared.named_buffers():
-                if name in saved:
-                    b.copy_(saved[name])
-    key = info.store.key
-    for spec in info.layers:
-        bad = []
-        spec.input_shapes = []
-        for site in spec.sites:
-            s2, s3 = shapes[2].get((key, site)), shapes[3].get((key, site))
-            if s2 is None or s3 is None:
-                continue  # not executed in this mode: nothing captured there either
-            if s2[0] != 2 or s3[0] != 3:
-                bad.append(f"leading dim {s2[0]} at batch 2 and {s3[0]} at batch 3")
-            spec.input_shapes.append(s2)
-        if bad:
-            drop_layer({spec.name: spec}, spec.name,
-                        f"input does not index samples ({bad[0]})")
 
 
 def _classify_params(model: nn.Module, info: PrepareInfo) -> None:

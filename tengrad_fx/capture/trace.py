@@ -2,7 +2,8 @@
 
 Covered layers are kept as leaves (one ``call_module`` node per call), and so are the
 modules and functions that timm marks as not traceable, so that timm and torchvision
-models trace without changes. A root module that is itself a covered Linear/Conv/ConvTranspose
+models trace without changes. torch's transformer modules are traced through their slow
+path (:mod:`.transformer`). A root module that is itself a covered Linear/Conv/ConvTranspose
 (``prepare(nn.Linear(10, 5))``) becomes a one-node graph calling the root as a layer.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn as nn
 
 from .match import _BASES, match_module
 from .norm import is_norm_leaf
+from .transformer import traced_forward
 
 __all__ = ["trace"]
 
@@ -38,9 +40,16 @@ class _Tracer(fx.Tracer):
             return True
         if is_norm_leaf(m):  # a norm layer with a capture path (timm's too) stays one node
             return True
+        if traced_forward(m) is not None:  # torch transformer modules, timm MobileVitBlock: traced through
+            return False
         if self._leaf_types and isinstance(m, self._leaf_types):
             return True
         return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+        sub = traced_forward(m)
+        return super().call_module(m, sub if sub is not None else forward, args, kwargs)
 
 
 def trace(model: nn.Module) -> fx.Graph:

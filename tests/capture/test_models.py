@@ -83,10 +83,10 @@ SLOW_CASES: dict[str, Case] = {
     "tv_inception_v3_aux": Case(_tv("inception_v3", aux_logits=True, init_weights=False), size=299,
                                 method="fx-dual"),
     "tv_vgg11": Case(_tv("vgg11")),
-    # tensor constants made by the tracer (relative position index); drop path -> two graphs
-    # windows folded into the batch: attention qkv/proj are detected as sample-dim fallbacks
+    # tensor constants made by the tracer (relative position index); drop path -> two graphs;
+    # windows folded into the batch (B·nW, Wt, C): attention qkv/proj covered by the fold probe
     "timm_swin_tiny": Case(_timm("swin_tiny_patch4_window7_224", img_size=64, window_size=4), size=64,
-                           method="fx-dual", folded=("attn.qkv", "attn.proj")),
+                           method="fx-dual"),
 }
 
 

@@ -126,7 +126,8 @@ class UntraceableFolded(nn.Module):
         return self.out(torch.tanh(h).mean(1))
 
 
-def test_surgery_batch_folded_layer_is_fallback_and_runs() -> None:
+def test_surgery_batch_folded_layer_is_covered_by_its_rows() -> None:
+    """``fc`` sees ``[m·5, 4]``: the fold probe finds sample i's rows ``5i..5i+4`` (surgery too)."""
     torch.manual_seed(0)
     x = torch.randn(3, 5, 4, dtype=torch.float64)
     model = UntraceableFolded().double()
@@ -134,8 +135,8 @@ def test_surgery_batch_folded_layer_is_fallback_and_runs() -> None:
     prepared = prepare(model, example_inputs=(x[:2],))
     info = get_info(prepared)
     assert info.method == "surgery"
-    assert "does not index samples" in info.fallback["fc.weight"]
-    assert [layer.name for layer in covered_layers(prepared)] == ["out"]
+    assert not info.fallback, info.fallback
+    assert [layer.name for layer in covered_layers(prepared)] == ["fc", "out"]
     y = torch.randn(3, 3, dtype=torch.float64)
     torch.testing.assert_close(prepared(x), orig(x), rtol=0, atol=0)
     check_psg(prepared, orig, x, y, ref=loop_psg(orig, x, y))

@@ -12,6 +12,7 @@ import torch.utils._pytree as pytree
 
 import tengrad_fx
 from tengrad_fx import covered_layers, get_info, prepare
+from tengrad_fx.capture.rows import FOLDS
 
 from ._helpers import check_gram, check_psg, loop_psg, sq_loss
 
@@ -158,7 +159,8 @@ def test_dict_and_nested_inputs_are_covered_and_exact(cls, make, with_examples: 
 
 
 def test_nested_input_folded_layer_still_detected() -> None:
-    """The probe resizes nested leaves, so a layer whose rows are not samples is still caught."""
+    """The probes resize and perturb nested leaves, so a layer whose rows are a folded batch
+    is still found (and covered by its per-sample rows)."""
 
     class FoldedDict(nn.Module):
         def __init__(self) -> None:
@@ -173,8 +175,9 @@ def test_nested_input_folded_layer_still_detected() -> None:
 
     x = {"seq": torch.randn(3, 6, 4)}
     prepared = prepare(FoldedDict(), example_inputs=(x,))
-    assert "does not index samples" in get_info(prepared).fallback["fc.weight"]
-    assert [lay.name for lay in covered_layers(prepared)] == ["out"]
+    info = get_info(prepared)
+    assert not info.fallback and [lay.name for lay in covered_layers(prepared)] == ["fc", "out"]
+    assert FOLDS[(info.store.key, info.layers[0].sites[0])] == (1, 6)  # sample i: rows 6i .. 6i+5
     p2 = prepare(FoldedDict())  # no example_inputs: the run-time check sees the dict's batch
     with pytest.raises(RuntimeError, match="'fc'"):
         p2(x)

@@ -28,6 +28,16 @@ class Folded(nn.Module):
         return self.out(torch.tanh(h).mean(1))
 
 
+class FoldedMixed(Folded):
+    """(B, T, D) -> (B*T, D), centred over all rows: every row depends on every sample."""
+
+    def forward(self, x):
+        r = x.reshape(-1, x.shape[-1])
+        h = self.fc(r - r.mean(0))
+        h = h.reshape(x.shape[0], x.shape[1], -1)
+        return self.out(torch.tanh(h).mean(1))
+
+
 class Grid(nn.Module):
     """A conv applied to a constant (1, C, H, W) grid, broadcast-added to the features."""
 
@@ -59,17 +69,24 @@ class Seq(nn.Module):
 
 
 def test_batch_folded_linear_is_fallback_with_example_inputs() -> None:
+    """Rows that mix samples fall back (rows that are a fixed per-sample index set are
+    covered: tests/capture/test_folds.py)."""
     x = torch.randn(3, 5, 4, dtype=torch.float64)
-    model = Folded().double()
+    model = FoldedMixed().double()
     orig = copy.deepcopy(model)
     prepared = prepare(model, example_inputs=(x[:2],))
     info = get_info(prepared)
     assert "fc.weight" in info.fallback and "fc.bias" in info.fallback
     assert "does not index samples" in info.fallback["fc.weight"]
+    assert "not a fixed index set" in info.fallback["fc.weight"]
     assert [layer.name for layer in covered_layers(prepared)] == ["out"]
     assert info.covered == {"out.weight": "out", "out.bias": "out"}
     y = torch.randn(3, 3, dtype=torch.float64)
-    check_psg(prepared, orig, x, y)  # 'out' still exact
+    sq_loss(prepared(x), y).backward()
+    (out,) = covered_layers(prepared)  # 'out': sample i's terms of the batch gradient
+    dW, db = out.per_sample_grads()
+    torch.testing.assert_close(dW.mean(0), prepared.out.weight.grad)
+    torch.testing.assert_close(db.mean(0), prepared.out.bias.grad)
     torch.testing.assert_close(prepared(x), orig(x), rtol=0, atol=0)
     # the fallback's gradient is still the full one
     orig.zero_grad()

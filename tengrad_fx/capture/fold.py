@@ -1,0 +1,108 @@
+"""prepare()'s fold probe: is a call site's input a folded batch (see :mod:`.rows`)?
+
+For a covered row-wise layer (:data:`FOLDABLE`) whose input's leading dim is not the
+batch, the model is run at batch 3 on ``example_inputs``' first sample repeated, then
+three more times with one sample perturbed. Dropout and batch statistics are switched off
+for these runs (every submodule in eval mode, one RNG seed for all runs), so a row of the
+layer input changes only if it depends on the perturbed sample. The rows are laid out as
+``[A, m, C]`` exactly when perturbing sample ``i`` changes the rows ``{a·3C + i·C + c}``
+and no other, for every ``i``, and the row count at batch 2 is ``A·2·C``; then
+``(A, C)`` is the site's fold. Otherwise the reason is returned.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence, Union
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from . import ops
+from .inputs import map_tensors, resize_batch
+
+__all__ = ["FOLDABLE", "fold_keep", "find_folds"]
+
+FOLDABLE = ("linear", "layernorm", "rmsnorm")
+
+
+def fold_keep(spec: Any) -> int:
+    """Trailing dims of the layer input that are not rows (the features)."""
+    return 1 if spec.kind == "linear" else len(spec.module.normalized_shape)
+
+
+def _perturbed(inputs: Sequence[Any], i: int) -> tuple[list[Any], bool]:
+    """``inputs`` (batch 3) with sample ``i`` of every floating tensor leaf changed."""
+    gen = torch.Generator().manual_seed(1234 + i)
+    hit = [False]
+
+    def change(t: Tensor) -> Tensor:
+        if t.dim() == 0 or t.shape[0] != 3 or not t.is_floating_point():
+            return t
+        t = t.clone()
+        noise = torch.randn(t[i].shape, generator=gen, dtype=torch.float64)
+        t[i] += (0.5 * noise).to(t.dtype).to(t.device)
+        hit[0] = True
+        return t
+
+    return [map_tensors(change, x) for x in inputs], hit[0]
+
+
+def _fold_of(runs: list[dict[tuple[int, int], Tensor]], k: tuple[int, int], keep: int,
+             rows2: int) -> Union[tuple[int, int], str]:
+    base = runs[0][k]
+    feat = base.shape[base.dim() - keep:].numel()
+    T = base.numel() // max(1, feat)
+    for i in range(3):
+        x = runs[i + 1].get(k)
+        if x is None or x.shape != base.shape:
+            return "rows of a sample are not a fixed index set (the input shape depends on its values)"
+        changed = (x.reshape(T, -1) != base.reshape(T, -1)).any(1).nonzero().flatten()
+        if i == 0:
+            if changed.numel() == 0 or int(changed[0]) != 0:
+                return "rows of a sample are not a fixed index set (no row of sample 0 found first)"
+            steps = (changed[1:] - changed[:-1]) != 1
+            C = int(steps.nonzero()[0]) + 1 if bool(steps.any()) else changed.numel()
+            A = changed.numel() // C
+            if A * 3 * C != T or A * 2 * C != rows2:
+                return (f"rows of a sample are not a fixed index set (perturbing one sample changed "
+                        f"{changed.numel()} of {T} rows)")
+        want = (torch.arange(A)[:, None] * 3 * C + i * C + torch.arange(C)).flatten()
+        if changed.numel() != want.numel() or not torch.equal(changed.cpu(), want):
+            return (f"rows of a sample are not a fixed index set (perturbing sample {i} changed "
+                    f"{changed.numel()} of {T} rows, not a [A, m, C] pattern)")
+    return A, C
+
+
+def find_folds(prepared: nn.Module, example_inputs: Sequence[Any], modes: Sequence[bool], key: int,
+               pending: dict[int, tuple[int, int]]) -> dict[int, Union[tuple[int, int], str]]:
+    """``site -> (A, C)`` or the reason it is not a folded batch, for ``pending``
+    (``site -> (keep, rows at batch 2)``). Buffers are the caller's to restore."""
+    base = resize_batch(example_inputs, 3)
+    subs = [(m, m.training) for m in prepared.modules() if m is not prepared]
+    out: dict[int, Union[tuple[int, int], str]] = {}
+    was = prepared.training
+    try:
+        for mode in modes:
+            prepared.train(mode)
+            for m, _ in subs:
+                m.training = False  # samples independent: no batch statistics, no dropout
+            runs = []
+            for i in (None, 0, 1, 2):
+                inputs, hit = (base, True) if i is None else _perturbed(base, i)
+                if not hit:
+                    return {s: "folded batch not probed: example_inputs have no floating-point tensor to perturb"
+                            for s in pending}
+                ops.PROBE, ops.PROBE_INPUTS = {}, {}
+                with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(0)
+                    prepared(*inputs)
+                runs.append(ops.PROBE_INPUTS)
+            for site, (keep, rows2) in pending.items():
+                if (key, site) in runs[0] and site not in out:
+                    out[site] = _fold_of(runs, (key, site), keep, rows2)
+    finally:
+        ops.PROBE = ops.PROBE_INPUTS = None
+        prepared.train(was)
+        for m, t in subs:
+            m.training = t
+    return out

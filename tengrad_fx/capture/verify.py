@@ -1,0 +1,87 @@
+"""prepare()'s probes on ``example_inputs``: does each covered call's input index samples?
+
+The prepared model runs at batch sizes 2 and 3 (no grad, buffers restored). A call whose
+input's leading dim is the batch at both is per sample. A row-wise layer's call whose is
+not may still see a folded batch (:mod:`.fold`): its rows are then regrouped per sample
+at run time (:mod:`.rows`). Any other call's layer falls back, with the shapes seen.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.nn as nn
+
+from . import ops
+from .fold import FOLDABLE, find_folds, fold_keep
+from .info import PrepareInfo
+from .inputs import resize_batch
+from .rows import FOLDS
+from .sharing import drop_layer
+
+__all__ = ["verify_samples"]
+
+
+def verify_samples(prepared: nn.Module, info: PrepareInfo, example_inputs: Sequence[Any]) -> None:
+    """Run at batch 2 and 3 (no grad, buffers restored); drop layers whose input isn't per sample."""
+    saved = {n: b.detach().clone() for n, b in prepared.named_buffers()}
+    shapes: dict[int, dict[tuple[int, int], tuple[int, ...]]] = {}
+    was_training = prepared.training
+    modes = (True, False) if info.method == "fx-dual" else (was_training,)
+    try:
+        for n in (2, 3):
+            ops.PROBE = {}
+            with torch.no_grad():
+                for mode in modes:
+                    prepared.train(mode)
+                    prepared(*resize_batch(example_inputs, n))
+            shapes[n] = ops.PROBE
+    except Exception as exc:
+        raise RuntimeError(
+            f"tengrad_fx.prepare: the prepared model failed on example_inputs at batch {n}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    finally:
+        ops.PROBE = None
+        prepared.train(was_training)
+        with torch.no_grad():
+            for name, b in prepared.named_buffers():
+                if name in saved:
+                    b.copy_(saved[name])
+    key = info.store.key
+    pending = {}  # row-wise layers' sites whose leading dim is not the batch: folded?
+    for spec in info.layers:
+        for site in spec.sites:
+            s2, s3 = shapes[2].get((key, site)), shapes[3].get((key, site))
+            if spec.kind in FOLDABLE and s2 is not None and s3 is not None and (s2[0] != 2 or s3[0] != 3):
+                keep = fold_keep(spec)
+                pending[site] = (keep, math.prod(s2[:len(s2) - keep]))
+    folds = {}
+    if pending:
+        try:
+            folds = find_folds(prepared, example_inputs, modes, key, pending)
+        finally:
+            with torch.no_grad():
+                for name, b in prepared.named_buffers():
+                    if name in saved:
+                        b.copy_(saved[name])
+    for spec in info.layers:
+        bad = []
+        spec.input_shapes = []
+        for site in spec.sites:
+            s2, s3 = shapes[2].get((key, site)), shapes[3].get((key, site))
+            if s2 is None or s3 is None:
+                continue  # not executed in this mode: nothing captured there either
+            fold = folds.get(site)
+            if isinstance(fold, tuple):
+                keep = fold_keep(spec)
+                s2 = (2, fold[0] * fold[1], *s2[len(s2) - keep:])  # the rows regrouped per sample
+            elif s2[0] != 2 or s3[0] != 3:
+                bad.append(f"leading dim {s2[0]} at batch 2 and {s3[0]} at batch 3" + (f"; {fold}" if fold else ""))
+            spec.input_shapes.append(s2)
+        if bad:
+            drop_layer({spec.name: spec}, spec.name,
+                        f"input does not index samples ({bad[0]})")
+        else:
+            FOLDS.update({(key, s): f for s, f in folds.items() if s in spec.sites and isinstance(f, tuple)})
