@@ -67,6 +67,7 @@ SLOW: dict[str, tuple[Callable[[], nn.Module], int, int]] = {
     "tv inception_v3 with aux heads": (_tv("inception_v3", aux_logits=True, init_weights=False), 299, 3),
     "tv vgg11": (_tv("vgg11"), 32, 3),
     "timm swin_tiny (img 64, window 4)": (_timm("swin_tiny_patch4_window7_224", img_size=64, window_size=4), 64, 3),
+    "timm mobilevit_xxs (img 64)": (_timm("mobilevit_xxs"), 64, 3),
 }
 
 

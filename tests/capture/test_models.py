@@ -87,6 +87,8 @@ SLOW_CASES: dict[str, Case] = {
     # windows folded into the batch (B·nW, Wt, C): attention qkv/proj covered by the fold probe
     "timm_swin_tiny": Case(_timm("swin_tiny_patch4_window7_224", img_size=64, window_size=4), size=64,
                            method="fx-dual"),
+    # MobileVitBlock traced (unfold/fold as graph leaves); transformer rows (B·P, N, D) folded
+    "timm_mobilevit_xxs": Case(_timm("mobilevit_xxs"), size=64),
 }
 
 
