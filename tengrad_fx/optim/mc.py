@@ -1,7 +1,7 @@
 """MC ("true") Fisher: sampled targets and one backward that records ``G`` only."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -9,23 +9,33 @@ from torch import Tensor
 
 from ..capture.store import CaptureStore
 
-__all__ = ["mc_capture"]
+__all__ = ["mc_capture", "sample_targets"]
+
+
+@torch.no_grad()
+def sample_targets(outputs: Tensor, mc_loss: Literal["cross_entropy", "mse"],
+                   generator: Optional[torch.Generator] = None) -> Tensor:
+    """Targets sampled from the model's prediction: ``[m, *]`` class indices from the
+    softmax of ``outputs`` (``[m, *, classes]`` logits) for ``cross_entropy``, or
+    ``outputs + N(0, 1)`` for ``mse``; ``generator``: None for the global RNG."""
+    if mc_loss == "cross_entropy":
+        probs = torch.softmax(outputs.detach().float(), dim=-1)
+        flat = probs.reshape(-1, probs.shape[-1])
+        return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+    noise = torch.randn(outputs.shape, dtype=outputs.dtype, device=outputs.device, generator=generator)
+    return outputs.detach() + noise
 
 
 def mc_capture(store: CaptureStore, outputs: Tensor, mc_loss: Literal["cross_entropy", "mse"],
-               weights: list[Tensor]) -> None:
-    """Sample targets from ``outputs`` (``[m, *, classes]`` logits: categorical; ``mse``:
-    ``outputs + N(0, 1)``), and backpropagate the sampled loss (mean over the batch) through
-    the graph with the store in G-only mode: the covered layers record ``G`` (and, where
-    chosen, per-sample gradients) but compute no parameter gradients. Afterwards the
+               weights: list[Tensor], target: Optional[Tensor] = None) -> None:
+    """Sample targets from ``outputs`` (:func:`sample_targets`; or use ``target``, e.g.
+    labels sampled elsewhere), and backpropagate the sampled loss (mean over the batch)
+    through the graph with the store in G-only mode: the covered layers record ``G`` (and,
+    where chosen, per-sample gradients) but compute no parameter gradients. Afterwards the
     store stops recording, so the real ``loss.backward()`` does not overwrite the MC ``G``.
     """
-    with torch.no_grad():
-        if mc_loss == "cross_entropy":
-            probs = torch.softmax(outputs.detach().float(), dim=-1)
-            target = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1).reshape(probs.shape[:-1])
-        else:
-            target = outputs.detach() + torch.randn_like(outputs)
+    if target is None:
+        target = sample_targets(outputs, mc_loss)
     if mc_loss == "cross_entropy":
         loss = F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), target.reshape(-1))
     else:

@@ -213,18 +213,18 @@ class TENGraD(StepSkeleton):
             restore_curvature(self, curv)
         capturing(self.model, self._needs_capture(self._sched))
 
-    def mc_capture(self, outputs: Tensor) -> None:
-        """MC Fisher: before ``loss.backward()``, sample labels from ``outputs`` and run one
-        backward that records ``G`` only (no parameter gradients); ``fisher="gauss-newton"``:
-        one such backward per output (exact GGN). No-op for the empirical Fisher or on
-        steps that reuse curvature."""
+    def mc_capture(self, outputs: Tensor, targets: Optional[Tensor] = None) -> None:
+        """MC Fisher: before ``loss.backward()``, sample labels from ``outputs`` (or take
+        ``targets`` sampled by the caller) and run one backward that records ``G`` only (no
+        parameter gradients); ``fisher="gauss-newton"``: one such backward per output (exact
+        GGN). No-op for the empirical Fisher or on steps that reuse curvature."""
         if self.fisher == "empirical" or not self._is_curvature_step():
             return
         weights = [layer.weight for layer in self._layers if layer.weight.requires_grad]
         if self.fisher == "gauss-newton":
             gauss_newton_capture(self._info.store, outputs, weights, self._info.loss_reduction)
         else:
-            mc_capture(self._info.store, outputs, self.mc_loss, weights)
+            mc_capture(self._info.store, outputs, self.mc_loss, weights, targets)
         self._mc_done = True
 
     # ------------------------------------------------------------------ curvature

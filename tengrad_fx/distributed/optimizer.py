@@ -1,0 +1,319 @@
+"""``DistributedTENGraD``: TENGraD with the Fisher blocks of the global batch, on
+``torch.distributed`` (NCCL on GPUs, gloo on CPUs), layers solved on different ranks.
+
+Setup (one process per rank, e.g. under ``torchrun``)::
+
+    dist.init_process_group("nccl")                  # or "gloo" on CPUs
+    net = tengrad_fx.prepare(model)                   # prepare first ...
+    ddp = DDP(net)                                    # ... then DDP (averages the gradients)
+    opt = DistributedTENGraD(ddp, lr=..., damping=...)
+    # the usual loop on this rank's shard (equal local batch size m on every rank)
+
+With ``W`` ranks the curvature batch is the global one, ``M = W·m``: every layer's
+update equals single-process TENGraD's on the concatenation of the ranks' batches (rank
+order), up to rounding. ``prepare`` inside DDP (``prepare(DDP(model))``) is not
+supported: DDP's forward cannot be traced; wrap the prepared model.
+
+Per curvature step (``mode="gather"``):
+
+1. every rank sends the shapes of its records (a small host exchange) — all ranks must
+   have captured the same layers with the same local batch size (else ``ValueError``);
+2. layers are assigned to owners by solve cost (:mod:`.plan`);
+3. each owner receives the other ranks' records of its layers (``I`` and ``G``, or the
+   per-sample gradients ``P`` that a kind always records), one bucketed ``gather`` per
+   ``(owner, dtype)``, all in flight together; ``G``/``P`` are rescaled by ``m/M`` so
+   they are the global batch's (``loss_reduction="mean"``);
+4. the owner builds the ``M × M`` Grams, factorizes and keeps the factors (TENGraD's own
+   code, over its layers only), then computes its layers' ``u``;
+5. each owner broadcasts its layers' ``u`` (one bucketed ``broadcast`` per
+   ``(owner, dtype)``); all ranks then apply the same momentum update.
+
+A reuse step (``curvature_every = T > 1``) runs only 4's solve with the cached factors
+and 5: only preconditioned gradients move. ``replicate_solve=True`` all-gathers the
+records to every rank instead, every rank solves every layer, and no ``u`` is sent
+(more compute, no broadcast per step).
+
+The backward never materializes per-sample gradients of Linear/Conv/norm layers here
+(every rank records ``I`` and ``G``, so the records agree across ranks); the owner may
+still form ``P`` from them for its Gram where TENGraD's cost model says so.
+
+Reliability: the step's finite flag (gradients, factors) is ANDed over all ranks by one
+``all_reduce``, so a non-finite value on any rank skips the step on every rank; a
+skipped curvature step makes the next step take curvature again (decided from that
+all-reduced flag, so every rank agrees). A failed collective (a rank that raised or
+died, a timeout) raises :class:`~.comm.DistributedStepError`. The MC Fisher samples
+labels with a per-rank generator seeded from ``seed`` and the rank
+(:func:`mc_seed`); ``opt.last_mc_targets`` holds this rank's last sample.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+
+from ..capture.prepare import capturing
+from ..capture.store import Record
+from ..curvature.layer import CoveredLayer, covered_layers
+from ..optim.mc import mc_capture, sample_targets
+from ..optim.tengrad import TENGraD
+from .comm import Bucket, all_gather_meta, all_ok, broadcast_buckets, gather_buckets, pack, unpack
+from .plan import assign_owners, solve_cost
+
+__all__ = ["DistributedTENGraD", "mc_seed"]
+
+_FIELDS = ("I", "G", "P", "Gsum")
+_SCALED = ("G", "P", "Gsum")  # linear in the loss gradient: rescaled by m/M
+
+
+def mc_seed(seed: int, rank: int) -> int:
+    """The MC-sampling seed of ``rank`` derived from the global ``seed``."""
+    return (int(seed) * 1_000_003 + 7919 * (int(rank) + 1)) % (2 ** 63)
+
+
+def _layer_meta(layer: CoveredLayer) -> Optional[list[list[dict[str, Any]]]]:
+    """Per call site, per record: ``{field: (shape, dtype)}`` and ``in_shape``; None when
+    the layer captured nothing."""
+    if not layer.captured:
+        return None
+    store = layer._info.store
+    out = []
+    for site in layer.spec.sites:
+        recs = []
+        for r in store.records.get(site, []):
+            d: dict[str, Any] = {f: (tuple(getattr(r, f).shape), str(getattr(r, f).dtype))
+                                 for f in _FIELDS if getattr(r, f) is not None}
+            d["in_shape"] = tuple(r.in_shape)
+            recs.append(d)
+        out.append(recs)
+    return out
+
+
+class DistributedTENGraD(TENGraD):
+    """TENGraD on the global batch of a ``torch.distributed`` job (module docstring).
+
+    Args:
+        model: ``DDP(prepare(model))`` (or the prepared model itself, when the gradients
+            are averaged over the ranks some other way before ``step()``).
+        mode: ``"gather"`` (the only mode so far: owners gather their layers' records).
+        replicate_solve: every rank gathers every layer's records and solves every layer
+            (no broadcast of ``u``); default: each layer solved by its owner only.
+        seed: global seed of the MC Fisher's label sampling (per-rank seeds :func:`mc_seed`).
+        **kwargs: TENGraD's options (``compile`` and ``cuda_graph`` are not supported
+            here, nor ``fisher="gauss-newton"``).
+    """
+
+    def __init__(self, model: torch.nn.Module, lr: float, damping: float, *,
+                 mode: Literal["gather"] = "gather", replicate_solve: bool = False, seed: int = 0,
+                 **kwargs: Any):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DistributedTENGraD: call torch.distributed.init_process_group(...) first "
+                               "(e.g. run under torchrun)")
+        if mode != "gather":
+            raise ValueError(f"DistributedTENGraD: mode must be 'gather', got {mode!r}")
+        for opt in ("compile", "cuda_graph"):
+            if kwargs.get(opt):
+                raise ValueError(f"DistributedTENGraD: {opt}=True is not supported; leave it False")
+        if kwargs.get("fisher") == "gauss-newton":
+            raise ValueError("DistributedTENGraD: fisher='gauss-newton' is not supported; use 'empirical' or 'mc'")
+        self.ddp = model if isinstance(model, DistributedDataParallel) else None
+        module = model.module if isinstance(model, DistributedDataParallel) else model
+        self.world = dist.get_world_size()
+        self.rank = dist.get_rank()
+        self.mode = mode
+        self.replicate_solve = bool(replicate_solve)
+        self.seed = int(seed)
+        super().__init__(module, lr, damping, **kwargs)
+        if self._info.loss_reduction != "mean":
+            raise ValueError("DistributedTENGraD: prepare(..., loss_reduction='mean') is required (DDP averages "
+                             "the gradients over the ranks, i.e. the global loss is the mean over the global batch)")
+        self._all_layers: list[CoveredLayer] = covered_layers(module)
+        self._layers = []  # this rank's layers: set at each curvature step
+        self._owner: dict[str, int] = {}  # layer name -> owning rank (last curvature step)
+        self._fresh = True  # no curvature yet (on any rank)
+        self._generators: dict[str, torch.Generator] = {}
+        self.last_mc_targets: Optional[Tensor] = None
+        self.comm_bytes: dict[str, int] = {}  # bytes this rank sent on the last step, per layer
+
+    # ------------------------------------------------------------------ schedule (rank-independent)
+    def _needs_capture(self, step: int) -> bool:
+        return self._fresh or self._recapture or step - self._curv_sched >= self.curvature_every
+
+    def _on_seen_skip(self) -> None:
+        """The host saw a skip through the non-blocking mirror: when that happens differs
+        between ranks, so it does not touch the schedule here (see :meth:`_after_flags`)."""
+
+    def _after_flags(self, stats_step: bool, ok: Tensor) -> None:
+        if stats_step and not bool(ok):  # one host read, curvature steps only; ok is all-reduced
+            self._recapture = True
+
+    def _initial_jacobian_sites(self, m: int = 128) -> None:
+        self._info.store.jacobian_sites = set()
+
+    def _refresh(self, damping: float) -> None:
+        super()._refresh(damping)
+        self._info.store.jacobian_sites = set()  # backward records stay I, G on every rank
+
+    # ------------------------------------------------------------------ MC
+    def _generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device=device).manual_seed(mc_seed(self.seed, self.rank))
+        return self._generators[key]
+
+    def mc_capture(self, outputs: Tensor, targets: Optional[Tensor] = None) -> None:
+        """As :meth:`TENGraD.mc_capture`, labels sampled with this rank's generator
+        (kept in ``last_mc_targets``) unless ``targets`` are given."""
+        if self.fisher == "empirical" or not self._is_curvature_step():
+            return
+        if targets is None:
+            targets = sample_targets(outputs, self.mc_loss, self._generator(outputs.device))
+        self.last_mc_targets = targets
+        weights = [layer.weight for layer in self._all_layers if layer.weight.requires_grad]
+        mc_capture(self._info.store, outputs, self.mc_loss, weights, targets)
+        self._mc_done = True
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """As TENGraD's, without the curvature records (they are per owner): a resumed run,
+        with any world size, takes curvature at its first step."""
+        sd = super().state_dict()
+        sd.pop("curvature", None)
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        sd = {k: v for k, v in state_dict.items() if k != "curvature"}
+        self._fresh = True
+        self._layers, self._owner = [], {}
+        super().load_state_dict(sd)
+        capturing(self.model, True)
+
+    # ------------------------------------------------------------------ step
+    def _updates(self, step: int, curvature_step: bool, mc_step: bool, damping: float,
+                 ok: Tensor) -> dict[Tensor, Tensor]:
+        t0 = time.perf_counter()
+        self.comm_bytes = {}
+        if curvature_step:
+            self._exchange_records()
+            self._fresh = False
+        t1 = time.perf_counter()
+        local = super()._updates(step, curvature_step, mc_step, damping, ok)
+        t2 = time.perf_counter()
+        updates = self._share_updates(local)
+        flags = [ok] if self._chol_ok is None else [ok, self._chol_ok]
+        self._step_flag = all_ok(torch.stack(flags).all())
+        self.timings = {**self.timings, "gather": t1 - t0, "share": time.perf_counter() - t2}
+        return updates
+
+    def _exchange_records(self) -> None:
+        """Steps 1–3 of the module docstring: metadata, owners, gathered global records."""
+        layers = self._all_layers
+        meta = [_layer_meta(lay) for lay in layers]
+        metas = all_gather_meta(meta, "exchange of the record shapes")
+        for r, other in enumerate(metas):
+            for lay, a, b in zip(layers, metas[0], other):
+                if a != b:
+                    raise ValueError(f"DistributedTENGraD: layer '{lay.name}' captured {b} on rank {r} but {a} on "
+                                     "rank 0; every rank needs the same local batch size and the same layers called")
+        live = [i for i, mt in enumerate(meta) if mt is not None]
+        if not live:
+            self._layers, self._owner = [], {}
+            return
+        m = layers[live[0]].m
+        M = self.world * m
+        owners = assign_owners([solve_cost(M, layers[i].dims()) for i in live], self.world)
+        self._owner = {layers[i].name: r for i, r in zip(live, owners)}
+        store = self._info.store
+        buckets: dict[tuple[int, torch.dtype], Bucket] = {}
+        payload: dict[tuple[int, torch.dtype], list[Tensor]] = {}
+        for i, owner in zip(live, owners):
+            lay = layers[i]
+            for s, site in enumerate(lay.spec.sites):
+                for j, rec in enumerate(store.records.get(site, [])):
+                    for f in _FIELDS:
+                        t = getattr(rec, f)
+                        if t is None:
+                            continue
+                        key = (owner, t.dtype)
+                        if key not in buckets:
+                            buckets[key] = Bucket(owner, t.dtype, t.device)
+                            payload[key] = []
+                        buckets[key].add((i, s, j, f), t.shape)
+                        payload[key].append(t)
+        blist = list(buckets.values())
+        flats = {n: pack(payload[k], b) for n, (k, b) in enumerate(buckets.items())}
+        recv = gather_buckets(blist, flats, self.replicate_solve)
+        for n, b in enumerate(blist):
+            sent = b.nbytes * (self.world - 1 if self.replicate_solve else int(b.rank != self.rank))
+            for key, shape in zip(b.keys, b.shapes):
+                name = layers[key[0]].name
+                self.comm_bytes[name] = self.comm_bytes.get(name, 0) + sent * shape.numel() // max(b.numel, 1)
+        parts: dict[tuple[int, int, int, str], list[Tensor]] = {}
+        for n, b in enumerate(blist):
+            got = recv[n]
+            if got is None:
+                continue
+            per_rank = [unpack(flat, b) for flat in got]
+            for q, key in enumerate(b.keys):
+                parts[key] = [views[q] for views in per_rank]
+        mine = {i for i, r in zip(live, owners) if self.replicate_solve or r == self.rank}
+        scale = 1.0 / self.world
+        for i in live:
+            lay = layers[i]
+            for s, site in enumerate(lay.spec.sites):
+                if i not in mine:
+                    store.records.pop(site, None)
+                    continue
+                new = []
+                for j, rec in enumerate(store.records.get(site, [])):
+                    fields: dict[str, Optional[Tensor]] = {}
+                    for f in _FIELDS:
+                        if getattr(rec, f) is None:
+                            fields[f] = None
+                            continue
+                        t = torch.cat(parts[(i, s, j, f)], 0)
+                        fields[f] = t * scale if f in _SCALED else t
+                    new.append(Record(**fields, in_shape=(M, *rec.in_shape[1:])))
+                store.records[site] = new
+        self._layers = [layers[i] for i in sorted(mine)]
+
+    def _share_updates(self, local: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
+        """Step 5: every rank gets every owned layer's ``u`` (in graph order on every rank)."""
+        order = [lay for lay in self._all_layers if lay.name in self._owner]
+        if self.replicate_solve:
+            return {p: local[p] for lay in order for p in self._params(lay) if p in local}
+        buckets: dict[tuple[int, torch.dtype], Bucket] = {}
+        for lay in order:
+            for p in self._params(lay):
+                key = (self._owner[lay.name], p.dtype)
+                if key not in buckets:
+                    buckets[key] = Bucket(key[0], p.dtype, p.device)
+                buckets[key].add(p, p.shape)
+        blist = list(buckets.values())
+        flats = []
+        for b in blist:
+            if b.rank == self.rank:
+                flats.append(pack([local.get(p, p.grad) for p in b.keys], b))
+                for p in b.keys:
+                    name = self._name_of(p)
+                    self.comm_bytes[name] = self.comm_bytes.get(name, 0) + p.numel() * p.element_size() * (self.world - 1)
+            else:
+                flats.append(torch.empty(b.numel, dtype=b.dtype, device=b.device))
+        broadcast_buckets(flats, blist)
+        got: dict[Tensor, Tensor] = {}
+        for flat, b in zip(flats, blist):
+            got.update(zip(b.keys, unpack(flat, b)))
+        return {p: got[p] for lay in order for p in self._params(lay)}
+
+    @staticmethod
+    def _params(lay: CoveredLayer) -> list[Tensor]:
+        return [p for p in (lay.weight, lay.bias) if p is not None and p.grad is not None]
+
+    def _name_of(self, p: Tensor) -> str:
+        for lay in self._all_layers:
+            if p is lay.weight or p is lay.bias:
+                return lay.name
+        return "?"

@@ -1,0 +1,110 @@
+"""Training runs of the distributed tests: the same small float64 models and global
+batches on ``W`` ranks (:func:`train_ranks`, run through :func:`testing.distributed.run_ranks`)
+and in one process on the concatenated batch (:func:`train_single`, the reference).
+
+A run is described by a ``cfg`` dict: ``model`` ("mlp" or "cnn"), ``m`` (local batch),
+``steps``, ``T`` (curvature_every), ``fisher``, ``kl_clip``, ``replicate``, and optional
+faults: ``nan_rank``/``nan_step`` (that rank's gradient gets a NaN after DDP's
+averaging), ``raise_rank``/``raise_step`` (that rank raises after its backward, before its step), plus
+``save``/``load`` (a checkpoint path written by rank 0 after the last step / loaded
+before the first) and ``start`` (index of the first global batch).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+__all__ = ["make_model", "global_batch", "train_ranks", "train_single", "flat_params"]
+
+SHAPES = {"mlp": (6,), "cnn": (3, 6, 6)}
+
+
+def make_model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        net = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 8), nn.ReLU(), nn.Linear(8, 4))
+    else:
+        net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(),
+                            nn.Conv2d(4, 4, 3, groups=2, stride=2, bias=False), nn.ReLU(),
+                            nn.Flatten(), nn.Linear(4 * 2 * 2, 4))
+    return net.double()
+
+
+def global_batch(kind: str, M: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(M, *SHAPES[kind], generator=g, dtype=torch.float64), torch.randint(0, 4, (M,), generator=g)
+
+
+def flat_params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def _opt_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
+    return dict(lr=0.1, damping=0.05, momentum=0.9, weight_decay=1e-3, curvature_every=cfg.get("T", 1),
+                fisher=cfg.get("fisher", "empirical"), kl_clip=cfg.get("kl_clip"))
+
+
+def train_ranks(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each ``cfg`` in turn on this rank; per cfg: parameters after each step, the MC
+    targets of each step, final momentum buffers and counters."""
+    import tengrad_fx
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from tengrad_fx.distributed import DistributedTENGraD
+    out = []
+    for cfg in cfgs:
+        kind, m = cfg["model"], cfg["m"]
+        net = tengrad_fx.prepare(make_model(kind))
+        ddp = DDP(net)
+        opt = DistributedTENGraD(ddp, replicate_solve=cfg.get("replicate", False), seed=cfg.get("seed", 0),
+                                 **_opt_kwargs(cfg))
+        if cfg.get("load"):
+            ck = torch.load(cfg["load"], weights_only=False)
+            net.load_state_dict(ck["model"])
+            opt.load_state_dict(ck["opt"])
+        traj, targets = [flat_params(net)], []
+        for k in range(cfg["steps"]):
+            x, y = global_batch(kind, world * m, cfg.get("start", 0) + k)
+            x, y = x[rank * m:(rank + 1) * m], y[rank * m:(rank + 1) * m]
+            out_ = ddp(x)
+            loss = F.cross_entropy(out_, y)
+            opt.zero_grad()
+            opt.mc_capture(out_)
+            targets.append(opt.last_mc_targets if cfg.get("fisher") == "mc" else None)
+            opt.last_mc_targets = None
+            loss.backward()
+            if cfg.get("raise_rank") == rank and cfg.get("raise_step") == k:
+                raise RuntimeError(f"injected failure on rank {rank} at step {k}")
+            if cfg.get("nan_rank") == rank and cfg.get("nan_step") == k:
+                next(net.parameters()).grad[0].fill_(float("nan"))
+            opt.step()
+            traj.append(flat_params(net))
+        if cfg.get("save") and rank == 0:
+            torch.save({"model": net.state_dict(), "opt": opt.state_dict()}, cfg["save"])
+        bufs = [opt.state[p]["momentum_buffer"].clone() for p in net.parameters() if "momentum_buffer" in opt.state[p]]
+        out.append({"traj": traj, "targets": targets, "bufs": bufs, "counters": opt.counters,
+                    "owner": dict(opt._owner)})
+    return out
+
+
+def train_single(cfg: dict[str, Any], world: int, targets: Optional[list[Optional[torch.Tensor]]] = None,
+                 ) -> list[torch.Tensor]:
+    """The reference: plain TENGraD on the concatenated batches (``world·m`` samples),
+    MC with ``targets[k]`` (the ranks' samples concatenated); parameters after each step."""
+    import tengrad_fx
+    kind, M = cfg["model"], world * cfg["m"]
+    net = tengrad_fx.prepare(make_model(kind))
+    opt = tengrad_fx.TENGraD(net, **_opt_kwargs(cfg))
+    traj = [flat_params(net)]
+    for k in range(cfg["steps"]):
+        x, y = global_batch(kind, M, cfg.get("start", 0) + k)
+        out = net(x)
+        loss = F.cross_entropy(out, y)
+        opt.zero_grad()
+        opt.mc_capture(out, targets[k] if targets is not None else None)
+        loss.backward()
+        opt.step()
+        traj.append(flat_params(net))
+    return traj

@@ -1,0 +1,149 @@
+"""``DistributedTENGraD`` on 2 and 3 gloo ranks (spawned processes, float64) against
+single-process ``TENGraD`` on the concatenated global batch.
+
+Each world size is one spawn running several configurations in turn (module fixtures),
+so the default suite pays for two process groups. Checked per configuration: every
+step's parameter change equals the reference's to ``≤ 1e-10`` (relative), on curvature
+and reuse steps, empirical and MC (the reference is given the ranks' sampled labels);
+the ranks' parameters are bit-identical after every step, and momentum buffers at the
+end (10 steps); a NaN gradient on one rank skips the step on all; a checkpoint of a
+2-rank run resumes on 3 ranks (same global batch) exactly as the uninterrupted run.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from testing.dist_workers import train_ranks, train_single
+from testing.distributed import run_ranks
+
+TOL = 1e-10
+
+TWO = {
+    "mlp-empirical-T2": dict(model="mlp", m=4, steps=4, T=2),
+    "cnn-mc-T2-clip": dict(model="cnn", m=3, steps=4, T=2, fisher="mc", kl_clip=0.01),
+    "mlp-replicate-10": dict(model="mlp", m=3, steps=10, T=3, replicate=True, kl_clip=0.01),
+    "mlp-gather-10": dict(model="mlp", m=3, steps=10, T=3, fisher="mc"),
+    "mlp-nan": dict(model="mlp", m=4, steps=3, T=1, nan_rank=1, nan_step=1),
+    "mlp-save": dict(model="mlp", m=6, steps=2, T=1),  # + save (fixture)
+}
+THREE = {
+    "cnn-empirical-T2": dict(model="cnn", m=2, steps=4, T=2),
+    "mlp-mc-T1": dict(model="mlp", m=3, steps=3, T=1, fisher="mc"),
+    "cnn-replicate-mc": dict(model="cnn", m=2, steps=3, T=2, fisher="mc", replicate=True),
+    "mlp-resume": dict(model="mlp", m=4, steps=2, T=1, start=2),  # + load (fixture)
+}
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    d = tmp_path_factory.mktemp("two")
+    cfgs = {k: dict(v) for k, v in TWO.items()}
+    cfgs["mlp-save"]["save"] = str(d / "ck.pt")
+    res = run_ranks(train_ranks, 2, d, list(cfgs.values()))
+    return {"cfgs": cfgs, "ranks": {k: [r[i] for r in res] for i, k in enumerate(cfgs)}, "ckpt": d / "ck.pt"}
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory: pytest.TempPathFactory, two: dict[str, Any]) -> dict[str, Any]:
+    d = tmp_path_factory.mktemp("three")
+    cfgs = {k: dict(v) for k, v in THREE.items()}
+    cfgs["mlp-resume"]["load"] = str(two["ckpt"])
+    res = run_ranks(train_ranks, 3, d, list(cfgs.values()))
+    return {"cfgs": cfgs, "ranks": {k: [r[i] for r in res] for i, k in enumerate(cfgs)}}
+
+
+def _reference(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> list[torch.Tensor]:
+    targets = None
+    if cfg.get("fisher") == "mc":
+        targets = [None if ranks[0]["targets"][k] is None else torch.cat([r["targets"][k] for r in ranks])
+                   for k in range(cfg["steps"])]
+    return train_single(cfg, len(ranks), targets)
+
+
+def _check_equal_to_global(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
+    ref = _reference(cfg, ranks)
+    got = ranks[0]["traj"]
+    assert torch.equal(got[0], ref[0])
+    for k in range(1, cfg["steps"] + 1):
+        d, dr = got[k] - got[k - 1], ref[k] - ref[k - 1]
+        err = ((d - dr).norm() / dr.norm()).item()
+        assert err <= TOL, f"step {k - 1}: relative error {err:.2e} of the update vs the global-batch one"
+        for r, other in enumerate(ranks[1:], 1):
+            assert torch.equal(other["traj"][k], got[k]), f"rank {r} differs from rank 0 after step {k - 1}"
+
+
+@pytest.mark.parametrize("name", [k for k in TWO if k not in ("mlp-nan",)])
+def test_two_ranks_equal_global_batch(two: dict[str, Any], name: str) -> None:
+    _check_equal_to_global(two["cfgs"][name], two["ranks"][name])
+
+
+@pytest.mark.parametrize("name", [k for k in THREE if k != "mlp-resume"])
+def test_three_ranks_equal_global_batch(three: dict[str, Any], name: str) -> None:
+    _check_equal_to_global(three["cfgs"][name], three["ranks"][name])
+
+
+def test_mc_samples_differ_across_ranks(two: dict[str, Any]) -> None:
+    """Per-rank generators: the ranks' sampled labels are not one shared stream."""
+    a, b = (r["targets"][0] for r in two["ranks"]["cnn-mc-T2-clip"])
+    torch.manual_seed(0)
+    assert a is not None and b is not None and a.shape == b.shape
+    assert not torch.equal(a, b) or a.numel() < 2
+
+
+def test_local_fisher_is_not_what_is_computed(two: dict[str, Any]) -> None:
+    """The check above can fail: rank 0's step is not the single-process step on rank 0's
+    own shard (the local Fisher) — the curvature really is the global batch's."""
+    cfg = dict(TWO["mlp-empirical-T2"])
+    got = two["ranks"]["mlp-empirical-T2"][0]["traj"]
+    local = train_single({**cfg, "m": cfg["m"]}, 1)  # first m samples of a batch of size m: another batch
+    assert ((got[1] - got[0]) - (local[1] - local[0])).norm() > 1e-3 * (got[1] - got[0]).norm()
+
+
+@pytest.mark.parametrize("name", ["mlp-replicate-10", "mlp-gather-10"])
+def test_replicas_bit_identical_after_ten_steps(two: dict[str, Any], name: str) -> None:
+    a, b = two["ranks"][name]
+    assert len(a["traj"]) == 11 and torch.equal(a["traj"][-1], b["traj"][-1])
+    assert len(a["bufs"]) == len(b["bufs"]) > 0
+    assert all(torch.equal(x, y) for x, y in zip(a["bufs"], b["bufs"]))
+    assert a["counters"] == b["counters"] == {"step": 10, "skipped": 0, "uncaptured": 0}
+
+
+def test_nonfinite_on_one_rank_skips_on_all(two: dict[str, Any]) -> None:
+    ranks = two["ranks"]["mlp-nan"]
+    for r in ranks:
+        assert r["counters"]["skipped"] == 1 and r["counters"]["step"] == 2
+        assert torch.equal(r["traj"][2], r["traj"][1])  # step 1 left the parameters unchanged
+        assert not torch.equal(r["traj"][3], r["traj"][2])  # step 2 (recaptured) moved them
+        assert torch.isfinite(r["traj"][3]).all()
+    assert torch.equal(ranks[0]["traj"][3], ranks[1]["traj"][3])
+
+
+def test_resume_on_another_world_size(three: dict[str, Any]) -> None:
+    """2 ranks × 6 for 2 steps, checkpoint, 3 ranks × 4 for 2 more (same global batches):
+    the same trajectory as 4 uninterrupted single-process steps on the 12-sample batches."""
+    ref = train_single(dict(model="mlp", m=12, steps=4, T=1), 1)
+    ranks = three["ranks"]["mlp-resume"]
+    got = ranks[0]["traj"]
+    assert torch.allclose(got[0], ref[2], rtol=0, atol=1e-12)
+    for k in (1, 2):
+        d, dr = got[k] - got[k - 1], ref[k + 2] - ref[k + 1]
+        assert ((d - dr).norm() / dr.norm()).item() <= TOL
+    assert all(torch.equal(r["traj"][-1], got[-1]) for r in ranks)
+    assert ranks[0]["counters"]["step"] == 4
+
+
+def _raise_then_step(rank: int, world: int, tmp: str) -> None:
+    train_ranks(rank, world, [dict(model="mlp", m=3, steps=3, T=1, raise_rank=1, raise_step=1)])
+
+
+def test_rank_that_raises_is_a_clear_error_not_a_hang(tmp_path: Path) -> None:
+    from testing.distributed import RanksFailed
+    with pytest.raises(RanksFailed) as exc:
+        run_ranks(_raise_then_step, 2, tmp_path, str(tmp_path), timeout=90, pg_timeout=30)
+    errors = exc.value.errors
+    assert "injected failure on rank 1" in errors[1]
+    assert "DistributedStepError" in errors[0] and "Another rank has most likely raised" in errors[0], errors[0]

@@ -1,0 +1,43 @@
+"""The owner assignment, the per-rank shards and the argument checks (no process group)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tengrad_fx
+from tengrad_fx.distributed import DistributedTENGraD, assign_owners, shard_indices, solve_cost
+
+
+def test_assign_owners_is_greedy_by_cost() -> None:
+    costs = [1.0, 10.0, 3.0, 3.0, 2.0]
+    owner = assign_owners(costs, 2)
+    # 10 -> r0; 3 -> r1; 3 -> r1 (load 3 < 10); 2 -> r1 (6 < 10); 1 -> r1 (8 < 10)
+    assert owner == [1, 0, 1, 1, 1]
+    loads = [sum(c for c, o in zip(costs, owner) if o == r) for r in range(2)]
+    assert max(loads) == 10.0
+    assert assign_owners(costs, 1) == [0] * 5
+    assert sorted(set(assign_owners([1.0] * 6, 3))) == [0, 1, 2]
+
+
+def test_solve_cost_counts_gram_and_cholesky() -> None:
+    M, dims = 64, (1, 1, 100, 10)  # Linear 100 -> 10
+    gram = min(2.0 * M * M * (100 + 10), 2.0 * M * 100 * 10 + 2.0 * M * M * 100 * 10)
+    assert solve_cost(M, dims) == pytest.approx(gram + M ** 3 / 3)
+
+
+@pytest.mark.parametrize("n,world", [(10, 3), (12, 4), (7, 1)])
+def test_shards_are_disjoint_and_equal(n: int, world: int) -> None:
+    parts = [shard_indices(n, r, world, epoch=1, seed=5) for r in range(world)]
+    assert len({len(p) for p in parts}) == 1 and len(parts[0]) == n // world
+    allidx = torch.cat(parts)
+    assert len(set(allidx.tolist())) == len(allidx) and int(allidx.max()) < n
+    assert not torch.equal(shard_indices(n, 0, world, epoch=1, seed=5), shard_indices(n, 0, world, epoch=2, seed=5)) \
+        or n // world < 3
+    with pytest.raises(ValueError, match="rank"):
+        shard_indices(n, world, world)
+
+
+def test_needs_a_process_group() -> None:
+    net = tengrad_fx.prepare(torch.nn.Linear(3, 2))
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        DistributedTENGraD(net, lr=0.1, damping=0.1)
