@@ -129,16 +129,20 @@ def _truncate_jsonl(path: Path, keep: Callable[[dict[str, Any]], bool]) -> None:
 
 
 class _JsonlLog:
-    def __init__(self, path: Path):
+    """Appends JSON lines to ``path`` (nothing at all when ``active`` is False: ranks > 0)."""
+
+    def __init__(self, path: Path, active: bool = True):
         self.path = path
-        self._f = open(path, "a")
+        self._f = open(path, "a") if active else None
 
     def write(self, rec: dict[str, Any]) -> None:
-        self._f.write(json.dumps(rec) + "\n")
-        self._f.flush()
+        if self._f is not None:
+            self._f.write(json.dumps(rec) + "\n")
+            self._f.flush()
 
     def close(self) -> None:
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
 
 
 def _skipped_by_optimizer(opt: torch.optim.Optimizer) -> int:
@@ -160,7 +164,7 @@ def _skip_batches(it: Iterator[Any], k: int) -> None:
 
 
 def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], float],
-          error: Callable[[str], NoReturn]) -> dict[str, Any]:
+          error: Callable[[str], NoReturn], dist: Any = None) -> dict[str, Any]:
     """Train as configured by ``cfg`` (``tools.train.resolve_config``), write the logs and
     checkpoints described in the module docstring; returns the summary dict.
 
@@ -168,12 +172,15 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
     config.json entries)`` for the training set (already on ``cfg["device"]``);
     ``lr_factor(schedule, epoch)`` is the lr multiplier of a 0-based epoch; ``error(msg)``
     reports a usage error and does not return (argparse's ``parser.error``).
+    ``dist``: a :class:`tools._dist.DistRun` for ``--distributed`` (see there: this rank's
+    block of each global batch, DDP, rank-0-only writes), else None.
     """
     import zoo  # noqa: PLC0415
 
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
-    device = torch.device(cfg["device"])
+    device = torch.device(dist.device if dist is not None else cfg["device"])
+    main = dist is None or dist.main  # the process that writes files and prints
     out = Path(cfg["out"])
     ckpt_path = out / CHECKPOINT
 
@@ -209,9 +216,12 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
     torch.manual_seed(cfg["seed"])
     model, opt, coverage, extra_meta = setup(train_ds)
     forward: Callable[[torch.Tensor], torch.Tensor] = torch.compile(model) if cfg["compile"] else model
+    if dist is not None:
+        forward = dist.wrap(model)
     out.mkdir(parents=True, exist_ok=True)  # only now: a bad --model/--dataset leaves no directory behind
     gen = torch.Generator().manual_seed(cfg["seed"])  # data order (+ augmentation), always on the CPU
-    steps_per_epoch = zoo.num_batches(train_ds, cfg["batch_size"])
+    steps_per_epoch = zoo.num_batches(train_ds, cfg["batch_size"]) if dist is None else \
+        len(train_ds) // cfg["batch_size"]  # distributed: the last incomplete global batch is dropped
     base_lr = cfg["lr"]
 
     # ---- state (fresh or from the checkpoint)
@@ -234,27 +244,32 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
         if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"], device)
         last_step = step
-        for name in ("steps.jsonl", "evals.jsonl", "epochs.jsonl"):
+        for name in ("steps.jsonl", "evals.jsonl", "epochs.jsonl") if main else ():
             _truncate_jsonl(out / name, lambda r: r.get("step", 0) <= last_step)
         with contextlib.suppress(FileNotFoundError):
-            (out / "summary.json").unlink()  # the run is unfinished again until the new summary
-    else:
+            if main:
+                (out / "summary.json").unlink()  # the run is unfinished again until the new summary
+    elif main:
         for name in ("steps.jsonl", "evals.jsonl", "epochs.jsonl", "summary.json"):
             with contextlib.suppress(FileNotFoundError):
                 (out / name).unlink()
-    remove_stale(out, fresh=ckpt is None)
+    if main:
+        remove_stale(out, fresh=ckpt is None)
 
     resolved = {k: v for k, v in cfg.items() if k != "resume"}
     meta = dict(resolved, resume=cfg["resume"], steps_per_epoch=steps_per_epoch,
                 n_train=len(train_ds), n_test=len(test_ds), **extra_meta)
-    (out / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+    if dist is not None:
+        meta["world_size"] = dist.world
+    if main:
+        (out / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
     resumed_at = list(ckpt.get("resumed_at", [])) + [step] if ckpt is not None else []
-    if coverage is not None:
+    if coverage is not None and main:
         (out / "coverage.txt").write_text(coverage + "\n")
 
-    steps_log, epochs_log = _JsonlLog(out / "steps.jsonl"), _JsonlLog(out / "epochs.jsonl")
-    evals_log = _JsonlLog(out / "evals.jsonl") if cfg["eval_every"] else None
-    show = not cfg["no_progress"] and sys.stderr.isatty()
+    steps_log, epochs_log = _JsonlLog(out / "steps.jsonl", main), _JsonlLog(out / "epochs.jsonl", main)
+    evals_log = _JsonlLog(out / "evals.jsonl", main) if cfg["eval_every"] else None
+    show = not cfg["no_progress"] and sys.stderr.isatty() and main
     last_eval: Optional[dict[str, Any]] = None
     max_steps = cfg["max_steps"]
     stopped = False
@@ -294,7 +309,7 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
             for group in opt.param_groups:
                 group["lr"] = lr
             gen.set_state(epoch_gen_state)
-            it = zoo.batches(train_ds, cfg["batch_size"], shuffle=True, generator=gen)
+            it = zoo.batches(train_ds, cfg["batch_size"], shuffle=True, generator=gen, drop_last=dist is not None)
             _skip_batches(it, batch_in_epoch)
             bar = _progress(steps_per_epoch, f"epoch {epoch + 1}/{cfg['epochs']}", not show)
             bar.update(batch_in_epoch)
@@ -307,9 +322,14 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
                     xb, yb = next(it)
                 except StopIteration:
                     break
+                if dist is not None:
+                    xb, yb = dist.local(xb, yb)
                 out_logits = forward(xb)
                 loss = F.cross_entropy(out_logits, yb)
-                loss_v = float(loss.detach())
+                if dist is not None:  # the global batch's (every rank takes the same decision)
+                    loss_v, correct = dist.global_stats(loss, (out_logits.detach().argmax(-1) == yb).sum())
+                else:
+                    loss_v = float(loss.detach())
                 before = _skipped_by_optimizer(opt)
                 opt.zero_grad(set_to_none=True)
                 if math.isfinite(loss_v):
@@ -321,10 +341,11 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
                 else:
                     skipped_loss += 1
                     skipped = True
-                correct = int((out_logits.detach().argmax(-1) == yb).sum())
+                if dist is None:
+                    correct = int((out_logits.detach().argmax(-1) == yb).sum())
                 train_time += time.perf_counter() - t0
                 del out_logits, loss
-                bs = int(yb.shape[0])
+                bs = int(yb.shape[0]) * (1 if dist is None else dist.world)
                 step += 1
                 batch_in_epoch += 1
                 if math.isfinite(loss_v):
@@ -358,16 +379,18 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
                    "lr": lr, "train_time": train_time, "eval_time": eval_time}
             epochs_log.write(rec)
             last_eval = dict(rec)
-            print(f"epoch {frac_epoch:g}: train loss {train_loss if train_loss is not None else float('nan'):.4f} "
-                  f"acc {rec['train_acc']:.4f} | "
-                  f"test loss {test_loss:.4f} acc {test_acc:.4f} | train {train_time:.1f}s eval {eval_time:.1f}s",
-                  flush=True)
+            if main:
+                print(f"epoch {frac_epoch:g}: train loss {train_loss if train_loss is not None else float('nan'):.4f} "
+                      f"acc {rec['train_acc']:.4f} | "
+                      f"test loss {test_loss:.4f} acc {test_acc:.4f} | train {train_time:.1f}s eval {eval_time:.1f}s",
+                      flush=True)
             if complete:
                 epoch += 1
                 batch_in_epoch = 0
                 ep_loss_sum = ep_loss_n = ep_correct = ep_count = 0.0
                 epoch_gen_state = gen.get_state()
-            save_rotating(ckpt_path, snapshot())
+            if main:
+                save_rotating(ckpt_path, snapshot())
             if stopped:
                 break
     finally:
@@ -379,7 +402,7 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
     if last_eval is None or last_eval["step"] != step:  # nothing trained now, or stopped at a boundary
         test_loss, test_acc = do_eval()
         last_eval = {"test_loss": test_loss, "test_acc": test_acc, "step": step}
-        prev = [json.loads(x) for x in (out / "epochs.jsonl").read_text().splitlines() if x.strip()]
+        prev = [json.loads(x) for x in (out / "epochs.jsonl").read_text().splitlines() if x.strip()] if main else []
         if prev:
             last_eval.setdefault("train_loss", prev[-1]["train_loss"])
             last_eval.setdefault("train_acc", prev[-1]["train_acc"])
@@ -399,6 +422,8 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
     }
+    if not main:
+        return summary
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
     plot_msg = ""

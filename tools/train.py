@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (0 = leave torch's default)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar (it is also off when stderr is no TTY)")
     p.add_argument("--no-plot", action="store_true", help="do not draw OUT/curves.png at the end")
+    p.add_argument("--distributed", action="store_true",
+                   help="one process per rank under torchrun (DDP; TENGraD with the global batch's Fisher); "
+                        "--batch-size is then the global batch (see tools._dist)")
     return p
 
 
@@ -285,7 +288,13 @@ def optimizer_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def build_optimizer(cfg: dict[str, Any], model: nn.Module) -> torch.optim.Optimizer:
     """SGD over the plain model; any other optimizer over the prepared model, by
-    ``tengrad_fx.optim.registry.make_optimizer`` with every value explicit."""
+    ``tengrad_fx.optim.registry.make_optimizer`` with every value explicit; with
+    ``--distributed``, TENGraD is :class:`tengrad_fx.distributed.DistributedTENGraD` (MC
+    seed: ``--seed``)."""
+    if cfg.get("distributed") and cfg["optimizer"] == "tengrad":
+        from tengrad_fx.distributed import DistributedTENGraD  # noqa: PLC0415
+
+        return DistributedTENGraD(model, seed=cfg["seed"], **optimizer_kwargs(cfg))
     try:
         return registry.make_optimizer(cfg["optimizer"], model, **optimizer_kwargs(cfg))
     except TypeError as exc:  # an option this optimizer does not take
@@ -307,6 +316,17 @@ def run(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         cfg = resolve_config(args)
     except ConfigError as exc:
         parser.error(str(exc))
+    drun = None
+    if cfg["distributed"]:
+        from tools._dist import DistRun, check_distributed  # noqa: PLC0415
+
+        try:
+            drun = DistRun(args.device)
+        except ValueError as exc:
+            parser.error(str(exc))
+        problem = check_distributed(cfg, drun.world)
+        if problem:
+            parser.error(problem)
 
     def setup(train_ds: Any) -> tuple[nn.Module, torch.optim.Optimizer, Optional[str], dict[str, Any]]:
         try:
@@ -326,7 +346,14 @@ def run(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             parser.error(str(exc))
         return model, opt, coverage, {"n_params": n_params, "optimizer_kwargs": optimizer_kwargs(cfg)}
 
-    return _loop.train(cfg, setup=setup, lr_factor=lr_factor, error=parser.error)
+    try:
+        summary = _loop.train(cfg, setup=setup, lr_factor=lr_factor, error=parser.error, dist=drun)
+        if drun is not None:
+            drun.barrier()  # rank 0's files are complete before any rank goes on (e.g. to a --resume)
+        return summary
+    finally:
+        if drun is not None and drun.owns_group:
+            drun.close()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

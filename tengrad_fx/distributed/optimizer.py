@@ -59,6 +59,7 @@ from ..capture.prepare import capturing
 from ..capture.store import Record
 from ..curvature.layer import CoveredLayer, covered_layers
 from ..optim.mc import mc_capture, sample_targets
+from ..optim.state_check import META
 from ..optim.tengrad import TENGraD
 from .comm import Bucket, all_gather_meta, all_ok, broadcast_buckets, gather_buckets, pack, unpack
 from .plan import assign_owners, solve_cost
@@ -178,14 +179,20 @@ class DistributedTENGraD(TENGraD):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """As TENGraD's, without the curvature records (they are per owner): a resumed run,
-        with any world size, takes curvature at its first step."""
+        """As TENGraD's, without the curvature records (they are per owner), saved as a
+        TENGraD state: it resumes on any world size, or in one process by ``TENGraD``;
+        the resumed run takes curvature at its first step."""
         sd = super().state_dict()
         sd.pop("curvature", None)
+        sd[META] = {**sd[META], "optimizer": "TENGraD"}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of ``DistributedTENGraD`` (any world size) or ``TENGraD``
+        (its curvature records, if any, are dropped: the next step takes curvature)."""
         sd = {k: v for k, v in state_dict.items() if k != "curvature"}
+        if isinstance(sd.get(META), dict) and sd[META].get("optimizer") == "TENGraD":
+            sd[META] = {**sd[META], "optimizer": type(self).__name__}
         self._fresh = True
         self._layers, self._owner = [], {}
         super().load_state_dict(sd)
