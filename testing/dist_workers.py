@@ -3,7 +3,8 @@ batches on ``W`` ranks (:func:`train_ranks`, run through :func:`testing.distribu
 and in one process on the concatenated batch (:func:`train_single`, the reference).
 
 A run is described by a ``cfg`` dict: ``model`` ("mlp" or "cnn"), ``m`` (local batch),
-``steps``, ``T`` (curvature_every), ``fisher``, ``kl_clip``, ``replicate``, and optional
+``steps``, ``T`` (curvature_every), ``fisher``, ``kl_clip``, ``placement`` (default
+``"owner"``), ``mode`` (default ``"gather"``), and optional
 faults: ``nan_rank``/``nan_step`` (that rank's gradient gets a NaN after DDP's
 averaging), ``raise_rank``/``raise_step`` (that rank raises after its backward, before its step), plus
 ``save``/``load`` (a checkpoint path written by rank 0 after the last step / loaded
@@ -17,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["make_model", "global_batch", "train_ranks", "train_single", "flat_params"]
+__all__ = ["make_model", "global_batch", "train_ranks", "train_single", "flat_params", "local_fisher_reference"]
 
 SHAPES = {"mlp": (6,), "cnn": (3, 6, 6)}
 
@@ -58,8 +59,8 @@ def train_ranks(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[
         kind, m = cfg["model"], cfg["m"]
         net = tengrad_fx.prepare(make_model(kind))
         ddp = DDP(net)
-        opt = DistributedTENGraD(ddp, replicate_solve=cfg.get("replicate", False), seed=cfg.get("seed", 0),
-                                 **_opt_kwargs(cfg))
+        opt = DistributedTENGraD(ddp, placement=cfg.get("placement", "owner"), mode=cfg.get("mode", "gather"),
+                                 seed=cfg.get("seed", 0), **_opt_kwargs(cfg))
         if cfg.get("load"):
             ck = torch.load(cfg["load"], weights_only=False)
             net.load_state_dict(ck["model"])
@@ -81,8 +82,10 @@ def train_ranks(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[
                 next(net.parameters()).grad[0].fill_(float("nan"))
             opt.step()
             traj.append(flat_params(net))
-        if cfg.get("save") and rank == 0:
-            torch.save({"model": net.state_dict(), "opt": opt.state_dict()}, cfg["save"])
+        if cfg.get("save"):
+            if rank == 0:
+                torch.save({"model": net.state_dict(), "opt": opt.state_dict()}, cfg["save"])
+            torch.distributed.barrier()  # written before any rank loads it
         bufs = [opt.state[p]["momentum_buffer"].clone() for p in net.parameters() if "momentum_buffer" in opt.state[p]]
         out.append({"traj": traj, "targets": targets, "bufs": bufs, "counters": opt.counters,
                     "owner": dict(opt._owner)})
@@ -108,3 +111,28 @@ def train_single(cfg: dict[str, Any], world: int, targets: Optional[list[Optiona
         opt.step()
         traj.append(flat_params(net))
     return traj
+
+
+def local_fisher_reference(cfg: dict[str, Any], world: int) -> torch.Tensor:
+    """``mode="local"``'s first-step ``u`` computed in one process: for each rank's shard,
+    plain TENGraD on that shard with the gradient replaced by the global batch's (so
+    ``u_r = (F_r + αI)⁻¹ g``), read off the step (``Δw = −lr·(u + λw)`` on a first
+    step); the mean over the shards."""
+    import tengrad_fx
+    kind, m = cfg["model"], cfg["m"]
+    kw = _opt_kwargs(cfg)
+    x, y = global_batch(kind, world * m, cfg.get("start", 0))
+    full = make_model(kind)
+    F.cross_entropy(full(x), y).backward()
+    g = [p.grad.clone() for p in full.parameters()]
+    us = []
+    for r in range(world):
+        net = tengrad_fx.prepare(make_model(kind))
+        opt = tengrad_fx.TENGraD(net, **kw)
+        F.cross_entropy(net(x[r * m:(r + 1) * m]), y[r * m:(r + 1) * m]).backward()
+        for p, gp in zip(net.parameters(), g):
+            p.grad.copy_(gp)
+        w0 = flat_params(net)
+        opt.step()
+        us.append((w0 - flat_params(net)) / kw["lr"] - kw["weight_decay"] * w0)
+    return torch.stack(us).mean(0)

@@ -4,6 +4,7 @@
                           [--m 128] [--steps 10] [--warmup 2] [--methods a,b,...|paper|all]
                           [--json out.json] [--memory] [--device cpu|cuda] [--threads 2]
                           [--ops] [--profile DIR]
+    python -m tools.bench --distributed N [--model tiny] [--m 32]    # N gloo ranks: tools.dist_bench
 
 Every method trains its own copy of the same initial model on the same random batches;
 steps are interleaved (one step of each method per round) so machine noise hits all
@@ -253,11 +254,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--memory", action="store_true", help="also measure each method's peak memory")
     ap.add_argument("--_report-peak", dest="report_peak", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--distributed", type=int, default=0, metavar="N",
+                    help="distributed TENGraD vs DDP-SGD on N gloo ranks, --m per rank (tools.dist_bench)")
     args = ap.parse_args(argv)
     tiny = args.model == "tiny"
     args.m = args.m or (32 if tiny else 128)
     args.threads = args.threads or (1 if tiny else 2)
     torch.set_num_threads(args.threads)
+    if args.distributed:
+        from tools.dist_bench import report_distributed, run_distributed  # noqa: PLC0415
+
+        ranks = run_distributed(args.distributed, args.model, args.m, args.steps, args.warmup, args.threads)
+        print(report_distributed(ranks, args.distributed, args.model, args.m))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(ranks, f, indent=2)
+        return
     if args.report_peak:
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["DistributedStepError", "collective", "all_gather_meta", "all_ok", "Bucket", "pack", "unpack",
-           "gather_buckets", "broadcast_buckets"]
+__all__ = ["DistributedStepError", "collective", "all_gather_meta", "all_ok", "all_sum", "Bucket", "pack",
+           "unpack", "gather_buckets", "broadcast_buckets"]
 
 T = TypeVar("T")
 
@@ -100,16 +100,17 @@ def unpack(flat: Tensor, bucket: Bucket) -> list[Tensor]:
     return out
 
 
-def gather_buckets(buckets: list[Bucket], local: dict[int, Tensor], replicate: bool,
-                   ) -> dict[int, Optional[list[Tensor]]]:
+def gather_buckets(buckets: list[Bucket], local: dict[int, Tensor]) -> dict[int, Optional[list[Tensor]]]:
     """For each bucket ``b`` (index ``i``, ``local[i]`` this rank's flat part): the list of
-    every rank's flat part, on ``b.rank`` (``gather``) or on all ranks (``replicate``:
-    ``all_gather``); None where this rank receives nothing. All ops in flight at once."""
+    every rank's flat part, on ``b.rank`` (``gather``) or on all ranks when ``b.rank`` is
+    negative (``all_gather``); None where this rank receives nothing. All ops in flight
+    at once."""
     world, me = dist.get_world_size(), _rank()
     recv: dict[int, Optional[list[Tensor]]] = {}
     works = []
     for i, b in enumerate(buckets):
         mine = local[i]
+        replicate = b.rank < 0
         if replicate or b.rank == me:
             parts = [torch.empty_like(mine) for _ in range(world)]
             recv[i] = parts
@@ -125,6 +126,11 @@ def gather_buckets(buckets: list[Bucket], local: dict[int, Tensor], replicate: b
     for w in works:
         collective("waiting for the curvature records", w.wait)
     return recv
+
+
+def all_sum(flat: Tensor) -> None:
+    """``flat`` summed over all ranks, in place (one ``all_reduce``)."""
+    collective("all_reduce of the local-Fisher updates", lambda: dist.all_reduce(flat))
 
 
 def broadcast_buckets(flats: list[Tensor], buckets: list[Bucket]) -> None:

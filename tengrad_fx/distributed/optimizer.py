@@ -29,9 +29,19 @@ Per curvature step (``mode="gather"``):
    ``(owner, dtype)``); all ranks then apply the same momentum update.
 
 A reuse step (``curvature_every = T > 1``) runs only 4's solve with the cached factors
-and 5: only preconditioned gradients move. ``replicate_solve=True`` all-gathers the
-records to every rank instead, every rank solves every layer, and no ``u`` is sent
-(more compute, no broadcast per step).
+and 5: only preconditioned gradients move.
+
+Placement, per layer (``placement``): ``"owner"`` as above; ``"replicate"``: every rank
+all-gathers the layer's records and solves it, so its ``u`` is never sent (more compute,
+no broadcast per step); ``"auto"`` (default): replicate exactly the layers whose ``u``
+takes longer to receive than to compute on every rank, by the cost model
+:func:`.plan.choose_placement` at ``bandwidth`` bytes/s and ``flop_rate`` flop/s.
+
+``mode="local"`` (the per-rank local Fisher, for world sizes where the global ``M × M``
+Gram is too big, README "Distributed"): no records move; each rank preconditions the
+averaged gradient with its own ``m × m`` Fisher blocks, ``u_r = (F_r + αI)⁻¹ g``, and
+the ranks' ``u_r`` are averaged by one ``all_reduce`` per step. It is not the global
+Fisher's update (the error is measured in the README).
 
 The backward never materializes per-sample gradients of Linear/Conv/norm layers here
 (every rank records ``I`` and ``G``, so the records agree across ranks); the owner may
@@ -61,12 +71,13 @@ from ..curvature.layer import CoveredLayer, covered_layers
 from ..optim.mc import mc_capture, sample_targets
 from ..optim.state_check import META
 from ..optim.tengrad import TENGraD
-from .comm import Bucket, all_gather_meta, all_ok, broadcast_buckets, gather_buckets, pack, unpack
-from .plan import assign_owners, solve_cost
+from .comm import Bucket, all_gather_meta, all_ok, all_sum, broadcast_buckets, gather_buckets, pack, unpack
+from .plan import assign_owners, choose_placement, solve_cost
 
 __all__ = ["DistributedTENGraD", "mc_seed"]
 
 _FIELDS = ("I", "G", "P", "Gsum")
+REPLICATED = -1  # the "owner" of a layer every rank solves
 _SCALED = ("G", "P", "Gsum")  # linear in the loss gradient: rescaled by m/M
 
 
@@ -99,25 +110,31 @@ class DistributedTENGraD(TENGraD):
     Args:
         model: ``DDP(prepare(model))`` (or the prepared model itself, when the gradients
             are averaged over the ranks some other way before ``step()``).
-        mode: ``"gather"`` (the only mode so far: owners gather their layers' records).
-        replicate_solve: every rank gathers every layer's records and solves every layer
-            (no broadcast of ``u``); default: each layer solved by its owner only.
+        mode: ``"gather"`` (global-batch Fisher: records gathered where a layer is solved)
+            or ``"local"`` (per-rank Fisher blocks, updates averaged).
+        placement: ``"auto"``, ``"owner"`` or ``"replicate"`` (module docstring).
+        bandwidth, flop_rate: the cost model's bytes/s and flop/s per rank (``"auto"``).
         seed: global seed of the MC Fisher's label sampling (per-rank seeds :func:`mc_seed`).
-        **kwargs: TENGraD's options (``compile`` and ``cuda_graph`` are not supported
-            here, nor ``fisher="gauss-newton"``).
+        **kwargs: TENGraD's options (``compile`` and ``cuda_graph`` are off here: the
+            step's collectives are not captured in CUDA graphs; ``fisher="gauss-newton"``
+            is not supported).
     """
 
     def __init__(self, model: torch.nn.Module, lr: float, damping: float, *,
-                 mode: Literal["gather"] = "gather", replicate_solve: bool = False, seed: int = 0,
-                 **kwargs: Any):
+                 mode: Literal["gather", "local"] = "gather",
+                 placement: Literal["auto", "owner", "replicate"] = "auto", seed: int = 0,
+                 bandwidth: float = 50e9, flop_rate: float = 50e12, **kwargs: Any):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DistributedTENGraD: call torch.distributed.init_process_group(...) first "
                                "(e.g. run under torchrun)")
-        if mode != "gather":
-            raise ValueError(f"DistributedTENGraD: mode must be 'gather', got {mode!r}")
+        if mode not in ("gather", "local"):
+            raise ValueError(f"DistributedTENGraD: mode must be 'gather' or 'local', got {mode!r}")
+        if placement not in ("auto", "owner", "replicate"):
+            raise ValueError(f"DistributedTENGraD: placement must be 'auto', 'owner' or 'replicate', got {placement!r}")
         for opt in ("compile", "cuda_graph"):
             if kwargs.get(opt):
                 raise ValueError(f"DistributedTENGraD: {opt}=True is not supported; leave it False")
+        kwargs["cuda_graph"] = False  # TENGraD's CUDA default would capture the step's collectives
         if kwargs.get("fisher") == "gauss-newton":
             raise ValueError("DistributedTENGraD: fisher='gauss-newton' is not supported; use 'empirical' or 'mc'")
         self.ddp = model if isinstance(model, DistributedDataParallel) else None
@@ -125,7 +142,8 @@ class DistributedTENGraD(TENGraD):
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
         self.mode = mode
-        self.replicate_solve = bool(replicate_solve)
+        self.placement = placement
+        self.bandwidth, self.flop_rate = float(bandwidth), float(flop_rate)
         self.seed = int(seed)
         super().__init__(module, lr, damping, **kwargs)
         if self._info.loss_reduction != "mean":
@@ -133,7 +151,7 @@ class DistributedTENGraD(TENGraD):
                              "the gradients over the ranks, i.e. the global loss is the mean over the global batch)")
         self._all_layers: list[CoveredLayer] = covered_layers(module)
         self._layers = []  # this rank's layers: set at each curvature step
-        self._owner: dict[str, int] = {}  # layer name -> owning rank (last curvature step)
+        self._owner: dict[str, int] = {}  # layer name -> owning rank, REPLICATED (last curvature step)
         self._fresh = True  # no curvature yet (on any rank)
         self._generators: dict[str, torch.Generator] = {}
         self.last_mc_targets: Optional[Tensor] = None
@@ -204,12 +222,15 @@ class DistributedTENGraD(TENGraD):
         t0 = time.perf_counter()
         self.comm_bytes = {}
         if curvature_step:
-            self._exchange_records()
+            if self.mode == "local":
+                self._layers = [lay for lay in self._all_layers if lay.captured]
+            else:
+                self._exchange_records()
             self._fresh = False
         t1 = time.perf_counter()
         local = super()._updates(step, curvature_step, mc_step, damping, ok)
         t2 = time.perf_counter()
-        updates = self._share_updates(local)
+        updates = self._average_updates(local) if self.mode == "local" else self._share_updates(local)
         flags = [ok] if self._chol_ok is None else [ok, self._chol_ok]
         self._step_flag = all_ok(torch.stack(flags).all())
         self.timings = {**self.timings, "gather": t1 - t0, "share": time.perf_counter() - t2}
@@ -232,6 +253,9 @@ class DistributedTENGraD(TENGraD):
         m = layers[live[0]].m
         M = self.world * m
         owners = assign_owners([solve_cost(M, layers[i].dims()) for i in live], self.world)
+        for q, i in enumerate(live):
+            if self._placement(layers[i], M) == "replicate":
+                owners[q] = REPLICATED
         self._owner = {layers[i].name: r for i, r in zip(live, owners)}
         store = self._info.store
         buckets: dict[tuple[int, torch.dtype], Bucket] = {}
@@ -252,9 +276,9 @@ class DistributedTENGraD(TENGraD):
                         payload[key].append(t)
         blist = list(buckets.values())
         flats = {n: pack(payload[k], b) for n, (k, b) in enumerate(buckets.items())}
-        recv = gather_buckets(blist, flats, self.replicate_solve)
-        for n, b in enumerate(blist):
-            sent = b.nbytes * (self.world - 1 if self.replicate_solve else int(b.rank != self.rank))
+        recv = gather_buckets(blist, flats)
+        for n, b in enumerate(blist):  # ring all-gather: (W−1) parts sent per rank; gather: one
+            sent = b.nbytes * (self.world - 1 if b.rank == REPLICATED else int(b.rank != self.rank))
             for key, shape in zip(b.keys, b.shapes):
                 name = layers[key[0]].name
                 self.comm_bytes[name] = self.comm_bytes.get(name, 0) + sent * shape.numel() // max(b.numel, 1)
@@ -266,7 +290,7 @@ class DistributedTENGraD(TENGraD):
             per_rank = [unpack(flat, b) for flat in got]
             for q, key in enumerate(b.keys):
                 parts[key] = [views[q] for views in per_rank]
-        mine = {i for i, r in zip(live, owners) if self.replicate_solve or r == self.rank}
+        mine = {i for i, r in zip(live, owners) if r in (REPLICATED, self.rank)}
         scale = 1.0 / self.world
         for i in live:
             lay = layers[i]
@@ -290,10 +314,10 @@ class DistributedTENGraD(TENGraD):
     def _share_updates(self, local: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
         """Step 5: every rank gets every owned layer's ``u`` (in graph order on every rank)."""
         order = [lay for lay in self._all_layers if lay.name in self._owner]
-        if self.replicate_solve:
-            return {p: local[p] for lay in order for p in self._params(lay) if p in local}
         buckets: dict[tuple[int, torch.dtype], Bucket] = {}
         for lay in order:
+            if self._owner[lay.name] == REPLICATED:
+                continue
             for p in self._params(lay):
                 key = (self._owner[lay.name], p.dtype)
                 if key not in buckets:
@@ -304,16 +328,45 @@ class DistributedTENGraD(TENGraD):
         for b in blist:
             if b.rank == self.rank:
                 flats.append(pack([local.get(p, p.grad) for p in b.keys], b))
-                for p in b.keys:
-                    name = self._name_of(p)
-                    self.comm_bytes[name] = self.comm_bytes.get(name, 0) + p.numel() * p.element_size() * (self.world - 1)
             else:
                 flats.append(torch.empty(b.numel, dtype=b.dtype, device=b.device))
+            for p in b.keys:  # a pipelined broadcast: every rank sends each u once
+                self._add_bytes(self._name_of(p), p.numel() * p.element_size())
         broadcast_buckets(flats, blist)
         got: dict[Tensor, Tensor] = {}
         for flat, b in zip(flats, blist):
             got.update(zip(b.keys, unpack(flat, b)))
-        return {p: got[p] for lay in order for p in self._params(lay)}
+        return {p: (got[p] if p in got else local[p]) for lay in order for p in self._params(lay)
+                if p in got or p in local}
+
+    def _average_updates(self, local: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
+        """``mode="local"``: the mean over ranks of every covered parameter's ``u`` (one
+        ``all_reduce`` per dtype; a parameter without a local ``u`` contributes ``g``)."""
+        params = [p for lay in self._all_layers if lay.captured for p in self._params(lay)]
+        buckets: dict[torch.dtype, Bucket] = {}
+        for p in params:
+            buckets.setdefault(p.dtype, Bucket(REPLICATED, p.dtype, p.device)).add(p, p.shape)
+        out: dict[Tensor, Tensor] = {}
+        for b in buckets.values():
+            flat = pack([local.get(p, p.grad) for p in b.keys], b)
+            all_sum(flat)
+            flat.div_(self.world)
+            out.update(zip(b.keys, unpack(flat, b)))
+            for p in b.keys:  # ring all-reduce
+                self._add_bytes(self._name_of(p), int(2 * (self.world - 1) / self.world * p.numel() * p.element_size()))
+        return {p: out[p] for p in params}
+
+    def _add_bytes(self, name: str, nbytes: int) -> None:
+        self.comm_bytes[name] = self.comm_bytes.get(name, 0) + nbytes
+
+    def _placement(self, lay: CoveredLayer, M: int) -> str:
+        if self.placement != "auto":
+            return self.placement
+        recs = lay.records()
+        rec_bytes = sum(t.numel() * t.element_size() for r in recs for t in (r.I, r.G, r.P, r.Gsum) if t is not None)
+        n = sum(p.numel() for p in (lay.weight, lay.bias) if p is not None)
+        return choose_placement(M, n, rec_bytes, lay.dims(), self.world, self.curvature_every,
+                                self.bandwidth, self.flop_rate)
 
     @staticmethod
     def _params(lay: CoveredLayer) -> list[Tensor]:

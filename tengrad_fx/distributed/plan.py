@@ -35,3 +35,23 @@ def assign_owners(costs: Sequence[float], world: int) -> list[int]:
         owner[i] = r
         load[r] += costs[i]
     return owner
+
+
+def step_flops(M: int, dims: tuple[int, int, int, int]) -> float:
+    """Flops of one layer's ``J g`` and ``Jᵀ c`` on ``M`` samples (``2·M·S·f·o·g`` each)."""
+    g, S, f, o = dims
+    return 4.0 * M * S * f * o * g
+
+
+def choose_placement(M: int, n: int, record_bytes: float, dims: tuple[int, int, int, int], world: int,
+                     T: int, bandwidth: float, flop_rate: float) -> str:
+    """``"replicate"`` when receiving the layer's ``u`` (``n`` 4-byte values, every step)
+    takes longer than computing it on every rank (its curvature work amortized over ``T``
+    steps plus ``J g``/``Jᵀ c``), else ``"owner"``. ``record_bytes``: one rank's records
+    of the layer; both placements move ``(W−1)·record_bytes`` into a rank that solves it
+    on a curvature step (an owner, or every rank), so they do not enter the choice."""
+    if world == 1:
+        return "owner"
+    t_u = 4.0 * n / bandwidth
+    t_solve = (solve_cost(M, dims) / T + step_flops(M, dims)) / flop_rate
+    return "replicate" if t_u > t_solve else "owner"

@@ -25,15 +25,18 @@ TOL = 1e-10
 TWO = {
     "mlp-empirical-T2": dict(model="mlp", m=4, steps=4, T=2),
     "cnn-mc-T2-clip": dict(model="cnn", m=3, steps=4, T=2, fisher="mc", kl_clip=0.01),
-    "mlp-replicate-10": dict(model="mlp", m=3, steps=10, T=3, replicate=True, kl_clip=0.01),
+    "mlp-replicate-10": dict(model="mlp", m=3, steps=10, T=3, placement="replicate", kl_clip=0.01),
+    "mlp-auto": dict(model="mlp", m=4, steps=4, T=2, placement="auto", fisher="mc"),
     "mlp-gather-10": dict(model="mlp", m=3, steps=10, T=3, fisher="mc"),
     "mlp-nan": dict(model="mlp", m=4, steps=3, T=1, nan_rank=1, nan_step=1),
     "mlp-save": dict(model="mlp", m=6, steps=2, T=1),  # + save (fixture)
+    "mlp-resume-same": dict(model="mlp", m=6, steps=2, T=1, start=2),  # + load (fixture)
 }
 THREE = {
     "cnn-empirical-T2": dict(model="cnn", m=2, steps=4, T=2),
     "mlp-mc-T1": dict(model="mlp", m=3, steps=3, T=1, fisher="mc"),
-    "cnn-replicate-mc": dict(model="cnn", m=2, steps=3, T=2, fisher="mc", replicate=True),
+    "cnn-replicate-mc": dict(model="cnn", m=2, steps=3, T=2, fisher="mc", placement="replicate"),
+    "mlp-local": dict(model="mlp", m=4, steps=3, T=1, mode="local"),
     "mlp-resume": dict(model="mlp", m=4, steps=2, T=1, start=2),  # + load (fixture)
 }
 
@@ -43,6 +46,7 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     d = tmp_path_factory.mktemp("two")
     cfgs = {k: dict(v) for k, v in TWO.items()}
     cfgs["mlp-save"]["save"] = str(d / "ck.pt")
+    cfgs["mlp-resume-same"]["load"] = str(d / "ck.pt")
     res = run_ranks(train_ranks, 2, d, list(cfgs.values()))
     return {"cfgs": cfgs, "ranks": {k: [r[i] for r in res] for i, k in enumerate(cfgs)}, "ckpt": d / "ck.pt"}
 
@@ -76,12 +80,12 @@ def _check_equal_to_global(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> 
             assert torch.equal(other["traj"][k], got[k]), f"rank {r} differs from rank 0 after step {k - 1}"
 
 
-@pytest.mark.parametrize("name", [k for k in TWO if k not in ("mlp-nan",)])
+@pytest.mark.parametrize("name", [k for k in TWO if k not in ("mlp-nan", "mlp-resume-same")])
 def test_two_ranks_equal_global_batch(two: dict[str, Any], name: str) -> None:
     _check_equal_to_global(two["cfgs"][name], two["ranks"][name])
 
 
-@pytest.mark.parametrize("name", [k for k in THREE if k != "mlp-resume"])
+@pytest.mark.parametrize("name", [k for k in THREE if k not in ("mlp-resume", "mlp-local")])
 def test_three_ranks_equal_global_batch(three: dict[str, Any], name: str) -> None:
     _check_equal_to_global(three["cfgs"][name], three["ranks"][name])
 
@@ -122,11 +126,13 @@ def test_nonfinite_on_one_rank_skips_on_all(two: dict[str, Any]) -> None:
     assert torch.equal(ranks[0]["traj"][3], ranks[1]["traj"][3])
 
 
-def test_resume_on_another_world_size(three: dict[str, Any]) -> None:
-    """2 ranks × 6 for 2 steps, checkpoint, 3 ranks × 4 for 2 more (same global batches):
-    the same trajectory as 4 uninterrupted single-process steps on the 12-sample batches."""
+@pytest.mark.parametrize("world", [2, 3])
+def test_resume_on_the_same_or_another_world_size(two: dict[str, Any], three: dict[str, Any], world: int) -> None:
+    """2 ranks × 6 for 2 steps, checkpoint, then 2 ranks × 6 or 3 ranks × 4 for 2 more
+    (same global batches): the same trajectory as 4 uninterrupted single-process steps
+    on the 12-sample batches."""
     ref = train_single(dict(model="mlp", m=12, steps=4, T=1), 1)
-    ranks = three["ranks"]["mlp-resume"]
+    ranks = two["ranks"]["mlp-resume-same"] if world == 2 else three["ranks"]["mlp-resume"]
     got = ranks[0]["traj"]
     assert torch.allclose(got[0], ref[2], rtol=0, atol=1e-12)
     for k in (1, 2):
@@ -147,3 +153,21 @@ def test_rank_that_raises_is_a_clear_error_not_a_hang(tmp_path: Path) -> None:
     errors = exc.value.errors
     assert "injected failure on rank 1" in errors[1]
     assert "DistributedStepError" in errors[0] and "Another rank has most likely raised" in errors[0], errors[0]
+
+
+def test_local_fisher_mode(three: dict[str, Any]) -> None:
+    """``mode="local"``: the first step's ``u`` is the mean over ranks of ``(F_r + αI)⁻¹ g``
+    (per-rank Fisher, global gradient), not the global-batch update; replicas identical."""
+    from testing.dist_workers import local_fisher_reference
+    cfg = THREE["mlp-local"]
+    ranks = three["ranks"]["mlp-local"]
+    got = ranks[0]["traj"]
+    lr, wd = 0.1, 1e-3
+    u = (got[0] - got[1]) / lr - wd * got[0]
+    ref = local_fisher_reference(cfg, 3)
+    assert ((u - ref).norm() / ref.norm()).item() <= TOL
+    glob = train_single(cfg, 3)
+    u_glob = (glob[0] - glob[1]) / lr - wd * glob[0]
+    assert ((u - u_glob).norm() / u_glob.norm()).item() > 1e-3
+    for k in range(1, cfg["steps"] + 1):
+        assert all(torch.equal(r["traj"][k], got[k]) for r in ranks[1:])

@@ -41,3 +41,13 @@ def test_needs_a_process_group() -> None:
     net = tengrad_fx.prepare(torch.nn.Linear(3, 2))
     with pytest.raises(RuntimeError, match="init_process_group"):
         DistributedTENGraD(net, lr=0.1, damping=0.1)
+
+
+def test_choose_placement_replicates_cheap_big_layers() -> None:
+    from tengrad_fx.distributed.plan import choose_placement
+    dims = (1, 1, 1000, 1000)  # Linear 1000 -> 1000: u is 4 MB
+    # a slow network and fast compute: recomputing beats receiving u
+    assert choose_placement(64, 10 ** 6, 0.0, dims, 8, 10, bandwidth=1e8, flop_rate=1e14) == "replicate"
+    # a fast network and slow compute: the owner solves and broadcasts
+    assert choose_placement(64, 10 ** 6, 0.0, dims, 8, 10, bandwidth=1e12, flop_rate=1e9) == "owner"
+    assert choose_placement(64, 10 ** 6, 0.0, dims, 1, 10, bandwidth=1e8, flop_rate=1e14) == "owner"

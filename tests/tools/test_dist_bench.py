@@ -1,0 +1,33 @@
+"""``python -m tools.bench --distributed N`` (2 gloo ranks, the tiny model, 1 measured step)
+and the analytic model of ``tools.dist_model``."""
+from __future__ import annotations
+
+import pytest
+
+from tools.dist_bench import METHODS, report_distributed, run_distributed
+from tools.dist_model import model_table
+
+
+def test_distributed_bench_reports_every_method() -> None:
+    ranks = run_distributed(2, "tiny", 4, steps=1, warmup=1)
+    text = report_distributed(ranks, 2, "tiny", 4)
+    for meth in METHODS:
+        assert meth in text
+    res = ranks[0]["results"]
+    assert res["ddp-sgd"]["tengrad_bytes"] == 0 and res["ddp-sgd"]["ddp_bytes"] > 0
+    # owners send records or u; the local-Fisher mode all-reduces u (2·(W−1)/W·n·4 = n·4 bytes here)
+    assert all(rk["results"]["dist-tengrad"]["tengrad_bytes"] > 0 for rk in ranks)
+    n_cov = ranks[0]["results"]["dist-tengrad-local"]["tengrad_bytes"]
+    assert n_cov == pytest.approx(4 * ranks[0]["n_params"], rel=0.01)
+    assert 1e-6 < ranks[0]["local_error"] < 10.0  # the local Fisher is another preconditioner
+    assert "relative difference" in text and "by layer" in text
+
+
+def test_dist_model_rows() -> None:
+    layers = [{"name": "a", "n": 1000, "r": 500, "dims": (1, 1, 99, 10)},
+              {"name": "b", "n": 10, "r": 20, "dims": (1, 1, 9, 1)}]
+    rows = model_table(layers, [2, 4], m=8, T=10, bandwidth=1e9, flop_rate=1e12)
+    assert [r["M"] for r in rows] == [16, 32]
+    assert rows[0]["ddp_MB"] == pytest.approx(2 * 1 / 2 * 1010 * 4 / 2**20)
+    assert rows[1]["gram_GiB"] == pytest.approx(32 * 32 * 4 / 2**30)
+    assert all(r["affordable"] for r in rows)

@@ -1,0 +1,151 @@
+"""Analytic communication / flop model of distributed TENGraD (README, "Distributed").
+
+    python -m tools.dist_model [--model wrn-28-4|vit-b16|3c1f] [--worlds 8,64,512] [--m 128] [--T 100]
+
+Per covered layer the shapes come from one captured forward/backward at batch 2 (CPU):
+``r`` = record elements per sample (``I`` and ``G``, or ``P`` where a kind always keeps
+per-sample gradients), ``n`` = parameters, ``(g, S, f, o)`` the Gram cost dims. With
+``W`` ranks, ``m`` samples per rank and ``M = W·m`` (4-byte floats):
+
+* gather mode, curvature step: a non-owner sends ``m·r·4`` bytes of the layer's records
+  to its owner (the owner receives ``(W−1)`` times that); every step the owner broadcasts
+  ``u`` (``n·4`` bytes; a pipelined/ring broadcast has every rank send them once);
+* replicate: every rank all-gathers the records (``(W−1)·m·r·4`` bytes sent per rank on a
+  curvature step) and sends nothing on reuse steps;
+* per-rank local Fisher (``mode="local"``): an ``m × m`` Gram per rank, one all-reduce of
+  the ``u`` (``2·(W−1)/W·n·4`` bytes per rank per step), no records moved;
+* owner flops per curvature step: Gram ``min(2M²S²(f+o)g, 2MSfog + 2M²fog)`` + Cholesky
+  ``M³/3``; memory of one Gram ``M²·4`` bytes;
+* DDP's gradient all-reduce (any optimizer): ``2·(W−1)/W·N·4`` bytes per rank per step.
+
+``(P) MB`` is what the curvature step would send if a layer's per-sample gradients ``P``
+(``n`` per sample) were sent where they are smaller than its ``I`` and ``G`` (not
+implemented: the backward records ``I``, ``G`` on every rank). The table reports, per world size, the totals per rank (maximum over ranks, owners by the
+greedy assignment of :mod:`tengrad_fx.distributed.plan`), the per-layer placement that
+the ``placement="auto"`` rule of :func:`tengrad_fx.distributed.plan.choose_placement`
+picks at the stated bandwidth and flop rate, and whether the global Gram is affordable
+(every owner's Gram memory ≤ 8 GiB and curvature-step flops ≤ 100 TFLOP, i.e. about 2 s
+at 50 TFLOP/s, once per ``T`` steps).
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["layer_shapes", "model_table", "main"]
+
+GRAM_MEMORY_LIMIT = 8 * 2**30
+CURVATURE_FLOP_LIMIT = 100e12
+
+
+def _build(name: str) -> tuple[torch.nn.Module, tuple[int, ...], int]:
+    if name == "vit-b16":
+        import timm  # noqa: PLC0415
+
+        return timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=1000), (3, 224, 224), 1000
+    if name == "3c1f":
+        from tools.bench import build_model  # noqa: PLC0415
+
+        model, shape = build_model("3c1f")
+        return model, shape, 10
+    from zoo.registry import get_model  # noqa: PLC0415
+
+    return get_model(name, num_classes=10), (3, 32, 32), 10
+
+
+def layer_shapes(name: str) -> list[dict[str, Any]]:
+    """Per covered layer: ``name``, ``n``, ``r`` (record elements per sample), ``dims``."""
+    import tengrad_fx  # noqa: PLC0415
+
+    model, shape, classes = _build(name)
+    x = torch.randn(2, *shape)
+    net = tengrad_fx.prepare(model, example_inputs=(x,))
+    F.cross_entropy(net(x), torch.zeros(2, dtype=torch.long)).backward()
+    out = []
+    for lay in tengrad_fx.covered_layers(net):
+        if not lay.captured:
+            continue
+        r = sum(t.numel() for rec in lay.records() for t in (rec.I, rec.G, rec.P, rec.Gsum)
+                if t is not None and t.is_floating_point()) // 2
+        n = sum(p.numel() for p in (lay.weight, lay.bias) if p is not None)
+        out.append({"name": lay.name, "n": n, "r": r, "dims": lay.dims()})
+    return out
+
+
+def model_table(layers: list[dict[str, Any]], worlds: list[int], m: int, T: int,
+                bandwidth: float, flop_rate: float) -> list[dict[str, Any]]:
+    """One row per world size (module docstring)."""
+    from tengrad_fx.distributed.plan import assign_owners, choose_placement, solve_cost  # noqa: PLC0415
+
+    N = sum(lay["n"] for lay in layers)
+    rows = []
+    for W in worlds:
+        M = W * m
+        costs = [solve_cost(M, lay["dims"]) for lay in layers]
+        owners = assign_owners(costs, W)
+        place = [choose_placement(M, lay["n"], m * lay["r"] * 4, lay["dims"], W, T, bandwidth, flop_rate)
+                 for lay in layers]
+        gather_curv = [0.0] * W
+        gather_p = [0.0] * W  # the same, sending P (n per sample) where it is smaller than I, G
+        reuse = [0.0] * W
+        flops = [0.0] * W
+        for lay, o, pl, c in zip(layers, owners, place, costs):
+            rec = m * lay["r"] * 4.0
+            if pl == "replicate":
+                for k in range(W):
+                    gather_curv[k] += (W - 1) * rec
+                    gather_p[k] += (W - 1) * m * min(lay["r"], lay["n"]) * 4.0
+                    flops[k] += c
+            else:
+                for k in range(W):
+                    gather_curv[k] += rec if k != o else 0.0
+                    gather_p[k] += m * min(lay["r"], lay["n"]) * 4.0 if k != o else 0.0
+                    reuse[k] += lay["n"] * 4.0  # a pipelined broadcast: every rank sends u once
+                flops[o] += c
+        gram_mem = M * M * 4.0
+        rows.append({
+            "W": W, "M": M, "ddp_MB": 2.0 * (W - 1) / W * N * 4 / 2**20,
+            "curv_MB": max(gather_curv) / 2**20, "curvP_MB": max(gather_p) / 2**20, "reuse_MB": max(reuse) / 2**20,
+            "local_MB": 2.0 * (W - 1) / W * N * 4 / 2**20,
+            "owner_TFLOP": max(flops) / 1e12, "gram_GiB": gram_mem / 2**30,
+            "replicated": sum(p == "replicate" for p in place), "layers": len(layers),
+            "affordable": gram_mem <= GRAM_MEMORY_LIMIT and max(flops) <= CURVATURE_FLOP_LIMIT,
+            "placement": place,
+        })
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m tools.dist_model", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="wrn-28-4")
+    ap.add_argument("--worlds", default="8,64,512")
+    ap.add_argument("--m", type=int, default=128, help="samples per rank")
+    ap.add_argument("--T", type=int, default=100, help="curvature period")
+    ap.add_argument("--bandwidth", type=float, default=50e9, help="bytes/s per rank (NCCL, NVLink/IB class)")
+    ap.add_argument("--flop-rate", type=float, default=50e12, help="flop/s per GPU")
+    ap.add_argument("--layers", action="store_true", help="also print every layer's placement per world size")
+    args = ap.parse_args(argv)
+    layers = layer_shapes(args.model)
+    rows = model_table(layers, [int(w) for w in args.worlds.split(",")], args.m, args.T, args.bandwidth,
+                       args.flop_rate)
+    N = sum(lay["n"] for lay in layers)
+    print(f"{args.model}: {len(layers)} covered layers, {N / 1e6:.1f} M covered parameters, m = {args.m} per rank, "
+          f"T = {args.T}; bandwidth {args.bandwidth / 1e9:g} GB/s, {args.flop_rate / 1e12:g} TFLOP/s")
+    print(f"{'W':>5s} {'M':>7s} {'DDP MB':>8s} {'curv MB':>9s} {'(P) MB':>9s} {'reuse MB':>9s} {'local MB':>9s} "
+          f"{'owner TFLOP':>12s} {'Gram GiB':>9s} {'replicated':>11s} global Gram")
+    for r in rows:
+        print(f"{r['W']:5d} {r['M']:7d} {r['ddp_MB']:8.1f} {r['curv_MB']:9.1f} {r['curvP_MB']:9.1f} {r['reuse_MB']:9.1f} "
+              f"{r['local_MB']:9.1f} {r['owner_TFLOP']:12.3f} {r['gram_GiB']:9.3f} "
+              f"{r['replicated']:>5d}/{r['layers']:<5d} {'affordable' if r['affordable'] else 'NOT affordable: local'}")
+    if args.layers:
+        print(f"{'layer':40s} {'n':>10s} {'r/sample':>10s} " + " ".join(f"{'W=' + str(r['W']):>10s}" for r in rows))
+        for i, lay in enumerate(layers):
+            print(f"{lay['name'][:40]:40s} {lay['n']:10d} {lay['r']:10d} "
+                  + " ".join(f"{r['placement'][i]:>10s}" for r in rows))
+
+
+if __name__ == "__main__":
+    main()
