@@ -71,6 +71,8 @@ METHODS: dict[str, tuple[Callable[[nn.Module], torch.optim.Optimizer], bool | di
     # Linear/Conv preconditioned only: norm layers and added parameters left to SGD-momentum
     "tengrad-linconv": (lambda mdl: make_optimizer("tengrad", mdl, _FM, curvature_every=1, **_EMP),
                         {"only_linear_conv": True}),
+    "tengrad-tf32": (lambda mdl: make_optimizer("tengrad", mdl, _FM, curvature_every=1, gram_tf32=True, **_EMP),
+                     True),
     "tengrad-mc-T100-linconv": (lambda mdl: make_optimizer("tengrad", mdl, _FM, fisher="mc", curvature_every=100,
                                                           kl_clip=0.01), {"only_linear_conv": True}),
     # every layer's J kept (4 GiB budget): reuse steps by GEMVs on P only, no factored convs

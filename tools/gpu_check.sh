@@ -25,9 +25,9 @@ for model in 3c1f wrn-28-4 densenet-19 mobilenetv2; do
   timeout 100 $PY -m tools.bench --device cuda --model "$model" --m 128 --methods $ROWS \
     --steps 20 --warmup 5 --json "$OUT/bench-$model.json" 2>&1 | grep -v Warn | tee -a "$L"
 done
-step "bench wrn-28-4: reuse step with every J kept (jacobian_budget_mb=4096)"
-timeout 60 $PY -m tools.bench --device cuda --model wrn-28-4 --m 128 --steps 15 --warmup 5 \
-  --methods sgd,tengrad-mc,tengrad-mc-T100,tengrad-mc-T100-budget4g 2>&1 | grep -v Warn | tee -a "$L"
+step "bench wrn-28-4: TF32 Grams (gram_tf32=True); reuse step with every J kept (jacobian_budget_mb=4096)"
+timeout 70 $PY -m tools.bench --device cuda --model wrn-28-4 --m 128 --steps 15 --warmup 5 \
+  --methods sgd,tengrad,tengrad-tf32,tengrad-mc,tengrad-mc-T100,tengrad-mc-T100-budget4g 2>&1 | grep -v Warn | tee -a "$L"
 step "bench 3c1f-bn: norm layers preconditioned vs Linear/Conv only"
 timeout 60 $PY -m tools.bench --device cuda --model 3c1f-bn --m 128 --steps 15 --warmup 5 \
   --methods sgd,tengrad,tengrad-linconv,tengrad-mc,tengrad-mc-T100,tengrad-mc-T100-linconv 2>&1 | grep -v Warn | tee -a "$L"

@@ -40,7 +40,7 @@ from .skeleton import StepSkeleton
 from ..curvature.layer import KERNELS, choose_strategy, covered_layers
 from ..solve.woodbury import damped_cholesky_ex
 from .graphs import StepGraphs
-from .tengrad_groups import LayerGroup, build_groups, reuse_cost
+from .tengrad_groups import LayerGroup, build_groups, reuse_cost, tf32_matmuls
 from .fused_step import FusedStep
 
 __all__ = ["TENGraD"]
@@ -94,6 +94,9 @@ class TENGraD(StepSkeleton):
             CUDA graph per step kind and replay it (:mod:`tengrad_fx.optim.graphs`); eager
             with one warning if capture fails; on a CPU the same code runs eagerly.
             Default (None): on when the parameters are on a CUDA device at construction.
+        gram_tf32: compute the curvature steps' Grams ``J Jᵀ`` of float32 layers with TF32
+            tensor cores on CUDA (``tengrad_groups.tf32_matmuls``; ~1e-3 relative error in
+            ``K``, the precision cuDNN's default TF32 convolutions already give ``P``).
     """
 
     NAME = "tengrad"
@@ -116,6 +119,7 @@ class TENGraD(StepSkeleton):
         strategy: Literal["auto", "factor", "materialize"] = "auto",
         compile: bool | str = False,
         cuda_graph: Optional[bool] = None,
+        gram_tf32: bool = False,
     ):
         info = get_info(model)  # raises ValueError for an unprepared model
         check_nonneg("lr", lr)
@@ -144,6 +148,7 @@ class TENGraD(StepSkeleton):
         self.compile = bool(compile)
         # default: on when the parameters live on a CUDA device (graphs.py)
         self.cuda_graph = any(p.is_cuda for p in params) if cuda_graph is None else bool(cuda_graph)
+        self.gram_tf32 = bool(gram_tf32)
         self._graphs = StepGraphs()
         self._graph_version = 0  # bumped when a static tensor of the captured step is replaced
         self._gbuf: dict[Tensor, Tensor] = {}  # static gradient buffers (cuda_graph)
@@ -245,7 +250,8 @@ class TENGraD(StepSkeleton):
             groups = old  # the captured reuse step keeps reading the same tensors
         elif self.cuda_graph:
             self._graph_version += 1
-        self._K = [grp.gram() for grp in groups]
+        with tf32_matmuls(self.gram_tf32):
+            self._K = [grp.gram() for grp in groups]
         self._gram_seconds = time.perf_counter() - t_start
         self._curv = groups
         self._factorize(damping)

@@ -20,8 +20,9 @@ a group are stacked the same way: ``gw [L, n_w]``, ``gb [L, n_b]``.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Iterator, Literal, Optional
 
 import torch
 from torch import Tensor
@@ -40,6 +41,30 @@ def probe_generator(device: torch.device) -> torch.Generator:
     if key not in _PROBE_GENERATORS:
         _PROBE_GENERATORS[key] = torch.Generator(device=device).manual_seed(0)
     return _PROBE_GENERATORS[key]
+
+
+@contextlib.contextmanager
+def tf32_matmuls(enabled: bool) -> Iterator[None]:
+    """Inside: float32 CUDA matmuls may use TF32 tensor cores (10-bit mantissa inputs,
+    fp32 accumulation); the previous setting is restored on exit. No effect on CPU or
+    other dtypes. Used for the Grams of a curvature step (``TENGraD(gram_tf32=True)``)."""
+    if not enabled:
+        yield
+        return
+    mm = torch.backends.cuda.matmul
+    new_api = hasattr(mm, "fp32_precision")
+    old = mm.fp32_precision if new_api else mm.allow_tf32
+    if new_api:
+        mm.fp32_precision = "tf32"
+    else:
+        mm.allow_tf32 = True
+    try:
+        yield
+    finally:
+        if new_api:
+            mm.fp32_precision = old
+        else:
+            mm.allow_tf32 = old
 
 
 def _stack(ts: list[Tensor]) -> Tensor:

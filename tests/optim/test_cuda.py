@@ -88,3 +88,10 @@ def test_cuda_graph_is_the_default_on_cuda() -> None:
     pm = tengrad_fx.prepare(_net().cuda(), example_inputs=(torch.randn(2, 1, 28, 28, device="cuda"),))
     assert TENGraD(pm, lr=0.01, damping=0.1).cuda_graph
     assert not TENGraD(pm, lr=0.01, damping=0.1, cuda_graph=False).cuda_graph
+
+
+def test_gram_tf32_step_is_close_to_fp32() -> None:
+    """TF32 Grams (``gram_tf32=True``) change the float32 steps by ~1e-3 relative at most."""
+    ref, tf32 = _run("cuda", 5, cuda_graph=False), _run("cuda", 5, cuda_graph=False, gram_tf32=True)
+    for a, b in zip(ref, tf32):
+        torch.testing.assert_close(b, a, rtol=2e-2, atol=1e-3)

@@ -77,3 +77,34 @@ def test_grouped_steps_equal_dense_block_ngd(strategy: str, fisher: str, form: s
     sizes = sorted(len(grp.layers) for grp in opt._curv)
     assert sizes[-1] == 2 or strategy == "factor" and sizes.count(2) == 1, sizes
     assert opt.counters == {"step": 3, "skipped": 0, "uncaptured": 0}
+
+
+def test_gram_tf32_restores_the_matmul_setting_and_is_a_no_op_on_cpu() -> None:
+    """``gram_tf32=True`` only switches CUDA fp32 matmuls to TF32 inside the Gram: on CPU
+    the steps are bit-identical to the default, and the global setting is restored (also
+    when the Gram raises)."""
+    from tengrad_fx.optim.tengrad_groups import tf32_matmuls
+
+    mm = torch.backends.cuda.matmul
+    read = (lambda: mm.fp32_precision) if hasattr(mm, "fp32_precision") else (lambda: mm.allow_tf32)
+    before = read()
+    with pytest.raises(RuntimeError, match="inside"):
+        with tf32_matmuls(True):
+            assert read() in ("tf32", True)
+            raise RuntimeError("inside")
+    assert read() == before
+    out = []
+    for tf32 in (False, True):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+        pm = tengrad_fx.prepare(net, example_inputs=(torch.randn(2, 6),))
+        opt = tengrad_fx.TENGraD(pm, lr=0.1, damping=0.1, curvature_every=1, gram_tf32=tf32)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+            opt.zero_grad()
+            F.cross_entropy(pm(x), y).backward()
+            opt.step()
+        out.append([p.detach().clone() for p in pm.parameters()])
+        assert read() == before
+    assert all(torch.equal(a, b) for a, b in zip(*out))
