@@ -23,7 +23,7 @@ ROWS=sgd,tengrad,tengrad-mc,tengrad-mc-T100,tengrad-mc-T100-eager
 for model in 3c1f wrn-28-4 densenet-19 mobilenetv2; do
   step "bench $model"
   timeout 100 $PY -m tools.bench --device cuda --model "$model" --m 128 --methods $ROWS \
-    --steps 20 --warmup 5 --json "$OUT/bench-$model.json" 2>&1 | grep -v Warn | tee -a "$L"
+    --steps 15 --warmup 5 --json "$OUT/bench-$model.json" 2>&1 | grep -v Warn | tee -a "$L"
 done
 step "bench wrn-28-4: TF32 Grams (gram_tf32=True); reuse step with every J kept (jacobian_budget_mb=4096)"
 timeout 70 $PY -m tools.bench --device cuda --model wrn-28-4 --m 128 --steps 15 --warmup 5 \
@@ -31,7 +31,7 @@ timeout 70 $PY -m tools.bench --device cuda --model wrn-28-4 --m 128 --steps 15 
 step "bench 3c1f-bn: norm layers preconditioned vs Linear/Conv only"
 timeout 60 $PY -m tools.bench --device cuda --model 3c1f-bn --m 128 --steps 15 --warmup 5 \
   --methods sgd,tengrad,tengrad-linconv,tengrad-mc,tengrad-mc-T100,tengrad-mc-T100-linconv 2>&1 | grep -v Warn | tee -a "$L"
-for model in wrn-28-4 mobilenetv2 3c1f; do
+for model in wrn-28-4 mobilenetv2; do
   step "bench $model, per-sample conv grads by unfold + bmm (TENGRAD_FX_PER_SAMPLE_CONV=unfold)"
   TENGRAD_FX_PER_SAMPLE_CONV=unfold timeout 60 $PY -m tools.bench --device cuda --model "$model" --m 128 \
     --methods sgd,tengrad,tengrad-mc --steps 10 --warmup 3 2>&1 | grep -v Warn | tee -a "$L"
