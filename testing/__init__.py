@@ -1,5 +1,6 @@
 """Shared test helpers (not part of the installed wheel): float64 oracles from torch.func."""
 from .oracle import (
+    check_covered_layers,
     check_tengrad_step,
     dense_layer_updates,
     explicit_jacobian,
@@ -13,4 +14,5 @@ __all__ = [
     "dense_layer_updates",
     "output_jacobians_reference",
     "check_tengrad_step",
+    "check_covered_layers",
 ]

@@ -98,3 +98,37 @@ def check_tengrad_step(model: nn.Module, opt: torch.optim.Optimizer, orig: nn.Mo
         d = before[n] - p.detach()
         err = ((d - ref[n]).norm() / ref[n].norm().clamp_min(1e-300)).item()
         assert err <= tol, f"{n}: rel err {err:.2e}"
+
+
+def check_covered_layers(orig: nn.Module, prepared: nn.Module, x: Tensor, y: Tensor, tol: float = 1e-10,
+                         loss_fn: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy) -> None:
+    """After a ``loss_fn`` backward through ``prepared``: every covered layer's per-sample
+    gradients, its Gram by the three strategies, ``J·v`` and ``Jᵀc`` equal those of
+    ``J`` from ``vmap(grad)`` on the ORIGINAL ``orig`` (relative error ≤ ``tol``)."""
+    from tengrad_fx import covered_layers  # testing helpers may import the package
+
+    def rel(a: Tensor, b: Tensor) -> float:
+        return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+    loss_fn(prepared(x), y).backward()
+    ref = per_sample_grads_reference(orig, x, loss_fn, y)
+    names = {id(p): n for n, p in prepared.named_parameters()}
+    gen = torch.Generator().manual_seed(5)
+    for layer in covered_layers(prepared):
+        wn = names[id(layer.weight)]
+        bn = names[id(layer.bias)] if layer.bias is not None else None
+        dW, db = layer.per_sample_grads()
+        assert rel(dW, ref[wn]) <= tol, layer.name
+        if bn is not None:
+            assert rel(db, ref[bn]) <= tol, layer.name
+        J = explicit_jacobian(ref, wn, bn)
+        for strategy in ("factor", "materialize", "auto"):
+            assert rel(layer.gram(strategy), J @ J.T) <= tol, (layer.name, strategy)
+        v = torch.randn(J.shape[1], generator=gen, dtype=J.dtype)
+        nw = layer.weight.numel()
+        vb = v[nw:].view_as(layer.bias) if layer.bias is not None else None
+        assert rel(layer.jvp(v[:nw].view_as(layer.weight), vb), J @ v) <= tol, layer.name
+        c = torch.randn(J.shape[0], generator=gen, dtype=J.dtype)
+        gw, gb = layer.vjp(c)
+        got = gw.flatten() if gb is None else torch.cat([gw.flatten(), gb.flatten()])
+        assert rel(got, J.T @ c) <= tol, layer.name

@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from . import attention, embedding, norm, ops, params
+from . import attention, embedding, functional, norm, ops, params
 from .info import ATTR, PrepareInfo, get_info
 from .inputs import leading_dim
 from .match import LayerSpec, conv_call_args, match_module, pad_same_input
@@ -296,6 +296,7 @@ def _prepare_fx(model, candidates, fallback, example_inputs, added_params=True):
     skip = {id(p) for mod in candidates.values() for p in mod.parameters(recurse=False)}
     _rewrite(g_train, candidates, layers, store.key, n_sites, runtime_batch, odd)
     if added_params:
+        functional.rewrite_functional_layers(g_train, model, layers, store.key, n_sites, _batch_node(g_train), OURS)
         attention.rewrite_attention(g_train, model, layers, store.key, n_sites, _batch_node(g_train), OURS)
         params.rewrite_params(g_train, model, skip, layers, store.key, n_sites, _batch_node(g_train), refused, OURS)
     gm = _graph_module(model, g_train, c_train)
@@ -303,6 +304,7 @@ def _prepare_fx(model, candidates, fallback, example_inputs, added_params=True):
     if g_eval is not None:
         _rewrite(g_eval, candidates, layers, store.key, n_sites, runtime_batch, odd)
         if added_params:
+            functional.rewrite_functional_layers(g_eval, model, layers, store.key, n_sites, _batch_node(g_eval), OURS)
             attention.rewrite_attention(g_eval, model, layers, store.key, n_sites, _batch_node(g_eval), OURS)
             params.rewrite_params(g_eval, model, skip, layers, store.key, n_sites, _batch_node(g_eval), refused, OURS)
         gm_eval = _graph_module(model, g_eval, c_eval)
@@ -314,6 +316,8 @@ def _prepare_fx(model, candidates, fallback, example_inputs, added_params=True):
     store.n_sites = n_sites[0]
     gm.__dict__["_tengrad_store"] = store
     note_functional_uses(gm, g_train, g_eval, layers, fallback)
+    if added_params:
+        functional.note_unmatched(model, layers, fallback)
     for name in odd:
         if name not in layers:  # every call unusual: no layer was made
             for pn, _ in candidates[name].named_parameters(prefix=name, recurse=False):

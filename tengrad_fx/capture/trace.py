@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch.fx as fx
 import torch.nn as nn
 
+from .functional import traceable_override
 from .match import _BASES, match_module
 from .norm import is_norm_leaf
 from .transformer import traced_forward
@@ -36,8 +37,9 @@ class _Tracer(fx.Tracer):
         self._leaf_types = leaf_types
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if isinstance(m, tuple(_BASES)):  # covered or not, a Linear/Conv stays one node
-            return True
+        if isinstance(m, tuple(_BASES)):  # covered or not, a Linear/Conv stays one node, unless
+            # its own forward overrides the base one and traces (timm's "notrace" ones do not)
+            return bool(self._leaf_types and isinstance(m, self._leaf_types)) or not traceable_override(m)
         if is_norm_leaf(m):  # a norm layer with a capture path (timm's too) stays one node
             return True
         if traced_forward(m) is not None:  # torch transformer modules, timm MobileVitBlock: traced through

@@ -9,13 +9,12 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tengrad_fx
 from tengrad_fx import TENGraD
-from testing import check_tengrad_step, per_sample_grads_reference
+from testing import check_covered_layers, check_tengrad_step
 
 TOL = 1e-10
 
@@ -54,32 +53,6 @@ class AttnNet(nn.Module):
         return self.head(z + w.sum((1, 2))[:, None] if self.nw else z)
 
 
-def _check_layers(orig: nn.Module, prepared: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
-    """Every covered layer: per-sample grads, the three Gram strategies, J·v, Jᵀc."""
-    F.cross_entropy(prepared(x), y).backward()
-    ref = per_sample_grads_reference(orig, x, F.cross_entropy, y)
-    names = {id(p): n for n, p in prepared.named_parameters()}
-    gen = torch.Generator().manual_seed(5)
-    for layer in tengrad_fx.covered_layers(prepared):
-        dW, db = layer.per_sample_grads()
-        assert rel(dW, ref[names[id(layer.weight)]]) <= TOL, layer.name
-        parts = [ref[names[id(layer.weight)]].flatten(1)]
-        if db is not None:
-            assert rel(db, ref[names[id(layer.bias)]]) <= TOL, layer.name
-            parts.append(ref[names[id(layer.bias)]].flatten(1))
-        J = torch.cat(parts, 1)
-        for strategy in ("factor", "materialize", "auto"):
-            assert rel(layer.gram(strategy), J @ J.T) <= TOL, (layer.name, strategy)
-        v = torch.randn(J.shape[1], generator=gen, dtype=torch.float64)
-        nw = layer.weight.numel()
-        vb = v[nw:].view_as(layer.bias) if layer.bias is not None else None
-        assert rel(layer.jvp(v[:nw].view_as(layer.weight), vb), J @ v) <= TOL, layer.name
-        c = torch.randn(J.shape[0], generator=gen, dtype=torch.float64)
-        gw, gb = layer.vjp(c)
-        got = gw.flatten() if gb is None else torch.cat([gw.flatten(), gb.flatten()])
-        assert rel(got, J.T @ c) <= TOL, layer.name
-
-
 def _build(seed: int, **kw):  # type: ignore[no-untyped-def]
     torch.manual_seed(seed)
     net = AttnNet(**kw).double()
@@ -113,7 +86,7 @@ def test_multihead_attention_projections_exact(H, hd, L, m, batch_first, packed,
     assert ("attn.in_proj" in names) == packed
     assert ({"attn.q_proj_weight", "attn.k_proj_weight", "attn.v_proj_weight"} <= names) == (not packed)
     assert rel(prepared(x), orig(x)) <= 1e-13  # the module's output up to rounding
-    _check_layers(orig, prepared, x, y)
+    check_covered_layers(orig, prepared, x, y)
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -169,7 +142,7 @@ def test_transformer_layers_fully_covered_and_exact(batch_first: bool, norm_firs
     with torch.no_grad():  # eval: torch's own encoder forward (fast path included), bit for bit
         assert torch.equal(prepared(x), orig(x))
     prepared.train()
-    _check_layers(orig, prepared, x, y)
+    check_covered_layers(orig, prepared, x, y)
 
 
 def test_transformer_tengrad_step_is_exact() -> None:

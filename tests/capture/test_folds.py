@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import tengrad_fx
 from tengrad_fx import TENGraD
 from tengrad_fx.capture.rows import FOLDS
-from testing import check_tengrad_step, per_sample_grads_reference
+from testing import check_covered_layers, check_tengrad_step, per_sample_grads_reference
 
 TOL = 1e-10
 
@@ -75,16 +75,7 @@ def test_folded_rows_are_exact(order: str) -> None:
     want = (1, 15) if order == "sample" else (3, 5)  # [A, m, C] rows: A·C = P·N = 15
     assert folds == {"stem": None, "head": None, "qk": want, "norm": want, "out": want}
     assert rel(prepared(x), orig(x)) <= 1e-14
-    F.cross_entropy(prepared(x), y).backward()
-    ref = per_sample_grads_reference(orig, x, F.cross_entropy, y)
-    names = {id(p): n for n, p in prepared.named_parameters()}
-    for layer in tengrad_fx.covered_layers(prepared):
-        dW, db = layer.per_sample_grads()
-        wn, bn = names[id(layer.weight)], names[id(layer.bias)]
-        assert rel(dW, ref[wn]) <= TOL and rel(db, ref[bn]) <= TOL, layer.name
-        J = torch.cat([ref[wn].flatten(1), ref[bn].flatten(1)], 1)
-        for strategy in ("factor", "materialize", "auto"):
-            assert rel(layer.gram(strategy), J @ J.T) <= TOL, (layer.name, strategy)
+    check_covered_layers(orig, prepared, x, y)
 
 
 @pytest.mark.parametrize("order", ["sample", "patch"])
