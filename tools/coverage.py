@@ -43,6 +43,13 @@ def _densenet_small() -> nn.Module:
     return DenseNet(growth_rate=12, block_config=(2, 2, 2), num_init_features=16, num_classes=10)
 
 
+def _tv_vit_small() -> nn.Module:
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    return VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32, mlp_dim=64,
+                             num_classes=10)
+
+
 # name -> (build, input size, input channels)
 FAST: dict[str, tuple[Callable[[], nn.Module], int, int]] = {
     "tv resnet18": (_tv("resnet18"), 32, 3),
@@ -68,6 +75,7 @@ SLOW: dict[str, tuple[Callable[[], nn.Module], int, int]] = {
     "tv vgg11": (_tv("vgg11"), 32, 3),
     "timm swin_tiny (img 64, window 4)": (_timm("swin_tiny_patch4_window7_224", img_size=64, window_size=4), 64, 3),
     "timm mobilevit_xxs (img 64)": (_timm("mobilevit_xxs"), 64, 3),
+    "tv vit (2 layers, d=32; nn.MultiheadAttention)": (_tv_vit_small, 32, 3),
 }
 
 

@@ -189,3 +189,19 @@ def test_attention_fallback_reasons() -> None:
     assert "does not index samples" in fb["attn.in_proj_weight"] and "does not index samples" in fb["attn.out_proj.weight"]
     fb = tengrad_fx.get_info(tengrad_fx.prepare(_Unbatched(_MyAttention), example_inputs=(x,))).fallback
     assert "_MyAttention" in fb["attn.in_proj_weight"] and "called functionally" in fb["attn.out_proj.weight"]
+
+
+def test_torchvision_vit_fully_covered_and_exact() -> None:
+    """torchvision's ViT encoder blocks call nn.MultiheadAttention(x, x, x, need_weights=False)."""
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(0)
+    net = VisionTransformer(image_size=16, patch_size=8, num_layers=2, num_heads=2, hidden_dim=8, mlp_dim=12,
+                            num_classes=3).double().eval()
+    orig = copy.deepcopy(net)
+    x, y = torch.randn(3, 3, 16, 16, dtype=torch.float64), torch.tensor([0, 2, 1])
+    prepared = tengrad_fx.prepare(net, example_inputs=(x[:2],))
+    assert tengrad_fx.report(prepared).fraction_params == 1.0
+    assert sum(s.name.endswith("self_attention.in_proj") for s in tengrad_fx.get_info(prepared).layers) == 2
+    prepared.eval()
+    check_covered_layers(orig, prepared, x, y, tol=1e-9)
