@@ -5,8 +5,8 @@ batch, the model is run at batch 3 on ``example_inputs``' first sample repeated,
 three more times with one sample perturbed. Dropout and batch statistics are switched off
 for these runs (every submodule in eval mode, one RNG seed for all runs), so a row of the
 layer input changes only if it depends on the perturbed sample. The rows are laid out as
-``[A, m, C]`` exactly when perturbing sample ``i`` changes the rows ``{a·3C + i·C + c}``
-and no other, for every ``i``, and the row count at batch 2 is ``A·2·C``; then
+``[A, m, C]`` when perturbing sample ``i`` changes rows among ``{a·3C + i·C + c}`` only,
+for every ``i``, with exactly one such ``(A, C)`` (``A·2·C`` rows at batch 2); then
 ``(A, C)`` is the site's fold. Otherwise the reason is returned.
 """
 from __future__ import annotations
@@ -49,28 +49,37 @@ def _perturbed(inputs: Sequence[Any], i: int) -> tuple[list[Any], bool]:
 
 def _fold_of(runs: list[dict[tuple[int, int], Tensor]], k: tuple[int, int], keep: int,
              rows2: int) -> Union[tuple[int, int], str]:
+    """The one ``[A, m, C]`` layout that holds every changed row of sample ``i`` in
+    ``{a·3C + i·C + c}`` (rows left unchanged by a perturbation, e.g. zeroed by dropout,
+    may be missing from a set, but each sample must change some row), or why not."""
     base = runs[0][k]
     feat = base.shape[base.dim() - keep:].numel()
     T = base.numel() // max(1, feat)
+    changed = []
     for i in range(3):
         x = runs[i + 1].get(k)
         if x is None or x.shape != base.shape:
             return "rows of a sample are not a fixed index set (the input shape depends on its values)"
-        changed = (x.reshape(T, -1) != base.reshape(T, -1)).any(1).nonzero().flatten()
-        if i == 0:
-            if changed.numel() == 0 or int(changed[0]) != 0:
-                return "rows of a sample are not a fixed index set (no row of sample 0 found first)"
-            steps = (changed[1:] - changed[:-1]) != 1
-            C = int(steps.nonzero()[0]) + 1 if bool(steps.any()) else changed.numel()
-            A = changed.numel() // C
-            if A * 3 * C != T or A * 2 * C != rows2:
-                return (f"rows of a sample are not a fixed index set (perturbing one sample changed "
-                        f"{changed.numel()} of {T} rows)")
-        want = (torch.arange(A)[:, None] * 3 * C + i * C + torch.arange(C)).flatten()
-        if changed.numel() != want.numel() or not torch.equal(changed.cpu(), want):
-            return (f"rows of a sample are not a fixed index set (perturbing sample {i} changed "
-                    f"{changed.numel()} of {T} rows, not a [A, m, C] pattern)")
-    return A, C
+        rows = (x.reshape(T, -1) != base.reshape(T, -1)).any(1).nonzero().flatten().cpu()
+        if rows.numel() == 0:
+            return f"rows of a sample are not a fixed index set (perturbing sample {i} changed no row)"
+        changed.append(rows)
+    fits = []
+    for C in (c for c in range(1, T // 3 + 1) if T % (3 * c) == 0):
+        A = T // (3 * C)
+        if A * 2 * C == rows2 and all(bool(((r % (3 * C)) // C == i).all()) for i, r in enumerate(changed)):
+            fits.append((A, C))
+    if len(fits) == 1:
+        return fits[0]
+    counts = "/".join(str(r.numel()) for r in changed)
+    if not fits:
+        return (f"rows of a sample are not a fixed index set (perturbing samples 0/1/2 changed {counts} "
+                f"of {T} rows, in no [A, m, C] layout)")
+    return f"row layout of the folded batch is ambiguous ({fits} all fit the rows that changed)"
+
+
+def _cuda_devices() -> list[int]:
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
 
 
 def find_folds(prepared: nn.Module, example_inputs: Sequence[Any], modes: Sequence[bool], key: int,
@@ -93,8 +102,8 @@ def find_folds(prepared: nn.Module, example_inputs: Sequence[Any], modes: Sequen
                     return {s: "folded batch not probed: example_inputs have no floating-point tensor to perturb"
                             for s in pending}
                 ops.PROBE, ops.PROBE_INPUTS = {}, {}
-                with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(0)
+                with torch.no_grad(), torch.random.fork_rng(devices=_cuda_devices()):
+                    torch.manual_seed(0)  # (CPU and CUDA generators; restored on exit)
                     prepared(*inputs)
                 runs.append(ops.PROBE_INPUTS)
             for site, (keep, rows2) in pending.items():

@@ -29,9 +29,9 @@ class Folded(nn.Module):
     mobilevit and swin windows) or ``[P·m, N, ·]`` (``order="patch"``: rows ``p·m + b``);
     Linear, LayerNorm and attention over ``N`` inside each folded row, then unfolded."""
 
-    def __init__(self, order: str, mix: bool = False, dropout: float = 0.0):
+    def __init__(self, order: str, mix: bool = False, dropout: float = 0.0, f_dropout: float = 0.0):
         super().__init__()
-        self.order, self.mix = order, mix
+        self.order, self.mix, self.f_dropout = order, mix, f_dropout
         self.stem = nn.Linear(3, 4)
         self.qk = nn.Linear(4, 8)
         self.norm = nn.LayerNorm(4)
@@ -45,6 +45,8 @@ class Folded(nn.Module):
         h = h.reshape(m * P, N, 4) if self.order == "sample" else h.transpose(0, 1).reshape(P * m, N, 4)
         if self.mix:  # every row sees the whole batch: not a per-sample layout
             h = h + h.mean(0, keepdim=True)
+        if self.f_dropout:  # functional: traced as F.dropout(training=True) in the train graph
+            h = F.dropout(h, self.f_dropout, self.training)
         q, k = self.qk(h).chunk(2, -1)
         h = self.norm(h + self.drop(torch.softmax(q @ k.transpose(1, 2), -1) @ h))
         h = self.out(h)
@@ -96,9 +98,10 @@ def test_rows_that_mix_samples_fall_back_with_reason() -> None:
     assert "stem.weight" not in fb and "head.weight" not in fb
 
 
-def test_fold_probe_ignores_dropout_and_runs_at_another_batch() -> None:
+@pytest.mark.parametrize("kw", [dict(dropout=0.5), dict(f_dropout=0.5)])
+def test_fold_probe_ignores_dropout_and_runs_at_another_batch(kw: dict) -> None:
     torch.manual_seed(0)
-    net = Folded("patch", dropout=0.5)
+    net = Folded("patch", **kw)
     prepared = tengrad_fx.prepare(net, example_inputs=(torch.randn(2, 3, 5, 3),))
     assert not tengrad_fx.get_info(prepared).fallback
     x = torch.randn(6, 3, 5, 3)
