@@ -43,6 +43,12 @@ cp /tmp/gc/repro/table.csv "$OUT/table-sgd-tengrad.csv" 2>/dev/null
 step "compile 3c1f"
 timeout 50 $PY -m tools.bench --device cuda --model 3c1f --steps 10 --warmup 4 \
   --methods sgd,tengrad,tengrad-compile,tengrad-mc-T100,tengrad-mc-T100-compile 2>&1 | grep -v Warn | tee -a "$L"
+step "short real runs with norm layers preconditioned: 3c1f-bn (2 epochs), torchvision resnet18 (1 epoch)"
+for run in "3c1f-bn tengrad 2" "3c1f-bn sgd 2" "torchvision:resnet18 tengrad 1" "torchvision:resnet18 sgd 1"; do
+  set -- $run
+  timeout 60 $PY -m tools.train --model "$1" --optimizer "$2" --epochs "$3" --device cuda \
+    --data-dir .data/fashion-mnist --out "/tmp/gc/run-${1#*:}-$2" --no-progress 2>&1 | grep "test accuracy" | tee -a "$L"
+done
 step "reproduce fmnist kfac,ekfac,kbfgs (1 seed)"
 timeout 200 $PY -m tools.reproduce fmnist --methods kbfgs,kfac,ekfac --device cuda \
   --data-dir .data/fashion-mnist --out /tmp/gc/repro --no-progress 2>&1 | grep -v "^logs" | tee -a "$L"
