@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import norm_ops, ops
+from .amp import acc, cast_like_aten
 from .rows import FOLDS, fold_rows, unfold_rows
 
 __all__ = ["NORM_KINDS", "CHANNEL_FIRST", "match_norm", "norm_entry", "is_norm_leaf", "norm", "BN_NOTE"]
@@ -90,21 +91,29 @@ def _group_norm(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:
 
 
 def _rms_norm(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:
-    xhat = F.rms_norm(x, mod.normalized_shape, None, mod.eps)
-    return norm_ops.affine(xhat, mod.weight, None, False, key, site)
+    """``F.rms_norm`` computes ``x̂ ⊙ γ`` in float32 for a low-precision ``x`` and casts
+    the product to ``x``'s dtype (after autocast's cast of ``aten::rms_norm``, :mod:`.amp`);
+    the same here, so the output matches bit for bit."""
+    (x,) = cast_like_aten("aten::rms_norm", x)
+    xhat = F.rms_norm(acc(x), mod.normalized_shape, None, mod.eps)
+    return norm_ops.affine(xhat, mod.weight, None, False, key, site).to(x.dtype)
 
 
 def _timm_rms_norm(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:
-    from timm.layers.fast_norm import rms_norm
+    """The function timm's ``RmsNorm.forward`` calls: torch's ``F.rms_norm`` where torch
+    has one, else timm's composite (``x̂ ⊙ γ`` by type promotion)."""
+    from timm.layers import norm as timm_norm
 
-    xhat = rms_norm(x, list(mod.normalized_shape), None, mod.eps)
+    if timm_norm.rms_norm is F.rms_norm:
+        return _rms_norm(mod, x, key, site)
+    xhat = timm_norm.rms_norm(x, list(mod.normalized_shape), None, mod.eps)
     return norm_ops.affine(xhat, mod.weight, None, False, key, site)
 
 
 def _timm_rms_norm2d(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:
-    from timm.layers.fast_norm import rms_norm2d
+    from timm.layers import norm as timm_norm
 
-    xhat = rms_norm2d(x, list(mod.normalized_shape), None, mod.eps)
+    xhat = timm_norm.rms_norm2d(x, list(mod.normalized_shape), None, mod.eps)
     return norm_ops.affine(xhat, mod.weight, None, True, key, site)
 
 

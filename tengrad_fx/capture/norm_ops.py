@@ -21,6 +21,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .amp import acc, autocast_off, cast_like_aten
 from .store import CaptureStore, Record, lookup
 
 __all__ = ["per_sample_sums", "bcast"]
@@ -39,22 +40,24 @@ def per_sample_sums(t: Tensor, C: int, channel_first: bool) -> Tensor:
 
 def _record(store: CaptureStore, site: int, grad: Tensor, Pw: Tensor, Pb: Tensor, weight: Tensor,
             has_bias: bool, gx: Tensor, xhat: Callable[[], Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """Record ``P``/``Gsum`` (materialized sites) or ``(x̂, G)`` and return ``(gx, gγ, gβ)``."""
+    """Record ``P``/``Gsum`` (materialized sites) or ``(x̂, G)`` and return ``(gx, gγ, gβ)``
+    (``Pw``, ``Pb``: float32 under autocast, :mod:`.amp`; the gradients in γ's dtype)."""
     if store.wants_jacobian(site):
         store.record(site, Record(None, None, Pw, Pb, tuple(grad.shape)))
     else:
         store.record(site, Record(xhat(), grad))
     if store.grad_only:  # MC-Fisher pass: G only, no parameter gradients
-        return gx, grad.new_zeros(weight.shape), grad.new_zeros(weight.shape if has_bias else 0)
-    return gx, Pw.sum(0).view(weight.shape), (Pb.sum(0).view(weight.shape) if has_bias else grad.new_empty(0))
+        return gx, weight.new_zeros(weight.shape), weight.new_zeros(weight.shape if has_bias else 0)
+    return (gx, Pw.sum(0).view(weight.shape).to(weight.dtype),
+            (Pb.sum(0).view(weight.shape).to(weight.dtype) if has_bias else weight.new_empty(0)))
 
 
 def _finish(store: CaptureStore, site: int, grad: Tensor, xhat: Tensor, weight: Tensor,
             has_bias: bool, channel_first: bool, gx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """From an explicit ``x̂``: per-sample sums first, then over the batch."""
     C = weight.numel()
-    Pw = per_sample_sums(grad * xhat, C, channel_first)
-    Pb = per_sample_sums(grad, C, channel_first)
+    Pw = per_sample_sums(acc(grad) * acc(xhat), C, channel_first)
+    Pb = per_sample_sums(acc(grad), C, channel_first)
     return _record(store, site, grad, Pw, Pb, weight, has_bias, gx, lambda: xhat)
 
 
@@ -66,10 +69,10 @@ def _finish_channel_stats(store: CaptureStore, site: int, grad: Tensor, x: Tenso
     ``x̂``, ``dγ_i = rstd ⊙ (Σ_s G_i[s] x_i[s] − mean ⊙ dβ_i)``; the sums are one batched
     dot product over positions, no full-size temporary."""
     m, C = grad.shape[:2]
-    g3, x3 = grad.reshape(m * C, 1, -1), x.reshape(m * C, -1, 1)
+    g3, x3 = acc(grad).reshape(m * C, 1, -1), acc(x).reshape(m * C, -1, 1)
     Pgx = torch.bmm(g3, x3).view(m, C)
-    Pb = grad.reshape(m, C, -1).sum(2)
-    Pw = rstd * (Pgx - mean * Pb)
+    Pb = g3.view(m, C, -1).sum(2)
+    Pw = acc(rstd) * (Pgx - acc(mean) * Pb)
     shape = (-1, C, *([1] * (x.dim() - 2)))
     return _record(store, site, grad, Pw, Pb, weight, has_bias, gx,
                    lambda: (x - mean.reshape(shape)) * rstd.reshape(shape))
@@ -77,7 +80,7 @@ def _finish_channel_stats(store: CaptureStore, site: int, grad: Tensor, x: Tenso
 
 def _fake_grads(grad: Tensor, x: Tensor, weight: Tensor, has_bias: bool, need_input: bool):  # type: ignore[no-untyped-def]
     gx = torch.empty_like(x) if need_input else grad.new_empty(0)
-    return gx, grad.new_empty(weight.shape), grad.new_empty(weight.shape if has_bias else 0)
+    return gx, weight.new_empty(weight.shape), weight.new_empty(weight.shape if has_bias else 0)
 
 
 # --------------------------------------------------------------------------- batch norm
@@ -110,6 +113,15 @@ def _bn_backward_op(grad: Tensor, x: Tensor, weight: Tensor, running_mean: Optio
                     running_var: Optional[Tensor], save_mean: Tensor, save_rstd: Tensor,
                     training: bool, eps: float, has_bias: bool, need_input: bool, key: int,
                     site: int) -> tuple[Tensor, Tensor, Tensor]:
+    with autocast_off(grad):
+        return _bn_backward(grad, x, weight, running_mean, running_var, save_mean, save_rstd, training,
+                            eps, has_bias, need_input, key, site)
+
+
+def _bn_backward(grad: Tensor, x: Tensor, weight: Tensor, running_mean: Optional[Tensor],
+                 running_var: Optional[Tensor], save_mean: Tensor, save_rstd: Tensor, training: bool,
+                 eps: float, has_bias: bool, need_input: bool, key: int,
+                 site: int) -> tuple[Tensor, Tensor, Tensor]:
     gx = grad.new_empty(0)
     if need_input:
         gx = torch.ops.aten.native_batch_norm_backward(
@@ -155,7 +167,8 @@ def batch_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor], running_mean: 
                running_var: Optional[Tensor], training: bool, momentum: float, eps: float,
                key: int, site: int) -> Tensor:
     """``F.batch_norm`` with affine, recording (``x [m, C, *spatial]``); in train mode the
-    running statistics are updated in place, as aten does."""
+    running statistics are updated in place, as aten does. Autocast: as ``aten::batch_norm``."""
+    x, weight, bias = cast_like_aten("aten::batch_norm", x, weight, bias)  # type: ignore[assignment]
     out, _, _, rm, rv = torch.ops.tengrad_fx.batch_norm(x, weight, bias, running_mean, running_var,
                                                         training, momentum, eps, key, site)
     if rm.numel():
@@ -185,6 +198,13 @@ def _(x, normalized_shape, weight, bias, eps, key, site):  # type: ignore[no-unt
 def _ln_backward_op(grad: Tensor, x: Tensor, normalized_shape: Sequence[int], mean: Tensor,
                     rstd: Tensor, weight: Tensor, has_bias: bool, need_input: bool, key: int,
                     site: int) -> tuple[Tensor, Tensor, Tensor]:
+    with autocast_off(grad):
+        return _ln_backward(grad, x, normalized_shape, mean, rstd, weight, has_bias, need_input, key, site)
+
+
+def _ln_backward(grad: Tensor, x: Tensor, normalized_shape: Sequence[int], mean: Tensor,
+                 rstd: Tensor, weight: Tensor, has_bias: bool, need_input: bool, key: int,
+                 site: int) -> tuple[Tensor, Tensor, Tensor]:
     gx = grad.new_empty(0)
     if need_input:
         gx = torch.ops.aten.native_layer_norm_backward(
@@ -192,9 +212,10 @@ def _ln_backward_op(grad: Tensor, x: Tensor, normalized_shape: Sequence[int], me
     # dγ_i = Σ_s G[s] ⊙ (x[s] − μ_s) r_s = Σ_s r_s (G ⊙ x)[s] − Σ_s μ_s r_s G[s]: two
     # batched products over positions, one full-size temporary (G ⊙ x)
     m, D = x.shape[0], weight.numel()
-    r = rstd.reshape(m, 1, -1)
-    g3 = grad.reshape(m, -1, D)
-    Pw = (torch.bmm(r, (grad * x).reshape(m, -1, D)) - torch.bmm(mean.reshape(m, 1, -1) * r, g3)).view(m, D)
+    r = acc(rstd).reshape(m, 1, -1)
+    ga, xa = acc(grad), acc(x)
+    g3 = ga.reshape(m, -1, D)
+    Pw = (torch.bmm(r, (ga * xa).reshape(m, -1, D)) - torch.bmm(acc(mean).reshape(m, 1, -1) * r, g3)).view(m, D)
     Pb = g3.sum(1)
     return _record(lookup(key), site, grad, Pw, Pb, weight, has_bias, gx, lambda: (x - mean) * rstd)
 
@@ -229,7 +250,9 @@ _ln_op.register_autograd(_stats_grad(torch.ops.tengrad_fx.layer_norm_backward), 
 
 def layer_norm(x: Tensor, normalized_shape: Sequence[int], weight: Tensor, bias: Optional[Tensor],
                eps: float, key: int, site: int) -> Tensor:
-    """``F.layer_norm`` with affine, recording (``x [m, *positions, *normalized_shape]``)."""
+    """``F.layer_norm`` with affine, recording (``x [m, *positions, *normalized_shape]``).
+    Autocast: as ``aten::layer_norm`` (:mod:`.amp`)."""
+    x, weight, bias = cast_like_aten("aten::layer_norm", x, weight, bias)  # type: ignore[assignment]
     return torch.ops.tengrad_fx.layer_norm(x, list(normalized_shape), weight, bias, eps, key, site)[0]
 
 
@@ -253,6 +276,13 @@ def _(x, num_groups, weight, bias, eps, key, site):  # type: ignore[no-untyped-d
 def _gn_backward_op(grad: Tensor, x: Tensor, num_groups: int, mean: Tensor, rstd: Tensor,
                     weight: Tensor, has_bias: bool, need_input: bool, key: int,
                     site: int) -> tuple[Tensor, Tensor, Tensor]:
+    with autocast_off(grad):
+        return _gn_backward(grad, x, num_groups, mean, rstd, weight, has_bias, need_input, key, site)
+
+
+def _gn_backward(grad: Tensor, x: Tensor, num_groups: int, mean: Tensor, rstd: Tensor,
+                 weight: Tensor, has_bias: bool, need_input: bool, key: int,
+                 site: int) -> tuple[Tensor, Tensor, Tensor]:
     N, C = x.shape[:2]
     gx = grad.new_empty(0)
     if need_input:
@@ -273,7 +303,9 @@ _gn_op.register_autograd(_stats_grad(torch.ops.tengrad_fx.group_norm_backward), 
 
 def group_norm(x: Tensor, num_groups: int, weight: Tensor, bias: Optional[Tensor], eps: float,
                key: int, site: int) -> Tensor:
-    """``F.group_norm`` with affine, recording (``x [m, C, *spatial]``)."""
+    """``F.group_norm`` with affine, recording (``x [m, C, *spatial]``). Autocast: as
+    ``aten::group_norm``."""
+    x, weight, bias = cast_like_aten("aten::group_norm", x, weight, bias)  # type: ignore[assignment]
     return torch.ops.tengrad_fx.group_norm(x, num_groups, weight, bias, eps, key, site)[0]
 
 
@@ -296,8 +328,9 @@ def _(xhat, weight, bias, channel_first, key, site):  # type: ignore[no-untyped-
 @torch.library.custom_op("tengrad_fx::affine_backward", mutates_args=())
 def _affine_backward_op(grad: Tensor, xhat: Tensor, weight: Tensor, has_bias: bool, need_input: bool,
                         channel_first: bool, key: int, site: int) -> tuple[Tensor, Tensor, Tensor]:
-    gx = grad * bcast(weight, xhat.dim(), channel_first) if need_input else grad.new_empty(0)
-    return _finish(lookup(key), site, grad, xhat, weight, has_bias, channel_first, gx)
+    with autocast_off(grad):
+        gx = (grad * bcast(weight, xhat.dim(), channel_first)).to(xhat.dtype) if need_input else grad.new_empty(0)
+        return _finish(lookup(key), site, grad, xhat, weight, has_bias, channel_first, gx)
 
 
 @_affine_backward_op.register_fake

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .amp import acc, autocast_off, cast_lower
 from .rows import FOLDS, fold_rows, unfold_rows
 from .store import Record, lookup
 
@@ -99,17 +100,24 @@ def _(x: Tensor, weight: Tensor, bias: Optional[Tensor], key: int, site: int) ->
 def _linear_backward_op(
     grad: Tensor, x: Tensor, weight: Tensor, has_bias: bool, need_input: bool, key: int, site: int
 ) -> tuple[Tensor, Tensor, Tensor]:
+    with autocast_off(grad):
+        return _linear_backward(grad, x, weight, has_bias, need_input, key, site)
+
+
+def _linear_backward(grad: Tensor, x: Tensor, weight: Tensor, has_bias: bool, need_input: bool,
+                     key: int, site: int) -> tuple[Tensor, Tensor, Tensor]:
     store = lookup(key)
     gx = grad.matmul(weight) if need_input else grad.new_empty(0)
-    if store.wants_jacobian(site):
+    if store.wants_jacobian(site):  # per-sample gradients, accumulated and kept in fp32
         m, o = x.shape[0], weight.shape[0]
-        gs = grad.reshape(m, -1, o)
-        P = torch.bmm(gs.transpose(1, 2), x.reshape(m, -1, x.shape[-1])).reshape(m, -1)
+        gs = acc(grad).reshape(m, -1, o)
+        P = torch.bmm(gs.transpose(1, 2), acc(x).reshape(m, -1, x.shape[-1])).reshape(m, -1)
         gsum = gs.sum(1)
         store.record(site, Record(None, None, P, gsum, tuple(x.shape)))
         if store.grad_only:
             return gx, grad.new_zeros(weight.shape), grad.new_zeros(o if has_bias else 0)
-        return gx, P.sum(0).view(weight.shape), gsum.sum(0) if has_bias else grad.new_empty(0)
+        gb = gsum.sum(0).to(grad.dtype) if has_bias else grad.new_empty(0)
+        return gx, P.sum(0).view(weight.shape).to(weight.dtype), gb
     store.record(site, Record(x, grad))
     if store.grad_only:  # MC-Fisher pass: G only, no parameter gradients
         return gx, grad.new_zeros(weight.shape), grad.new_zeros(weight.shape[0] if has_bias else 0)
@@ -150,8 +158,10 @@ def linear(
 ) -> Tensor:
     """``F.linear(x, weight, bias)`` that records ``(x, dL/dy)`` when capture is on.
 
-    x: ``[m, *, d_in]``; weight: ``[d_out, d_in]``; returns ``[m, *, d_out]``.
+    x: ``[m, *, d_in]``; weight: ``[d_out, d_in]``; returns ``[m, *, d_out]``. Under
+    ``torch.autocast`` the arguments are cast as for ``aten::linear`` (:mod:`.amp`).
     """
+    x, weight, bias = cast_lower(x, weight, bias)  # type: ignore[assignment]
     probe(key, site, x)
     if not _active(key, x, weight, bias):
         return F.linear(x, weight, bias)
@@ -188,21 +198,29 @@ def _conv_backward_op(
     dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
     has_bias: bool, need_input: bool, key: int, site: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    with autocast_off(grad):
+        return _conv_backward(grad, x, weight, (stride, padding, dilation, transposed, output_padding, groups),
+                              has_bias, need_input, key, site)
+
+
+def _conv_backward(grad: Tensor, x: Tensor, weight: Tensor, conf: tuple, has_bias: bool,  # type: ignore[type-arg]
+                   need_input: bool, key: int, site: int) -> tuple[Tensor, Tensor, Tensor]:
     store = lookup(key)
-    conf = (stride, padding, dilation, transposed, output_padding, groups)
+    stride, padding, dilation, transposed, output_padding, groups = conf
     n_bias = grad.shape[1]
     # fresh empty placeholders each time: a custom op's outputs must not alias each other
     zeros_w = (lambda: grad.new_zeros(weight.shape))
     zeros_b = (lambda: grad.new_zeros(n_bias) if has_bias else grad.new_empty(0))
     if store.wants_jacobian(site):  # per-sample weight grads in place of the weight grad
-        P = per_sample_conv_weight_grads(grad, x, weight.shape, stride, padding, dilation, groups,
+        P = per_sample_conv_weight_grads(acc(grad), acc(x), weight.shape, stride, padding, dilation, groups,
                                          transposed=transposed, output_padding=output_padding)
-        gsum = grad.flatten(2).sum(2)
+        gsum = acc(grad).flatten(2).sum(2)
         store.record(site, Record(None, None, P, gsum, tuple(x.shape)))
         gx = _conv_input_grad(grad, x, weight, conf) if need_input else grad.new_empty(0)
         if store.grad_only:
             return gx, zeros_w(), zeros_b()
-        return gx, P.sum(0).view(weight.shape), (gsum.sum(0) if has_bias else grad.new_empty(0))
+        return (gx, P.sum(0).view(weight.shape).to(weight.dtype),
+                (gsum.sum(0).to(grad.dtype) if has_bias else grad.new_empty(0)))
     store.record(site, Record(x, grad))
     if store.grad_only:  # MC-Fisher pass: G only, no parameter gradients
         gx = _conv_input_grad(grad, x, weight, conf) if need_input else grad.new_empty(0)
@@ -301,6 +319,7 @@ def conv(
     """
     if pre_pad is not None:
         x = F.pad(x, list(pre_pad), mode=pad_mode)
+    x, weight, bias = cast_lower(x, weight, bias)  # type: ignore[assignment]  # as aten::conv*d (.amp)
     probe(key, site, x)
     op = list(output_padding) if output_padding is not None else [0] * (weight.dim() - 2)
     if not _active(key, x, weight, bias):

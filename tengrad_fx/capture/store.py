@@ -17,6 +17,14 @@ place of the weight gradient, which is then ``P.sum(0)``) and ``Gsum`` (``[m, d_
 per-sample bias gradients); ``I`` and ``G`` are then not retained.
 
 A new capturing forward releases the previous step's records (see :meth:`begin`).
+
+Mixed precision: under ``torch.autocast`` the records arrive in the dtype autograd
+delivers (``I``, ``G`` of Linear/conv in bfloat16/float16: half the memory of float32
+between the backward and the step; ``P``, ``Gsum`` are computed in float32 by the capture
+ops), and with a ``GradScaler`` every ``G``/``P``/``Gsum`` carries the loss scale. The
+optimizer's step calls :meth:`CaptureStore.finalize` once per capture, which converts
+them to float32 and divides by the loss scale; the curvature (Gram, solve, update) only
+ever sees float32, unscaled records.
 """
 from __future__ import annotations
 
@@ -26,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+
+from .amp import LOW_PRECISION
 
 __all__ = ["CaptureStore", "Record", "lookup"]
 
@@ -52,6 +62,22 @@ class Record:
         if self.I is not None and not self.in_shape:
             self.in_shape = tuple(self.I.shape)
 
+    def finalize(self, inv_scale: Optional[torch.Tensor]) -> None:
+        """Low-precision floating tensors to float32; ``G``, ``P``, ``Gsum`` times
+        ``inv_scale`` (``1 / loss scale``, a device scalar; None: unscaled). Integer ``I``
+        (embedding indices) is left alone."""
+        if self.I is not None and self.I.dtype in LOW_PRECISION:
+            self.I = self.I.float()
+        for name in ("G", "P", "Gsum"):
+            t = getattr(self, name)
+            if t is None:
+                continue
+            if t.dtype in LOW_PRECISION:
+                t = t.float()
+            if inv_scale is not None:
+                t = t * inv_scale.to(t.dtype)
+            setattr(self, name, t)
+
     @property
     def m(self) -> int:
         t = self.I if self.I is not None else self.P
@@ -73,6 +99,7 @@ class CaptureStore:
     records: dict[int, list[Record]] = field(default_factory=dict)
     _complete: bool = False  # a backward has recorded since the last begin()
     generation: int = 0  # how many captures have completed (for users caching results)
+    _finalized: int = 0  # the generation finalize() last converted
 
     def __post_init__(self) -> None:
         _STORES[self.key] = self
@@ -95,6 +122,33 @@ class CaptureStore:
             self.generation += 1
             self._complete = True
         self.records.setdefault(site, []).append(rec)
+
+    def needs_finalize(self) -> bool:
+        """Are there records of a capture :meth:`finalize` has not converted yet?"""
+        return self._finalized != self.generation and bool(self.records)
+
+    def mark_finalized(self) -> None:
+        """The records now held are float32 and unscaled already (restored from a checkpoint)."""
+        self._finalized = self.generation
+
+    def needs_conversion(self) -> bool:
+        """Does any record hold a low-precision floating tensor (host check only)?"""
+        return any(t is not None and t.dtype in LOW_PRECISION
+                   for recs in self.records.values() for r in recs for t in (r.I, r.G, r.P, r.Gsum))
+
+    def finalize(self, inv_scale: Optional[torch.Tensor] = None) -> None:
+        """Once per capture (the optimizers call it at the step): every record in float32,
+        its ``G``/``P``/``Gsum`` divided by the loss scale (``inv_scale = 1/scale``, a device
+        scalar, None for none). Without autocast and without a scale nothing is touched
+        (no op dispatched)."""
+        if not self.needs_finalize():
+            return
+        self._finalized = self.generation
+        if inv_scale is None and not self.needs_conversion():
+            return
+        for recs in self.records.values():
+            for r in recs:
+                r.finalize(inv_scale)
 
     def clear(self) -> None:
         """Release every captured tensor."""

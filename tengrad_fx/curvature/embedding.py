@@ -76,7 +76,7 @@ def vjp(spec: LayerSpec, I: Tensor, G: Tensor, c: Tensor) -> tuple[Tensor, Tenso
     """``Jᵀ c`` as ``(weight [vocab, D], empty bias)``: one ``index_add``."""
     idx, g = _flat(spec, I, G)
     gc = (g * c.reshape(-1, 1, 1)).reshape(-1, g.shape[-1])
-    W = g.new_zeros(spec.weight.shape).index_add_(0, idx.reshape(-1), gc)
+    W = gc.new_zeros(spec.weight.shape).index_add_(0, idx.reshape(-1), gc)
     return W, g.new_zeros(0)
 
 

@@ -192,7 +192,7 @@ class DistributedTENGraD(TENGraD):
             targets = sample_targets(outputs, self.mc_loss, self._generator(outputs.device))
         self.last_mc_targets = targets
         weights = [layer.weight for layer in self._all_layers if layer.weight.requires_grad]
-        mc_capture(self._info.store, outputs, self.mc_loss, weights, targets)
+        mc_capture(self._info.store, outputs, self.mc_loss, weights, targets, self._loss_scale())
         self._mc_done = True
 
     # ------------------------------------------------------------------ state

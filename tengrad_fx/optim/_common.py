@@ -224,7 +224,7 @@ class CurvatureOptimizer(StepSkeleton):
     CURVATURE: tuple[str, ...] = ()  # attributes saved in state_dict()["curvature"]
 
     def __init__(self, model: torch.nn.Module, defaults: dict[str, Any], *, kl_clip: Optional[float],
-                 fisher: str = "empirical", mc_loss: str = "cross_entropy"):
+                 fisher: str = "empirical", mc_loss: str = "cross_entropy", grad_scaler: Any = None):
         info: PrepareInfo = get_info(model)  # ValueError for an unprepared model
         check_nonneg("lr", defaults["lr"])
         check_positive("damping", defaults["damping"])
@@ -236,7 +236,7 @@ class CurvatureOptimizer(StepSkeleton):
         check_choice("mc_loss", mc_loss, ("cross_entropy", "mse"))
         params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, defaults)
-        self._init_skeleton(model, info)
+        self._init_skeleton(model, info, grad_scaler)
         self.kl_clip = kl_clip
         self.fisher = fisher
         self.mc_loss = mc_loss
@@ -301,7 +301,7 @@ class CurvatureOptimizer(StepSkeleton):
         take no statistics."""
         if self.fisher != "mc" or not self._needs_capture(self._sched):
             return
-        mc_capture(self._info.store, outputs, self.mc_loss, [b.params[0] for b in self.blocks])
+        mc_capture(self._info.store, outputs, self.mc_loss, [b.params[0] for b in self.blocks], self._loss_scale())
         self._mc_done = True
 
     def _live_blocks(self) -> list[Block]:

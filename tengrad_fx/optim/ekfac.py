@@ -75,11 +75,12 @@ class EKFAC(KFAC):
         fisher: Literal["empirical", "mc"] = "empirical",
         mc_loss: Literal["cross_entropy", "mse"] = "cross_entropy",
         factor_dtype: Optional[torch.dtype] = None,
+        grad_scaler: Optional[torch.amp.GradScaler] = None,
     ):
         self.TScal = check_interval("TScal", TScal)
         super().__init__(model, lr=lr, momentum=momentum, stat_decay=stat_decay, damping=damping,
                          kl_clip=kl_clip, weight_decay=weight_decay, TCov=TCov, TInv=TInv,
-                         fisher=fisher, mc_loss=mc_loss, factor_dtype=factor_dtype)
+                         fisher=fisher, mc_loss=mc_loss, factor_dtype=factor_dtype, grad_scaler=grad_scaler)
 
     def _reset_curvature(self) -> None:
         super()._reset_curvature()

@@ -21,6 +21,7 @@ sampled backward, same expectation).
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -50,7 +51,8 @@ def _stack_records(per_output: list[Record], g_scale: float) -> Record:
 
 
 def gauss_newton_capture(store: CaptureStore, outputs: Tensor, weights: list[Tensor],
-                         loss_reduction: str, max_outputs: int = MAX_OUTPUTS) -> None:
+                         loss_reduction: str, max_outputs: int = MAX_OUTPUTS,
+                         loss_scale: Optional[Tensor] = None) -> None:
     """Record the GGN of ``½‖outputs − y‖²`` (see the module docstring) in ``store``.
 
     Args:
@@ -60,6 +62,8 @@ def gauss_newton_capture(store: CaptureStore, outputs: Tensor, weights: list[Ten
         loss_reduction: the prepared model's ``"mean"`` / ``"sum"``: the layers rescale
             captured ``G`` by ``m`` (of the stacked record: ``m·k``) for ``"mean"``.
         max_outputs: largest ``k`` allowed.
+        loss_scale: a GradScaler's scale: each backward's output is multiplied by it, so
+            the records carry the training backward's scale (:mod:`.amp`).
 
     Raises:
         ValueError: ``k > max_outputs`` (use ``fisher="mc"``), or ``outputs`` without a graph.
@@ -81,7 +85,9 @@ def gauss_newton_capture(store: CaptureStore, outputs: Tensor, weights: list[Ten
     per_site: dict[int, list[list[Record]]] = {}
     try:
         for j in range(k):
-            torch.autograd.grad(flat[:, j].sum(), weights, retain_graph=True, allow_unused=True)
+            f_j = flat[:, j].sum()
+            f_j = f_j if loss_scale is None else f_j * loss_scale
+            torch.autograd.grad(f_j, weights, retain_graph=True, allow_unused=True)
             for site, recs in store.records.items():
                 per_site.setdefault(site, []).append(recs)
             store.records = {}

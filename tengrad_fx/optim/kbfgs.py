@@ -118,6 +118,7 @@ class KBFGS(CurvatureOptimizer):
         TInv: int = 100,
         powell: float = 0.2,
         secant: Literal["consecutive", "same_batch"] = "consecutive",
+        grad_scaler: Optional[torch.amp.GradScaler] = None,
     ):
         self.stat_decay = check_unit("stat_decay", stat_decay)
         self.TCov = check_interval("TCov", TCov)
@@ -127,7 +128,7 @@ class KBFGS(CurvatureOptimizer):
         self.powell = powell
         self.secant = check_choice("secant", secant, ("consecutive", "same_batch"))
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
-        super().__init__(model, defaults, kl_clip=kl_clip)
+        super().__init__(model, defaults, kl_clip=kl_clip, grad_scaler=grad_scaler)
         self._reset_curvature()
 
     def _reset_curvature(self) -> None:
@@ -215,6 +216,7 @@ class KBFGS(CurvatureOptimizer):
         with torch.enable_grad(), capturing(self.model, True):
             closure()
         self._seen_generation = self._info.store.generation
+        self._info.store.finalize()  # float32 records (no GradScaler here: it refuses closures)
         lm = self.param_groups[0]["damping"] ** 0.5
         try:
             means = self._means({i: self.blocks[i] for i in pending})

@@ -95,6 +95,9 @@ class KFAC(CurvatureOptimizer):
         fisher: ``"empirical"`` or ``"mc"`` (call :meth:`mc_capture` before backward).
         mc_loss: ``"cross_entropy"`` or ``"mse"`` (MC target distribution).
         factor_dtype: dtype of factors and eigendecompositions (default: the parameters').
+        grad_scaler: the loop's ``torch.amp.GradScaler`` (step with ``scaler.step(opt)``;
+            the records are unscaled with it, :mod:`tengrad_fx.optim.amp`). Every baseline
+            takes it.
     """
 
     NAME = "kfac"
@@ -114,6 +117,7 @@ class KFAC(CurvatureOptimizer):
         fisher: Literal["empirical", "mc"] = "empirical",
         mc_loss: Literal["cross_entropy", "mse"] = "cross_entropy",
         factor_dtype: Optional[torch.dtype] = None,
+        grad_scaler: Optional[torch.amp.GradScaler] = None,
     ):
         self.stat_decay = check_unit("stat_decay", stat_decay)
         self.TCov = check_interval("TCov", TCov)
@@ -122,7 +126,8 @@ class KFAC(CurvatureOptimizer):
             raise ValueError(f"factor_dtype must be a floating torch.dtype or None, got {factor_dtype!r}")
         self.factor_dtype = factor_dtype
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
-        super().__init__(model, defaults, kl_clip=kl_clip, fisher=fisher, mc_loss=mc_loss)
+        super().__init__(model, defaults, kl_clip=kl_clip, fisher=fisher, mc_loss=mc_loss,
+                         grad_scaler=grad_scaler)
         self._reset_curvature()
 
     # ------------------------------------------------------------------ curvature

@@ -27,12 +27,15 @@ def sample_targets(outputs: Tensor, mc_loss: Literal["cross_entropy", "mse"],
 
 
 def mc_capture(store: CaptureStore, outputs: Tensor, mc_loss: Literal["cross_entropy", "mse"],
-               weights: list[Tensor], target: Optional[Tensor] = None) -> None:
+               weights: list[Tensor], target: Optional[Tensor] = None,
+               loss_scale: Optional[Tensor] = None) -> None:
     """Sample targets from ``outputs`` (:func:`sample_targets`; or use ``target``, e.g.
     labels sampled elsewhere), and backpropagate the sampled loss (mean over the batch)
     through the graph with the store in G-only mode: the covered layers record ``G`` (and,
     where chosen, per-sample gradients) but compute no parameter gradients. Afterwards the
     store stops recording, so the real ``loss.backward()`` does not overwrite the MC ``G``.
+    ``loss_scale``: a GradScaler's scale, multiplied into the sampled loss so that these
+    records carry the same scale as the training backward's (:mod:`.amp`).
     """
     if target is None:
         target = sample_targets(outputs, mc_loss)
@@ -40,6 +43,8 @@ def mc_capture(store: CaptureStore, outputs: Tensor, mc_loss: Literal["cross_ent
         loss = F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), target.reshape(-1))
     else:
         loss = 0.5 * (outputs - target).pow(2).reshape(outputs.shape[0], -1).sum(1).mean()
+    if loss_scale is not None:
+        loss = loss * loss_scale
     store.grad_only = True
     try:
         torch.autograd.grad(loss, weights, retain_graph=True, allow_unused=True)

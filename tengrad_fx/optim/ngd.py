@@ -54,6 +54,7 @@ class NGD(CurvatureOptimizer):
         mc_loss: Literal["cross_entropy", "mse"] = "cross_entropy",
         max_params: int = 20000,
         solve_dtype: Optional[torch.dtype] = None,
+        grad_scaler: Optional[torch.amp.GradScaler] = None,
     ):
         self.curvature_every = check_interval("curvature_every", curvature_every)
         self.max_params = check_interval("max_params", max_params)
@@ -61,7 +62,8 @@ class NGD(CurvatureOptimizer):
             raise ValueError(f"solve_dtype must be a floating torch.dtype or None, got {solve_dtype!r}")
         self.solve_dtype = solve_dtype
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
-        super().__init__(model, defaults, kl_clip=kl_clip, fisher=fisher, mc_loss=mc_loss)
+        super().__init__(model, defaults, kl_clip=kl_clip, fisher=fisher, mc_loss=mc_loss,
+                         grad_scaler=grad_scaler)
         for b in self.blocks:
             if b.numel > max_params:
                 raise ValueError(

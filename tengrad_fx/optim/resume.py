@@ -76,6 +76,7 @@ def restore_curvature(opt: Any, curv: dict[str, Any]) -> None:
                 Record(**{k: (r[k].to(dev) if r[k] is not None else None) for k in _FIELDS},
                        in_shape=tuple(r["in_shape"])) for r in recs]
     store._complete = True  # the next capturing forward releases them, as after a backward
+    store.mark_finalized()  # saved after the step's finalize: float32, unscaled
     opt._last_generation = store.generation
     opt._refresh(curv["damping"])
     opt._curv_sched = int(curv["sched"])

@@ -18,6 +18,10 @@ non-blocking device→host copy of the counts (CUDA: pinned memory and an event,
 once the event has completed, so the host never waits), or :attr:`counters` is read.
 ``SYNC_FREE = False`` (baselines): the flags are read on the host, as before: a skipped
 step changes nothing and does not advance their schedules.
+
+Mixed precision: the captured records are converted to float32 (and unscaled) once per
+capture before anything reads them; ``torch.amp.GradScaler`` steps go through
+:mod:`tengrad_fx.optim.amp` (``grad_scaler=`` at construction, ``scaler.step(opt)``).
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from torch import Tensor
 
 from ..capture.info import PrepareInfo
 from ..capture.prepare import capturing
+from .amp import loss_scale, scaler_enabled, scaler_flags, unscale_grads
 from .update import apply_momentum_step, finite_flag, kl_clip_factor
 from .checks import check_positive
 from .reduction_check import check_loss_reduction
@@ -107,10 +112,15 @@ class StepSkeleton(torch.optim.Optimizer):
     NAME = "optimizer"
     SYNC_FREE = False
     EMPTY_STEP_SKIPS = False  # a step without any gradient counts as skipped
+    _step_supports_amp_scaling = True  # GradScaler.step hands over grad_scale/found_inf (.amp)
 
-    def _init_skeleton(self, model: torch.nn.Module, info: PrepareInfo) -> None:
+    def _init_skeleton(self, model: torch.nn.Module, info: PrepareInfo, grad_scaler: Any = None) -> None:
+        if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise TypeError(f"{type(self).__name__}: grad_scaler must be a torch.amp.GradScaler, "
+                            f"got {type(grad_scaler).__name__}")
         self.model = model
         self._info = info
+        self.grad_scaler = grad_scaler
         self.state[self.NAME] = {"step": 0, "skipped": 0}
         self._sched = 0  # host count of the steps the statistics/curvature schedule has seen
         self._dev_counts: Optional[Tensor] = None  # [step, skipped] not yet added to the host counts
@@ -205,6 +215,8 @@ class StepSkeleton(torch.optim.Optimizer):
         """The host has just seen a device-side skip (TENGraD: re-capture curvature)."""
 
     def _warn_skip(self, why: str) -> None:
+        if scaler_enabled(self.grad_scaler):
+            return  # overflow skips are the scaler's routine; they are counted, not warned about
         if not self._warned_skip:
             warnings.warn(f"{type(self).__name__}: step skipped ({why}); parameters left unchanged. "
                           "Further skips are counted in opt.counters['skipped'].", RuntimeWarning)
@@ -256,6 +268,12 @@ class StepSkeleton(torch.optim.Optimizer):
         if not grads:  # nothing to do, like torch's own optimizers
             return self._skip("no gradient", loss) if self.EMPTY_STEP_SKIPS else loss
         self._check_capture(stats_step)
+        grad_scale, found_inf = scaler_flags(self)
+        if grad_scale is not None:
+            unscale_grads(grads, grad_scale)
+        if found_inf is not None and (stats_step or not self.SYNC_FREE) and bool(found_inf):
+            return self._skip("GradScaler found inf/NaN gradients", loss)  # one host read (.amp)
+        self._info.store.finalize(self._record_inv_scale())
         if stats_step and not self._reduction_checked and self.fisher == "empirical":
             self._reduction_checked = True  # once: a one-time host read (reduction_check)
             check_loss_reduction(covered_layers(self.model), self._info.loss_reduction, type(self).__name__)
@@ -303,6 +321,18 @@ class StepSkeleton(torch.optim.Optimizer):
         if self.SYNC_FREE:
             self._count(ok)
         return ok
+
+    def _loss_scale(self) -> Optional[Tensor]:
+        """The GradScaler's current scale (device scalar), None without one: what the
+        optimizer's own capture backwards (MC, Gauss-Newton) multiply their loss by."""
+        return loss_scale(self.grad_scaler, self.param_groups[0]["params"][0])
+
+    def _record_inv_scale(self) -> Optional[Tensor]:
+        """``1 / scale`` of the records not yet finalized (None: no scaler, or nothing new)."""
+        if not self._info.store.needs_finalize():
+            return None
+        s = self._loss_scale()
+        return None if s is None else s.double().reciprocal().float()
 
     def _run_device(self, stats_step: bool, fn: Callable[[], Tensor]) -> Tensor:
         """Run the device part (TENGraD: replays a CUDA graph of it when asked)."""

@@ -97,6 +97,9 @@ class TENGraD(StepSkeleton):
         gram_tf32: compute the curvature steps' Grams ``J Jᵀ`` of float32 layers with TF32
             tensor cores on CUDA (``tengrad_groups.tf32_matmuls``; ~1e-3 relative error in
             ``K``, the precision cuDNN's default TF32 convolutions already give ``P``).
+        grad_scaler: the loop's ``torch.amp.GradScaler``; step with ``scaler.step(opt)``
+            (:mod:`tengrad_fx.optim.amp`). Under ``torch.autocast`` the records are made
+            float32 (and unscaled) at the step: Gram, solve and update are float32.
     """
 
     NAME = "tengrad"
@@ -120,6 +123,7 @@ class TENGraD(StepSkeleton):
         compile: bool | str = False,
         cuda_graph: Optional[bool] = None,
         gram_tf32: bool = False,
+        grad_scaler: Optional[torch.amp.GradScaler] = None,
     ):
         info = get_info(model)  # raises ValueError for an unprepared model
         check_nonneg("lr", lr)
@@ -136,7 +140,7 @@ class TENGraD(StepSkeleton):
         params = [p for p in model.parameters() if p.requires_grad]
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
         super().__init__(params, defaults)
-        self._init_skeleton(model, info)
+        self._init_skeleton(model, info, grad_scaler)
         self.curvature_every = curvature_every
         self.fisher = fisher
         self.mc_loss = mc_loss
@@ -227,9 +231,10 @@ class TENGraD(StepSkeleton):
             return
         weights = [layer.weight for layer in self._layers if layer.weight.requires_grad]
         if self.fisher == "gauss-newton":
-            gauss_newton_capture(self._info.store, outputs, weights, self._info.loss_reduction)
+            gauss_newton_capture(self._info.store, outputs, weights, self._info.loss_reduction,
+                                 loss_scale=self._loss_scale())
         else:
-            mc_capture(self._info.store, outputs, self.mc_loss, weights, targets)
+            mc_capture(self._info.store, outputs, self.mc_loss, weights, targets, self._loss_scale())
         self._mc_done = True
 
     # ------------------------------------------------------------------ curvature
