@@ -97,9 +97,8 @@ class TENGraD(StepSkeleton):
         gram_tf32: compute the curvature steps' Grams ``J Jᵀ`` of float32 layers with TF32
             tensor cores on CUDA (``tengrad_groups.tf32_matmuls``; ~1e-3 relative error in
             ``K``, the precision cuDNN's default TF32 convolutions already give ``P``).
-        grad_scaler: the loop's ``torch.amp.GradScaler``; step with ``scaler.step(opt)``
-            (:mod:`tengrad_fx.optim.amp`). Under ``torch.autocast`` the records are made
-            float32 (and unscaled) at the step: Gram, solve and update are float32.
+        grad_scaler: the loop's ``torch.amp.GradScaler``: step with ``scaler.step(opt)``;
+            autocast and loss scaling in :mod:`tengrad_fx.optim.amp`.
     """
 
     NAME = "tengrad"
