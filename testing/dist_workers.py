@@ -5,7 +5,9 @@ and in one process on the concatenated batch (:func:`train_single`, the referenc
 A run is described by a ``cfg`` dict: ``model`` ("mlp" or "cnn"), ``m`` (local batch),
 ``steps``, ``T`` (curvature_every), ``fisher``, ``kl_clip``, ``placement`` (default
 ``"owner"``), ``mode`` (default ``"gather"``), and optional
-faults: ``nan_rank``/``nan_step`` (that rank's gradient gets a NaN after DDP's
+``inside`` (``prepare(DDP(model))`` instead of ``DDP(prepare(model))``), and optional
+faults: ``short_rank`` (that rank's batch has one sample fewer; with ``expect_error`` the
+``ValueError`` each rank raised is returned), ``nan_rank``/``nan_step`` (that rank's gradient gets a NaN after DDP's
 averaging), ``raise_rank``/``raise_step`` (that rank raises after its backward, before its step), plus
 ``save``/``load`` (a checkpoint path written by rank 0 after the last step / loaded
 before the first) and ``start`` (index of the first global batch).
@@ -56,9 +58,19 @@ def train_ranks(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[
     from tengrad_fx.distributed import DistributedTENGraD
     out = []
     for cfg in cfgs:
+        if cfg.get("expect_error"):  # every rank must raise the same clear error, none hang
+            try:
+                train_ranks(rank, world, [{k: v for k, v in cfg.items() if k != "expect_error"}])
+            except ValueError as exc:
+                out.append({"error": str(exc)})
+                continue
+            raise AssertionError("no error raised")
         kind, m = cfg["model"], cfg["m"]
-        net = tengrad_fx.prepare(make_model(kind))
-        ddp = DDP(net)
+        if cfg.get("inside"):  # prepare(DDP(model)): surgery inside the wrapper
+            ddp = net = tengrad_fx.prepare(DDP(make_model(kind)), example_inputs=(global_batch(kind, 2, 0)[0],))
+        else:
+            net = tengrad_fx.prepare(make_model(kind))
+            ddp = DDP(net)
         opt = DistributedTENGraD(ddp, placement=cfg.get("placement", "owner"), mode=cfg.get("mode", "gather"),
                                  seed=cfg.get("seed", 0), **_opt_kwargs(cfg))
         if cfg.get("load"):
@@ -69,6 +81,8 @@ def train_ranks(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[
         for k in range(cfg["steps"]):
             x, y = global_batch(kind, world * m, cfg.get("start", 0) + k)
             x, y = x[rank * m:(rank + 1) * m], y[rank * m:(rank + 1) * m]
+            if cfg.get("short_rank") == rank:  # this rank trains on one sample fewer
+                x, y = x[1:], y[1:]
             out_ = ddp(x)
             loss = F.cross_entropy(out_, y)
             opt.zero_grad()

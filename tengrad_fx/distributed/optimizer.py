@@ -11,8 +11,9 @@ Setup (one process per rank, e.g. under ``torchrun``)::
 
 With ``W`` ranks the curvature batch is the global one, ``M = W·m``: every layer's
 update equals single-process TENGraD's on the concatenation of the ranks' batches (rank
-order), up to rounding. ``prepare`` inside DDP (``prepare(DDP(model))``) is not
-supported: DDP's forward cannot be traced; wrap the prepared model.
+order), up to rounding. ``prepare(DDP(model))`` works too (``torch.fx`` cannot trace
+DDP's forward, so ``prepare`` falls back to module surgery inside the wrapper; its report
+says so); pass that wrapper to the optimizer and call it for the forward.
 
 Per curvature step (``mode="gather"``):
 
@@ -65,6 +66,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
+from ..capture.info import get_info
 from ..capture.prepare import capturing
 from ..capture.store import Record
 from ..curvature.layer import CoveredLayer, covered_layers
@@ -84,6 +86,14 @@ _SCALED = ("G", "P", "Gsum")  # linear in the loss gradient: rescaled by m/M
 def mc_seed(seed: int, rank: int) -> int:
     """The MC-sampling seed of ``rank`` derived from the global ``seed``."""
     return (int(seed) * 1_000_003 + 7919 * (int(rank) + 1)) % (2 ** 63)
+
+
+def _prepared(model: torch.nn.Module) -> bool:
+    try:
+        get_info(model)
+    except ValueError:
+        return False
+    return True
 
 
 def _layer_meta(layer: CoveredLayer) -> Optional[list[list[dict[str, Any]]]]:
@@ -108,8 +118,8 @@ class DistributedTENGraD(TENGraD):
     """TENGraD on the global batch of a ``torch.distributed`` job (module docstring).
 
     Args:
-        model: ``DDP(prepare(model))`` (or the prepared model itself, when the gradients
-            are averaged over the ranks some other way before ``step()``).
+        model: ``DDP(prepare(model))`` or ``prepare(DDP(model))`` (or the prepared model
+            itself, when the gradients are averaged over the ranks some other way).
         mode: ``"gather"`` (global-batch Fisher: records gathered where a layer is solved)
             or ``"local"`` (per-rank Fisher blocks, updates averaged).
         placement: ``"auto"``, ``"owner"`` or ``"replicate"`` (module docstring).
@@ -137,8 +147,9 @@ class DistributedTENGraD(TENGraD):
         kwargs["cuda_graph"] = False  # TENGraD's CUDA default would capture the step's collectives
         if kwargs.get("fisher") == "gauss-newton":
             raise ValueError("DistributedTENGraD: fisher='gauss-newton' is not supported; use 'empirical' or 'mc'")
-        self.ddp = model if isinstance(model, DistributedDataParallel) else None
-        module = model.module if isinstance(model, DistributedDataParallel) else model
+        module = model
+        if isinstance(model, DistributedDataParallel) and not _prepared(model):
+            module = model.module  # DDP(prepare(model)); prepare(DDP(model)) keeps its info on the wrapper
         self.world = dist.get_world_size()
         self.rank = dist.get_rank()
         self.mode = mode

@@ -27,6 +27,7 @@ TWO = {
     "cnn-mc-T2-clip": dict(model="cnn", m=3, steps=4, T=2, fisher="mc", kl_clip=0.01),
     "mlp-replicate-10": dict(model="mlp", m=3, steps=10, T=3, placement="replicate", kl_clip=0.01),
     "mlp-auto": dict(model="mlp", m=4, steps=4, T=2, placement="auto", fisher="mc"),
+    "cnn-prepare-inside-ddp": dict(model="cnn", m=3, steps=3, T=2, inside=True),
     "mlp-gather-10": dict(model="mlp", m=3, steps=10, T=3, fisher="mc"),
     "mlp-nan": dict(model="mlp", m=4, steps=3, T=1, nan_rank=1, nan_step=1),
     "mlp-save": dict(model="mlp", m=6, steps=2, T=1),  # + save (fixture)
@@ -38,6 +39,7 @@ THREE = {
     "cnn-replicate-mc": dict(model="cnn", m=2, steps=3, T=2, fisher="mc", placement="replicate"),
     "mlp-local": dict(model="mlp", m=4, steps=3, T=1, mode="local"),
     "mlp-resume": dict(model="mlp", m=4, steps=2, T=1, start=2),  # + load (fixture)
+    "mlp-unequal-batches": dict(model="mlp", m=4, steps=1, T=1, short_rank=2, expect_error=True),
 }
 
 
@@ -85,7 +87,7 @@ def test_two_ranks_equal_global_batch(two: dict[str, Any], name: str) -> None:
     _check_equal_to_global(two["cfgs"][name], two["ranks"][name])
 
 
-@pytest.mark.parametrize("name", [k for k in THREE if k not in ("mlp-resume", "mlp-local")])
+@pytest.mark.parametrize("name", [k for k in THREE if k not in ("mlp-resume", "mlp-local", "mlp-unequal-batches")])
 def test_three_ranks_equal_global_batch(three: dict[str, Any], name: str) -> None:
     _check_equal_to_global(three["cfgs"][name], three["ranks"][name])
 
@@ -171,3 +173,11 @@ def test_local_fisher_mode(three: dict[str, Any]) -> None:
     assert ((u - u_glob).norm() / u_glob.norm()).item() > 1e-3
     for k in range(1, cfg["steps"] + 1):
         assert all(torch.equal(r["traj"][k], got[k]) for r in ranks[1:])
+
+
+def test_unequal_local_batches_are_a_clear_error_on_every_rank(three: dict[str, Any]) -> None:
+    """Rank 2 captured 3 samples, the others 4: every rank raises the same ValueError
+    (naming the layer and the ranks) at the curvature step; none hangs."""
+    errors = [r["error"] for r in three["ranks"]["mlp-unequal-batches"]]
+    assert len(errors) == 3 and len(set(errors)) == 1
+    assert "on rank 2" in errors[0] and "same local batch size" in errors[0]
