@@ -2,7 +2,7 @@
 batches on ``W`` ranks (:func:`train_ranks`, run through :func:`testing.distributed.run_ranks`)
 and in one process on the concatenated batch (:func:`train_single`, the reference).
 
-A run is described by a ``cfg`` dict: ``model`` ("mlp" or "cnn"), ``m`` (local batch),
+A run is described by a ``cfg`` dict: ``model`` ("mlp", "mlp2" or "cnn"), ``m`` (local batch),
 ``steps``, ``T`` (curvature_every), ``fisher``, ``kl_clip``, ``placement`` (default
 ``"owner"``), ``mode`` (default ``"gather"``), and optional
 ``inside`` (``prepare(DDP(model))`` instead of ``DDP(prepare(model))``), and optional
@@ -22,13 +22,15 @@ import torch.nn.functional as F
 
 __all__ = ["make_model", "global_batch", "train_ranks", "train_single", "flat_params", "local_fisher_reference"]
 
-SHAPES = {"mlp": (6,), "cnn": (3, 6, 6)}
+SHAPES = {"mlp": (6,), "mlp2": (6,), "cnn": (3, 6, 6)}
 
 
 def make_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
     if kind == "mlp":
         net = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 8), nn.ReLU(), nn.Linear(8, 4))
+    elif kind == "mlp2":  # two layers: with 3 ranks, one rank owns none
+        net = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 4))
     else:
         net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(),
                             nn.Conv2d(4, 4, 3, groups=2, stride=2, bias=False), nn.ReLU(),

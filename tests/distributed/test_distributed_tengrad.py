@@ -38,6 +38,7 @@ THREE = {
     "mlp-mc-T1": dict(model="mlp", m=3, steps=3, T=1, fisher="mc"),
     "cnn-replicate-mc": dict(model="cnn", m=2, steps=3, T=2, fisher="mc", placement="replicate"),
     "mlp-local": dict(model="mlp", m=4, steps=3, T=1, mode="local"),
+    "mlp2-a-rank-owns-nothing": dict(model="mlp2", m=3, steps=4, T=2),
     "mlp-resume": dict(model="mlp", m=4, steps=2, T=1, start=2),  # + load (fixture)
     "mlp-unequal-batches": dict(model="mlp", m=4, steps=1, T=1, short_rank=2, expect_error=True),
 }
@@ -181,3 +182,8 @@ def test_unequal_local_batches_are_a_clear_error_on_every_rank(three: dict[str, 
     errors = [r["error"] for r in three["ranks"]["mlp-unequal-batches"]]
     assert len(errors) == 3 and len(set(errors)) == 1
     assert "on rank 2" in errors[0] and "same local batch size" in errors[0]
+
+
+def test_a_rank_may_own_no_layer(three: dict[str, Any]) -> None:
+    owners = three["ranks"]["mlp2-a-rank-owns-nothing"][0]["owner"]
+    assert sorted(owners.values()) in ([0, 1], [0, 2], [1, 2])  # two layers, three ranks
