@@ -16,9 +16,9 @@ step device
 { $PY -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } 2>&1 | tee -a "$L"
 step "GPU tests"
-timeout 150 $PY -m pytest -q -p no:cacheprovider -rs tests/optim/test_cuda.py tests/optim/test_syncs.py \
+timeout 150 $PY -m pytest -q -p no:cacheprovider -rfs tests/optim/test_cuda.py tests/optim/test_syncs.py \
   tests/optim/test_graphs.py $(grep -rl "cuda.is_available" tests --include='test_*.py' | grep -v optim/test_cuda.py) \
-  2>&1 | tail -25 | tee -a "$L"
+  2>&1 | tail -40 | tee -a "$L"
 ROWS=sgd,tengrad,tengrad-mc,tengrad-mc-T100,tengrad-mc-T100-eager
 for model in 3c1f wrn-28-4 densenet-19 mobilenetv2; do
   step "bench $model"

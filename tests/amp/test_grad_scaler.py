@@ -75,11 +75,18 @@ def _train(method: str, device: str, dtype: torch.dtype, scaled: bool, unscale: 
     return {k: p.detach().clone() for k, p in pm.named_parameters()}
 
 
-def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], exact: bool = True) -> None:
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], exact: bool = True,
+                 across_runs: bool = False) -> None:
     """Bit-identical parameters; or (``exact=False``: fp16, where a scale changes which
     values underflow) the displacement from the initial weights within 5 % (relative
     2-norm over all parameters; a record left scaled by 2¹⁰ changes it by far more)."""
     assert a.keys() == b.keys()
+    if exact and across_runs and next(iter(a.values())).is_cuda:
+        # two runs on CUDA: the embedding backward / index_add accumulate with atomics, so two
+        # identical runs already differ in the last bits; "bit-identical" becomes fp32 rounding
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
+        return
     if exact:
         for k in a:
             assert torch.equal(a[k], b[k]), k
@@ -102,7 +109,7 @@ CASES = [("tengrad", False, "empirical"), ("tengrad", True, "empirical"), ("teng
 def _check_scaled_equals_unscaled(device: str, dtype: torch.dtype, method: str, unscale: bool, fisher: str) -> None:
     ref = _train(method, device, dtype, scaled=False, fisher=fisher)
     got = _train(method, device, dtype, scaled=True, unscale=unscale, fisher=fisher)
-    _assert_same(got, ref, exact=dtype != torch.float16)
+    _assert_same(got, ref, exact=dtype != torch.float16, across_runs=True)
 
 
 @pytest.mark.filterwarnings("ignore:no Kronecker-factored curvature")
@@ -158,7 +165,7 @@ def _check_skip_on_curvature_step(device: str, dtype: torch.dtype) -> None:
     for b in batches:
         _step(ref_pm, ref_opt, b, scaler_ref, device, dtype)
     _assert_same({k: p.detach() for k, p in pm.named_parameters()}, {k: p.detach() for k, p in ref_pm.named_parameters()},
-                 exact=dtype != torch.float16)
+                 exact=dtype != torch.float16, across_runs=True)
 
 
 def test_skipped_curvature_step_changes_nothing() -> None:
