@@ -1,9 +1,10 @@
 """Per-step time of SGD and TENGraD variants, interleaved in one process; ratios to SGD.
 
-    python -m tools.bench [--model 3c1f|small|tiny|3c1f-bn|small-bn|wrn-28-4|densenet-19|mobilenetv2]
+    python -m tools.bench [--model 3c1f|small|tiny|3c1f-bn|small-bn|tiny-bn|wrn-28-4|densenet-19|mobilenetv2]
                           [--m 128] [--steps 10] [--warmup 2] [--methods a,b,...|paper|all]
                           [--json out.json] [--memory] [--device cpu|cuda] [--threads 2]
                           [--ops] [--profile DIR]
+    python -m tools.bench --capture [--model tiny] ...                # capture's forward+backward cost
     python -m tools.bench --distributed N [--model tiny] [--m 32]    # N gloo ranks: tools.dist_bench
 
 Every method trains its own copy of the same initial model on the same random batches;
@@ -91,7 +92,7 @@ BASELINES = "kfac-T1,kfac,ekfac-T1,ekfac,kbfgs-T1,kbfgs"
 
 PAPER_ROWS = "sgd,tengrad,tengrad-mc,tengrad-mc-T100"
 ZOO_MODELS = ("wrn-28-4", "densenet-19", "mobilenetv2")
-MODEL_NAMES = ("3c1f", "small", "tiny", "3c1f-bn", "small-bn", *ZOO_MODELS)
+MODEL_NAMES = ("3c1f", "small", "tiny", "3c1f-bn", "small-bn", "tiny-bn", *ZOO_MODELS)
 
 
 def build_model(name: str) -> tuple[nn.Module, tuple[int, ...]]:
@@ -195,7 +196,8 @@ class Runner:
         return out
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def setup(args: argparse.Namespace) -> tuple[torch.device, Callable[[], None], nn.Module, list[Any]]:
+    """``(device, sync, initial model, 4 random batches)`` of a run."""
     torch.manual_seed(0)
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -204,6 +206,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(args.m, *shape, generator=g).to(dev),
                 torch.randint(0, 10, (args.m,), generator=g).to(dev)) for _ in range(4)]
+    return dev, sync, base, batches
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    dev, sync, base, batches = setup(args)
     methods = method_list(args.methods)
     runners = [Runner(m, base, batches[0][0]) for m in methods]
     for r in range(args.warmup + args.steps):
@@ -256,10 +263,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--memory", action="store_true", help="also measure each method's peak memory")
     ap.add_argument("--_report-peak", dest="report_peak", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--capture", action="store_true",
+                    help="forward+backward only: capture on / off / custom ops / unprepared (tools.capture_bench)")
     ap.add_argument("--distributed", type=int, default=0, metavar="N",
                     help="distributed TENGraD vs DDP-SGD on N gloo ranks, --m per rank (tools.dist_bench)")
     args = ap.parse_args(argv)
-    tiny = args.model == "tiny"
+    tiny = args.model.startswith("tiny")
     args.m = args.m or (32 if tiny else 128)
     args.threads = args.threads or (1 if tiny else 2)
     torch.set_num_threads(args.threads)
@@ -271,6 +280,15 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(ranks, f, indent=2)
+        return
+    if args.capture:
+        from tools.capture_bench import main_capture  # noqa: PLC0415
+
+        _, sync, base, batches = setup(args)
+        res = main_capture(args, base, batches, sync)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=2)
         return
     if args.report_peak:
         if args.device == "cuda":

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import ops
+from .eager import capture_op, use_custom_ops
 from .store import Record, lookup
 
 __all__ = ["match_embedding", "embedding"]
@@ -44,30 +45,20 @@ def match_embedding(mod: nn.Module) -> tuple[Optional[str], str]:
     return "embedding", ""
 
 
-@torch.library.custom_op("tengrad_fx::embedding", mutates_args=())
-def _embedding_op(idx: Tensor, weight: Tensor, padding_idx: int, key: int, site: int) -> Tensor:
+def _embedding_forward(idx: Tensor, weight: Tensor, padding_idx: int, key: int, site: int) -> Tensor:
+    """``F.embedding``, ``[m, *positions, D]`` (``padding_idx < 0``: none)."""
     lookup(key).begin()
     return F.embedding(idx, weight, None if padding_idx < 0 else padding_idx)
 
 
-@_embedding_op.register_fake
-def _(idx, weight, padding_idx, key, site):  # type: ignore[no-untyped-def]
-    return weight.new_empty((*idx.shape, weight.shape[1]))
-
-
-@torch.library.custom_op("tengrad_fx::embedding_backward", mutates_args=())
-def _embedding_backward_op(grad: Tensor, idx: Tensor, num_weights: int, padding_idx: int,
-                           key: int, site: int) -> Tensor:
+def _embedding_backward(grad: Tensor, idx: Tensor, num_weights: int, padding_idx: int,
+                        key: int, site: int) -> Tensor:
+    """``∂L/∂weight [vocab, D]``; records ``(idx, grad)``."""
     store = lookup(key)
     store.record(site, Record(idx, grad))
     if store.grad_only:
         return grad.new_zeros(num_weights, grad.shape[-1])
     return torch.ops.aten.embedding_dense_backward(grad, idx, num_weights, padding_idx, False)
-
-
-@_embedding_backward_op.register_fake
-def _(grad, idx, num_weights, padding_idx, key, site):  # type: ignore[no-untyped-def]
-    return grad.new_empty(num_weights, grad.shape[-1])
 
 
 def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
@@ -76,13 +67,24 @@ def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     ctx.conf = (weight.shape[0], padding_idx, key, site)
 
 
-def _grad(ctx, grad):  # type: ignore[no-untyped-def]
+def _formula(backward, ctx, grad):  # type: ignore[no-untyped-def]
     (idx,) = ctx.saved_tensors
     n, padding_idx, key, site = ctx.conf
-    return None, torch.ops.tengrad_fx.embedding_backward(grad, idx, n, padding_idx, key, site), None, None, None
+    return None, backward(grad, idx, n, padding_idx, key, site), None, None, None
 
 
-_embedding_op.register_autograd(_grad, setup_context=_setup)
+_embedding_op, _embedding_backward_op, EmbeddingCapture = capture_op(
+    "embedding", _embedding_forward, _embedding_backward, _setup, _formula)
+
+
+@_embedding_op.register_fake
+def _(idx, weight, padding_idx, key, site):  # type: ignore[no-untyped-def]
+    return weight.new_empty((*idx.shape, weight.shape[1]))
+
+
+@_embedding_backward_op.register_fake
+def _(grad, idx, num_weights, padding_idx, key, site):  # type: ignore[no-untyped-def]
+    return grad.new_empty(num_weights, grad.shape[-1])
 
 
 def embedding(idx: Tensor, weight: Tensor, padding_idx: Optional[int], key: int, site: int,
@@ -96,4 +98,5 @@ def embedding(idx: Tensor, weight: Tensor, padding_idx: Optional[int], key: int,
     if not ops._active(key, idx, weight, None):
         return F.embedding(idx, weight, padding_idx)
     ops._check_batch(idx, batch, name)
-    return torch.ops.tengrad_fx.embedding(idx, weight, -1 if padding_idx is None else padding_idx, key, site)
+    run = torch.ops.tengrad_fx.embedding if use_custom_ops() else EmbeddingCapture.apply
+    return run(idx, weight, -1 if padding_idx is None else padding_idx, key, site)

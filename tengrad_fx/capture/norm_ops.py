@@ -12,7 +12,8 @@ Every backward op computes, from the saved statistics, the per-sample gradients
 ``P = [Σ_s G_i[s] ⊙ x̂_i[s]]_i`` and ``Gsum = [Σ_s G_i[s]]_i`` (``[m, C]``; for BatchNorm and
 GroupNorm as ``rstd ⊙ (Σ_s G x − mean ⊙ Gsum)``, one batched dot product, no ``x̂``) and,
 through :func:`_record`, hands the store either those or ``(x̂, G)``; the weight and bias
-gradients are their sums over the batch.
+gradients are their sums over the batch. Outside ``torch.compile`` the same bodies run
+in plain ``autograd.Function``s (:mod:`.eager`).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .amp import acc, autocast_off, cast_like_aten
+from .eager import capture_op, use_custom_ops
 from .store import CaptureStore, Record, lookup
 
 __all__ = ["per_sample_sums", "bcast"]
@@ -84,62 +86,54 @@ def _fake_grads(grad: Tensor, x: Tensor, weight: Tensor, has_bias: bool, need_in
 
 
 # --------------------------------------------------------------------------- batch norm
-@torch.library.custom_op("tengrad_fx::batch_norm", mutates_args=())
-def _bn_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], running_mean: Optional[Tensor],
-           running_var: Optional[Tensor], training: bool, momentum: float, eps: float,
-           key: int, site: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _bn_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], running_mean: Optional[Tensor],
+                running_var: Optional[Tensor], training: bool, momentum: float, eps: float,
+                key: int, site: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``(y, batch mean, batch rstd, new running mean, new running var)``; a functional op
     (autograd needs one): in train mode aten updates copies of the running statistics,
     which :func:`batch_norm` writes back."""
+    return _bn_run(x, weight, bias, running_mean, running_var, training, momentum, eps, key, True)
+
+
+def _bn_forward_in_place(x: Tensor, weight: Tensor, bias: Optional[Tensor], running_mean: Optional[Tensor],
+                         running_var: Optional[Tensor], training: bool, momentum: float, eps: float,
+                         key: int, site: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The eager Function's forward: aten updates the running statistics in place (as
+    ``F.batch_norm`` does); the last two outputs are empty."""
+    return _bn_run(x, weight, bias, running_mean, running_var, training, momentum, eps, key, False)
+
+
+def _bn_run(x: Tensor, weight: Tensor, bias: Optional[Tensor], running_mean: Optional[Tensor],
+            running_var: Optional[Tensor], training: bool, momentum: float, eps: float, key: int,
+            functional: bool) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     lookup(key).begin()
-    update = training and running_mean is not None and running_var is not None
-    rm = running_mean.clone() if update else running_mean
-    rv = running_var.clone() if update else running_var
+    update = functional and training and running_mean is not None and running_var is not None
+    rm = running_mean.clone() if update else running_mean  # type: ignore[union-attr]
+    rv = running_var.clone() if update else running_var  # type: ignore[union-attr]
     out, mean, rstd = torch.ops.aten.native_batch_norm(x, weight, bias, rm, rv, training, momentum, eps)
     if not update:
         return out, mean, rstd, x.new_empty(0), x.new_empty(0)
-    return out, mean, rstd, rm, rv
-
-
-@_bn_op.register_fake
-def _(x, weight, bias, running_mean, running_var, training, momentum, eps, key, site):  # type: ignore[no-untyped-def]
-    n = x.shape[1] if training else 0
-    u = x.shape[1] if training and running_mean is not None and running_var is not None else 0
-    return torch.empty_like(x), x.new_empty(n), x.new_empty(n), x.new_empty(u), x.new_empty(u)
-
-
-@torch.library.custom_op("tengrad_fx::batch_norm_backward", mutates_args=())
-def _bn_backward_op(grad: Tensor, x: Tensor, weight: Tensor, running_mean: Optional[Tensor],
-                    running_var: Optional[Tensor], save_mean: Tensor, save_rstd: Tensor,
-                    training: bool, eps: float, has_bias: bool, need_input: bool, key: int,
-                    site: int) -> tuple[Tensor, Tensor, Tensor]:
-    with autocast_off(grad):
-        return _bn_backward(grad, x, weight, running_mean, running_var, save_mean, save_rstd, training,
-                            eps, has_bias, need_input, key, site)
+    return out, mean, rstd, rm, rv  # type: ignore[return-value]
 
 
 def _bn_backward(grad: Tensor, x: Tensor, weight: Tensor, running_mean: Optional[Tensor],
                  running_var: Optional[Tensor], save_mean: Tensor, save_rstd: Tensor, training: bool,
                  eps: float, has_bias: bool, need_input: bool, key: int,
                  site: int) -> tuple[Tensor, Tensor, Tensor]:
-    gx = grad.new_empty(0)
-    if need_input:
-        gx = torch.ops.aten.native_batch_norm_backward(
-            grad, x, weight, running_mean, running_var, save_mean, save_rstd, training, eps,
-            [True, False, False])[0]
-    if training:
-        mean, rstd = save_mean, save_rstd
-    else:
-        assert running_mean is not None and running_var is not None
-        mean, rstd = running_mean, (running_var + eps).rsqrt()
-    return _finish_channel_stats(lookup(key), site, grad, x, mean.unsqueeze(0), rstd.unsqueeze(0),
-                                 weight, has_bias, gx)
-
-
-@_bn_backward_op.register_fake
-def _(grad, x, weight, running_mean, running_var, save_mean, save_rstd, training, eps, has_bias,  # type: ignore[no-untyped-def]
-      need_input, key, site):
-    return _fake_grads(grad, x, weight, has_bias, need_input)
+    """``(∂L/∂x or [0], ∂L/∂γ, ∂L/∂β or [0])``; records (module docstring)."""
+    with autocast_off(grad):
+        gx = grad.new_empty(0)
+        if need_input:
+            gx = torch.ops.aten.native_batch_norm_backward(
+                grad, x, weight, running_mean, running_var, save_mean, save_rstd, training, eps,
+                [True, False, False])[0]
+        if training:
+            mean, rstd = save_mean, save_rstd
+        else:
+            assert running_mean is not None and running_var is not None
+            mean, rstd = running_mean, (running_var + eps).rsqrt()
+        return _finish_channel_stats(lookup(key), site, grad, x, mean.unsqueeze(0), rstd.unsqueeze(0),
+                                     weight, has_bias, gx)
 
 
 def _bn_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
@@ -151,16 +145,30 @@ def _bn_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     ctx.mark_non_differentiable(mean, rstd, new_rm, new_rv)
 
 
-def _bn_grad(ctx, grad, *_):  # type: ignore[no-untyped-def]
+def _bn_formula(backward, ctx, grad, *_):  # type: ignore[no-untyped-def]
     x, weight, mean, rstd, rm, rv = ctx.saved_tensors
     training, eps, has_bias, key, site = ctx.conf
-    gx, gw, gb = torch.ops.tengrad_fx.batch_norm_backward(
-        grad, x, weight, rm, rv, mean, rstd, training, eps, has_bias, ctx.needs_input_grad[0], key, site)
-    return ((gx if ctx.needs_input_grad[0] else None), gw, (gb if has_bias else None),
+    need_input = ctx.needs_input_grad[0]
+    gx, gw, gb = backward(grad, x, weight, rm, rv, mean, rstd, training, eps, has_bias, need_input, key, site)
+    return ((gx if need_input else None), gw, (gb if has_bias else None),
             None, None, None, None, None, None, None)
 
 
-_bn_op.register_autograd(_bn_grad, setup_context=_bn_setup)
+_bn_op, _bn_backward_op, BatchNormCapture = capture_op(
+    "batch_norm", _bn_forward, _bn_backward, _bn_setup, _bn_formula, eager_forward=_bn_forward_in_place)
+
+
+@_bn_op.register_fake
+def _(x, weight, bias, running_mean, running_var, training, momentum, eps, key, site):  # type: ignore[no-untyped-def]
+    n = x.shape[1] if training else 0
+    u = x.shape[1] if training and running_mean is not None and running_var is not None else 0
+    return torch.empty_like(x), x.new_empty(n), x.new_empty(n), x.new_empty(u), x.new_empty(u)
+
+
+@_bn_backward_op.register_fake
+def _(grad, x, weight, running_mean, running_var, save_mean, save_rstd, training, eps, has_bias,  # type: ignore[no-untyped-def]
+      need_input, key, site):
+    return _fake_grads(grad, x, weight, has_bias, need_input)
 
 
 def batch_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor], running_mean: Optional[Tensor],
@@ -169,8 +177,8 @@ def batch_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor], running_mean: 
     """``F.batch_norm`` with affine, recording (``x [m, C, *spatial]``); in train mode the
     running statistics are updated in place, as aten does. Autocast: as ``aten::batch_norm``."""
     x, weight, bias = cast_like_aten("aten::batch_norm", x, weight, bias)  # type: ignore[assignment]
-    out, _, _, rm, rv = torch.ops.tengrad_fx.batch_norm(x, weight, bias, running_mean, running_var,
-                                                        training, momentum, eps, key, site)
+    run = torch.ops.tengrad_fx.batch_norm if use_custom_ops() else BatchNormCapture.apply
+    out, _, _, rm, rv = run(x, weight, bias, running_mean, running_var, training, momentum, eps, key, site)
     if rm.numel():
         with torch.no_grad():
             running_mean.copy_(rm)  # type: ignore[union-attr]
@@ -179,50 +187,32 @@ def batch_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor], running_mean: 
 
 
 # --------------------------------------------------------------------------- layer norm
-@torch.library.custom_op("tengrad_fx::layer_norm", mutates_args=())
-def _ln_op(x: Tensor, normalized_shape: Sequence[int], weight: Tensor, bias: Optional[Tensor],
-           eps: float, key: int, site: int) -> tuple[Tensor, Tensor, Tensor]:
+def _ln_forward(x: Tensor, normalized_shape: Sequence[int], weight: Tensor, bias: Optional[Tensor],
+                eps: float, key: int, site: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, mean, rstd)`` of ``aten.native_layer_norm``."""
     lookup(key).begin()
     out, mean, rstd = torch.ops.aten.native_layer_norm(x, normalized_shape, weight, bias, eps)
     return out, mean, rstd
 
 
-@_ln_op.register_fake
-def _(x, normalized_shape, weight, bias, eps, key, site):  # type: ignore[no-untyped-def]
-    k = len(normalized_shape)
-    stat = (*x.shape[: x.dim() - k], *([1] * k))
-    return torch.empty_like(x), x.new_empty(stat), x.new_empty(stat)
-
-
-@torch.library.custom_op("tengrad_fx::layer_norm_backward", mutates_args=())
-def _ln_backward_op(grad: Tensor, x: Tensor, normalized_shape: Sequence[int], mean: Tensor,
-                    rstd: Tensor, weight: Tensor, has_bias: bool, need_input: bool, key: int,
-                    site: int) -> tuple[Tensor, Tensor, Tensor]:
-    with autocast_off(grad):
-        return _ln_backward(grad, x, normalized_shape, mean, rstd, weight, has_bias, need_input, key, site)
-
-
 def _ln_backward(grad: Tensor, x: Tensor, normalized_shape: Sequence[int], mean: Tensor,
                  rstd: Tensor, weight: Tensor, has_bias: bool, need_input: bool, key: int,
                  site: int) -> tuple[Tensor, Tensor, Tensor]:
-    gx = grad.new_empty(0)
-    if need_input:
-        gx = torch.ops.aten.native_layer_norm_backward(
-            grad, x, normalized_shape, mean, rstd, weight, None, [True, False, False])[0]
-    # dγ_i = Σ_s G[s] ⊙ (x[s] − μ_s) r_s = Σ_s r_s (G ⊙ x)[s] − Σ_s μ_s r_s G[s]: two
-    # batched products over positions, one full-size temporary (G ⊙ x)
-    m, D = x.shape[0], weight.numel()
-    r = acc(rstd).reshape(m, 1, -1)
-    ga, xa = acc(grad), acc(x)
-    g3 = ga.reshape(m, -1, D)
-    Pw = (torch.bmm(r, (ga * xa).reshape(m, -1, D)) - torch.bmm(acc(mean).reshape(m, 1, -1) * r, g3)).view(m, D)
-    Pb = g3.sum(1)
-    return _record(lookup(key), site, grad, Pw, Pb, weight, has_bias, gx, lambda: (x - mean) * rstd)
-
-
-@_ln_backward_op.register_fake
-def _(grad, x, normalized_shape, mean, rstd, weight, has_bias, need_input, key, site):  # type: ignore[no-untyped-def]
-    return _fake_grads(grad, x, weight, has_bias, need_input)
+    """``(∂L/∂x or [0], ∂L/∂γ, ∂L/∂β or [0])``; records (module docstring)."""
+    with autocast_off(grad):
+        gx = grad.new_empty(0)
+        if need_input:
+            gx = torch.ops.aten.native_layer_norm_backward(
+                grad, x, normalized_shape, mean, rstd, weight, None, [True, False, False])[0]
+        # dγ_i = Σ_s G[s] ⊙ (x[s] − μ_s) r_s = Σ_s r_s (G ⊙ x)[s] − Σ_s μ_s r_s G[s]: two
+        # batched products over positions, one full-size temporary (G ⊙ x)
+        m, D = x.shape[0], weight.numel()
+        r = acc(rstd).reshape(m, 1, -1)
+        ga, xa = acc(grad), acc(x)
+        g3 = ga.reshape(m, -1, D)
+        Pw = (torch.bmm(r, (ga * xa).reshape(m, -1, D)) - torch.bmm(acc(mean).reshape(m, 1, -1) * r, g3)).view(m, D)
+        Pb = g3.sum(1)
+        return _record(lookup(key), site, grad, Pw, Pb, weight, has_bias, gx, lambda: (x - mean) * rstd)
 
 
 def _stats_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
@@ -234,18 +224,30 @@ def _stats_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     ctx.mark_non_differentiable(mean, rstd)
 
 
-def _stats_grad(backward):  # type: ignore[no-untyped-def]
-    """The autograd formula calling ``backward(grad, x, arg, mean, rstd, weight, has_bias,
+def _stats_formula(backward, ctx, grad, *_):  # type: ignore[no-untyped-def]
+    """Layer and group norm: ``backward(grad, x, arg, mean, rstd, weight, has_bias,
     need_input, key, site)``."""
-    def grad_fn(ctx, grad, _gmean, _grstd):  # type: ignore[no-untyped-def]
-        x, weight, mean, rstd = ctx.saved_tensors
-        arg, has_bias, key, site = ctx.conf
-        gx, gw, gb = backward(grad, x, arg, mean, rstd, weight, has_bias, ctx.needs_input_grad[0], key, site)
-        return (gx if ctx.needs_input_grad[0] else None), None, gw, (gb if has_bias else None), None, None, None
-    return grad_fn
+    x, weight, mean, rstd = ctx.saved_tensors
+    arg, has_bias, key, site = ctx.conf
+    need_input = ctx.needs_input_grad[0]
+    gx, gw, gb = backward(grad, x, arg, mean, rstd, weight, has_bias, need_input, key, site)
+    return (gx if need_input else None), None, gw, (gb if has_bias else None), None, None, None
 
 
-_ln_op.register_autograd(_stats_grad(torch.ops.tengrad_fx.layer_norm_backward), setup_context=_stats_setup)
+_ln_op, _ln_backward_op, LayerNormCapture = capture_op(
+    "layer_norm", _ln_forward, _ln_backward, _stats_setup, _stats_formula)
+
+
+@_ln_op.register_fake
+def _(x, normalized_shape, weight, bias, eps, key, site):  # type: ignore[no-untyped-def]
+    k = len(normalized_shape)
+    stat = (*x.shape[: x.dim() - k], *([1] * k))
+    return torch.empty_like(x), x.new_empty(stat), x.new_empty(stat)
+
+
+@_ln_backward_op.register_fake
+def _(grad, x, normalized_shape, mean, rstd, weight, has_bias, need_input, key, site):  # type: ignore[no-untyped-def]
+    return _fake_grads(grad, x, weight, has_bias, need_input)
 
 
 def layer_norm(x: Tensor, normalized_shape: Sequence[int], weight: Tensor, bias: Optional[Tensor],
@@ -253,13 +255,14 @@ def layer_norm(x: Tensor, normalized_shape: Sequence[int], weight: Tensor, bias:
     """``F.layer_norm`` with affine, recording (``x [m, *positions, *normalized_shape]``).
     Autocast: as ``aten::layer_norm`` (:mod:`.amp`)."""
     x, weight, bias = cast_like_aten("aten::layer_norm", x, weight, bias)  # type: ignore[assignment]
-    return torch.ops.tengrad_fx.layer_norm(x, list(normalized_shape), weight, bias, eps, key, site)[0]
+    run = torch.ops.tengrad_fx.layer_norm if use_custom_ops() else LayerNormCapture.apply
+    return run(x, list(normalized_shape), weight, bias, eps, key, site)[0]
 
 
 # --------------------------------------------------------------------------- group norm
-@torch.library.custom_op("tengrad_fx::group_norm", mutates_args=())
-def _gn_op(x: Tensor, num_groups: int, weight: Tensor, bias: Optional[Tensor], eps: float,
-           key: int, site: int) -> tuple[Tensor, Tensor, Tensor]:
+def _gn_forward(x: Tensor, num_groups: int, weight: Tensor, bias: Optional[Tensor], eps: float,
+                key: int, site: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, mean, rstd)`` of ``aten.native_group_norm`` (statistics ``[m, groups]``)."""
     lookup(key).begin()
     N, C = x.shape[:2]
     out, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, N, C, x[0, 0].numel(),
@@ -267,30 +270,28 @@ def _gn_op(x: Tensor, num_groups: int, weight: Tensor, bias: Optional[Tensor], e
     return out, mean, rstd
 
 
-@_gn_op.register_fake
-def _(x, num_groups, weight, bias, eps, key, site):  # type: ignore[no-untyped-def]
-    return torch.empty_like(x), x.new_empty(x.shape[0], num_groups), x.new_empty(x.shape[0], num_groups)
-
-
-@torch.library.custom_op("tengrad_fx::group_norm_backward", mutates_args=())
-def _gn_backward_op(grad: Tensor, x: Tensor, num_groups: int, mean: Tensor, rstd: Tensor,
-                    weight: Tensor, has_bias: bool, need_input: bool, key: int,
-                    site: int) -> tuple[Tensor, Tensor, Tensor]:
-    with autocast_off(grad):
-        return _gn_backward(grad, x, num_groups, mean, rstd, weight, has_bias, need_input, key, site)
-
-
 def _gn_backward(grad: Tensor, x: Tensor, num_groups: int, mean: Tensor, rstd: Tensor,
                  weight: Tensor, has_bias: bool, need_input: bool, key: int,
                  site: int) -> tuple[Tensor, Tensor, Tensor]:
-    N, C = x.shape[:2]
-    gx = grad.new_empty(0)
-    if need_input:
-        gx = torch.ops.aten.native_group_norm_backward(
-            grad, x, mean, rstd, weight, N, C, x[0, 0].numel(), num_groups, [True, False, False])[0]
-    k = C // num_groups  # channels per group: the group's statistics per channel
-    return _finish_channel_stats(lookup(key), site, grad, x, mean.repeat_interleave(k, 1),
-                                 rstd.repeat_interleave(k, 1), weight, has_bias, gx)
+    """``(∂L/∂x or [0], ∂L/∂γ, ∂L/∂β or [0])``; records (module docstring)."""
+    with autocast_off(grad):
+        N, C = x.shape[:2]
+        gx = grad.new_empty(0)
+        if need_input:
+            gx = torch.ops.aten.native_group_norm_backward(
+                grad, x, mean, rstd, weight, N, C, x[0, 0].numel(), num_groups, [True, False, False])[0]
+        k = C // num_groups  # channels per group: the group's statistics per channel
+        return _finish_channel_stats(lookup(key), site, grad, x, mean.repeat_interleave(k, 1),
+                                     rstd.repeat_interleave(k, 1), weight, has_bias, gx)
+
+
+_gn_op, _gn_backward_op, GroupNormCapture = capture_op(
+    "group_norm", _gn_forward, _gn_backward, _stats_setup, _stats_formula)
+
+
+@_gn_op.register_fake
+def _(x, num_groups, weight, bias, eps, key, site):  # type: ignore[no-untyped-def]
+    return torch.empty_like(x), x.new_empty(x.shape[0], num_groups), x.new_empty(x.shape[0], num_groups)
 
 
 @_gn_backward_op.register_fake
@@ -298,21 +299,19 @@ def _(grad, x, num_groups, mean, rstd, weight, has_bias, need_input, key, site):
     return _fake_grads(grad, x, weight, has_bias, need_input)
 
 
-_gn_op.register_autograd(_stats_grad(torch.ops.tengrad_fx.group_norm_backward), setup_context=_stats_setup)
-
-
 def group_norm(x: Tensor, num_groups: int, weight: Tensor, bias: Optional[Tensor], eps: float,
                key: int, site: int) -> Tensor:
     """``F.group_norm`` with affine, recording (``x [m, C, *spatial]``). Autocast: as
     ``aten::group_norm``."""
     x, weight, bias = cast_like_aten("aten::group_norm", x, weight, bias)  # type: ignore[assignment]
-    return torch.ops.tengrad_fx.group_norm(x, num_groups, weight, bias, eps, key, site)[0]
+    run = torch.ops.tengrad_fx.group_norm if use_custom_ops() else GroupNormCapture.apply
+    return run(x, num_groups, weight, bias, eps, key, site)[0]
 
 
 # --------------------------------------------------------------------------- affine (composite norms)
-@torch.library.custom_op("tengrad_fx::affine", mutates_args=())
-def _affine_op(xhat: Tensor, weight: Tensor, bias: Optional[Tensor], channel_first: bool,
-               key: int, site: int) -> Tensor:
+def _affine_forward(xhat: Tensor, weight: Tensor, bias: Optional[Tensor], channel_first: bool,
+                    key: int, site: int) -> Tensor:
+    """``γ ⊙ x̂ + β``, shaped as ``x̂``."""
     lookup(key).begin()
     w = bcast(weight, xhat.dim(), channel_first)
     if bias is None:
@@ -320,22 +319,12 @@ def _affine_op(xhat: Tensor, weight: Tensor, bias: Optional[Tensor], channel_fir
     return torch.addcmul(bcast(bias, xhat.dim(), channel_first), xhat, w)
 
 
-@_affine_op.register_fake
-def _(xhat, weight, bias, channel_first, key, site):  # type: ignore[no-untyped-def]
-    return torch.empty_like(xhat)
-
-
-@torch.library.custom_op("tengrad_fx::affine_backward", mutates_args=())
-def _affine_backward_op(grad: Tensor, xhat: Tensor, weight: Tensor, has_bias: bool, need_input: bool,
-                        channel_first: bool, key: int, site: int) -> tuple[Tensor, Tensor, Tensor]:
+def _affine_backward(grad: Tensor, xhat: Tensor, weight: Tensor, has_bias: bool, need_input: bool,
+                     channel_first: bool, key: int, site: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(∂L/∂x̂ or [0], ∂L/∂γ, ∂L/∂β or [0])``; records (module docstring)."""
     with autocast_off(grad):
         gx = (grad * bcast(weight, xhat.dim(), channel_first)).to(xhat.dtype) if need_input else grad.new_empty(0)
         return _finish(lookup(key), site, grad, xhat, weight, has_bias, channel_first, gx)
-
-
-@_affine_backward_op.register_fake
-def _(grad, xhat, weight, has_bias, need_input, channel_first, key, site):  # type: ignore[no-untyped-def]
-    return _fake_grads(grad, xhat, weight, has_bias, need_input)
 
 
 def _affine_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
@@ -344,18 +333,30 @@ def _affine_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     ctx.conf = (channel_first, bias is not None, key, site)
 
 
-def _affine_grad(ctx, grad):  # type: ignore[no-untyped-def]
+def _affine_formula(backward, ctx, grad):  # type: ignore[no-untyped-def]
     xhat, weight = ctx.saved_tensors
     channel_first, has_bias, key, site = ctx.conf
-    gx, gw, gb = torch.ops.tengrad_fx.affine_backward(
-        grad, xhat, weight, has_bias, ctx.needs_input_grad[0], channel_first, key, site)
-    return (gx if ctx.needs_input_grad[0] else None), gw, (gb if has_bias else None), None, None, None
+    need_input = ctx.needs_input_grad[0]
+    gx, gw, gb = backward(grad, xhat, weight, has_bias, need_input, channel_first, key, site)
+    return (gx if need_input else None), gw, (gb if has_bias else None), None, None, None
 
 
-_affine_op.register_autograd(_affine_grad, setup_context=_affine_setup)
+_affine_op, _affine_backward_op, AffineCapture = capture_op(
+    "affine", _affine_forward, _affine_backward, _affine_setup, _affine_formula)
+
+
+@_affine_op.register_fake
+def _(xhat, weight, bias, channel_first, key, site):  # type: ignore[no-untyped-def]
+    return torch.empty_like(xhat)
+
+
+@_affine_backward_op.register_fake
+def _(grad, xhat, weight, has_bias, need_input, channel_first, key, site):  # type: ignore[no-untyped-def]
+    return _fake_grads(grad, xhat, weight, has_bias, need_input)
 
 
 def affine(xhat: Tensor, weight: Tensor, bias: Optional[Tensor], channel_first: bool,
            key: int, site: int) -> Tensor:
     """``γ ⊙ x̂ + β`` (γ over dim 1 if ``channel_first``, else over the trailing dims), recording."""
-    return torch.ops.tengrad_fx.affine(xhat, weight, bias, channel_first, key, site)
+    run = torch.ops.tengrad_fx.affine if use_custom_ops() else AffineCapture.apply
+    return run(xhat, weight, bias, channel_first, key, site)

@@ -11,7 +11,9 @@ Two ops per layer kind, no hooks:
 
 Both ops are opaque to ``torch.compile`` (they carry fake implementations for
 shape propagation), so a compiled model still records; the backward op's outputs
-are the parameter gradients, so it is never dead-code eliminated.
+are the parameter gradients, so it is never dead-code eliminated. Outside compilation
+the same bodies run in a plain ``autograd.Function`` (:mod:`.eager`: no custom-op
+dispatch, a fraction of its per-call cost).
 
 The Python functions :func:`linear` and :func:`conv` are what the rewritten FX graph
 calls. They dispatch to the plain aten op when capture is off, when grad is disabled,
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .amp import acc, autocast_off, cast_lower
+from .eager import capture_op, use_custom_ops
 from .rows import FOLDS, fold_rows, unfold_rows
 from .store import Record, lookup
 
@@ -85,53 +88,36 @@ def _not_a_view(out: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------- linear
-@torch.library.custom_op("tengrad_fx::linear", mutates_args=())
-def _linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor], key: int, site: int) -> Tensor:
+def _linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], key: int, site: int) -> Tensor:
+    """``F.linear``, ``[m, *, d_out]``; starts a new capture."""
     lookup(key).begin()
     return _not_a_view(F.linear(x, weight, bias))
 
 
-@_linear_op.register_fake
-def _(x: Tensor, weight: Tensor, bias: Optional[Tensor], key: int, site: int) -> Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-@torch.library.custom_op("tengrad_fx::linear_backward", mutates_args=())
-def _linear_backward_op(
-    grad: Tensor, x: Tensor, weight: Tensor, has_bias: bool, need_input: bool, key: int, site: int
-) -> tuple[Tensor, Tensor, Tensor]:
-    with autocast_off(grad):
-        return _linear_backward(grad, x, weight, has_bias, need_input, key, site)
-
-
 def _linear_backward(grad: Tensor, x: Tensor, weight: Tensor, has_bias: bool, need_input: bool,
                      key: int, site: int) -> tuple[Tensor, Tensor, Tensor]:
-    store = lookup(key)
-    gx = grad.matmul(weight) if need_input else grad.new_empty(0)
-    if store.wants_jacobian(site):  # per-sample gradients, accumulated and kept in fp32
-        m, o = x.shape[0], weight.shape[0]
-        gs = acc(grad).reshape(m, -1, o)
-        P = torch.bmm(gs.transpose(1, 2), acc(x).reshape(m, -1, x.shape[-1])).reshape(m, -1)
-        gsum = gs.sum(1)
-        store.record(site, Record(None, None, P, gsum, tuple(x.shape)))
-        if store.grad_only:
-            return gx, grad.new_zeros(weight.shape), grad.new_zeros(o if has_bias else 0)
-        gb = gsum.sum(0).to(grad.dtype) if has_bias else grad.new_empty(0)
-        return gx, P.sum(0).view(weight.shape).to(weight.dtype), gb
-    store.record(site, Record(x, grad))
-    if store.grad_only:  # MC-Fisher pass: G only, no parameter gradients
-        return gx, grad.new_zeros(weight.shape), grad.new_zeros(weight.shape[0] if has_bias else 0)
-    g2 = grad.reshape(-1, grad.shape[-1])
-    gw = g2.t().mm(x.reshape(-1, x.shape[-1]))
-    gb = g2.sum(0) if has_bias else grad.new_empty(0)
-    return gx, gw, gb
-
-
-@_linear_backward_op.register_fake
-def _(grad, x, weight, has_bias, need_input, key, site):  # type: ignore[no-untyped-def]
-    gx = grad.new_empty(x.shape) if need_input else grad.new_empty(0)
-    gb = grad.new_empty(weight.shape[0]) if has_bias else grad.new_empty(0)
-    return gx, grad.new_empty(weight.shape), gb
+    """``(∂L/∂x or [0], ∂L/∂W, ∂L/∂b or [0])`` from ``grad [m, *, d_out]``; records
+    ``(x, grad)`` or, at a materialized site, ``P [m, d_out·d_in]`` and ``Gsum [m, d_out]``."""
+    with autocast_off(grad):
+        store = lookup(key)
+        gx = grad.matmul(weight) if need_input else grad.new_empty(0)
+        if store.wants_jacobian(site):  # per-sample gradients, accumulated and kept in fp32
+            m, o = x.shape[0], weight.shape[0]
+            gs = acc(grad).reshape(m, -1, o)
+            P = torch.bmm(gs.transpose(1, 2), acc(x).reshape(m, -1, x.shape[-1])).reshape(m, -1)
+            gsum = gs.sum(1)
+            store.record(site, Record(None, None, P, gsum, tuple(x.shape)))
+            if store.grad_only:
+                return gx, grad.new_zeros(weight.shape), grad.new_zeros(o if has_bias else 0)
+            gb = gsum.sum(0).to(grad.dtype) if has_bias else grad.new_empty(0)
+            return gx, P.sum(0).view(weight.shape).to(weight.dtype), gb
+        store.record(site, Record(x, grad))
+        if store.grad_only:  # MC-Fisher pass: G only, no parameter gradients
+            return gx, grad.new_zeros(weight.shape), grad.new_zeros(weight.shape[0] if has_bias else 0)
+        g2 = grad.reshape(-1, grad.shape[-1])
+        gw = g2.t().mm(x.reshape(-1, x.shape[-1]))
+        gb = g2.sum(0) if has_bias else grad.new_empty(0)
+        return gx, gw, gb
 
 
 def _linear_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
@@ -141,15 +127,27 @@ def _linear_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     ctx.key, ctx.site = key, site
 
 
-def _linear_grad(ctx, grad):  # type: ignore[no-untyped-def]
+def _linear_formula(backward, ctx, grad):  # type: ignore[no-untyped-def]
     x, weight = ctx.saved_tensors
-    gx, gw, gb = torch.ops.tengrad_fx.linear_backward(
-        grad, x, weight, ctx.has_bias, ctx.needs_input_grad[0], ctx.key, ctx.site
-    )
-    return (gx if ctx.needs_input_grad[0] else None), gw, (gb if ctx.has_bias else None), None, None
+    need_input = ctx.needs_input_grad[0]
+    gx, gw, gb = backward(grad, x, weight, ctx.has_bias, need_input, ctx.key, ctx.site)
+    return (gx if need_input else None), gw, (gb if ctx.has_bias else None), None, None
 
 
-_linear_op.register_autograd(_linear_grad, setup_context=_linear_setup)
+_linear_op, _linear_backward_op, LinearCapture = capture_op(
+    "linear", _linear_forward, _linear_backward, _linear_setup, _linear_formula)
+
+
+@_linear_op.register_fake
+def _(x: Tensor, weight: Tensor, bias: Optional[Tensor], key: int, site: int) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@_linear_backward_op.register_fake
+def _(grad, x, weight, has_bias, need_input, key, site):  # type: ignore[no-untyped-def]
+    gx = grad.new_empty(x.shape) if need_input else grad.new_empty(0)
+    gb = grad.new_empty(weight.shape[0]) if has_bias else grad.new_empty(0)
+    return gx, grad.new_empty(weight.shape), gb
 
 
 def linear(
@@ -166,38 +164,34 @@ def linear(
     if not _active(key, x, weight, bias):
         return F.linear(x, weight, bias)
     fold = FOLDS.get((key, site))
+    run = torch.ops.tengrad_fx.linear if use_custom_ops() else LinearCapture.apply
     if fold is not None:  # a folded batch: run on the rows regrouped per sample
-        y = torch.ops.tengrad_fx.linear(fold_rows(x, fold, 1, name), weight, bias, key, site)
+        y = run(fold_rows(x, fold, 1, name), weight, bias, key, site)
         return unfold_rows(y, fold, x.shape[:-1])
     _check_batch(x, batch, name)
-    return torch.ops.tengrad_fx.linear(x, weight, bias, key, site)
+    return run(x, weight, bias, key, site)
 
 
 # --------------------------------------------------------------------------- conv
 # ``transposed``/``output_padding`` as in ``aten.convolution``: ConvTransposeNd, weight
 # ``[c_in, c_out/g, *k]``; its weight gradient is a convolution with the roles of the input
 # and the output gradient swapped, which ``aten.convolution_backward`` computes.
-@torch.library.custom_op("tengrad_fx::conv", mutates_args=())
-def _conv_op(
+def _conv_forward(
     x: Tensor, weight: Tensor, bias: Optional[Tensor], stride: Sequence[int],
     padding: Sequence[int], dilation: Sequence[int], transposed: bool, output_padding: Sequence[int],
     groups: int, key: int, site: int,
 ) -> Tensor:
+    """``aten.convolution``, ``[m, c_out, *spatial_out]``; starts a new capture."""
     lookup(key).begin()
     return _not_a_view(torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups))
 
 
-@_conv_op.register_fake
-def _(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, key, site):  # type: ignore[no-untyped-def]
-    return torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
-
-
-@torch.library.custom_op("tengrad_fx::conv_backward", mutates_args=())
-def _conv_backward_op(
+def _conv_backward_amp(
     grad: Tensor, x: Tensor, weight: Tensor, stride: Sequence[int], padding: Sequence[int],
     dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int,
     has_bias: bool, need_input: bool, key: int, site: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward op's body: :func:`_conv_backward` with autocast off."""
     with autocast_off(grad):
         return _conv_backward(grad, x, weight, (stride, padding, dilation, transposed, output_padding, groups),
                               has_bias, need_input, key, site)
@@ -275,13 +269,6 @@ def _per_sample_conv2d_unfold(grad: Tensor, x: Tensor, weight_shape: Sequence[in
     return torch.bmm(Gs, U.view(m * g, f, S).transpose(1, 2)).reshape(m, -1)
 
 
-@_conv_backward_op.register_fake
-def _(grad, x, weight, stride, padding, dilation, transposed, output_padding, groups, has_bias, need_input, key, site):  # type: ignore[no-untyped-def]
-    gx = grad.new_empty(x.shape) if need_input else grad.new_empty(0)
-    gb = grad.new_empty(grad.shape[1]) if has_bias else grad.new_empty(0)
-    return gx, grad.new_empty(weight.shape), gb
-
-
 def _conv_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, key, site = inputs
     ctx.save_for_backward(x, weight)
@@ -290,16 +277,28 @@ def _conv_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     ctx.key, ctx.site = key, site
 
 
-def _conv_grad(ctx, grad):  # type: ignore[no-untyped-def]
+def _conv_formula(backward, ctx, grad):  # type: ignore[no-untyped-def]
     x, weight = ctx.saved_tensors
-    gx, gw, gb = torch.ops.tengrad_fx.conv_backward(
-        grad, x, weight, *ctx.conf, ctx.has_bias, ctx.needs_input_grad[0], ctx.key, ctx.site,
-    )
-    return ((gx if ctx.needs_input_grad[0] else None), gw, (gb if ctx.has_bias else None),
+    need_input = ctx.needs_input_grad[0]
+    gx, gw, gb = backward(grad, x, weight, *ctx.conf, ctx.has_bias, need_input, ctx.key, ctx.site)
+    return ((gx if need_input else None), gw, (gb if ctx.has_bias else None),
             None, None, None, None, None, None, None, None)
 
 
-_conv_op.register_autograd(_conv_grad, setup_context=_conv_setup)
+_conv_op, _conv_backward_op, ConvCapture = capture_op(
+    "conv", _conv_forward, _conv_backward_amp, _conv_setup, _conv_formula)
+
+
+@_conv_op.register_fake
+def _(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, key, site):  # type: ignore[no-untyped-def]
+    return torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+
+
+@_conv_backward_op.register_fake
+def _(grad, x, weight, stride, padding, dilation, transposed, output_padding, groups, has_bias, need_input, key, site):  # type: ignore[no-untyped-def]
+    gx = grad.new_empty(x.shape) if need_input else grad.new_empty(0)
+    gb = grad.new_empty(grad.shape[1]) if has_bias else grad.new_empty(0)
+    return gx, grad.new_empty(weight.shape), gb
 
 
 def conv(
@@ -327,6 +326,7 @@ def conv(
             x, weight, bias, list(stride), list(padding), list(dilation), transposed, op, groups
         )
     _check_batch(x, batch, name)
-    return torch.ops.tengrad_fx.conv(
+    run = torch.ops.tengrad_fx.conv if use_custom_ops() else ConvCapture.apply
+    return run(
         x, weight, bias, list(stride), list(padding), list(dilation), transposed, op, groups, key, site
     )

@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from . import ops
+from .eager import capture_op, use_custom_ops
 from .match import LayerSpec
 from .store import Record, lookup
 
@@ -55,20 +56,15 @@ def _padded(p_shape: Sequence[int], out_shape: Sequence[int]) -> list[int]:
     return [1] * (len(out_shape) - len(p_shape)) + list(p_shape)
 
 
-@torch.library.custom_op("tengrad_fx::param_batch", mutates_args=())
-def _param_batch_op(p: Tensor, out_shape: Sequence[int], key: int, site: int) -> Tensor:
+def _param_batch_forward(p: Tensor, out_shape: Sequence[int], key: int, site: int) -> Tensor:
+    """``p`` broadcast to ``out_shape = [m, ...]`` (a contiguous copy)."""
     lookup(key).begin()
     pad = _padded(p.shape, out_shape)
     return p.reshape(pad).expand(list(out_shape)).clone(memory_format=torch.contiguous_format)
 
 
-@_param_batch_op.register_fake
-def _(p, out_shape, key, site):  # type: ignore[no-untyped-def]
-    return p.new_empty(list(out_shape))
-
-
-@torch.library.custom_op("tengrad_fx::param_batch_backward", mutates_args=())
-def _param_batch_backward_op(grad: Tensor, p_shape: Sequence[int], key: int, site: int) -> Tensor:
+def _param_batch_backward(grad: Tensor, p_shape: Sequence[int], key: int, site: int) -> Tensor:
+    """``∂L/∂p`` (``p_shape``) from ``grad [m, ...]``; records ``P [m, p.numel()]``."""
     store = lookup(key)
     m = grad.shape[0]
     pad = _padded(p_shape, grad.shape)
@@ -79,22 +75,28 @@ def _param_batch_backward_op(grad: Tensor, p_shape: Sequence[int], key: int, sit
     return P.sum(0).view(list(p_shape))
 
 
-@_param_batch_backward_op.register_fake
-def _(grad, p_shape, key, site):  # type: ignore[no-untyped-def]
-    return grad.new_empty(list(p_shape))
-
-
 def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     p, out_shape, key, site = inputs
     ctx.conf = (list(p.shape), key, site)
 
 
-def _grad(ctx, grad):  # type: ignore[no-untyped-def]
+def _formula(backward, ctx, grad):  # type: ignore[no-untyped-def]
     p_shape, key, site = ctx.conf
-    return torch.ops.tengrad_fx.param_batch_backward(grad, p_shape, key, site), None, None, None
+    return backward(grad, p_shape, key, site), None, None, None
 
 
-_param_batch_op.register_autograd(_grad, setup_context=_setup)
+_param_batch_op, _param_batch_backward_op, ParamBatchCapture = capture_op(
+    "param_batch", _param_batch_forward, _param_batch_backward, _setup, _formula)
+
+
+@_param_batch_op.register_fake
+def _(p, out_shape, key, site):  # type: ignore[no-untyped-def]
+    return p.new_empty(list(out_shape))
+
+
+@_param_batch_backward_op.register_fake
+def _(grad, p_shape, key, site):  # type: ignore[no-untyped-def]
+    return grad.new_empty(list(p_shape))
 
 
 def _run(p: Tensor, out_shape: list[int], x: Optional[Tensor], key: int, site: int,
@@ -106,7 +108,8 @@ def _run(p: Tensor, out_shape: list[int], x: Optional[Tensor], key: int, site: i
         return None
     if batch is not None and out_shape[0] != batch:
         ops._check_batch(p.new_empty(out_shape[0], 0), batch, name)
-    return torch.ops.tengrad_fx.param_batch(p, out_shape, key, site)
+    run = torch.ops.tengrad_fx.param_batch if use_custom_ops() else ParamBatchCapture.apply
+    return run(p, out_shape, key, site)
 
 
 def batched(p: Tensor, x: Any, key: int, site: int, batch: Optional[int] = None, name: str = "") -> Tensor:

@@ -13,7 +13,7 @@ import torch.nn as nn
 import tengrad_fx
 from tengrad_fx import get_info
 
-from ._models import AllKinds, inputs
+from testing.all_kinds import AllKinds, inputs
 
 
 class _Tok(nn.Module):

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import tengrad_fx
 
-from ._models import AllKinds
+from testing.all_kinds import AllKinds
 
 SCALE = 2.0 ** 10
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 import tengrad_fx
 from tengrad_fx import covered_layers, get_info
 
-from ._models import AllKinds, inputs
+from testing.all_kinds import AllKinds, inputs
 
 DAMPING = 0.1
 

@@ -1,4 +1,4 @@
-"""Small models with one of every capture kind, for the mixed-precision tests."""
+"""Small models with one of every capture kind (mixed-precision and eager-path tests)."""
 from __future__ import annotations
 
 import timm.layers as tl
