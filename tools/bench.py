@@ -27,7 +27,10 @@ launch-bound GPU regime: 3C1F with 8 channels, ``m = 32``, 1 thread (unless ``--
 ``--threads`` are given). ``--ops`` prints per method and step kind the aten ops one
 warmed-up ``opt.step()`` dispatches (all / kernel-launching) and its host syncs;
 ``--profile DIR`` writes a ``torch.profiler`` trace per method and prints the top kernels
-and the syncs per step (``tools.step_facts``).
+and the syncs per step (``tools.step_facts``). ``tengrad-grouped`` / ``tengrad-mc-grouped`` /
+``tengrad-unfold``: T=1 rows whose per-sample conv gradients all use one method (the
+grouped convolution, the only one before the per-layer rule; or unfold + bmm) instead of
+the default rule (``tengrad_fx.capture.per_sample_conv``), in the same process.
 """
 from __future__ import annotations
 
@@ -46,6 +49,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tengrad_fx
+from tengrad_fx.capture.per_sample_conv import per_sample_conv_method
 from tengrad_fx.optim.registry import make_optimizer
 from tools import step_facts
 
@@ -79,6 +83,11 @@ METHODS: dict[str, tuple[Callable[[nn.Module], torch.optim.Optimizer], bool | di
     # every layer's J kept (4 GiB budget): reuse steps by GEMVs on P only, no factored convs
     "tengrad-mc-T100-budget4g": (lambda mdl: make_optimizer("tengrad", mdl, _FM, fisher="mc", curvature_every=100,
                                                            kl_clip=0.01, jacobian_budget_mb=4096), True),
+    # per-sample conv gradients all by one grouped weight-gradient convolution (the method
+    # before the per-layer rule of tengrad_fx.capture.per_sample_conv; CONV_METHOD below)
+    "tengrad-grouped": (lambda mdl: make_optimizer("tengrad", mdl, _FM, curvature_every=1, **_EMP), True),
+    "tengrad-mc-grouped": (lambda mdl: make_optimizer("tengrad", mdl, _FM, curvature_every=1, fisher="mc"), True),
+    "tengrad-unfold": (lambda mdl: make_optimizer("tengrad", mdl, _FM, curvature_every=1, **_EMP), True),
     # baselines at T = 1 (statistics and inverses every step) and at their paper intervals
     "kfac-T1": (lambda mdl: make_optimizer("kfac", mdl, _FM, TCov=1, TInv=1, **_EMP), True),
     "kfac": (lambda mdl: make_optimizer("kfac", mdl, _FM, **_EMP), True),
@@ -87,6 +96,8 @@ METHODS: dict[str, tuple[Callable[[nn.Module], torch.optim.Optimizer], bool | di
     "kbfgs-T1": (lambda mdl: make_optimizer("kbfgs", mdl, _FM, TCov=1, TInv=1), True),
     "kbfgs": (lambda mdl: make_optimizer("kbfgs", mdl, _FM), True),
 }
+CONV_METHOD = {"tengrad-grouped": "grouped", "tengrad-mc-grouped": "grouped", "tengrad-unfold": "unfold"}
+"""Rows whose steps run under ``per_sample_conv_method(...)`` (the rest use the default)."""
 BASELINES = "kfac-T1,kfac,ekfac-T1,ekfac,kbfgs-T1,kbfgs"
 
 
@@ -151,13 +162,21 @@ class Runner:
         self.model = tengrad_fx.prepare(model, example_inputs=(example[:2],), **kw) if prep else model
         self.opt = make(self.model)
         self.times: list[dict[str, float]] = []
+        self.conv_method = CONV_METHOD.get(method)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, sync: Callable[[], None],
+             wrap_step: Callable[[Callable[[], Any]], Any] | None = None) -> None:
+        if self.conv_method is None:
+            return self._step(x, y, sync, wrap_step)
+        with per_sample_conv_method(self.conv_method):
+            return self._step(x, y, sync, wrap_step)
 
     def is_curvature_step(self) -> bool:
         check = getattr(self.opt, "_is_curvature_step", None)
         return bool(check()) if check is not None else True
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, sync: Callable[[], None],
-             wrap_step: Callable[[Callable[[], Any]], Any] | None = None) -> None:
+    def _step(self, x: torch.Tensor, y: torch.Tensor, sync: Callable[[], None],
+              wrap_step: Callable[[Callable[[], Any]], Any] | None) -> None:
         curvature = self.is_curvature_step()
         sync()
         t0 = time.perf_counter()

@@ -32,9 +32,10 @@ step "bench 3c1f-bn: norm layers preconditioned vs Linear/Conv only"
 timeout 60 $PY -m tools.bench --device cuda --model 3c1f-bn --m 128 --steps 15 --warmup 5 \
   --methods sgd,tengrad,tengrad-linconv,tengrad-mc,tengrad-mc-T100,tengrad-mc-T100-linconv 2>&1 | grep -v Warn | tee -a "$L"
 for model in wrn-28-4 mobilenetv2; do
-  step "bench $model, per-sample conv grads by unfold + bmm (TENGRAD_FX_PER_SAMPLE_CONV=unfold)"
-  TENGRAD_FX_PER_SAMPLE_CONV=unfold timeout 60 $PY -m tools.bench --device cuda --model "$model" --m 128 \
-    --methods sgd,tengrad,tengrad-mc --steps 10 --warmup 3 2>&1 | grep -v Warn | tee -a "$L"
+  step "bench $model, per-sample conv grads: default rule vs all grouped conv (the old default) vs all unfold + bmm, one process"
+  timeout 75 $PY -m tools.bench --device cuda --model "$model" --m 128 \
+    --methods sgd,tengrad,tengrad-grouped,tengrad-unfold,tengrad-mc,tengrad-mc-grouped --steps 10 --warmup 3 \
+    2>&1 | grep -v Warn | tee -a "$L"
 done
 step "reproduce fmnist sgd,tengrad, 2 seeds (paper protocol, 10 epochs)"
 timeout 170 $PY -m tools.reproduce fmnist --methods sgd,tengrad --seeds 2 --device cuda \

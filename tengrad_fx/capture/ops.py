@@ -21,7 +21,6 @@ or when nothing requires grad — then capture costs nothing.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Sequence
 
 import torch
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .amp import acc, autocast_off, cast_lower
+from .per_sample_conv import per_sample_conv_weight_grads
 from .eager import capture_op, use_custom_ops
 from .rows import FOLDS, fold_rows, unfold_rows
 from .store import Record, lookup
@@ -37,12 +37,6 @@ __all__ = ["linear", "conv", "PROBE"]
 
 # When not None, prepare() is probing shapes: wrappers record (key, site) -> input shape.
 PROBE: Optional[dict[tuple[int, int], tuple[int, ...]]] = None
-# Per-sample ConvNd weight gradients (materialized layers): "grouped" = one grouped
-# weight-gradient convolution (aten/cuDNN, no unfolded input in memory); "unfold" = unfold +
-# one bmm (Conv2d only; more memory, plain GEMMs). Environment: TENGRAD_FX_PER_SAMPLE_CONV.
-PER_SAMPLE_CONV: str = os.environ.get("TENGRAD_FX_PER_SAMPLE_CONV", "grouped")
-if PER_SAMPLE_CONV not in ("grouped", "unfold"):
-    raise ValueError(f"TENGRAD_FX_PER_SAMPLE_CONV={PER_SAMPLE_CONV!r}: use 'grouped' or 'unfold'")
 # When not None, prepare()'s fold probe also keeps (key, site) -> the input itself.
 PROBE_INPUTS: Optional[dict[tuple[int, int], Tensor]] = None
 
@@ -227,46 +221,6 @@ def _conv_backward(grad: Tensor, x: Tensor, weight: Tensor, conf: tuple, has_bia
 
 def _conv_input_grad(grad: Tensor, x: Tensor, weight: Tensor, conf: tuple) -> Tensor:  # type: ignore[type-arg]
     return torch.ops.aten.convolution_backward(grad, x, weight, None, *conf, [True, False, False])[0]
-
-
-def per_sample_conv_weight_grads(
-    grad: Tensor, x: Tensor, weight_shape: Sequence[int], stride: Sequence[int],
-    padding: Sequence[int], dilation: Sequence[int], groups: int, *,
-    transposed: bool = False, output_padding: Optional[Sequence[int]] = None,
-) -> Tensor:
-    """Per-sample weight gradients of a ConvNd or ConvTransposeNd, ``[m, weight.numel()]``.
-
-    One grouped weight-gradient convolution over the batch folded into channels
-    (``groups = m·groups``): aten's own kernel, no unfolded input in memory.
-    x: ``[m, c_in, *spatial]``; grad: ``[m, c_out, *spatial_out]``; the weight is
-    ``[c_out, c_in/g, *k]``, or ``[c_in, c_out/g, *k]`` when ``transposed``.
-    """
-    m = x.shape[0]
-    nd = len(weight_shape) - 2
-    if PER_SAMPLE_CONV == "unfold" and nd == 2 and not transposed:
-        return _per_sample_conv2d_unfold(grad, x, weight_shape, stride, padding, dilation, groups)
-    xs = x.reshape(1, -1, *x.shape[2:])
-    gs = grad.reshape(1, -1, *grad.shape[2:])
-    w = x.new_empty((m * weight_shape[0], *weight_shape[1:]))
-    op = list(output_padding) if output_padding is not None else [0] * nd
-    gw = torch.ops.aten.convolution_backward(
-        gs, xs, w, None, stride, padding, dilation, transposed, op, m * groups,
-        [False, True, False])[1]
-    return gw.reshape(m, -1)
-
-
-def _per_sample_conv2d_unfold(grad: Tensor, x: Tensor, weight_shape: Sequence[int], stride: Sequence[int],
-                              padding: Sequence[int], dilation: Sequence[int], groups: int) -> Tensor:
-    """Per-sample Conv2d weight gradients by one ``bmm`` over ``m·groups``: with the
-    unfolded input ``U [m, c_in·kh·kw, S]`` and ``G [m, c_out, S]``, group ``j`` of sample
-    ``i`` is ``G_ij U_ijᵀ`` (``[c_out/g, S] @ [S, c_in/g·kh·kw]``). ``[m, weight.numel()]``;
-    memory ``m·c_in·kh·kw·S`` for ``U``."""
-    m, g = x.shape[0], groups
-    o, f = weight_shape[0] // g, weight_shape[1] * weight_shape[2] * weight_shape[3]
-    U = F.unfold(x, tuple(weight_shape[2:]), dilation=tuple(dilation), padding=tuple(padding), stride=tuple(stride))
-    S = U.shape[2]
-    Gs = grad.reshape(m * g, o, S)
-    return torch.bmm(Gs, U.view(m * g, f, S).transpose(1, 2)).reshape(m, -1)
 
 
 def _conv_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]

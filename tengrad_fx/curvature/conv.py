@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..capture.match import LayerSpec
-from ..capture.ops import per_sample_conv_weight_grads
+from ..capture.per_sample_conv import per_sample_conv_weight_grads
 
 __all__ = ["unfold", "layout", "dims", "jvp", "vjp", "per_sample_grads", "bias_grads"]
 
@@ -118,8 +118,8 @@ def vjp(spec: LayerSpec, I: Tensor, G: Tensor, c: Tensor) -> tuple[Tensor, Tenso
 
 
 def per_sample_grads(spec: LayerSpec, I: Tensor, G: Tensor) -> tuple[Tensor, Tensor]:
-    """``(dW [m, weight.numel()], db [m, c_out])`` by one grouped weight-gradient
-    convolution over the batch (aten's kernel; no unfolded input in memory)."""
+    """``(dW [m, weight.numel()], db [m, c_out])``, the weight part by the layer's method
+    (:mod:`tengrad_fx.capture.per_sample_conv`: grouped convolution, unfold + bmm, depthwise)."""
     stride, padding, dilation, transposed, op, groups = _geometry(spec, I, G)
     P = per_sample_conv_weight_grads(G, I, spec.weight.shape, stride, padding, dilation, groups,
                                      transposed=transposed, output_padding=op)

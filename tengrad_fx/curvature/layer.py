@@ -13,9 +13,10 @@ and ``o`` outputs per group, several calls of one module add their positions):
 * ``"factor"`` (covariance factorization, the paper's): ``2·m²·S²·(f+o)·g`` flops,
   working memory bounded by ``tensors.DEFAULT_BLOCK_BYTES``.
 * ``"materialize"`` (explicit per-sample gradients ``P``, then ``P Pᵀ``):
-  ``2·m·S·f·o·g + 2·m²·f·o·g`` flops; for convolutions ``P`` comes from one grouped
-  weight-gradient convolution over the batch (memory ``m·n``, no unfolded input), for
-  Linear from a batched matmul in output-channel chunks.
+  ``2·m·S·f·o·g + 2·m²·f·o·g`` flops; for convolutions ``P`` comes from
+  :mod:`tengrad_fx.capture.per_sample_conv` (a grouped weight-gradient convolution over the
+  batch, or unfold + one ``bmm``, per layer and device), for Linear from a batched matmul
+  in output-channel chunks.
 * ``"auto"`` picks the one with fewer flops.
 """
 from __future__ import annotations

@@ -198,24 +198,27 @@ def test_per_sample_grads_float64(name: str, in_backward: bool) -> None:
                  in_backward=in_backward)
 
 
+@pytest.mark.parametrize("mode", ["unfold", "grouped"])
 @pytest.mark.parametrize("name", ["3c1f_small", "grouped", "depthwise", "strided_dilated", "padding_modes",
-                                  "conv1d", "called_twice"])
-def test_per_sample_grads_unfold_path_float64(name: str, monkeypatch) -> None:
-    """``TENGRAD_FX_PER_SAMPLE_CONV=unfold`` (unfold + one bmm for Conv2d; other convs keep
-    the grouped convolution): the materialized P equals torch.func's per-sample grads."""
-    from tengrad_fx.capture import ops
-    monkeypatch.setattr(ops, "PER_SAMPLE_CONV", "unfold")
+                                  "conv1d", "conv3d", "called_twice"])
+def test_per_sample_grads_forced_method_float64(name: str, mode: str, monkeypatch) -> None:
+    """``TENGRAD_FX_PER_SAMPLE_CONV=unfold|grouped`` (every Conv1d/2d by unfold + one bmm,
+    or every conv by the grouped convolution; the default ``auto`` is the rule of
+    :mod:`tengrad_fx.capture.per_sample_conv`, covered by the tests above): the
+    materialized P equals torch.func's per-sample grads."""
+    from tengrad_fx.capture import per_sample_conv as psc
+    monkeypatch.setattr(psc, "PER_SAMPLE_CONV", mode)
     calls = [0]
-    real = ops._per_sample_conv2d_unfold
+    real = psc._unfold_bmm
 
     def spy(*a, **k):  # type: ignore[no-untyped-def]
         calls[0] += 1
         return real(*a, **k)
 
-    monkeypatch.setattr(ops, "_per_sample_conv2d_unfold", spy)
+    monkeypatch.setattr(psc, "_unfold_bmm", spy)
     model, x, y = build(name, torch.float64)
     check_layers(model, x, y, F.cross_entropy, tol=TOL[torch.float64], n_covered=N_COVERED[name], in_backward=True)
-    assert calls[0] > 0 or name == "conv1d"
+    assert (calls[0] > 0) == (mode == "unfold" and name != "conv3d")
 
 
 @pytest.mark.parametrize("name", ["3c1f_small", "grouped", "depthwise", "strided_dilated", "conv1d",

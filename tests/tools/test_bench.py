@@ -27,3 +27,30 @@ def test_bench_tiny_paper_rows_with_ops(tmp_path, capsys) -> None:  # type: igno
     assert kinds[("tengrad-mc-T100", "reuse")]["kernels"] < kinds[("tengrad-mc", "curvature")]["kernels"]
     printed = capsys.readouterr().out
     assert "x SGD" in printed and "host syncs" in printed
+
+
+def test_conv_method_rows_run_under_their_method(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``tengrad-grouped`` / ``tengrad-unfold`` compute the per-sample conv gradients of
+    their steps by that method; the default row by the rule (``auto``), in one process."""
+    from tengrad_fx.capture import per_sample_conv as psc
+    seen: dict[str, set[str]] = {}
+    real = psc.per_sample_conv_weight_grads
+
+    def spy(*a, **k):  # type: ignore[no-untyped-def]
+        seen.setdefault(current[0], set()).add(psc.PER_SAMPLE_CONV)
+        return real(*a, **k)
+
+    current = [""]
+    monkeypatch.setattr(psc, "per_sample_conv_weight_grads", spy)
+    from tengrad_fx.capture import ops
+    monkeypatch.setattr(ops, "per_sample_conv_weight_grads", spy)
+    import torch
+    model, shape = bench.build_model("tiny")
+    x, y = torch.randn(4, *shape), torch.randint(0, 10, (4,))
+    for meth in ("tengrad", "tengrad-grouped", "tengrad-unfold"):
+        current[0] = meth
+        r = bench.Runner(meth, model, x)
+        for _ in range(2):
+            r.step(x, y, lambda: None)
+    assert seen == {"tengrad": {"auto"}, "tengrad-grouped": {"grouped"}, "tengrad-unfold": {"unfold"}}
+    assert psc.PER_SAMPLE_CONV == "auto"
