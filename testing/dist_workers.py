@@ -4,7 +4,8 @@ and in one process on the concatenated batch (:func:`train_single`, the referenc
 
 A run is described by a ``cfg`` dict: ``model`` ("mlp", "mlp2" or "cnn"), ``m`` (local batch),
 ``steps``, ``T`` (curvature_every), ``fisher``, ``kl_clip``, ``placement`` (default
-``"owner"``), ``mode`` (default ``"gather"``), and optional
+``"owner"``), ``mode`` (default ``"gather"``), ``bandwidth``/``flop_rate`` (the cost
+model's, for ``"auto"``), and optional
 ``inside`` (``prepare(DDP(model))`` instead of ``DDP(prepare(model))``), and optional
 faults: ``short_rank`` (that rank's batch has one sample fewer; with ``expect_error`` the
 ``ValueError`` each rank raised is returned), ``nan_rank``/``nan_step`` (that rank's gradient gets a NaN after DDP's
@@ -74,7 +75,8 @@ def train_ranks(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[
             net = tengrad_fx.prepare(make_model(kind))
             ddp = DDP(net)
         opt = DistributedTENGraD(ddp, placement=cfg.get("placement", "owner"), mode=cfg.get("mode", "gather"),
-                                 seed=cfg.get("seed", 0), **_opt_kwargs(cfg))
+                                 seed=cfg.get("seed", 0), bandwidth=cfg.get("bandwidth", 50e9),
+                                 flop_rate=cfg.get("flop_rate", 50e12), **_opt_kwargs(cfg))
         if cfg.get("load"):
             ck = torch.load(cfg["load"], weights_only=False)
             net.load_state_dict(ck["model"])
@@ -104,7 +106,7 @@ def train_ranks(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[
             torch.distributed.barrier()  # written before any rank loads it
         bufs = [opt.state[p]["momentum_buffer"].clone() for p in net.parameters() if "momentum_buffer" in opt.state[p]]
         out.append({"traj": traj, "targets": targets, "bufs": bufs, "counters": opt.counters,
-                    "owner": dict(opt._owner)})
+                    "owner": dict(opt._owner), "plan": opt.layer_plan(), "bytes": dict(opt.comm_bytes)})
     return out
 
 

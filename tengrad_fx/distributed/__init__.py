@@ -1,12 +1,14 @@
 """Distributed TENGraD on ``torch.distributed``: the global batch's Fisher blocks, layers
-solved on different ranks (:mod:`.optimizer`), the owner assignment (:mod:`.plan`), the
-collectives (:mod:`.comm`) and the per-rank data shards (:mod:`.shard`).
+solved on different ranks (:mod:`.optimizer`; the records moved by :mod:`.records`, the
+per-step products of ``gram-blocks`` layers in :mod:`.gram_blocks`), the owner assignment
+and the cost models (:mod:`.plan`), the collectives (:mod:`.comm`) and the per-rank
+data shards (:mod:`.shard`).
 
 Sits above :mod:`tengrad_fx.optim` (imports run one way)."""
 from .comm import DistributedStepError
 from .optimizer import DistributedTENGraD, mc_seed
-from .plan import assign_owners, solve_cost
+from .plan import assign_owners, choose_mode, choose_placement, solve_cost
 from .shard import shard_indices
 
-__all__ = ["DistributedTENGraD", "DistributedStepError", "mc_seed", "assign_owners", "solve_cost",
-           "shard_indices"]
+__all__ = ["DistributedTENGraD", "DistributedStepError", "mc_seed", "assign_owners", "choose_mode",
+           "choose_placement", "solve_cost", "shard_indices"]

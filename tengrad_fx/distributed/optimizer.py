@@ -23,7 +23,7 @@ Per curvature step (``mode="gather"``):
 3. each owner receives the other ranks' records of its layers (``I`` and ``G``, or the
    per-sample gradients ``P`` that a kind always records), one bucketed ``gather`` per
    ``(owner, dtype)``, all in flight together; ``G``/``P`` are rescaled by ``m/M`` so
-   they are the global batch's (``loss_reduction="mean"``);
+   they are the global batch's (``loss_reduction="mean"``; :mod:`.records`);
 4. the owner builds the ``M × M`` Grams, factorizes and keeps the factors (TENGraD's own
    code, over its layers only), then computes its layers' ``u``;
 5. each owner broadcasts its layers' ``u`` (one bucketed ``broadcast`` per
@@ -32,11 +32,22 @@ Per curvature step (``mode="gather"``):
 A reuse step (``curvature_every = T > 1``) runs only 4's solve with the cached factors
 and 5: only preconditioned gradients move.
 
+``mode="gram-blocks"``: steps 1–3 as above and the owner forms the ``M × M`` Gram from
+the blocks ``K_ab = J_a J_bᵀ`` (for Linear ``(I_a I_bᵀ + 1) ⊙ (G_a G_bᵀ)``, convolutions
+with their positions; never from per-sample gradients) and keeps only the factor; every
+rank keeps its own records. Each step is then data-parallel (:mod:`.gram_blocks`): each
+rank computes ``J_a g`` on its rows, one ``all_gather`` of these ``m``-vectors, the owner
+solves ``c`` and broadcasts it (``M`` values), each rank computes ``J_aᵀ c_a``, one
+``all_reduce`` of these partial sums, and every rank forms ``u = (g − Jᵀc)/α``.
+``mode="auto"``: per layer, ``gather`` or ``gram-blocks`` by the cost model
+:func:`.plan.choose_mode` (per-step bytes at ``bandwidth`` vs flops at ``flop_rate``);
+``layer_plan()`` reports each layer's mode, placement and owner.
+
 Placement, per layer (``placement``): ``"owner"`` as above; ``"replicate"``: every rank
-all-gathers the layer's records and solves it, so its ``u`` is never sent (more compute,
-no broadcast per step); ``"auto"`` (default): replicate exactly the layers whose ``u``
-takes longer to receive than to compute on every rank, by the cost model
-:func:`.plan.choose_placement` at ``bandwidth`` bytes/s and ``flop_rate`` flop/s.
+all-gathers the layer's records and solves it, so its ``u`` (or, for ``gram-blocks``,
+its ``c``) is never sent (more compute, no broadcast per step); ``"auto"`` (default):
+replicate exactly the layers whose ``u`` (``c``) takes longer to receive than to compute
+on every rank, by the cost model :func:`.plan.choose_placement`.
 
 ``mode="local"`` (the per-rank local Fisher, for world sizes where the global ``M × M``
 Gram is too big, README "Distributed"): no records move; each rank preconditions the
@@ -68,20 +79,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..capture.info import get_info
 from ..capture.prepare import capturing
-from ..capture.store import Record
 from ..curvature.layer import CoveredLayer, covered_layers
 from ..optim.mc import mc_capture, sample_targets
 from ..optim.state_check import META
 from ..optim.tengrad import TENGraD
-from .comm import Bucket, all_gather_meta, all_ok, all_sum, broadcast_buckets, gather_buckets, pack, unpack
-from .plan import assign_owners, choose_placement, solve_cost
+from ..optim.tengrad_groups import build_groups, precondition_groups, reuse_cost, tf32_matmuls
+from .comm import Bucket, all_ok, all_sum, broadcast_buckets, pack, unpack
+from .gram_blocks import blocks_updates
+from .plan import assign_owners, choose_mode, choose_placement, solve_cost
+from .records import REPLICATED, check_records, gather_records
 
 __all__ = ["DistributedTENGraD", "mc_seed"]
-
-_FIELDS = ("I", "G", "P", "Gsum")
-REPLICATED = -1  # the "owner" of a layer every rank solves
-_SCALED = ("G", "P", "Gsum")  # linear in the loss gradient: rescaled by m/M
-
 
 def mc_seed(seed: int, rank: int) -> int:
     """The MC-sampling seed of ``rank`` derived from the global ``seed``."""
@@ -96,34 +104,18 @@ def _prepared(model: torch.nn.Module) -> bool:
     return True
 
 
-def _layer_meta(layer: CoveredLayer) -> Optional[list[list[dict[str, Any]]]]:
-    """Per call site, per record: ``{field: (shape, dtype)}`` and ``in_shape``; None when
-    the layer captured nothing."""
-    if not layer.captured:
-        return None
-    store = layer._info.store
-    out = []
-    for site in layer.spec.sites:
-        recs = []
-        for r in store.records.get(site, []):
-            d: dict[str, Any] = {f: (tuple(getattr(r, f).shape), str(getattr(r, f).dtype))
-                                 for f in _FIELDS if getattr(r, f) is not None}
-            d["in_shape"] = tuple(r.in_shape)
-            recs.append(d)
-        out.append(recs)
-    return out
-
-
 class DistributedTENGraD(TENGraD):
     """TENGraD on the global batch of a ``torch.distributed`` job (module docstring).
 
     Args:
         model: ``DDP(prepare(model))`` or ``prepare(DDP(model))`` (or the prepared model
             itself, when the gradients are averaged over the ranks some other way).
-        mode: ``"gather"`` (global-batch Fisher: records gathered where a layer is solved)
-            or ``"local"`` (per-rank Fisher blocks, updates averaged).
+        mode: global-batch Fisher with ``"gather"`` (records gathered where a layer is
+            solved, ``u`` broadcast), ``"gram-blocks"`` (Gram from the ranks' blocks, the
+            per-step products data-parallel) or ``"auto"`` (per layer by
+            :func:`.plan.choose_mode`); or ``"local"`` (per-rank Fisher blocks, updates averaged).
         placement: ``"auto"``, ``"owner"`` or ``"replicate"`` (module docstring).
-        bandwidth, flop_rate: the cost model's bytes/s and flop/s per rank (``"auto"``).
+        bandwidth, flop_rate: the cost models' bytes/s and flop/s per rank (``"auto"``).
         seed: global seed of the MC Fisher's label sampling (per-rank seeds :func:`mc_seed`).
         **kwargs: TENGraD's options (``compile`` and ``cuda_graph`` are off here: the
             step's collectives are not captured in CUDA graphs; ``fisher="gauss-newton"``
@@ -131,14 +123,14 @@ class DistributedTENGraD(TENGraD):
     """
 
     def __init__(self, model: torch.nn.Module, lr: float, damping: float, *,
-                 mode: Literal["gather", "local"] = "gather",
+                 mode: Literal["gather", "gram-blocks", "auto", "local"] = "gather",
                  placement: Literal["auto", "owner", "replicate"] = "auto", seed: int = 0,
                  bandwidth: float = 50e9, flop_rate: float = 50e12, **kwargs: Any):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DistributedTENGraD: call torch.distributed.init_process_group(...) first "
                                "(e.g. run under torchrun)")
-        if mode not in ("gather", "local"):
-            raise ValueError(f"DistributedTENGraD: mode must be 'gather' or 'local', got {mode!r}")
+        if mode not in ("gather", "gram-blocks", "auto", "local"):
+            raise ValueError(f"DistributedTENGraD: mode must be 'gather', 'gram-blocks', 'auto' or 'local', got {mode!r}")
         if placement not in ("auto", "owner", "replicate"):
             raise ValueError(f"DistributedTENGraD: placement must be 'auto', 'owner' or 'replicate', got {placement!r}")
         for opt in ("compile", "cuda_graph"):
@@ -163,6 +155,9 @@ class DistributedTENGraD(TENGraD):
         self._all_layers: list[CoveredLayer] = covered_layers(module)
         self._layers = []  # this rank's layers: set at each curvature step
         self._owner: dict[str, int] = {}  # layer name -> owning rank, REPLICATED (last curvature step)
+        self._mode: dict[str, str] = {}  # layer name -> "gather" / "gram-blocks" (last curvature step)
+        self._local: dict[int, list[Any]] = {}  # site -> this rank's own records of gram-blocks layers
+        self._n_gather = 0  # self._curv[:_n_gather]: groups of gather layers; the rest gram-blocks
         self._fresh = True  # no curvature yet (on any rank)
         self._generators: dict[str, torch.Generator] = {}
         self.last_mc_targets: Optional[Tensor] = None
@@ -183,15 +178,14 @@ class DistributedTENGraD(TENGraD):
     def _initial_jacobian_sites(self, m: int = 128) -> None:
         self._info.store.jacobian_sites = set()
 
-    def _refresh(self, damping: float) -> None:
-        super()._refresh(damping)
-        self._info.store.jacobian_sites = set()  # backward records stay I, G on every rank
-
     # ------------------------------------------------------------------ MC
-    def _generator(self, device: torch.device) -> torch.Generator:
-        key = str(device)
+    def _generator(self, device: torch.device, purpose: str = "mc") -> torch.Generator:
+        """This rank's MC-label generator, or (``purpose="probe"``) the push-through probe's
+        of the ``gram-blocks`` layers, seeded alike on every rank."""
+        key = f"{purpose}:{device}"
         if key not in self._generators:
-            self._generators[key] = torch.Generator(device=device).manual_seed(mc_seed(self.seed, self.rank))
+            seed = mc_seed(self.seed, self.rank) if purpose == "mc" else 0
+            self._generators[key] = torch.Generator(device=device).manual_seed(seed)
         return self._generators[key]
 
     def mc_capture(self, outputs: Tensor, targets: Optional[Tensor] = None) -> None:
@@ -223,7 +217,7 @@ class DistributedTENGraD(TENGraD):
         if isinstance(sd.get(META), dict) and sd[META].get("optimizer") == "TENGraD":
             sd[META] = {**sd[META], "optimizer": type(self).__name__}
         self._fresh = True
-        self._layers, self._owner = [], {}
+        self._layers, self._owner, self._mode, self._local = [], {}, {}, {}
         super().load_state_dict(sd)
         capturing(self.model, True)
 
@@ -248,87 +242,88 @@ class DistributedTENGraD(TENGraD):
         return updates
 
     def _exchange_records(self) -> None:
-        """Steps 1–3 of the module docstring: metadata, owners, gathered global records."""
+        """Steps 1–3 of the module docstring: metadata, owners, modes, gathered records."""
         layers = self._all_layers
-        meta = [_layer_meta(lay) for lay in layers]
-        metas = all_gather_meta(meta, "exchange of the record shapes")
-        for r, other in enumerate(metas):
-            for lay, a, b in zip(layers, metas[0], other):
-                if a != b:
-                    raise ValueError(f"DistributedTENGraD: layer '{lay.name}' captured {b} on rank {r} but {a} on "
-                                     "rank 0; every rank needs the same local batch size and the same layers called")
-        live = [i for i, mt in enumerate(meta) if mt is not None]
+        live = check_records(layers)
+        self._local = {}
+        self._owner, self._mode = {}, {}
         if not live:
-            self._layers, self._owner = [], {}
+            self._layers = []
             return
-        m = layers[live[0]].m
-        M = self.world * m
+        M = self.world * layers[live[0]].m
         owners = assign_owners([solve_cost(M, layers[i].dims()) for i in live], self.world)
-        for q, i in enumerate(live):
-            if self._placement(layers[i], M) == "replicate":
-                owners[q] = REPLICATED
-        self._owner = {layers[i].name: r for i, r in zip(live, owners)}
+        keep = set()
         store = self._info.store
-        buckets: dict[tuple[int, torch.dtype], Bucket] = {}
-        payload: dict[tuple[int, torch.dtype], list[Tensor]] = {}
-        for i, owner in zip(live, owners):
+        for q, i in enumerate(live):
             lay = layers[i]
-            for s, site in enumerate(lay.spec.sites):
-                for j, rec in enumerate(store.records.get(site, [])):
-                    for f in _FIELDS:
-                        t = getattr(rec, f)
-                        if t is None:
-                            continue
-                        key = (owner, t.dtype)
-                        if key not in buckets:
-                            buckets[key] = Bucket(owner, t.dtype, t.device)
-                            payload[key] = []
-                        buckets[key].add((i, s, j, f), t.shape)
-                        payload[key].append(t)
-        blist = list(buckets.values())
-        flats = {n: pack(payload[k], b) for n, (k, b) in enumerate(buckets.items())}
-        recv = gather_buckets(blist, flats)
-        for n, b in enumerate(blist):  # ring all-gather: (W−1) parts sent per rank; gather: one
-            sent = b.nbytes * (self.world - 1 if b.rank == REPLICATED else int(b.rank != self.rank))
-            for key, shape in zip(b.keys, b.shapes):
-                name = layers[key[0]].name
-                self.comm_bytes[name] = self.comm_bytes.get(name, 0) + sent * shape.numel() // max(b.numel, 1)
-        parts: dict[tuple[int, int, int, str], list[Tensor]] = {}
-        for n, b in enumerate(blist):
-            got = recv[n]
-            if got is None:
-                continue
-            per_rank = [unpack(flat, b) for flat in got]
-            for q, key in enumerate(b.keys):
-                parts[key] = [views[q] for views in per_rank]
-        mine = {i for i, r in zip(live, owners) if r in (REPLICATED, self.rank)}
-        scale = 1.0 / self.world
-        for i in live:
-            lay = layers[i]
-            for s, site in enumerate(lay.spec.sites):
-                if i not in mine:
-                    store.records.pop(site, None)
-                    continue
-                new = []
-                for j, rec in enumerate(store.records.get(site, [])):
-                    fields: dict[str, Optional[Tensor]] = {}
-                    for f in _FIELDS:
-                        if getattr(rec, f) is None:
-                            fields[f] = None
-                            continue
-                        t = torch.cat(parts[(i, s, j, f)], 0)
-                        fields[f] = t * scale if f in _SCALED else t
-                    new.append(Record(**fields, in_shape=(M, *rec.in_shape[1:])))
-                store.records[site] = new
-        self._layers = [layers[i] for i in sorted(mine)]
+            mode = self._mode[lay.name] = self._layer_mode(lay, M)
+            if self._placement(lay, M, mode) == "replicate":
+                owners[q] = REPLICATED
+            self._owner[lay.name] = owners[q]
+            if mode == "gram-blocks":
+                keep.add(i)
+                self._local.update({site: list(store.records.get(site, [])) for site in lay.spec.sites})
+        mine = gather_records(layers, live, owners, store, self.rank, self.world, keep, self._add_bytes)
+        self._layers = [layers[i] for i in mine]
+
+    def _refresh(self, damping: float) -> None:
+        """As TENGraD's, over the layers solved here, with the ``gram-blocks`` layers in
+        groups of their own (after the gather layers'); then every rank's store gets its
+        own rows of the ``gram-blocks`` layers back (the global records are not kept)."""
+        t_start = time.perf_counter()
+        mode = self._mode
+        gather, _ = build_groups([lay for lay in self._layers if mode.get(lay.name) != "gram-blocks"],
+                                 self.strategy, self.jacobian_budget)
+        blocks, _ = build_groups([lay for lay in self._layers if mode.get(lay.name) == "gram-blocks"],
+                                 self.strategy, self.jacobian_budget)
+        self._info.store.jacobian_sites = set()  # backward records stay I, G on every rank
+        with tf32_matmuls(self.gram_tf32):
+            self._K = [grp.gram() for grp in gather + blocks]
+        self._gram_seconds = time.perf_counter() - t_start
+        self._curv, self._n_gather = gather + blocks, len(gather)
+        self._factorize(damping)
+        for grp in blocks:  # only the factor stays
+            grp.A = grp.B = grp.Pw = grp.Pb = None
+        self._info.store.records.update({site: list(recs) for site, recs in self._local.items()})
+
+    def _precondition(self, push_through: bool, damping: float) -> dict[Tensor, Tensor]:
+        """``u`` of the gather layers solved here (TENGraD's) and of every ``gram-blocks``
+        layer (data-parallel: :func:`.gram_blocks.blocks_updates`)."""
+        use_pt = push_through and self.update_form == "auto"
+        gather = self._curv[:self._n_gather]
+        out: dict[Tensor, Tensor] = {}
+        if gather and self._chol is not None:
+            L = sum(len(grp.layers) for grp in gather)
+            out = precondition_groups(gather, self._chol[:L], use_pt, damping, self._info.loss_reduction)
+        chol = {lay.name: grp.chol[i] for grp in self._curv[self._n_gather:] if grp.chol is not None
+                for i, lay in enumerate(grp.layers)}
+        blocks = [lay for lay in self._all_layers if self._mode.get(lay.name) == "gram-blocks"]
+        if blocks:
+                out.update(blocks_updates(blocks, self._owner, chol, use_pt, damping,
+                                      self._generator(blocks[0].weight.device, "probe"), self._add_bytes))
+        return out
+
+    def reuse_cost(self) -> tuple[float, float]:
+        """TENGraD's, over the gather layers solved here."""
+        groups = self._curv[:self._n_gather]
+        return reuse_cost(groups) if groups else (0.0, 0.0)
+
+    def layer_plan(self) -> dict[str, dict[str, Any]]:
+        """Per covered layer (as of the last curvature step): ``mode`` (``"gather"`` or
+        ``"gram-blocks"``; ``"local"`` in local mode), ``placement`` (``"owner"`` or
+        ``"replicate"``) and ``owner`` (the solving rank, None when replicated)."""
+        if self.mode == "local":
+            return {lay.name: {"mode": "local", "placement": "replicate", "owner": None} for lay in self._all_layers}
+        return {name: {"mode": self._mode[name], "placement": "replicate" if r == REPLICATED else "owner",
+                       "owner": None if r == REPLICATED else r} for name, r in self._owner.items()}
 
     def _share_updates(self, local: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
         """Step 5: every rank gets every owned layer's ``u`` (in graph order on every rank)."""
         order = [lay for lay in self._all_layers if lay.name in self._owner]
         buckets: dict[tuple[int, torch.dtype], Bucket] = {}
         for lay in order:
-            if self._owner[lay.name] == REPLICATED:
-                continue
+            if self._owner[lay.name] == REPLICATED or self._mode.get(lay.name) == "gram-blocks":
+                continue  # every rank has its u
             for p in self._params(lay):
                 key = (self._owner[lay.name], p.dtype)
                 if key not in buckets:
@@ -370,14 +365,20 @@ class DistributedTENGraD(TENGraD):
     def _add_bytes(self, name: str, nbytes: int) -> None:
         self.comm_bytes[name] = self.comm_bytes.get(name, 0) + nbytes
 
-    def _placement(self, lay: CoveredLayer, M: int) -> str:
+    def _layer_mode(self, lay: CoveredLayer, M: int) -> str:
+        if self.mode != "auto":
+            return self.mode
+        n = sum(p.numel() for p in (lay.weight, lay.bias) if p is not None)
+        return choose_mode(M, n, lay.dims(), self.world, self.bandwidth, self.flop_rate)
+
+    def _placement(self, lay: CoveredLayer, M: int, mode: str) -> str:
         if self.placement != "auto":
             return self.placement
         recs = lay.records()
         rec_bytes = sum(t.numel() * t.element_size() for r in recs for t in (r.I, r.G, r.P, r.Gsum) if t is not None)
         n = sum(p.numel() for p in (lay.weight, lay.bias) if p is not None)
         return choose_placement(M, n, rec_bytes, lay.dims(), self.world, self.curvature_every,
-                                self.bandwidth, self.flop_rate)
+                                self.bandwidth, self.flop_rate, mode)
 
     @staticmethod
     def _params(lay: CoveredLayer) -> list[Tensor]:

@@ -17,7 +17,7 @@ from typing import Sequence
 
 from ..curvature.layer import gram_flops
 
-__all__ = ["solve_cost", "assign_owners"]
+__all__ = ["solve_cost", "assign_owners", "step_flops", "choose_mode", "choose_placement"]
 
 
 def solve_cost(M: int, dims: tuple[int, int, int, int]) -> float:
@@ -43,15 +43,45 @@ def step_flops(M: int, dims: tuple[int, int, int, int]) -> float:
     return 4.0 * M * S * f * o * g
 
 
+def choose_mode(M: int, n: int, dims: tuple[int, int, int, int], world: int, bandwidth: float,
+                flop_rate: float, nbytes: int = 4) -> str:
+    """``"gram-blocks"`` or ``"gather"`` for one layer: the mode whose per-step time
+    (``bytes/bandwidth + flops/flop_rate`` on the busiest rank) is smaller. A curvature
+    step costs the same in both (the records go where the Gram is formed, the same Gram
+    and Cholesky), so only the per-step work enters (``m = M/W``, ``n`` parameters)::
+
+        gather:      n·b / bandwidth                          + 4·M·S·f·o·g / flop_rate
+                     (the owner's u, sent once; J g and Jᵀc on all M rows at the owner)
+        gram-blocks: (2(W−1)/W·n·b + (W−1)·m·b + M·b) / bandwidth + 4·m·S·f·o·g / flop_rate
+                     (ring all-reduce of the Jᵀc partial sums, all-gather of the m-vectors
+                     J_a g, broadcast of c; J g and Jᵀc on the rank's own m rows)
+
+    so ``gram-blocks`` wins where ``J g``/``Jᵀc`` over the global batch cost more than
+    moving about ``n`` more values: large ``S`` (convolutions, sequences) or large ``M``."""
+    if world == 1:
+        return "gather"
+    m = M // world
+    t_gather = n * nbytes / bandwidth + step_flops(M, dims) / flop_rate
+    sent = 2.0 * (world - 1) / world * n * nbytes + (world - 1) * m * nbytes + M * nbytes
+    t_blocks = sent / bandwidth + step_flops(m, dims) / flop_rate
+    return "gram-blocks" if t_blocks < t_gather else "gather"
+
+
 def choose_placement(M: int, n: int, record_bytes: float, dims: tuple[int, int, int, int], world: int,
-                     T: int, bandwidth: float, flop_rate: float) -> str:
-    """``"replicate"`` when receiving the layer's ``u`` (``n`` 4-byte values, every step)
-    takes longer than computing it on every rank (its curvature work amortized over ``T``
-    steps plus ``J g``/``Jᵀ c``), else ``"owner"``. ``record_bytes``: one rank's records
-    of the layer; both placements move ``(W−1)·record_bytes`` into a rank that solves it
-    on a curvature step (an owner, or every rank), so they do not enter the choice."""
+                     T: int, bandwidth: float, flop_rate: float, mode: str = "gather") -> str:
+    """``"replicate"`` when receiving what the owner sends every step takes longer than
+    computing it on every rank (its curvature work amortized over ``T`` steps plus the
+    per-step work), else ``"owner"``. ``mode="gather"``: the owner sends ``u`` (``n``
+    4-byte values), the per-step work is ``J g``/``Jᵀ c`` on ``M`` rows;
+    ``mode="gram-blocks"``: the owner sends ``c`` (``M`` values), the per-step work is the
+    two triangular solves (``2·M²`` flops). ``record_bytes``: one rank's records of the
+    layer; both placements move ``(W−1)·record_bytes`` into a rank that solves it on a
+    curvature step (an owner, or every rank), so they do not enter the choice."""
     if world == 1:
         return "owner"
-    t_u = 4.0 * n / bandwidth
-    t_solve = (solve_cost(M, dims) / T + step_flops(M, dims)) / flop_rate
-    return "replicate" if t_u > t_solve else "owner"
+    if mode == "gram-blocks":
+        t_recv, step = 4.0 * M / bandwidth, 2.0 * M * M
+    else:
+        t_recv, step = 4.0 * n / bandwidth, step_flops(M, dims)
+    t_solve = (solve_cost(M, dims) / T + step) / flop_rate
+    return "replicate" if t_recv > t_solve else "owner"

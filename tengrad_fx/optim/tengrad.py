@@ -40,7 +40,7 @@ from .skeleton import StepSkeleton
 from ..curvature.layer import KERNELS, choose_strategy, covered_layers
 from ..solve.woodbury import damped_cholesky_ex
 from .graphs import StepGraphs
-from .tengrad_groups import LayerGroup, build_groups, reuse_cost, tf32_matmuls
+from .tengrad_groups import LayerGroup, build_groups, precondition_groups, reuse_cost, tf32_matmuls
 from .fused_step import FusedStep
 
 __all__ = ["TENGraD"]
@@ -362,49 +362,14 @@ class TENGraD(StepSkeleton):
             self.timings["apply"] = time.perf_counter() - self._t_apply
 
     def _precondition(self, push_through: bool, damping: float) -> dict[Tensor, Tensor]:
-        """``{param: u}`` for every parameter with a gradient of every covered layer:
-        per group ``J g``, one solve for all layers, per group ``Jᵀ c``; on empirical
-        curvature steps (``push_through``) each layer takes the push-through form where
-        its probe holds (picked on the device; ``J g`` is computed either way)."""
+        """``{param: u}`` for every parameter with a gradient of every covered layer
+        (:func:`tengrad_fx.optim.tengrad_groups.precondition_groups` over the cached groups
+        and factors; the push-through form on empirical curvature steps, ``push_through``)."""
         groups: list[LayerGroup] = self._curv
         if not groups or self._chol is None:
             return {}
-        use_pt = push_through and self.update_form == "auto"
-        m = groups[0].m
-        scale = float(m) * (1.0 if self._info.loss_reduction == "sum" else 1.0 / m)
-        grads, rhs, push = [], [], []
-        for grp in groups:
-            gw, gb = grp.grads()
-            Jg = grp.jvp(gw, gb)
-            if use_pt:
-                ok = grp.probe(gw, gb, scale / m)
-                push.append(ok)
-                Jg = torch.where(ok.unsqueeze(1), torch.ones_like(Jg), Jg)
-            grads.append((gw, gb))
-            rhs.append(Jg)
-        chol = self._chol
-        # (K + mαI)⁻¹ rhs by two batched triangular solves (what cholesky_solve does; trsm
-        # never synchronizes, so it can be captured in a CUDA graph)
-        y = torch.linalg.solve_triangular(chol, torch.cat(rhs).to(chol.dtype).unsqueeze(2), upper=False)
-        c_all = torch.linalg.solve_triangular(chol.mH, y, upper=True).squeeze(2)
-        out: dict[Tensor, Tensor] = {}
-        off = 0
-        for i, (grp, (gw, gb)) in enumerate(zip(groups, grads)):
-            L = gw.shape[0]
-            c = c_all[off: off + L]
-            off += L
-            if not use_pt:  # u = (g − Jᵀc)/α, fused per group
-                out.update(grp.split(*grp.woodbury(c, gw, gb, damping)))
-                continue
-            # push-through where the probe holds (u = scale·Jᵀc), the Woodbury form elsewhere
-            JTw, JTb = grp.vjp(c)
-            sel = push[i].unsqueeze(1)
-            uw = torch.where(sel, JTw.to(gw.dtype) * scale, (gw - JTw.to(gw.dtype)) / damping)
-            ub = None
-            if gb is not None and JTb is not None:
-                ub = torch.where(sel, JTb.to(gb.dtype) * scale, (gb - JTb.to(gb.dtype)) / damping)
-            out.update(grp.split(uw, ub))
-        return out
+        return precondition_groups(groups, self._chol, push_through and self.update_form == "auto", damping,
+                                   self._info.loss_reduction)
 
     def _initial_jacobian_sites(self, m: int = 128) -> None:
         """Before any capture: mark the layers the cost model would materialize at a

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from ..curvature.layer import CoveredLayer
 
-__all__ = ["LayerGroup", "build_groups", "probe_generator", "reuse_cost"]
+__all__ = ["LayerGroup", "build_groups", "precondition_groups", "probe_generator", "reuse_cost"]
 
 Form = Literal["P", "IG", "layer"]
 _PROBE_GENERATORS: dict[str, torch.Generator] = {}
@@ -314,6 +314,50 @@ def build_groups(layers: list[CoveredLayer], strategy: str, budget: float,
         else:
             groups.append(LayerGroup("IG", lays, m, k, A=X, B=Y))
     return groups + single, sites
+
+
+def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, damping: float,
+                        loss_reduction: str) -> dict[Tensor, Tensor]:
+    """``{param: u}`` for every parameter with a gradient of ``groups`` (``chol``
+    ``[L_total, m, m]``: their factors of ``K + mαI``, in group order): per group ``J g``,
+    one solve for all layers, per group ``Jᵀ c``. With ``use_pt`` (empirical curvature
+    steps) each layer takes the push-through form ``u = scale·Jᵀ(K + mαI)⁻¹1`` where its
+    probe holds (picked on the device; ``J g`` is computed either way), else
+    ``u = (g − Jᵀc)/α``."""
+    m = groups[0].m
+    scale = float(m) * (1.0 if loss_reduction == "sum" else 1.0 / m)
+    grads, rhs, push = [], [], []
+    for grp in groups:
+        gw, gb = grp.grads()
+        Jg = grp.jvp(gw, gb)
+        if use_pt:
+            ok = grp.probe(gw, gb, scale / m)
+            push.append(ok)
+            Jg = torch.where(ok.unsqueeze(1), torch.ones_like(Jg), Jg)
+        grads.append((gw, gb))
+        rhs.append(Jg)
+    # (K + mαI)⁻¹ rhs by two batched triangular solves (what cholesky_solve does; trsm
+    # never synchronizes, so it can be captured in a CUDA graph)
+    y = torch.linalg.solve_triangular(chol, torch.cat(rhs).to(chol.dtype).unsqueeze(2), upper=False)
+    c_all = torch.linalg.solve_triangular(chol.mH, y, upper=True).squeeze(2)
+    out: dict[Tensor, Tensor] = {}
+    off = 0
+    for i, (grp, (gw, gb)) in enumerate(zip(groups, grads)):
+        L = gw.shape[0]
+        c = c_all[off: off + L]
+        off += L
+        if not use_pt:  # u = (g − Jᵀc)/α, fused per group
+            out.update(grp.split(*grp.woodbury(c, gw, gb, damping)))
+            continue
+        # push-through where the probe holds (u = scale·Jᵀc), the Woodbury form elsewhere
+        JTw, JTb = grp.vjp(c)
+        sel = push[i].unsqueeze(1)
+        uw = torch.where(sel, JTw.to(gw.dtype) * scale, (gw - JTw.to(gw.dtype)) / damping)
+        ub = None
+        if gb is not None and JTb is not None:
+            ub = torch.where(sel, JTb.to(gb.dtype) * scale, (gb - JTb.to(gb.dtype)) / damping)
+        out.update(grp.split(uw, ub))
+    return out
 
 
 def reuse_cost(groups: list[LayerGroup]) -> tuple[float, float]:

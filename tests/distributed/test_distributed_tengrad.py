@@ -30,6 +30,10 @@ TWO = {
     "cnn-prepare-inside-ddp": dict(model="cnn", m=3, steps=3, T=2, inside=True),
     "mlp-gather-10": dict(model="mlp", m=3, steps=10, T=3, fisher="mc"),
     "mlp-nan": dict(model="mlp", m=4, steps=3, T=1, nan_rank=1, nan_step=1),
+    "mlp-blocks-T2": dict(model="mlp", m=4, steps=4, T=2, mode="gram-blocks"),
+    "cnn-blocks-mc-T2-clip": dict(model="cnn", m=3, steps=4, T=2, mode="gram-blocks", fisher="mc", kl_clip=0.01),
+    "cnn-auto-mixed": dict(model="cnn", m=3, steps=4, T=2, mode="auto", bandwidth=1e9, flop_rate=5e10),
+    "mlp-blocks-10": dict(model="mlp", m=3, steps=10, T=3, mode="gram-blocks", fisher="mc"),
     "mlp-save": dict(model="mlp", m=6, steps=2, T=1),  # + save (fixture)
     "mlp-resume-same": dict(model="mlp", m=6, steps=2, T=1, start=2),  # + load (fixture)
 }
@@ -39,6 +43,12 @@ THREE = {
     "cnn-replicate-mc": dict(model="cnn", m=2, steps=3, T=2, fisher="mc", placement="replicate"),
     "mlp-local": dict(model="mlp", m=4, steps=3, T=1, mode="local"),
     "mlp2-a-rank-owns-nothing": dict(model="mlp2", m=3, steps=4, T=2),
+    "cnn-blocks-T2": dict(model="cnn", m=2, steps=4, T=2, mode="gram-blocks"),
+    "mlp-blocks-mc-T1": dict(model="mlp", m=3, steps=3, T=1, mode="gram-blocks", fisher="mc"),
+    "cnn-blocks-replicate-mc": dict(model="cnn", m=2, steps=3, T=2, mode="gram-blocks", fisher="mc",
+                                    placement="replicate"),
+    "mlp-auto-mixed": dict(model="mlp", m=3, steps=4, T=2, mode="auto", bandwidth=1e9, flop_rate=8e9),
+    "mlp2-blocks-a-rank-owns-nothing": dict(model="mlp2", m=3, steps=4, T=2, mode="gram-blocks"),
     "mlp-resume": dict(model="mlp", m=4, steps=2, T=1, start=2),  # + load (fixture)
     "mlp-unequal-batches": dict(model="mlp", m=4, steps=1, T=1, short_rank=2, expect_error=True),
 }
@@ -110,7 +120,7 @@ def test_local_fisher_is_not_what_is_computed(two: dict[str, Any]) -> None:
     assert ((got[1] - got[0]) - (local[1] - local[0])).norm() > 1e-3 * (got[1] - got[0]).norm()
 
 
-@pytest.mark.parametrize("name", ["mlp-replicate-10", "mlp-gather-10"])
+@pytest.mark.parametrize("name", ["mlp-replicate-10", "mlp-gather-10", "mlp-blocks-10"])
 def test_replicas_bit_identical_after_ten_steps(two: dict[str, Any], name: str) -> None:
     a, b = two["ranks"][name]
     assert len(a["traj"]) == 11 and torch.equal(a["traj"][-1], b["traj"][-1])
@@ -187,3 +197,42 @@ def test_unequal_local_batches_are_a_clear_error_on_every_rank(three: dict[str, 
 def test_a_rank_may_own_no_layer(three: dict[str, Any]) -> None:
     owners = three["ranks"]["mlp2-a-rank-owns-nothing"][0]["owner"]
     assert sorted(owners.values()) in ([0, 1], [0, 2], [1, 2])  # two layers, three ranks
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_auto_mode_mixes_gather_and_gram_blocks(two: dict[str, Any], three: dict[str, Any], world: int) -> None:
+    """``mode="auto"``: each layer takes the mode of :func:`plan.choose_mode` (here a slow
+    link makes the big layers ``gram-blocks``, the small last Linear ``gather``), reported
+    by ``layer_plan()`` identically on every rank; the update is still the global one
+    (``test_*_ranks_equal_global_batch[*-auto-mixed]``)."""
+    from tengrad_fx.distributed.plan import choose_mode
+    from testing.dist_workers import make_model
+    name = "cnn-auto-mixed" if world == 2 else "mlp-auto-mixed"
+    cfg = (TWO if world == 2 else THREE)[name]
+    ranks = (two if world == 2 else three)["ranks"][name]
+    plan = ranks[0]["plan"]
+    assert all(r["plan"] == plan for r in ranks)
+    modes = [plan[k]["mode"] for k in sorted(plan, key=int)]
+    assert modes == ["gram-blocks", "gram-blocks", "gather"], plan
+    net = make_model(cfg["model"])
+    last = [mod for mod in net.modules() if isinstance(mod, torch.nn.Linear)][-1]
+    n = last.weight.numel() + last.bias.numel()
+    M = world * cfg["m"]
+    assert choose_mode(M, n, (1, 1, last.in_features, last.out_features), world, cfg["bandwidth"],
+                       cfg["flop_rate"]) == "gather"
+
+
+def test_gram_blocks_reuse_step_moves_only_vectors(two: dict[str, Any]) -> None:
+    """A reuse step of a ``gram-blocks`` layer sends, per rank, its ``m`` values of ``J g``
+    (ring all-gather), the owner's ``c`` (``M`` values, once) and the ``Jᵀc`` partial sums
+    (ring all-reduce of ``n`` values) — never records or per-sample gradients."""
+    from testing.dist_workers import make_model
+    cfg = TWO["mlp-blocks-T2"]  # steps 0, 2 take curvature; 1, 3 reuse it
+    W, m = 2, cfg["m"]
+    lins = [mod for mod in make_model("mlp").modules() if isinstance(mod, torch.nn.Linear)]
+    for r in two["ranks"]["mlp-blocks-T2"]:
+        assert set(r["plan"]) == {"0", "2", "4"} and all(v["mode"] == "gram-blocks" for v in r["plan"].values())
+        for name, lin in zip(("0", "2", "4"), lins):
+            n = lin.weight.numel() + lin.bias.numel()
+            want = ((W - 1) * m + W * m + int(2 * (W - 1) / W * n)) * 8  # float64
+            assert r["bytes"][name] == want, (name, r["bytes"][name], want)

@@ -51,3 +51,34 @@ def test_choose_placement_replicates_cheap_big_layers() -> None:
     # a fast network and slow compute: the owner solves and broadcasts
     assert choose_placement(64, 10 ** 6, 0.0, dims, 8, 10, bandwidth=1e12, flop_rate=1e9) == "owner"
     assert choose_placement(64, 10 ** 6, 0.0, dims, 1, 10, bandwidth=1e8, flop_rate=1e14) == "owner"
+
+
+def test_choose_mode_by_bytes_vs_flops() -> None:
+    """``gram-blocks`` where ``J g``/``Jᵀc`` on the global batch cost more than the extra
+    vectors it moves (the formula of :func:`plan.choose_mode`, evaluated by hand)."""
+    from tengrad_fx.distributed.plan import choose_mode, step_flops
+    W, m = 8, 128
+    M = W * m
+    conv = (1, 32 * 32, 9 * 64, 64)  # 3x3 conv 64 -> 64 on 32x32: S = 1024 positions
+    n = 9 * 64 * 64 + 64
+    t_gather = n * 4 / 50e9 + step_flops(M, conv) / 50e12
+    t_blocks = (2 * (W - 1) / W * n * 4 + (W - 1) * m * 4 + M * 4) / 50e9 + step_flops(m, conv) / 50e12
+    assert t_blocks < t_gather and choose_mode(M, n, conv, W, 50e9, 50e12) == "gram-blocks"
+    head = (1, 1, 256, 10)  # a small Linear head, fast compute: gather
+    assert choose_mode(M, 2570, head, W, 50e9, 50e12) == "gather"
+    assert choose_mode(M, 2570, head, W, 50e9, 1e9) == "gram-blocks"  # slow compute
+    assert choose_mode(m, n, conv, 1, 50e9, 50e12) == "gather"  # one rank: nothing to split
+
+
+def test_mode_and_placement_are_checked() -> None:
+    import torch.distributed as dist
+    from tools._spawn import free_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        net = tengrad_fx.prepare(torch.nn.Linear(3, 2))
+        with pytest.raises(ValueError, match="mode must be"):
+            DistributedTENGraD(net, lr=0.1, damping=0.1, mode="blocks")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="placement must be"):
+            DistributedTENGraD(net, lr=0.1, damping=0.1, placement="all")  # type: ignore[arg-type]
+    finally:
+        dist.destroy_process_group()

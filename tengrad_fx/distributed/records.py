@@ -1,0 +1,118 @@
+"""Moving the curvature records of distributed TENGraD to where each layer is solved.
+
+A covered layer's records (per call site, per call: ``I``, ``G``, or ``P``/``Gsum`` for
+kinds that always keep per-sample gradients) have ``m`` rows on every rank. The global
+batch's records (``M = W·m`` rows, rank order) are the concatenation of the ranks'
+records, with the fields linear in the loss gradient (``G``, ``P``, ``Gsum``) rescaled by
+``m/M = 1/W``: with ``loss_reduction="mean"`` each rank's ``G`` is its local mean's
+gradient, the global batch's is ``1/W`` of it.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from ..capture.store import CaptureStore, Record
+from ..curvature.layer import CoveredLayer
+from .comm import Bucket, all_gather_meta, gather_buckets, pack, unpack
+
+__all__ = ["FIELDS", "REPLICATED", "layer_meta", "check_records", "gather_records"]
+
+FIELDS = ("I", "G", "P", "Gsum")
+REPLICATED = -1  # the "owner" of a layer every rank solves
+_SCALED = ("G", "P", "Gsum")  # linear in the loss gradient: rescaled by m/M
+
+
+def layer_meta(layer: CoveredLayer) -> Optional[list[list[dict[str, Any]]]]:
+    """Per call site, per record: ``{field: (shape, dtype)}`` and ``in_shape``; None when
+    the layer captured nothing."""
+    if not layer.captured:
+        return None
+    store = layer._info.store
+    out = []
+    for site in layer.spec.sites:
+        recs = []
+        for r in store.records.get(site, []):
+            d: dict[str, Any] = {f: (tuple(getattr(r, f).shape), str(getattr(r, f).dtype))
+                                 for f in FIELDS if getattr(r, f) is not None}
+            d["in_shape"] = tuple(r.in_shape)
+            recs.append(d)
+        out.append(recs)
+    return out
+
+
+def check_records(layers: list[CoveredLayer]) -> list[int]:
+    """Indices of the ``layers`` that captured records, after checking (one host
+    exchange of the shapes) that every rank captured the same layers with the same
+    shapes; else ``ValueError`` on every rank, naming the layer and the ranks."""
+    meta = [layer_meta(lay) for lay in layers]
+    metas = all_gather_meta(meta, "exchange of the record shapes")
+    for r, other in enumerate(metas):
+        for lay, a, b in zip(layers, metas[0], other):
+            if a != b:
+                raise ValueError(f"DistributedTENGraD: layer '{lay.name}' captured {b} on rank {r} but {a} on "
+                                 "rank 0; every rank needs the same local batch size and the same layers called")
+    return [i for i, mt in enumerate(meta) if mt is not None]
+
+
+def gather_records(layers: list[CoveredLayer], live: list[int], owners: list[int], store: CaptureStore,
+                   rank: int, world: int, keep: set[int], count: Callable[[str, int], None]) -> list[int]:
+    """Give every layer ``layers[live[q]]`` solved on this rank (``owners[q]`` is this rank
+    or :data:`REPLICATED`) the global batch's records in ``store``: one bucketed ``gather``
+    per ``(owner, dtype)`` (an ``all_gather`` for replicated layers), all in flight at once.
+    The records of a layer solved elsewhere are dropped, unless its index is in ``keep``
+    (``gram-blocks`` layers: every rank keeps its own rows). Returns the indices of the
+    layers solved here; ``count(name, bytes)`` gets the bytes this rank sends per layer."""
+    buckets: dict[tuple[int, torch.dtype], Bucket] = {}
+    payload: dict[tuple[int, torch.dtype], list[Tensor]] = {}
+    for i, owner in zip(live, owners):
+        lay = layers[i]
+        for s, site in enumerate(lay.spec.sites):
+            for j, rec in enumerate(store.records.get(site, [])):
+                for f in FIELDS:
+                    t = getattr(rec, f)
+                    if t is None:
+                        continue
+                    key = (owner, t.dtype)
+                    if key not in buckets:
+                        buckets[key] = Bucket(owner, t.dtype, t.device)
+                        payload[key] = []
+                    buckets[key].add((i, s, j, f), t.shape)
+                    payload[key].append(t)
+    blist = list(buckets.values())
+    flats = {n: pack(payload[k], b) for n, (k, b) in enumerate(buckets.items())}
+    recv = gather_buckets(blist, flats)
+    for b in blist:  # ring all-gather: (W−1) parts sent per rank; gather: one
+        sent = b.nbytes * (world - 1 if b.rank == REPLICATED else int(b.rank != rank))
+        for key, shape in zip(b.keys, b.shapes):
+            count(layers[key[0]].name, sent * shape.numel() // max(b.numel, 1))
+    parts: dict[tuple[int, int, int, str], list[Tensor]] = {}
+    for n, b in enumerate(blist):
+        got = recv[n]
+        if got is None:
+            continue
+        per_rank = [unpack(flat, b) for flat in got]
+        for q, key in enumerate(b.keys):
+            parts[key] = [views[q] for views in per_rank]
+    mine = {i for i, r in zip(live, owners) if r in (REPLICATED, rank)}
+    for i in live:
+        lay = layers[i]
+        for s, site in enumerate(lay.spec.sites):
+            if i not in mine:
+                if i not in keep:
+                    store.records.pop(site, None)
+                continue
+            new = []
+            for j, rec in enumerate(store.records.get(site, [])):
+                fields: dict[str, Optional[Tensor]] = {}
+                for f in FIELDS:
+                    if getattr(rec, f) is None:
+                        fields[f] = None
+                        continue
+                    t = torch.cat(parts[(i, s, j, f)], 0)
+                    fields[f] = t * (1.0 / world) if f in _SCALED else t
+                new.append(Record(**fields, in_shape=(world * rec.in_shape[0], *rec.in_shape[1:])))
+            store.records[site] = new
+    return sorted(mine)
