@@ -77,6 +77,13 @@ class DistRun:
         loss_sum, n_correct = t.tolist()
         return loss_sum / self.world, int(round(n_correct))
 
+    def from_main(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank (a small host broadcast), e.g. a decision all
+        ranks must share."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def barrier(self) -> None:
         dist.barrier()
 

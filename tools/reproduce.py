@@ -22,6 +22,16 @@ training seconds until that epoch, training seconds until the paper's SGD accura
 training seconds, :func:`tools.plot.plot_runs`), ``OUT/curves.csv`` (one row per method,
 seed and evaluation) and ``OUT/table.csv`` (the row).
 
+``--distributed`` (under ``torchrun``, like ``tools.train --distributed``): every run is a
+``tools.train --distributed`` run of this process group — DDP + ``DistributedTENGraD``
+(global-batch Fisher) or DDP-SGD; the batch 128 is the global one (a multiple of the
+world size), each rank trains on its block of it; only rank 0 prints and writes (the
+table, CSVs, plot; the runs' logs and checkpoints); rank 0 decides which finished runs
+are reused and tells the others. Methods: ``sgd`` and ``tengrad`` (the default then;
+the K-FAC family has no distributed mode)::
+
+    torchrun --nproc_per_node=8 -m tools.reproduce cifar10 --distributed --data-dir ~/data
+
 ``--device`` defaults to CUDA when available. On a CPU the full protocol takes hours, so
 unless ``--full`` is given a CPU run is scaled down to ``--subset 6400`` training images
 and ``--epochs 1`` (the test accuracy is still on the whole test set); the output says
@@ -43,9 +53,10 @@ from tengrad_fx.optim.registry import PAPER_EPOCHS, PAPER_MODELS
 from tools import train as train_cli
 from tools._runs import find_runs, frac, mean_std, time_to_target
 
-__all__ = ["EXPERIMENTS", "PAPER_TABLE2", "METHODS", "main", "reproduce", "row_stats"]
+__all__ = ["EXPERIMENTS", "PAPER_TABLE2", "METHODS", "DIST_METHODS", "main", "reproduce", "row_stats"]
 
 METHODS = ("sgd", "tengrad", "kfac", "ekfac", "kbfgs")
+DIST_METHODS = ("sgd", "tengrad")  # the methods tools.train --distributed runs
 EXPERIMENTS = {"fmnist": "fashion-mnist", "fashion-mnist": "fashion-mnist", "cifar10": "cifar10",
                "cifar100": "cifar100"}
 CPU_SUBSET, CPU_EPOCHS = 6400, 1
@@ -72,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "row beside the paper's (see the module docstring).")
     p.add_argument("experiment", choices=sorted(EXPERIMENTS), help="fmnist (3C1F), cifar10 or cifar100")
     p.add_argument("--model", default=None, help="CIFAR model: wrn-28-4 (default), densenet-19, mobilenetv2")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ",".join(METHODS))
+    p.add_argument("--methods", default=None, help="comma-separated subset of " + ",".join(METHODS)
+                   + f" (default: all; {','.join(DIST_METHODS)} with --distributed)")
     p.add_argument("--seeds", type=int, default=1, help="repetitions (seeds 0..N-1); the paper used 5")
     p.add_argument("--epochs", type=int, default=None, help="default: the paper's (10 / 60); 1 on CPU")
     p.add_argument("--subset", type=int, default=None, metavar="N",
@@ -84,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None, help="where the dataset files are")
     p.add_argument("--threads", type=int, default=2, help="torch threads on CPU (0 = torch's default)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--distributed", action="store_true",
+                   help="under torchrun: DDP + DistributedTENGraD / DDP-SGD, the batch is the global one")
     return p
 
 
@@ -149,13 +163,35 @@ def reproduce(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     model = args.model or PAPER_MODELS[dataset][0]
     if model not in PAPER_MODELS[dataset]:
         parser.error(f"--model: the paper's {dataset} models are {', '.join(PAPER_MODELS[dataset])}, got {model!r}")
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
+    allowed = DIST_METHODS if args.distributed else METHODS
+    methods = [m.strip() for m in (args.methods or ",".join(allowed)).split(",") if m.strip()]
+    bad = [m for m in methods if m not in allowed]
     if bad or not methods:
-        parser.error(f"--methods: unknown {bad}; choose from {', '.join(METHODS)}")
+        why = " (--distributed: the K-FAC family has no distributed mode)" if args.distributed else ""
+        parser.error(f"--methods: {bad} not available{why}; choose from {', '.join(allowed)}")
     if args.seeds < 1:
         parser.error("--seeds must be >= 1")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    drun = None
+    if args.distributed:
+        from tools._dist import DistRun  # noqa: PLC0415
+
+        try:
+            drun = DistRun(device)
+        except ValueError as exc:
+            parser.error(str(exc).replace("tools.train", "tools.reproduce"))
+    try:
+        return _reproduce(args, dataset, model, methods, device, drun)
+    finally:
+        if drun is not None and drun.owns_group:
+            drun.close()
+
+
+def _reproduce(args: argparse.Namespace, dataset: str, model: str, methods: list[str], device: str,
+               drun: Any) -> dict[str, Any]:
+    """The runs (every rank), then the row, files and summary (rank 0 only)."""
+    main_rank = drun is None or drun.main
+    say = print if main_rank else (lambda *a, **k: None)
     epochs, subset = args.epochs, args.subset
     if device.startswith("cpu") and not args.full and epochs is None and subset is None:
         epochs, subset = CPU_EPOCHS, CPU_SUBSET
@@ -166,11 +202,13 @@ def reproduce(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                   f"{args.test_subset or 'all'} test images" + (" (a CPU run; --full for the paper's)"
                                                                  if device.startswith("cpu") else ""))
     out = args.out or os.path.join("runs", f"reproduce-{args.experiment}" + (f"-{model}" if args.model else ""))
-    os.makedirs(out, exist_ok=True)
+    if main_rank:
+        os.makedirs(out, exist_ok=True)
     paper = PAPER_TABLE2[(dataset, model)]
     target = paper["sgd"][1]
-    print(f"{model} / {dataset}: {', '.join(methods)} × {args.seeds} seed(s) on {device}, paper settings; "
-          f"{scale_note if scaled else 'the paper protocol'}; logs in {out}", flush=True)
+    where = f"{drun.world} ranks (--distributed)" if drun is not None else device
+    say(f"{model} / {dataset}: {', '.join(methods)} × {args.seeds} seed(s) on {where}, paper settings; "
+        f"{scale_note if scaled else 'the paper protocol'}; logs in {out}", flush=True)
 
     t_start = time.perf_counter()
     for method in methods:
@@ -181,12 +219,19 @@ def reproduce(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             argv_run += ["--subset", str(subset)] if subset is not None else []
             argv_run += ["--data-dir", args.data_dir] if args.data_dir else []
             argv_run += ["--no-progress"] if args.no_progress else []
-            if _settings_match(run_dir, argv_run):
-                print(f"[{method} seed {seed}] reusing the finished run in {run_dir}", flush=True)
+            argv_run += ["--distributed"] if drun is not None else []
+            reuse = _settings_match(run_dir, argv_run) if main_rank else None
+            if drun is not None:
+                reuse = drun.from_main(reuse)  # every rank takes rank 0's decision
+            if reuse:
+                say(f"[{method} seed {seed}] reusing the finished run in {run_dir}", flush=True)
                 continue
-            print(f"[{method} seed {seed}] training ...", flush=True)
+            say(f"[{method} seed {seed}] training ...", flush=True)
             train_cli.run(argv_run)
     wall = time.perf_counter() - t_start
+    if not main_rank:
+        return {"rows": {}, "out": out, "scaled": scaled, "table": "", "summary": "", "device": device,
+                "rank": drun.rank}
 
     rows = {m: row_stats(_runs_of(out, m, args.seeds), target) for m in methods}
     head = (f"{'method':<9} {'top test acc %':>16} {'time to top (s)':>16} {f'time to {target:g}% (s)':>18}"
