@@ -286,6 +286,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="forward+backward only: capture on / off / custom ops / unprepared (tools.capture_bench)")
     ap.add_argument("--distributed", type=int, default=0, metavar="N",
                     help="distributed TENGraD vs DDP-SGD on N gloo ranks, --m per rank (tools.dist_bench)")
+    ap.add_argument("--bandwidth", type=float, default=50e9, help="--distributed: the cost model's bytes/s")
+    ap.add_argument("--flop-rate", type=float, default=50e12, help="--distributed: the cost model's flop/s")
     args = ap.parse_args(argv)
     tiny = args.model.startswith("tiny")
     args.m = args.m or (32 if tiny else 128)
@@ -294,7 +296,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.distributed:
         from tools.dist_bench import report_distributed, run_distributed  # noqa: PLC0415
 
-        ranks = run_distributed(args.distributed, args.model, args.m, args.steps, args.warmup, args.threads)
+        ranks = run_distributed(args.distributed, args.model, args.m, args.steps, args.warmup, args.threads,
+                                args.bandwidth, args.flop_rate)
         print(report_distributed(ranks, args.distributed, args.model, args.m))
         if args.json:
             with open(args.json, "w") as f:

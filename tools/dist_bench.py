@@ -12,15 +12,22 @@ own random batch:
   layer solved by its owner, ``T = 1``, empirical Fisher);
 * ``dist-tengrad-replicate``: the same with ``placement="replicate"`` (every rank solves
   every layer; ``dist-tengrad`` uses ``placement="owner"``);
+* ``dist-tengrad-blocks``: ``mode="gram-blocks"`` (Gram from the cross-rank blocks, the
+  per-step ``J g`` / ``Jᵀ c`` data-parallel; each layer's factor on its owner);
 * ``dist-tengrad-local``: ``mode="local"`` (per-rank Fisher blocks, updates averaged);
-* ``dist-tengrad-T20``: ``T = 20``; the reuse steps are measured (only ``u`` moves).
+* ``dist-tengrad-T20`` / ``dist-tengrad-blocks-T20``: ``T = 20``, gather / gram-blocks;
+  the reuse steps are measured (gather: only ``u`` moves; gram-blocks: the ``m``-vectors
+  ``J_a g``, ``c`` and the ``Jᵀc`` partial sums).
 
 Per method: the median step time (the slowest rank's, each round), its ratio to
 ``ddp-sgd``, and the bytes each rank sends per step: DDP's gradient all-reduce (ring:
 ``2·(N−1)/N·n·4`` bytes per rank for ``n`` float32 parameters) and TENGraD's own
 payload (records to owners, ``u`` from owners, counted point to point: what the rank
-puts on the wire if each receiver got its own copy). Then the per-layer TENGraD bytes of
-one curvature step and one reuse step, per rank; and how far the local-Fisher update is
+puts on the wire if each receiver got its own copy). Then, per layer, the bytes per rank
+of one curvature step and one reuse step in each mode (the busiest rank's), beside the
+layer's share of DDP's all-reduce, with the ratio of the totals to DDP-SGD's bytes, and
+the mode ``mode="auto"`` picks for the layer (:func:`tengrad_fx.distributed.plan.choose_modes`
+at ``--bandwidth`` / ``--flop-rate``); and how far the local-Fisher update is
 from the global one on the first step (same parameters and batches, float64 solves:
 ``‖u_local − u_global‖ / ‖u_global‖``).
 """
@@ -39,7 +46,10 @@ import torch.nn.functional as F
 
 __all__ = ["run_distributed", "report_distributed"]
 
-METHODS = ("ddp-sgd", "dist-tengrad", "dist-tengrad-replicate", "dist-tengrad-local", "dist-tengrad-T20")
+METHODS = ("ddp-sgd", "dist-tengrad", "dist-tengrad-replicate", "dist-tengrad-blocks", "dist-tengrad-local",
+           "dist-tengrad-T20", "dist-tengrad-blocks-T20")
+PER_LAYER = {"dist-tengrad": ("gather", "curvature"), "dist-tengrad-T20": ("gather", "reuse"),
+             "dist-tengrad-blocks": ("gram-blocks", "curvature"), "dist-tengrad-blocks-T20": ("gram-blocks", "reuse")}
 
 
 def _build(method: str, base: torch.nn.Module, example: torch.Tensor) -> tuple[Any, Any, Any]:
@@ -58,7 +68,8 @@ def _build(method: str, base: torch.nn.Module, example: torch.Tensor) -> tuple[A
     opt = DistributedTENGraD(ddp, lr=0.03, damping=0.03, weight_decay=1e-3, curvature_every=T,
                              fisher="empirical", kl_clip=0.01,
                              placement="replicate" if method.endswith("replicate") else "owner",
-                             mode="local" if method.endswith("local") else "gather")
+                             mode="local" if method.endswith("local") else
+                             "gram-blocks" if "blocks" in method else "gather")
     return ddp, opt, net
 
 
@@ -81,7 +92,20 @@ def _local_error(base: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> flo
     return float((deltas[1] - deltas[0]).norm() / deltas[0].norm())
 
 
-def _rank_main(rank: int, world: int, model_name: str, m: int, steps: int, warmup: int) -> dict[str, Any]:
+def _auto_modes(opt: Any, world: int, m: int, bandwidth: float, flop_rate: float) -> dict[str, str]:
+    """The mode ``mode="auto"`` picks per layer (the cost model on the captured shapes)."""
+    from tengrad_fx.distributed.plan import assign_owners, choose_modes, solve_cost  # noqa: PLC0415
+
+    lays = [lay for lay in opt._all_layers if lay.captured]
+    M = world * m
+    owners = assign_owners([solve_cost(M, lay.dims()) for lay in lays], world)
+    ns = [sum(p.numel() for p in (lay.weight, lay.bias) if p is not None) for lay in lays]
+    modes = choose_modes(M, ns, [lay.dims() for lay in lays], owners, world, bandwidth, flop_rate)
+    return {lay.name: md for lay, md in zip(lays, modes)}
+
+
+def _rank_main(rank: int, world: int, model_name: str, m: int, steps: int, warmup: int,
+               bandwidth: float = 50e9, flop_rate: float = 50e12) -> dict[str, Any]:
     from tools.bench import build_model  # noqa: PLC0415
 
     torch.manual_seed(0)
@@ -92,7 +116,7 @@ def _rank_main(rank: int, world: int, model_name: str, m: int, steps: int, warmu
     n_params = sum(p.numel() for p in base.parameters())
     times: dict[str, list[float]] = {meth: [] for meth in METHODS}
     tg_bytes: dict[str, list[int]] = {meth: [] for meth in METHODS}
-    per_layer: dict[str, dict[str, int]] = {}
+    per_layer: dict[tuple[str, str], dict[str, int]] = {}  # (mode, step kind) -> layer -> bytes
     for r in range(warmup + steps):
         x, y = batches[r % len(batches)]
         for meth, (fwd, opt, _) in runs.items():
@@ -106,10 +130,9 @@ def _rank_main(rank: int, world: int, model_name: str, m: int, steps: int, warmu
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             sent = int(sum(getattr(opt, "comm_bytes", {}).values()))
-            if meth == "dist-tengrad" and r == warmup:
-                per_layer["curvature"] = dict(opt.comm_bytes)
-            if meth == "dist-tengrad-T20" and not curvature and "reuse" not in per_layer:
-                per_layer["reuse"] = dict(opt.comm_bytes)
+            key = PER_LAYER.get(meth)
+            if key is not None and key not in per_layer and (curvature == (key[1] == "curvature")):
+                per_layer[key] = dict(opt.comm_bytes)
             if r >= warmup and (not meth.endswith("T20") or not curvature):
                 times[meth].append(float(dt))
                 tg_bytes[meth].append(sent)
@@ -118,16 +141,20 @@ def _rank_main(rank: int, world: int, model_name: str, m: int, steps: int, warmu
     res = {meth: {"step_s": statistics.median(times[meth]), "ddp_bytes": ring,
                   "tengrad_bytes": statistics.median(tg_bytes[meth]) if tg_bytes[meth] else 0.0}
            for meth in METHODS}
-    return {"rank": rank, "results": res, "per_layer": per_layer, "n_params": n_params, "local_error": local_err}
+    blocks = runs["dist-tengrad-blocks"][1]
+    layer_n = {lay.name: sum(p.numel() for p in (lay.weight, lay.bias) if p is not None) for lay in blocks._all_layers}
+    return {"rank": rank, "results": res, "per_layer": per_layer, "n_params": n_params, "local_error": local_err,
+            "layer_n": layer_n, "auto": _auto_modes(blocks, world, m, bandwidth, flop_rate),
+            "rates": (bandwidth, flop_rate)}
 
 
 def run_distributed(world: int, model: str = "tiny", m: int = 32, steps: int = 6, warmup: int = 2,
-                    threads: int = 1) -> list[dict[str, Any]]:
+                    threads: int = 1, bandwidth: float = 50e9, flop_rate: float = 50e12) -> list[dict[str, Any]]:
     """Every rank's results (:func:`_rank_main`) from ``world`` spawned gloo ranks."""
     from tools._spawn import run_ranks  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory() as d:
-        return run_ranks(_rank_main, world, Path(d), model, m, steps, warmup, timeout=3600.0,
+        return run_ranks(_rank_main, world, Path(d), model, m, steps, warmup, bandwidth, flop_rate, timeout=3600.0,
                          pg_timeout=600.0, threads=threads)
 
 
@@ -143,14 +170,33 @@ def report_distributed(ranks: list[dict[str, Any]], world: int, model: str, m: i
         note = " (reuse steps)" if meth.endswith("T20") else ""
         lines.append(f"{meth:24s} {r['step_s'] * 1e3:9.1f} {r['step_s'] / sgd:10.2f} "
                      f"{r['ddp_bytes'] / 2**20:12.3f} {tg:>24s}{note}")
-    for kind in ("curvature", "reuse"):
-        names = sorted({n for rk in ranks for n in rk["per_layer"].get(kind, {})})
-        if not names:
-            continue
-        lines.append(f"TENGraD bytes sent per rank, {kind} step, by layer (KB, ranks 0..{world - 1}):")
-        for n in names:
-            vals = " ".join(f"{rk['per_layer'].get(kind, {}).get(n, 0) / 1024:9.1f}" for rk in ranks)
-            lines.append(f"  {n:20s} {vals}")
+    lines += _per_layer_table(ranks, world)
     lines.append(f"local-Fisher update vs the global-batch one (first step, float64): relative difference "
                  f"{ranks[0]['local_error']:.3g}")
     return "\n".join(lines)
+
+
+def _per_layer_table(ranks: list[dict[str, Any]], world: int) -> list[str]:
+    """Per layer: KB sent per rank (the busiest rank) on a curvature and a reuse step in
+    each mode, its share of DDP's all-reduce, the ``auto`` pick; totals and × DDP-SGD."""
+    cols = [("gather", "curvature"), ("gather", "reuse"), ("gram-blocks", "curvature"), ("gram-blocks", "reuse")]
+    layer_n = ranks[0]["layer_n"]
+    names = [n for n in layer_n if any(n in rk["per_layer"].get(c, {}) for rk in ranks for c in cols)]
+    if not names:
+        return []
+    bw, fr = ranks[0]["rates"]
+    ring = 2.0 * (world - 1) / world * 4
+    lines = [f"TENGraD bytes per rank per step by layer and mode (KB, busiest rank; DDP: the layer's share of "
+             f"DDP-SGD's all-reduce; auto: mode='auto' at {bw / 1e9:g} GB/s, {fr / 1e12:g} TFLOP/s):",
+             f"  {'layer':20s} {'DDP':>9s} {'gather curv':>12s} {'gather reuse':>13s} {'blocks curv':>12s} "
+             f"{'blocks reuse':>13s}  auto"]
+    totals = [0.0] * (len(cols) + 1)
+    for n in names:
+        vals = [ring * layer_n[n]] + [max(rk["per_layer"].get(c, {}).get(n, 0) for rk in ranks) for c in cols]
+        totals = [t + v for t, v in zip(totals, vals)]
+        lines.append(f"  {n:20s} " + " ".join(f"{v / 1024:{w}.1f}" for v, w in zip(vals, (9, 12, 13, 12, 13)))
+                     + f"  {ranks[0]['auto'].get(n, '?')}")
+    lines.append(f"  {'total':20s} " + " ".join(f"{v / 1024:{w}.1f}" for v, w in zip(totals, (9, 12, 13, 12, 13))))
+    ddp = totals[0] or 1.0
+    lines.append(f"  {'x DDP-SGD':20s} " + " ".join(f"{v / ddp:{w}.2f}" for v, w in zip(totals, (9, 12, 13, 12, 13))))
+    return lines

@@ -7,21 +7,29 @@ Per covered layer the shapes come from one captured forward/backward at batch 2 
 per-sample gradients), ``n`` = parameters, ``(g, S, f, o)`` the Gram cost dims. With
 ``W`` ranks, ``m`` samples per rank and ``M = W·m`` (4-byte floats):
 
-* gather mode, curvature step: a non-owner sends ``m·r·4`` bytes of the layer's records
-  to its owner (the owner receives ``(W−1)`` times that); every step the owner broadcasts
-  ``u`` (``n·4`` bytes; a pipelined/ring broadcast has every rank send them once);
+* the mode per layer is what ``mode="auto"`` picks (:func:`tengrad_fx.distributed.plan.choose_modes`
+  at the stated bandwidth and flop rate; ``blocks`` counts the ``gram-blocks`` layers);
+* curvature step, either mode: a non-owner sends ``m·r·4`` bytes of the layer's records
+  to its owner (the owner receives ``(W−1)`` times that);
+* gather, every step: the owner broadcasts ``u`` (``n·4`` bytes; a pipelined/ring
+  broadcast has every rank send them once) and computes ``J g``, ``Jᵀc`` on ``M`` rows;
+* gram-blocks, every step: all-gather of ``J_a g`` (``(W−1)·m·4`` bytes sent per rank),
+  broadcast of ``c`` (``M·4``), ring all-reduce of the ``Jᵀc`` partial sums
+  (``2(W−1)/W·n·4``); ``J g``, ``Jᵀc`` on the rank's own ``m`` rows;
 * replicate: every rank all-gathers the records (``(W−1)·m·r·4`` bytes sent per rank on a
   curvature step) and sends nothing on reuse steps;
 * per-rank local Fisher (``mode="local"``): an ``m × m`` Gram per rank, one all-reduce of
   the ``u`` (``2·(W−1)/W·n·4`` bytes per rank per step), no records moved;
 * owner flops per curvature step: Gram ``min(2M²S²(f+o)g, 2MSfog + 2M²fog)`` + Cholesky
-  ``M³/3``; memory of one Gram ``M²·4`` bytes;
+  ``M³/3``; memory of one Gram ``M²·4`` bytes; ``step GFLOP``: the busiest rank's ``J g``
+  and ``Jᵀc`` flops per step (``4·M·S·f·o·g`` per gather layer it owns, ``4·m·S·f·o·g``
+  per gram-blocks layer);
 * DDP's gradient all-reduce (any optimizer): ``2·(W−1)/W·N·4`` bytes per rank per step.
 
 ``(P) MB`` is what the curvature step would send if a layer's per-sample gradients ``P``
 (``n`` per sample) were sent where they are smaller than its ``I`` and ``G`` (not
-implemented: the backward records ``I``, ``G`` on every rank). The table reports, per world size, the totals per rank (maximum over ranks, owners by the
-greedy assignment of :mod:`tengrad_fx.distributed.plan`), the per-layer placement that
+implemented: the backward records ``I``, ``G`` on every rank). The table reports, per
+world size, the totals per rank (maximum over ranks, owners by the greedy assignment of :mod:`tengrad_fx.distributed.plan`), the per-layer mode and the placement that
 the ``placement="auto"`` rule of :func:`tengrad_fx.distributed.plan.choose_placement`
 picks at the stated bandwidth and flop rate, and whether the global Gram is affordable
 (every owner's Gram memory ≤ 8 GiB and curvature-step flops ≤ 100 TFLOP, i.e. about 2 s
@@ -78,7 +86,8 @@ def layer_shapes(name: str) -> list[dict[str, Any]]:
 def model_table(layers: list[dict[str, Any]], worlds: list[int], m: int, T: int,
                 bandwidth: float, flop_rate: float) -> list[dict[str, Any]]:
     """One row per world size (module docstring)."""
-    from tengrad_fx.distributed.plan import assign_owners, choose_placement, solve_cost  # noqa: PLC0415
+    from tengrad_fx.distributed.plan import (  # noqa: PLC0415
+        assign_owners, choose_modes, choose_placement, solve_cost, step_flops)
 
     N = sum(lay["n"] for lay in layers)
     rows = []
@@ -86,25 +95,36 @@ def model_table(layers: list[dict[str, Any]], worlds: list[int], m: int, T: int,
         M = W * m
         costs = [solve_cost(M, lay["dims"]) for lay in layers]
         owners = assign_owners(costs, W)
-        place = [choose_placement(M, lay["n"], m * lay["r"] * 4, lay["dims"], W, T, bandwidth, flop_rate)
-                 for lay in layers]
+        modes = choose_modes(M, [lay["n"] for lay in layers], [lay["dims"] for lay in layers], owners, W,
+                             bandwidth, flop_rate)
+        place = [choose_placement(M, lay["n"], m * lay["r"] * 4, lay["dims"], W, T, bandwidth, flop_rate, md)
+                 for lay, md in zip(layers, modes)]
         gather_curv = [0.0] * W
         gather_p = [0.0] * W  # the same, sending P (n per sample) where it is smaller than I, G
         reuse = [0.0] * W
         flops = [0.0] * W
-        for lay, o, pl, c in zip(layers, owners, place, costs):
+        step = [0.0] * W  # per-step J g and Jᵀc flops
+        for lay, o, pl, c, md in zip(layers, owners, place, costs, modes):
             rec = m * lay["r"] * 4.0
+            blocks = md == "gram-blocks"
+            if blocks:  # every rank: the Jᵀc all-reduce and J_a g all-gather; c from the owner
+                for k in range(W):
+                    reuse[k] += 2.0 * (W - 1) / W * lay["n"] * 4.0 + (W - 1) * m * 4.0
+                    reuse[k] += M * 4.0 if pl != "replicate" else 0.0
+                    step[k] += step_flops(m, lay["dims"])
             if pl == "replicate":
                 for k in range(W):
                     gather_curv[k] += (W - 1) * rec
                     gather_p[k] += (W - 1) * m * min(lay["r"], lay["n"]) * 4.0
                     flops[k] += c
+                    step[k] += 0.0 if blocks else step_flops(M, lay["dims"])
             else:
                 for k in range(W):
                     gather_curv[k] += rec if k != o else 0.0
                     gather_p[k] += m * min(lay["r"], lay["n"]) * 4.0 if k != o else 0.0
-                    reuse[k] += lay["n"] * 4.0  # a pipelined broadcast: every rank sends u once
+                    reuse[k] += 0.0 if blocks else lay["n"] * 4.0  # pipelined broadcast: every rank sends u once
                 flops[o] += c
+                step[o] += 0.0 if blocks else step_flops(M, lay["dims"])
         gram_mem = M * M * 4.0
         rows.append({
             "W": W, "M": M, "ddp_MB": 2.0 * (W - 1) / W * N * 4 / 2**20,
@@ -112,6 +132,7 @@ def model_table(layers: list[dict[str, Any]], worlds: list[int], m: int, T: int,
             "local_MB": 2.0 * (W - 1) / W * N * 4 / 2**20,
             "owner_TFLOP": max(flops) / 1e12, "gram_GiB": gram_mem / 2**30,
             "replicated": sum(p == "replicate" for p in place), "layers": len(layers),
+            "blocks": sum(md == "gram-blocks" for md in modes), "modes": modes, "step_GFLOP": max(step) / 1e9,
             "affordable": gram_mem <= GRAM_MEMORY_LIMIT and max(flops) <= CURVATURE_FLOP_LIMIT,
             "placement": place,
         })
@@ -135,16 +156,17 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.model}: {len(layers)} covered layers, {N / 1e6:.1f} M covered parameters, m = {args.m} per rank, "
           f"T = {args.T}; bandwidth {args.bandwidth / 1e9:g} GB/s, {args.flop_rate / 1e12:g} TFLOP/s")
     print(f"{'W':>5s} {'M':>7s} {'DDP MB':>8s} {'curv MB':>9s} {'(P) MB':>9s} {'reuse MB':>9s} {'local MB':>9s} "
-          f"{'owner TFLOP':>12s} {'Gram GiB':>9s} {'replicated':>11s} global Gram")
+          f"{'owner TFLOP':>12s} {'step GFLOP':>11s} {'Gram GiB':>9s} {'blocks':>11s} {'replicated':>11s} global Gram")
     for r in rows:
         print(f"{r['W']:5d} {r['M']:7d} {r['ddp_MB']:8.1f} {r['curv_MB']:9.1f} {r['curvP_MB']:9.1f} {r['reuse_MB']:9.1f} "
-              f"{r['local_MB']:9.1f} {r['owner_TFLOP']:12.3f} {r['gram_GiB']:9.3f} "
-              f"{r['replicated']:>5d}/{r['layers']:<5d} {'affordable' if r['affordable'] else 'NOT affordable: local'}")
+              f"{r['local_MB']:9.1f} {r['owner_TFLOP']:12.3f} {r['step_GFLOP']:11.1f} {r['gram_GiB']:9.3f} "
+              f"{r['blocks']:>5d}/{r['layers']:<5d} {r['replicated']:>5d}/{r['layers']:<5d} "
+              f"{'affordable' if r['affordable'] else 'NOT affordable: local'}")
     if args.layers:
-        print(f"{'layer':40s} {'n':>10s} {'r/sample':>10s} " + " ".join(f"{'W=' + str(r['W']):>10s}" for r in rows))
+        print(f"{'layer':40s} {'n':>10s} {'r/sample':>10s} " + " ".join(f"{'W=' + str(r['W']):>20s}" for r in rows))
         for i, lay in enumerate(layers):
             print(f"{lay['name'][:40]:40s} {lay['n']:10d} {lay['r']:10d} "
-                  + " ".join(f"{r['placement'][i]:>10s}" for r in rows))
+                  + " ".join(f"{r['modes'][i] + '/' + r['placement'][i]:>20s}" for r in rows))
 
 
 if __name__ == "__main__":

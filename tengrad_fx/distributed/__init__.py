@@ -7,8 +7,8 @@ data shards (:mod:`.shard`).
 Sits above :mod:`tengrad_fx.optim` (imports run one way)."""
 from .comm import DistributedStepError
 from .optimizer import DistributedTENGraD, mc_seed
-from .plan import assign_owners, choose_mode, choose_placement, solve_cost
+from .plan import assign_owners, choose_modes, choose_placement, solve_cost
 from .shard import shard_indices
 
-__all__ = ["DistributedTENGraD", "DistributedStepError", "mc_seed", "assign_owners", "choose_mode",
+__all__ = ["DistributedTENGraD", "DistributedStepError", "mc_seed", "assign_owners", "choose_modes",
            "choose_placement", "solve_cost", "shard_indices"]

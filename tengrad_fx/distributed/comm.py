@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 __all__ = ["DistributedStepError", "collective", "all_gather_meta", "all_ok", "all_sum", "Bucket", "pack",
-           "unpack", "gather_buckets", "broadcast_buckets"]
+           "unpack", "gather_buckets", "start_broadcasts", "wait_all", "broadcast_buckets"]
 
 T = TypeVar("T")
 
@@ -133,10 +133,19 @@ def all_sum(flat: Tensor) -> None:
     collective("all_reduce of the local-Fisher updates", lambda: dist.all_reduce(flat))
 
 
-def broadcast_buckets(flats: list[Tensor], buckets: list[Bucket]) -> None:
-    """Broadcast each ``flats[i]`` in place from ``buckets[i].rank``; all in flight at once."""
-    works = [collective("broadcast of preconditioned gradients",
-                        lambda t=t, r=b.rank: dist.broadcast(t, src=r, async_op=True))
-             for t, b in zip(flats, buckets)]
+def start_broadcasts(flats: list[Tensor], buckets: list[Bucket], what: str = "preconditioned gradients") -> list[Any]:
+    """Start broadcasting each ``flats[i]`` in place from ``buckets[i].rank`` (async, all
+    in flight at once); :func:`wait_all` the returned handles before reading ``flats``."""
+    return [collective(f"broadcast of {what}", lambda t=t, r=b.rank: dist.broadcast(t, src=r, async_op=True))
+            for t, b in zip(flats, buckets)]
+
+
+def wait_all(works: list[Any], what: str = "preconditioned gradients") -> None:
+    """Wait for the handles of async collectives."""
     for w in works:
-        collective("waiting for the preconditioned gradients", w.wait)
+        collective(f"waiting for the {what}", w.wait)
+
+
+def broadcast_buckets(flats: list[Tensor], buckets: list[Bucket], what: str = "preconditioned gradients") -> None:
+    """Broadcast each ``flats[i]`` in place from ``buckets[i].rank``; all in flight at once."""
+    wait_all(start_broadcasts(flats, buckets, what), what)

@@ -7,7 +7,7 @@ convolution the same with the positions (the single-process factorization). The 
 formed where the layer is solved, from the ranks' ``I``, ``G`` (all-gathered, or gathered
 to the owner: :mod:`.optimizer`); no per-sample gradient is ever sent, and afterwards
 every rank keeps only its own records, i.e. its rows ``J_a``. Each step then runs
-data-parallel (:func:`blocks_updates`)::
+data-parallel (:class:`GramBlocksStep`)::
 
     rank a:  v_a = J_a g                       [m]    (its own rows; g: DDP's averaged gradient)
     all_gather(v_a)  ->  J g = [v_0; …; v_{W−1}]  [M]
@@ -25,7 +25,7 @@ takes the same decision and the same ``u`` bit for bit.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from torch import Tensor
 from ..curvature.layer import CoveredLayer
 from .comm import Bucket, broadcast_buckets, collective, pack, unpack
 
-__all__ = ["blocks_updates", "N_PROBE"]
+__all__ = ["GramBlocksStep", "N_PROBE"]
 
 N_PROBE = 256  # weight coordinates of the push-through probe (plus the whole bias)
 
@@ -52,111 +52,131 @@ def _solve(chol: Tensor, rhs: Tensor) -> Tensor:
     return torch.linalg.solve_triangular(chol.mH, y, upper=True).view(-1)
 
 
-def blocks_updates(layers: list[CoveredLayer], owner: dict[str, int], chol: dict[str, Tensor], use_pt: bool,
-                   damping: float, generator: torch.Generator,
-                   count: Callable[[str, int], None]) -> dict[Tensor, Tensor]:
-    """``{param: u}`` of every parameter with a gradient of the ``gram-blocks`` ``layers``
-    (the same list, in graph order, on every rank; the store holds each rank's own records).
+class GramBlocksStep:
+    """One step's ``u`` of the ``gram-blocks`` ``layers`` (the same list, in graph order,
+    on every rank; the store holds each rank's own records), in three calls so that the
+    caller can work while the collectives are in flight:
+
+    * the constructor computes ``J_a g`` (and the probe's ``J_aᵀ1``) and starts the
+      all-gather (async);
+    * :meth:`exchange` waits for it, solves ``c`` where the factor is, broadcasts the
+      owners' ``c`` (one bucket per owner), computes ``J_aᵀ c_a`` and starts the
+      all-reduce of the partial sums (async);
+    * :meth:`finish` waits for it and returns ``{param: u}``.
 
     Args:
-        owner: layer name -> the rank holding its factor, or a negative value when every
-            rank holds it (``placement="replicate"``: no ``c`` is broadcast).
-        chol: the factors ``L`` (``[M, M]``, ``L Lᵀ = K + MαI``) held by this rank.
         use_pt: an empirical curvature step (``update_form="auto"``): probe for push-through.
         generator: draws the probe coordinates (seeded alike on every rank).
         count: ``count(layer name, bytes)`` for the bytes this rank sends.
     """
-    if not layers:
-        return {}
-    rank, world = dist.get_rank(), dist.get_world_size()
-    m = layers[0].m
-    M = world * m
-    dtype = layers[0].weight.dtype
-    for lay in layers[1:]:
-        dtype = torch.promote_types(dtype, lay.weight.dtype)
-    device = layers[0].weight.device
-    es = torch.empty((), dtype=dtype).element_size()
-    # 1. J_a g (and the probe's J_aᵀ1 on sampled coordinates) -> one all-gather
-    grads, idxs, pieces, sizes = [], [], [], []
-    for lay in layers:
-        gw, gb = _grads(lay)
-        part = [lay.jvp(gw, gb).to(dtype)]
-        idx = None
-        if use_pt:
-            ones = torch.ones(m, dtype=lay.records()[0].G.dtype if lay.records()[0].G is not None else dtype,
-                              device=device)
-            pw, pb = lay.vjp(ones)
-            idx = torch.randint(0, gw.numel(), (min(N_PROBE, gw.numel()),), generator=generator, device=device)
-            part.append(pw.reshape(-1)[idx].to(dtype))
-            if pb is not None:
-                part.append(pb.reshape(-1).to(dtype))
-        flat_part = torch.cat(part)
-        grads.append((gw, gb))
-        idxs.append(idx)
-        pieces.append(flat_part)
-        sizes.append(flat_part.numel())
-        count(lay.name, (world - 1) * flat_part.numel() * es)  # ring all-gather
-    mine = torch.cat(pieces)
-    parts = [torch.empty_like(mine) for _ in range(world)]
-    collective("all_gather of J g (gram-blocks)", lambda: dist.all_gather(parts, mine))
-    # 2. every rank: J g, the probe decision; solvers: c
-    tol = 1e-4 if dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-9
-    push: list[Optional[Tensor]] = []
-    cs: dict[str, Tensor] = {}
-    off = 0
-    for lay, (gw, gb), idx, size in zip(layers, grads, idxs, sizes):
-        Jg = torch.cat([p[off: off + m] for p in parts])
-        ok = None
-        if use_pt:
-            got = parts[0][off + m: off + size]
-            for p in parts[1:]:
-                got = got + p[off + m: off + size]
-            ref = gw.reshape(-1)[idx].to(dtype)
-            if gb is not None:
-                ref = torch.cat([ref, gb.reshape(-1).to(dtype)])
-            ok = torch.linalg.vector_norm(ref - got / M) <= tol * torch.linalg.vector_norm(ref)
-            Jg = torch.where(ok, torch.ones_like(Jg), Jg)
-        push.append(ok)
-        off += size
-        if lay.name in chol:
-            cs[lay.name] = _solve(chol[lay.name], Jg)
-    # 3. the owners' c to every rank (one bucketed broadcast per owner)
-    buckets: dict[int, Bucket] = {}
-    for lay in layers:
-        r = owner[lay.name]
-        if r >= 0:
-            buckets.setdefault(r, Bucket(r, dtype, device)).add(lay.name, torch.Size([M]))
-            count(lay.name, M * es)  # pipelined broadcast: every rank sends c once
-    blist = list(buckets.values())
-    flats = [pack([cs[k] for k in b.keys], b) if b.rank == rank else torch.empty(b.numel, dtype=dtype, device=device)
-             for b in blist]
-    broadcast_buckets(flats, blist)
-    for flat, b in zip(flats, blist):
-        cs.update(zip(b.keys, unpack(flat, b)))
-    # 4. J_aᵀ c_a on this rank's rows -> one all-reduce of the partial sums
-    partial, shapes = [], []
-    for lay in layers:
-        rec_dtype = lay.records()[0].G.dtype if lay.records()[0].G is not None else dtype
-        w, b = lay.vjp(cs[lay.name][rank * m:(rank + 1) * m].to(rec_dtype))
-        partial += [w.reshape(-1).to(dtype)] + ([b.reshape(-1).to(dtype)] if b is not None else [])
-        shapes.append((w.numel(), b.numel() if b is not None else 0))
-        n = w.numel() + shapes[-1][1]
-        count(lay.name, int(2 * (world - 1) / world * n * es))  # ring all-reduce
-    total = torch.cat(partial)
-    collective("all_reduce of the Jᵀc partial sums (gram-blocks)", lambda: dist.all_reduce(total))
-    # 5. u on every rank
-    out: dict[Tensor, Tensor] = {}
-    off = 0
-    a = 1.0 / damping
-    for lay, (gw, gb), ok, (nw, nb) in zip(layers, grads, push, shapes):
-        for p, g, k in ((lay.weight, gw, nw), (lay.bias, gb, nb)):
-            if p is None or g is None or k == 0:
-                continue
-            JTc = total[off: off + k].view(g.shape).to(g.dtype)
-            off += k
-            u = (g - JTc) * a
-            if ok is not None:  # push-through where the probe holds (scale 1: mean loss)
-                u = torch.where(ok, JTc, u)
-            if p.grad is not None:
-                out[p] = u.to(p.dtype)
-    return out
+
+    def __init__(self, layers: list[CoveredLayer], use_pt: bool, generator: torch.Generator,
+                 count: Callable[[str, int], None]):
+        self.layers, self.use_pt, self.count = layers, use_pt, count
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.m = layers[0].m
+        dtype = layers[0].weight.dtype
+        for lay in layers[1:]:
+            dtype = torch.promote_types(dtype, lay.weight.dtype)
+        self.dtype, self.device = dtype, layers[0].weight.device
+        self.es = torch.empty((), dtype=dtype).element_size()
+        self.grads: list[tuple[Tensor, Optional[Tensor]]] = []
+        self.idxs: list[Optional[Tensor]] = []
+        self.sizes: list[int] = []
+        pieces = []
+        for lay in layers:
+            gw, gb = _grads(lay)
+            part = [lay.jvp(gw, gb).to(dtype)]
+            idx = None
+            if use_pt:
+                ones = torch.ones(self.m, dtype=_record_dtype(lay, dtype), device=self.device)
+                pw, pb = lay.vjp(ones)
+                idx = torch.randint(0, gw.numel(), (min(N_PROBE, gw.numel()),), generator=generator,
+                                    device=self.device)
+                part.append(pw.reshape(-1)[idx].to(dtype))
+                if pb is not None:
+                    part.append(pb.reshape(-1).to(dtype))
+            piece = torch.cat(part)
+            self.grads.append((gw, gb))
+            self.idxs.append(idx)
+            self.sizes.append(piece.numel())
+            pieces.append(piece)
+            count(lay.name, (self.world - 1) * piece.numel() * self.es)  # ring all-gather
+        mine = torch.cat(pieces)
+        self.parts = [torch.empty_like(mine) for _ in range(self.world)]
+        self._gather = collective("all_gather of J g (gram-blocks)",
+                                  lambda: dist.all_gather(self.parts, mine, async_op=True))
+        self.push: list[Optional[Tensor]] = []
+        self._reduce: Any = None
+
+    def exchange(self, owner: dict[str, int], chol: dict[str, Tensor]) -> None:
+        """``owner``: layer name -> the rank holding its factor (negative: every rank);
+        ``chol``: the factors ``L`` (``[M, M]``, ``L Lᵀ = K + MαI``) held by this rank."""
+        collective("waiting for J g (gram-blocks)", self._gather.wait)
+        m, M, dtype, parts = self.m, self.world * self.m, self.dtype, self.parts
+        tol = 1e-4 if dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-9
+        cs: dict[str, Tensor] = {}
+        off = 0
+        for lay, (gw, gb), idx, size in zip(self.layers, self.grads, self.idxs, self.sizes):
+            Jg = torch.cat([p[off: off + m] for p in parts])
+            ok = None
+            if self.use_pt:
+                got = parts[0][off + m: off + size]
+                for p in parts[1:]:
+                    got = got + p[off + m: off + size]
+                ref = gw.reshape(-1)[idx].to(dtype)
+                if gb is not None:
+                    ref = torch.cat([ref, gb.reshape(-1).to(dtype)])
+                ok = torch.linalg.vector_norm(ref - got / M) <= tol * torch.linalg.vector_norm(ref)
+                Jg = torch.where(ok, torch.ones_like(Jg), Jg)
+            self.push.append(ok)
+            off += size
+            if lay.name in chol:
+                cs[lay.name] = _solve(chol[lay.name], Jg)
+        buckets: dict[int, Bucket] = {}
+        for lay in self.layers:
+            r = owner[lay.name]
+            if r >= 0:
+                buckets.setdefault(r, Bucket(r, dtype, self.device)).add(lay.name, torch.Size([M]))
+                self.count(lay.name, M * self.es)  # pipelined broadcast: every rank sends c once
+        blist = list(buckets.values())
+        flats = [pack([cs[k] for k in b.keys], b) if b.rank == self.rank
+                 else torch.empty(b.numel, dtype=dtype, device=self.device) for b in blist]
+        broadcast_buckets(flats, blist, "the owners' c (gram-blocks)")
+        for flat, b in zip(flats, blist):
+            cs.update(zip(b.keys, unpack(flat, b)))
+        partial, self.shapes = [], []
+        for lay in self.layers:
+            c_a = cs[lay.name][self.rank * m:(self.rank + 1) * m].to(_record_dtype(lay, dtype))
+            w, b = lay.vjp(c_a)
+            partial += [w.reshape(-1).to(dtype)] + ([b.reshape(-1).to(dtype)] if b is not None else [])
+            self.shapes.append((w.numel(), b.numel() if b is not None else 0))
+            n = sum(self.shapes[-1])
+            self.count(lay.name, int(2 * (self.world - 1) / self.world * n * self.es))  # ring all-reduce
+        self.total = torch.cat(partial)
+        self._reduce = collective("all_reduce of the Jᵀc partial sums (gram-blocks)",
+                                  lambda: dist.all_reduce(self.total, async_op=True))
+
+    def finish(self, damping: float) -> dict[Tensor, Tensor]:
+        """``{param: u}``: ``(g − Jᵀc)/α``, or ``Jᵀc`` where the push-through probe holds."""
+        collective("waiting for Jᵀc (gram-blocks)", self._reduce.wait)
+        out: dict[Tensor, Tensor] = {}
+        off = 0
+        a = 1.0 / damping
+        for lay, (gw, gb), ok, (nw, nb) in zip(self.layers, self.grads, self.push, self.shapes):
+            for p, g, k in ((lay.weight, gw, nw), (lay.bias, gb, nb)):
+                if p is None or g is None or k == 0:
+                    continue
+                JTc = self.total[off: off + k].view(g.shape).to(g.dtype)
+                off += k
+                u = (g - JTc) * a
+                if ok is not None:  # push-through where the probe holds (scale 1: mean loss)
+                    u = torch.where(ok, JTc, u)
+                if p.grad is not None:
+                    out[p] = u.to(p.dtype)
+        return out
+
+
+def _record_dtype(lay: CoveredLayer, default: torch.dtype) -> torch.dtype:
+    G = lay.records()[0].G
+    return G.dtype if G is not None else default

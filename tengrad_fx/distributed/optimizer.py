@@ -40,8 +40,20 @@ rank computes ``J_a g`` on its rows, one ``all_gather`` of these ``m``-vectors, 
 solves ``c`` and broadcasts it (``M`` values), each rank computes ``J_aᵀ c_a``, one
 ``all_reduce`` of these partial sums, and every rank forms ``u = (g − Jᵀc)/α``.
 ``mode="auto"``: per layer, ``gather`` or ``gram-blocks`` by the cost model
-:func:`.plan.choose_mode` (per-step bytes at ``bandwidth`` vs flops at ``flop_rate``);
+:func:`.plan.choose_modes` (the busiest rank's per-step time: bytes at ``bandwidth``,
+flops at ``flop_rate``);
 ``layer_plan()`` reports each layer's mode, placement and owner.
+
+Overlap (async handles; the arithmetic is the same as without, so results are bit for
+bit those of the sequential order): the records of all layers travel together (one
+bucket per ``(owner, dtype)``, all in flight); on every step the all-gather of the
+gram-blocks layers' ``J_a g`` is in flight while the rank solves its gather layers, and
+the owners' ``u`` broadcasts are in flight while it finishes the gram-blocks layers
+(``c``, ``J_aᵀ c_a``, their all-reduce). Not overlapped: the records' arrival with the
+Gram (the Gram of a layer needs all ``M`` rows; computing ``K_aa`` early would change the
+summation and the bits), and the momentum update with the ``u`` broadcasts (the KL clip
+needs ``Σ u·g`` over every layer before any parameter moves, and the update is one fused
+pass over all parameters).
 
 Placement, per layer (``placement``): ``"owner"`` as above; ``"replicate"``: every rank
 all-gathers the layer's records and solves it, so its ``u`` (or, for ``gram-blocks``,
@@ -84,9 +96,9 @@ from ..optim.mc import mc_capture, sample_targets
 from ..optim.state_check import META
 from ..optim.tengrad import TENGraD
 from ..optim.tengrad_groups import build_groups, precondition_groups, reuse_cost, tf32_matmuls
-from .comm import Bucket, all_ok, all_sum, broadcast_buckets, pack, unpack
-from .gram_blocks import blocks_updates
-from .plan import assign_owners, choose_mode, choose_placement, solve_cost
+from .comm import Bucket, all_ok, all_sum, pack, start_broadcasts, unpack, wait_all
+from .gram_blocks import GramBlocksStep
+from .plan import assign_owners, choose_modes, choose_placement, solve_cost
 from .records import REPLICATED, check_records, gather_records
 
 __all__ = ["DistributedTENGraD", "mc_seed"]
@@ -113,7 +125,7 @@ class DistributedTENGraD(TENGraD):
         mode: global-batch Fisher with ``"gather"`` (records gathered where a layer is
             solved, ``u`` broadcast), ``"gram-blocks"`` (Gram from the ranks' blocks, the
             per-step products data-parallel) or ``"auto"`` (per layer by
-            :func:`.plan.choose_mode`); or ``"local"`` (per-rank Fisher blocks, updates averaged).
+            :func:`.plan.choose_modes`); or ``"local"`` (per-rank Fisher blocks, updates averaged).
         placement: ``"auto"``, ``"owner"`` or ``"replicate"`` (module docstring).
         bandwidth, flop_rate: the cost models' bytes/s and flop/s per rank (``"auto"``).
         seed: global seed of the MC Fisher's label sampling (per-rank seeds :func:`mc_seed`).
@@ -158,6 +170,7 @@ class DistributedTENGraD(TENGraD):
         self._mode: dict[str, str] = {}  # layer name -> "gather" / "gram-blocks" (last curvature step)
         self._local: dict[int, list[Any]] = {}  # site -> this rank's own records of gram-blocks layers
         self._n_gather = 0  # self._curv[:_n_gather]: groups of gather layers; the rest gram-blocks
+        self._sharing: Optional[tuple[list[Tensor], list[Bucket], list[Any]]] = None  # u broadcasts in flight
         self._fresh = True  # no curvature yet (on any rank)
         self._generators: dict[str, torch.Generator] = {}
         self.last_mc_targets: Optional[Tensor] = None
@@ -226,6 +239,7 @@ class DistributedTENGraD(TENGraD):
                  ok: Tensor) -> dict[Tensor, Tensor]:
         t0 = time.perf_counter()
         self.comm_bytes = {}
+        self._sharing = None
         if curvature_step:
             if self.mode == "local":
                 self._layers = [lay for lay in self._all_layers if lay.captured]
@@ -252,11 +266,16 @@ class DistributedTENGraD(TENGraD):
             return
         M = self.world * layers[live[0]].m
         owners = assign_owners([solve_cost(M, layers[i].dims()) for i in live], self.world)
+        modes = [self.mode] * len(live)
+        if self.mode == "auto":
+            ns = [sum(p.numel() for p in (layers[i].weight, layers[i].bias) if p is not None) for i in live]
+            modes = choose_modes(M, ns, [layers[i].dims() for i in live], owners, self.world, self.bandwidth,
+                                 self.flop_rate)
         keep = set()
         store = self._info.store
         for q, i in enumerate(live):
             lay = layers[i]
-            mode = self._mode[lay.name] = self._layer_mode(lay, M)
+            mode = self._mode[lay.name] = modes[q]
             if self._placement(lay, M, mode) == "replicate":
                 owners[q] = REPLICATED
             self._owner[lay.name] = owners[q]
@@ -288,19 +307,26 @@ class DistributedTENGraD(TENGraD):
 
     def _precondition(self, push_through: bool, damping: float) -> dict[Tensor, Tensor]:
         """``u`` of the gather layers solved here (TENGraD's) and of every ``gram-blocks``
-        layer (data-parallel: :func:`.gram_blocks.blocks_updates`)."""
+        layer (data-parallel, :class:`.gram_blocks.GramBlocksStep`), overlapped: the
+        all-gather of the ``J_a g`` runs while this rank solves its gather layers; the
+        broadcasts of their ``u`` run while it finishes the gram-blocks layers."""
         use_pt = push_through and self.update_form == "auto"
+        blocks = [lay for lay in self._all_layers if self._mode.get(lay.name) == "gram-blocks"]
+        step = None
+        if blocks:  # starts the all-gather of J_a g
+            step = GramBlocksStep(blocks, use_pt, self._generator(blocks[0].weight.device, "probe"), self._add_bytes)
         gather = self._curv[:self._n_gather]
         out: dict[Tensor, Tensor] = {}
         if gather and self._chol is not None:
             L = sum(len(grp.layers) for grp in gather)
             out = precondition_groups(gather, self._chol[:L], use_pt, damping, self._info.loss_reduction)
-        chol = {lay.name: grp.chol[i] for grp in self._curv[self._n_gather:] if grp.chol is not None
-                for i, lay in enumerate(grp.layers)}
-        blocks = [lay for lay in self._all_layers if self._mode.get(lay.name) == "gram-blocks"]
-        if blocks:
-                out.update(blocks_updates(blocks, self._owner, chol, use_pt, damping,
-                                      self._generator(blocks[0].weight.device, "probe"), self._add_bytes))
+        if self.mode != "local":
+            self._start_share(out)  # the owners' u of gather layers, in flight from here
+        if step is not None:
+            chol = {lay.name: grp.chol[i] for grp in self._curv[self._n_gather:] if grp.chol is not None
+                    for i, lay in enumerate(grp.layers)}
+            step.exchange(self._owner, chol)
+            out.update(step.finish(damping))
         return out
 
     def reuse_cost(self) -> tuple[float, float]:
@@ -317,12 +343,13 @@ class DistributedTENGraD(TENGraD):
         return {name: {"mode": self._mode[name], "placement": "replicate" if r == REPLICATED else "owner",
                        "owner": None if r == REPLICATED else r} for name, r in self._owner.items()}
 
-    def _share_updates(self, local: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
-        """Step 5: every rank gets every owned layer's ``u`` (in graph order on every rank)."""
-        order = [lay for lay in self._all_layers if lay.name in self._owner]
+    def _start_share(self, local: dict[Tensor, Tensor]) -> None:
+        """Step 5, started: each owner's ``u`` of its gather layers, one bucketed async
+        ``broadcast`` per ``(owner, dtype)`` (the same buckets in the same order on every rank)."""
         buckets: dict[tuple[int, torch.dtype], Bucket] = {}
-        for lay in order:
-            if self._owner[lay.name] == REPLICATED or self._mode.get(lay.name) == "gram-blocks":
+        for lay in self._all_layers:
+            if lay.name not in self._owner or self._owner[lay.name] == REPLICATED \
+                    or self._mode.get(lay.name) == "gram-blocks":
                 continue  # every rank has its u
             for p in self._params(lay):
                 key = (self._owner[lay.name], p.dtype)
@@ -338,10 +365,20 @@ class DistributedTENGraD(TENGraD):
                 flats.append(torch.empty(b.numel, dtype=b.dtype, device=b.device))
             for p in b.keys:  # a pipelined broadcast: every rank sends each u once
                 self._add_bytes(self._name_of(p), p.numel() * p.element_size())
-        broadcast_buckets(flats, blist)
+        self._sharing = (flats, blist, start_broadcasts(flats, blist))
+
+    def _share_updates(self, local: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
+        """Step 5, finished: every rank has every owned layer's ``u`` (graph order)."""
+        if self._sharing is None:
+            self._start_share(local)
+        assert self._sharing is not None
+        flats, blist, works = self._sharing
+        self._sharing = None
+        wait_all(works)
         got: dict[Tensor, Tensor] = {}
         for flat, b in zip(flats, blist):
             got.update(zip(b.keys, unpack(flat, b)))
+        order = [lay for lay in self._all_layers if lay.name in self._owner]
         return {p: (got[p] if p in got else local[p]) for lay in order for p in self._params(lay)
                 if p in got or p in local}
 
@@ -364,12 +401,6 @@ class DistributedTENGraD(TENGraD):
 
     def _add_bytes(self, name: str, nbytes: int) -> None:
         self.comm_bytes[name] = self.comm_bytes.get(name, 0) + nbytes
-
-    def _layer_mode(self, lay: CoveredLayer, M: int) -> str:
-        if self.mode != "auto":
-            return self.mode
-        n = sum(p.numel() for p in (lay.weight, lay.bias) if p is not None)
-        return choose_mode(M, n, lay.dims(), self.world, self.bandwidth, self.flop_rate)
 
     def _placement(self, lay: CoveredLayer, M: int, mode: str) -> str:
         if self.placement != "auto":

@@ -17,7 +17,7 @@ from typing import Sequence
 
 from ..curvature.layer import gram_flops
 
-__all__ = ["solve_cost", "assign_owners", "step_flops", "choose_mode", "choose_placement"]
+__all__ = ["solve_cost", "assign_owners", "step_flops", "mode_times", "choose_modes", "choose_placement"]
 
 
 def solve_cost(M: int, dims: tuple[int, int, int, int]) -> float:
@@ -43,28 +43,57 @@ def step_flops(M: int, dims: tuple[int, int, int, int]) -> float:
     return 4.0 * M * S * f * o * g
 
 
-def choose_mode(M: int, n: int, dims: tuple[int, int, int, int], world: int, bandwidth: float,
-                flop_rate: float, nbytes: int = 4) -> str:
-    """``"gram-blocks"`` or ``"gather"`` for one layer: the mode whose per-step time
-    (``bytes/bandwidth + flops/flop_rate`` on the busiest rank) is smaller. A curvature
-    step costs the same in both (the records go where the Gram is formed, the same Gram
-    and Cholesky), so only the per-step work enters (``m = M/W``, ``n`` parameters)::
+def mode_times(M: int, n: int, dims: tuple[int, int, int, int], world: int, bandwidth: float,
+               flop_rate: float, nbytes: int = 4) -> tuple[float, float]:
+    """Per-step seconds of one layer in each mode, ``(gather on its owner, gram-blocks on
+    every rank)``, ``m = M/W``, ``n`` parameters, ``b = nbytes``::
 
-        gather:      n·b / bandwidth                          + 4·M·S·f·o·g / flop_rate
-                     (the owner's u, sent once; J g and Jᵀc on all M rows at the owner)
+        gather:      n·b / bandwidth + 4·M·S·f·o·g / flop_rate
+                     (the owner's u, sent once; J g and Jᵀc on all M rows, at the owner)
         gram-blocks: (2(W−1)/W·n·b + (W−1)·m·b + M·b) / bandwidth + 4·m·S·f·o·g / flop_rate
                      (ring all-reduce of the Jᵀc partial sums, all-gather of the m-vectors
-                     J_a g, broadcast of c; J g and Jᵀc on the rank's own m rows)
+                     J_a g, broadcast of c; J g and Jᵀc on each rank's own m rows)
 
-    so ``gram-blocks`` wins where ``J g``/``Jᵀc`` over the global batch cost more than
-    moving about ``n`` more values: large ``S`` (convolutions, sequences) or large ``M``."""
-    if world == 1:
-        return "gather"
+    A curvature step costs the same in both (the records go where the Gram is formed,
+    the same Gram and Cholesky), so it does not enter."""
     m = M // world
     t_gather = n * nbytes / bandwidth + step_flops(M, dims) / flop_rate
     sent = 2.0 * (world - 1) / world * n * nbytes + (world - 1) * m * nbytes + M * nbytes
-    t_blocks = sent / bandwidth + step_flops(m, dims) / flop_rate
-    return "gram-blocks" if t_blocks < t_gather else "gather"
+    return t_gather, sent / bandwidth + step_flops(m, dims) / flop_rate
+
+
+def choose_modes(M: int, ns: Sequence[int], dims: Sequence[tuple[int, int, int, int]], owners: Sequence[int],
+                 world: int, bandwidth: float, flop_rate: float) -> list[str]:
+    """``"gather"`` or ``"gram-blocks"`` per layer (``ns``, ``dims``, ``owners``: per
+    layer), minimizing the busiest rank's per-step time (:func:`mode_times`).
+
+    In ``gather`` a layer's per-step time falls on its owner (the other ranks work on
+    their own layers meanwhile); in ``gram-blocks`` every rank spends the layer's
+    (``W`` times smaller) share. With the layers sorted by decreasing gather time (ties:
+    order), the ``k`` largest go ``gram-blocks``, for the ``k`` that minimizes
+    ``max_r(load_r) + shared`` (``load_r``: rank ``r``'s remaining gather layers,
+    ``shared``: the ``k`` gram-blocks layers; the smallest such ``k``). So ``gram-blocks``
+    takes the layers whose ``J g``/``Jᵀc`` on the global batch would make their owners the
+    stragglers, when moving their vectors is cheaper; the inputs are shapes every rank
+    knows, so every rank agrees."""
+    modes = ["gather"] * len(ns)
+    if world == 1 or not ns:
+        return modes
+    times = [mode_times(M, n, d, world, bandwidth, flop_rate) for n, d in zip(ns, dims)]
+    load = [0.0] * world
+    for (tg, _), r in zip(times, owners):
+        load[r] += tg
+    order = sorted(range(len(ns)), key=lambda j: (-times[j][0], j))
+    best, best_k, shared = max(load), 0, 0.0
+    for k, i in enumerate(order, 1):
+        load[owners[i]] -= times[i][0]
+        shared += times[i][1]
+        cost = max(load) + shared
+        if cost < best:
+            best, best_k = cost, k
+    for i in order[:best_k]:
+        modes[i] = "gram-blocks"
+    return modes
 
 
 def choose_placement(M: int, n: int, record_bytes: float, dims: tuple[int, int, int, int], world: int,

@@ -32,7 +32,7 @@ TWO = {
     "mlp-nan": dict(model="mlp", m=4, steps=3, T=1, nan_rank=1, nan_step=1),
     "mlp-blocks-T2": dict(model="mlp", m=4, steps=4, T=2, mode="gram-blocks"),
     "cnn-blocks-mc-T2-clip": dict(model="cnn", m=3, steps=4, T=2, mode="gram-blocks", fisher="mc", kl_clip=0.01),
-    "cnn-auto-mixed": dict(model="cnn", m=3, steps=4, T=2, mode="auto", bandwidth=1e9, flop_rate=5e10),
+    "cnn-auto-mixed": dict(model="cnn", m=3, steps=4, T=2, mode="auto", bandwidth=1e9, flop_rate=3e10),
     "mlp-blocks-10": dict(model="mlp", m=3, steps=10, T=3, mode="gram-blocks", fisher="mc"),
     "mlp-save": dict(model="mlp", m=6, steps=2, T=1),  # + save (fixture)
     "mlp-resume-same": dict(model="mlp", m=6, steps=2, T=1, start=2),  # + load (fixture)
@@ -47,7 +47,7 @@ THREE = {
     "mlp-blocks-mc-T1": dict(model="mlp", m=3, steps=3, T=1, mode="gram-blocks", fisher="mc"),
     "cnn-blocks-replicate-mc": dict(model="cnn", m=2, steps=3, T=2, mode="gram-blocks", fisher="mc",
                                     placement="replicate"),
-    "mlp-auto-mixed": dict(model="mlp", m=3, steps=4, T=2, mode="auto", bandwidth=1e9, flop_rate=8e9),
+    "cnn-auto-mixed": dict(model="cnn", m=2, steps=4, T=2, mode="auto", bandwidth=1e9, flop_rate=3e10),
     "mlp2-blocks-a-rank-owns-nothing": dict(model="mlp2", m=3, steps=4, T=2, mode="gram-blocks"),
     "mlp-resume": dict(model="mlp", m=4, steps=2, T=1, start=2),  # + load (fixture)
     "mlp-unequal-batches": dict(model="mlp", m=4, steps=1, T=1, short_rank=2, expect_error=True),
@@ -201,25 +201,28 @@ def test_a_rank_may_own_no_layer(three: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_auto_mode_mixes_gather_and_gram_blocks(two: dict[str, Any], three: dict[str, Any], world: int) -> None:
-    """``mode="auto"``: each layer takes the mode of :func:`plan.choose_mode` (here a slow
-    link makes the big layers ``gram-blocks``, the small last Linear ``gather``), reported
-    by ``layer_plan()`` identically on every rank; the update is still the global one
-    (``test_*_ranks_equal_global_batch[*-auto-mixed]``)."""
-    from tengrad_fx.distributed.plan import choose_mode
-    from testing.dist_workers import make_model
-    name = "cnn-auto-mixed" if world == 2 else "mlp-auto-mixed"
-    cfg = (TWO if world == 2 else THREE)[name]
-    ranks = (two if world == 2 else three)["ranks"][name]
+    """``mode="auto"``: the layers take the modes of :func:`plan.choose_modes` for their
+    shapes and owners (here a slow link: the first convolution, whose ``J g`` on the
+    global batch makes its owner the straggler, goes ``gram-blocks``, the Linear head
+    stays ``gather``), reported by ``layer_plan()`` identically on every rank; the update
+    is still the global one (``test_*_ranks_equal_global_batch[cnn-auto-mixed]``)."""
+    import torch.nn.functional as F
+    import tengrad_fx
+    from tengrad_fx.distributed.plan import choose_modes
+    from testing.dist_workers import global_batch, make_model
+    cfg = (TWO if world == 2 else THREE)["cnn-auto-mixed"]
+    ranks = (two if world == 2 else three)["ranks"]["cnn-auto-mixed"]
     plan = ranks[0]["plan"]
     assert all(r["plan"] == plan for r in ranks)
-    modes = [plan[k]["mode"] for k in sorted(plan, key=int)]
-    assert modes == ["gram-blocks", "gram-blocks", "gather"], plan
-    net = make_model(cfg["model"])
-    last = [mod for mod in net.modules() if isinstance(mod, torch.nn.Linear)][-1]
-    n = last.weight.numel() + last.bias.numel()
-    M = world * cfg["m"]
-    assert choose_mode(M, n, (1, 1, last.in_features, last.out_features), world, cfg["bandwidth"],
-                       cfg["flop_rate"]) == "gather"
+    net = tengrad_fx.prepare(make_model("cnn"))
+    x, y = global_batch("cnn", cfg["m"], 0)
+    F.cross_entropy(net(x), y).backward()
+    lays = tengrad_fx.covered_layers(net)
+    ns = [sum(p.numel() for p in (lay.weight, lay.bias) if p is not None) for lay in lays]
+    want = choose_modes(world * cfg["m"], ns, [lay.dims() for lay in lays], [plan[lay.name]["owner"] for lay in lays],
+                        world, cfg["bandwidth"], cfg["flop_rate"])
+    assert [plan[lay.name]["mode"] for lay in lays] == want
+    assert want[0] == "gram-blocks" and want[-1] == "gather"
 
 
 def test_gram_blocks_reuse_step_moves_only_vectors(two: dict[str, Any]) -> None:

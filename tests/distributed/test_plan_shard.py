@@ -53,21 +53,27 @@ def test_choose_placement_replicates_cheap_big_layers() -> None:
     assert choose_placement(64, 10 ** 6, 0.0, dims, 1, 10, bandwidth=1e8, flop_rate=1e14) == "owner"
 
 
-def test_choose_mode_by_bytes_vs_flops() -> None:
-    """``gram-blocks`` where ``J g``/``Jᵀc`` on the global batch cost more than the extra
-    vectors it moves (the formula of :func:`plan.choose_mode`, evaluated by hand)."""
-    from tengrad_fx.distributed.plan import choose_mode, step_flops
+def test_mode_times_and_choose_modes() -> None:
+    """The per-layer times of :func:`plan.mode_times` (by hand), and :func:`plan.choose_modes`:
+    a layer that makes its owner the straggler goes ``gram-blocks``; balanced layers (one
+    per rank) stay ``gather`` — splitting one would not shorten the busiest rank's step."""
+    from tengrad_fx.distributed.plan import choose_modes, mode_times, step_flops
     W, m = 8, 128
     M = W * m
     conv = (1, 32 * 32, 9 * 64, 64)  # 3x3 conv 64 -> 64 on 32x32: S = 1024 positions
     n = 9 * 64 * 64 + 64
     t_gather = n * 4 / 50e9 + step_flops(M, conv) / 50e12
     t_blocks = (2 * (W - 1) / W * n * 4 + (W - 1) * m * 4 + M * 4) / 50e9 + step_flops(m, conv) / 50e12
-    assert t_blocks < t_gather and choose_mode(M, n, conv, W, 50e9, 50e12) == "gram-blocks"
-    head = (1, 1, 256, 10)  # a small Linear head, fast compute: gather
-    assert choose_mode(M, 2570, head, W, 50e9, 50e12) == "gather"
-    assert choose_mode(M, 2570, head, W, 50e9, 1e9) == "gram-blocks"  # slow compute
-    assert choose_mode(m, n, conv, 1, 50e9, 50e12) == "gather"  # one rank: nothing to split
+    assert mode_times(M, n, conv, W, 50e9, 50e12) == pytest.approx((t_gather, t_blocks))
+    head = (1, 1, 256, 10)  # a small Linear head
+    # one big conv on rank 0, small heads on the other ranks: the conv is split, the heads are not
+    modes = choose_modes(M, [n] + [2570] * (W - 1), [conv] + [head] * (W - 1), list(range(W)), W, 50e9, 50e12)
+    assert modes == ["gram-blocks"] + ["gather"] * (W - 1)
+    # W equal convs, one per rank: already balanced
+    assert choose_modes(M, [n] * W, [conv] * W, list(range(W)), W, 50e9, 50e12) == ["gather"] * W
+    # all on one rank (e.g. 2 layers, the big one first): the big one is split
+    assert choose_modes(M, [n, 2570], [conv, head], [0, 0], W, 50e9, 50e12)[0] == "gram-blocks"
+    assert choose_modes(m, [n], [conv], [0], 1, 50e9, 50e12) == ["gather"]  # one rank: nothing to split
 
 
 def test_mode_and_placement_are_checked() -> None:

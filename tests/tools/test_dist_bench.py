@@ -20,7 +20,12 @@ def test_distributed_bench_reports_every_method() -> None:
     n_cov = ranks[0]["results"]["dist-tengrad-local"]["tengrad_bytes"]
     assert n_cov == pytest.approx(4 * ranks[0]["n_params"], rel=0.01)
     assert 1e-6 < ranks[0]["local_error"] < 10.0  # the local Fisher is another preconditioner
-    assert "relative difference" in text and "by layer" in text
+    assert "relative difference" in text and "by layer and mode" in text and "x DDP-SGD" in text
+    # gram-blocks: records on curvature steps; on reuse steps only m- and M-vectors and the Jᵀc all-reduce
+    reuse = ranks[0]["per_layer"][("gram-blocks", "reuse")]
+    n = ranks[0]["layer_n"]
+    assert set(reuse) == set(n) and all(reuse[k] == (4 + 8 + n[k]) * 4 for k in n)  # W=2, m=4, float32
+    assert set(ranks[0]["auto"].values()) <= {"gather", "gram-blocks"} and set(ranks[0]["auto"]) == set(n)
 
 
 def test_dist_model_rows() -> None:
