@@ -2,7 +2,7 @@
 batches on ``W`` ranks (:func:`train_ranks`, run through :func:`testing.distributed.run_ranks`)
 and in one process on the concatenated batch (:func:`train_single`, the reference).
 
-A run is described by a ``cfg`` dict: ``model`` ("mlp", "mlp2" or "cnn"), ``m`` (local batch),
+A run is described by a ``cfg`` dict: ``model`` ("mlp", "mlp2", "mlp3" or "cnn"), ``m`` (local batch),
 ``steps``, ``T`` (curvature_every), ``fisher``, ``kl_clip``, ``placement`` (default
 ``"owner"``), ``mode`` (default ``"gather"``), ``bandwidth``/``flop_rate`` (the cost
 model's, for ``"auto"``), and optional
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 __all__ = ["make_model", "global_batch", "train_ranks", "train_single", "flat_params", "local_fisher_reference"]
 
-SHAPES = {"mlp": (6,), "mlp2": (6,), "cnn": (3, 6, 6)}
+SHAPES = {"mlp": (6,), "mlp2": (6,), "mlp3": (6,), "cnn": (3, 6, 6)}
 
 
 def make_model(kind: str) -> nn.Module:
@@ -32,6 +32,9 @@ def make_model(kind: str) -> nn.Module:
         net = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 8), nn.ReLU(), nn.Linear(8, 4))
     elif kind == "mlp2":  # two layers: with 3 ranks, one rank owns none
         net = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 4))
+    elif kind == "mlp3":  # two 8 -> 8 layers: one group of equal shapes
+        net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.ReLU(),
+                            nn.Linear(8, 4))
     else:
         net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(),
                             nn.Conv2d(4, 4, 3, groups=2, stride=2, bias=False), nn.ReLU(),

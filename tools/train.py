@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--distributed", action="store_true",
                    help="one process per rank under torchrun (DDP; TENGraD with the global batch's Fisher); "
                         "--batch-size is then the global batch (see tools._dist)")
+    p.add_argument("--dist-mode", default="auto", choices=("auto", "gather", "gram-blocks", "local"),
+                   help="--distributed TENGraD: the global-batch mode per layer (auto: the cost model picks gather "
+                        "or gram-blocks), or local (per-rank Fisher, updates averaged)")
     return p
 
 
@@ -290,11 +293,12 @@ def build_optimizer(cfg: dict[str, Any], model: nn.Module) -> torch.optim.Optimi
     """SGD over the plain model; any other optimizer over the prepared model, by
     ``tengrad_fx.optim.registry.make_optimizer`` with every value explicit; with
     ``--distributed``, TENGraD is :class:`tengrad_fx.distributed.DistributedTENGraD` (MC
-    seed: ``--seed``)."""
+    seed: ``--seed``; ``mode``: ``--dist-mode``)."""
     if cfg.get("distributed") and cfg["optimizer"] == "tengrad":
         from tengrad_fx.distributed import DistributedTENGraD  # noqa: PLC0415
 
-        return DistributedTENGraD(model, seed=cfg["seed"], **optimizer_kwargs(cfg))
+        return DistributedTENGraD(model, seed=cfg["seed"], mode=cfg.get("dist_mode") or "auto",
+                                  **optimizer_kwargs(cfg))
     try:
         return registry.make_optimizer(cfg["optimizer"], model, **optimizer_kwargs(cfg))
     except TypeError as exc:  # an option this optimizer does not take

@@ -32,18 +32,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..curvature.layer import CoveredLayer
+from ..optim.tengrad_groups import LayerGroup
 from .comm import Bucket, broadcast_buckets, collective, pack, unpack
 
 __all__ = ["GramBlocksStep", "N_PROBE"]
 
 N_PROBE = 256  # weight coordinates of the push-through probe (plus the whole bias)
-
-
-def _grads(lay: CoveredLayer) -> tuple[Tensor, Optional[Tensor]]:
-    """``(g_w [weight shape], g_b [bias shape] or None)``; a missing ``.grad`` is zeros."""
-    def one(p: Tensor) -> Tensor:
-        return p.grad if p.grad is not None else torch.zeros_like(p)
-    return one(lay.weight), (one(lay.bias) if lay.bias is not None else None)
 
 
 def _solve(chol: Tensor, rhs: Tensor) -> Tensor:
@@ -53,9 +47,11 @@ def _solve(chol: Tensor, rhs: Tensor) -> Tensor:
 
 
 class GramBlocksStep:
-    """One step's ``u`` of the ``gram-blocks`` ``layers`` (the same list, in graph order,
-    on every rank; the store holds each rank's own records), in three calls so that the
-    caller can work while the collectives are in flight:
+    """One step's ``u`` of the ``gram-blocks`` layers, given as
+    :class:`~tengrad_fx.optim.tengrad_groups.LayerGroup` s over each rank's own records
+    (the same groups, in the same order, on every rank: one batched ``J g`` / ``Jᵀ c`` per
+    group of equal shapes), in three calls so that the caller can work while the
+    collectives are in flight:
 
     * the constructor computes ``J_a g`` (and the probe's ``J_aᵀ1``) and starts the
       all-gather (async);
@@ -65,43 +61,47 @@ class GramBlocksStep:
     * :meth:`finish` waits for it and returns ``{param: u}``.
 
     Args:
+        groups: the gram-blocks layers' groups of local records (``m`` rows each).
         use_pt: an empirical curvature step (``update_form="auto"``): probe for push-through.
         generator: draws the probe coordinates (seeded alike on every rank).
         count: ``count(layer name, bytes)`` for the bytes this rank sends.
     """
 
-    def __init__(self, layers: list[CoveredLayer], use_pt: bool, generator: torch.Generator,
+    def __init__(self, groups: list[LayerGroup], use_pt: bool, generator: torch.Generator,
                  count: Callable[[str, int], None]):
-        self.layers, self.use_pt, self.count = layers, use_pt, count
+        self.groups, self.use_pt, self.count = groups, use_pt, count
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.m = layers[0].m
-        dtype = layers[0].weight.dtype
-        for lay in layers[1:]:
-            dtype = torch.promote_types(dtype, lay.weight.dtype)
-        self.dtype, self.device = dtype, layers[0].weight.device
+        self.m = groups[0].m
+        dtype = groups[0].layers[0].weight.dtype
+        for grp in groups:
+            for lay in grp.layers:
+                dtype = torch.promote_types(dtype, lay.weight.dtype)
+        self.dtype, self.device = dtype, groups[0].layers[0].weight.device
         self.es = torch.empty((), dtype=dtype).element_size()
         self.grads: list[tuple[Tensor, Optional[Tensor]]] = []
         self.idxs: list[Optional[Tensor]] = []
-        self.sizes: list[int] = []
+        self.widths: list[int] = []  # values per layer of the group in the all-gather
         pieces = []
-        for lay in layers:
-            gw, gb = _grads(lay)
-            part = [lay.jvp(gw, gb).to(dtype)]
+        for grp in groups:
+            L = len(grp.layers)
+            gw, gb = grp.grads()  # [L, n_w], [L, n_b]
+            part = [grp.jvp(gw, gb).to(dtype)]  # [L, m]
             idx = None
             if use_pt:
-                ones = torch.ones(self.m, dtype=_record_dtype(lay, dtype), device=self.device)
-                pw, pb = lay.vjp(ones)
-                idx = torch.randint(0, gw.numel(), (min(N_PROBE, gw.numel()),), generator=generator,
+                ones = torch.ones(L, self.m, dtype=_record_dtype(grp.layers[0], dtype), device=self.device)
+                pw, pb = grp.vjp(ones)
+                idx = torch.randint(0, gw.shape[1], (min(N_PROBE, gw.shape[1]),), generator=generator,
                                     device=self.device)
-                part.append(pw.reshape(-1)[idx].to(dtype))
-                if pb is not None:
-                    part.append(pb.reshape(-1).to(dtype))
-            piece = torch.cat(part)
+                part.append(pw[:, idx].to(dtype))
+                if pb is not None and gb is not None:
+                    part.append(pb.to(dtype))
+            piece = torch.cat(part, 1)  # [L, width]
             self.grads.append((gw, gb))
             self.idxs.append(idx)
-            self.sizes.append(piece.numel())
-            pieces.append(piece)
-            count(lay.name, (self.world - 1) * piece.numel() * self.es)  # ring all-gather
+            self.widths.append(piece.shape[1])
+            pieces.append(piece.reshape(-1))
+            for lay in grp.layers:
+                count(lay.name, (self.world - 1) * piece.shape[1] * self.es)  # ring all-gather
         mine = torch.cat(pieces)
         self.parts = [torch.empty_like(mine) for _ in range(self.world)]
         self._gather = collective("all_gather of J g (gram-blocks)",
@@ -113,32 +113,37 @@ class GramBlocksStep:
         """``owner``: layer name -> the rank holding its factor (negative: every rank);
         ``chol``: the factors ``L`` (``[M, M]``, ``L Lᵀ = K + MαI``) held by this rank."""
         collective("waiting for J g (gram-blocks)", self._gather.wait)
-        m, M, dtype, parts = self.m, self.world * self.m, self.dtype, self.parts
+        m, M, dtype = self.m, self.world * self.m, self.dtype
         tol = 1e-4 if dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-9
         cs: dict[str, Tensor] = {}
         off = 0
-        for lay, (gw, gb), idx, size in zip(self.layers, self.grads, self.idxs, self.sizes):
-            Jg = torch.cat([p[off: off + m] for p in parts])
+        for grp, (gw, gb), idx, width in zip(self.groups, self.grads, self.idxs, self.widths):
+            L = len(grp.layers)
+            views = [p[off: off + L * width].view(L, width) for p in self.parts]
+            off += L * width
+            Jg = torch.cat([v[:, :m] for v in views], 1)  # [L, M]: the ranks' rows in rank order
             ok = None
             if self.use_pt:
-                got = parts[0][off + m: off + size]
-                for p in parts[1:]:
-                    got = got + p[off + m: off + size]
-                ref = gw.reshape(-1)[idx].to(dtype)
-                if gb is not None:
-                    ref = torch.cat([ref, gb.reshape(-1).to(dtype)])
-                ok = torch.linalg.vector_norm(ref - got / M) <= tol * torch.linalg.vector_norm(ref)
-                Jg = torch.where(ok, torch.ones_like(Jg), Jg)
+                got = views[0][:, m:]
+                for v in views[1:]:
+                    got = got + v[:, m:]
+                ref = gw[:, idx].to(dtype)
+                if gb is not None and width > m + ref.shape[1]:
+                    ref = torch.cat([ref, gb.to(dtype)], 1)
+                err = torch.linalg.vector_norm(ref - got / M, dim=1)
+                ok = err <= tol * torch.linalg.vector_norm(ref, dim=1)  # [L]
+                Jg = torch.where(ok.unsqueeze(1), torch.ones_like(Jg), Jg)
             self.push.append(ok)
-            off += size
-            if lay.name in chol:
-                cs[lay.name] = _solve(chol[lay.name], Jg)
+            for i, lay in enumerate(grp.layers):
+                if lay.name in chol:
+                    cs[lay.name] = _solve(chol[lay.name], Jg[i])
         buckets: dict[int, Bucket] = {}
-        for lay in self.layers:
-            r = owner[lay.name]
-            if r >= 0:
-                buckets.setdefault(r, Bucket(r, dtype, self.device)).add(lay.name, torch.Size([M]))
-                self.count(lay.name, M * self.es)  # pipelined broadcast: every rank sends c once
+        for grp in self.groups:
+            for lay in grp.layers:
+                r = owner[lay.name]
+                if r >= 0:
+                    buckets.setdefault(r, Bucket(r, dtype, self.device)).add(lay.name, torch.Size([M]))
+                    self.count(lay.name, M * self.es)  # pipelined broadcast: every rank sends c once
         blist = list(buckets.values())
         flats = [pack([cs[k] for k in b.keys], b) if b.rank == self.rank
                  else torch.empty(b.numel, dtype=dtype, device=self.device) for b in blist]
@@ -146,13 +151,15 @@ class GramBlocksStep:
         for flat, b in zip(flats, blist):
             cs.update(zip(b.keys, unpack(flat, b)))
         partial, self.shapes = [], []
-        for lay in self.layers:
-            c_a = cs[lay.name][self.rank * m:(self.rank + 1) * m].to(_record_dtype(lay, dtype))
-            w, b = lay.vjp(c_a)
-            partial += [w.reshape(-1).to(dtype)] + ([b.reshape(-1).to(dtype)] if b is not None else [])
-            self.shapes.append((w.numel(), b.numel() if b is not None else 0))
-            n = sum(self.shapes[-1])
-            self.count(lay.name, int(2 * (self.world - 1) / self.world * n * self.es))  # ring all-reduce
+        rows = slice(self.rank * m, (self.rank + 1) * m)
+        for grp in self.groups:
+            C = torch.stack([cs[lay.name][rows] for lay in grp.layers])  # [L, m]
+            w, b = grp.vjp(C.to(_record_dtype(grp.layers[0], dtype)))
+            partial += [w.to(dtype).reshape(-1)] + ([b.to(dtype).reshape(-1)] if b is not None else [])
+            self.shapes.append((w.shape, b.shape if b is not None else None))
+            n = w.shape[1] + (b.shape[1] if b is not None else 0)
+            for lay in grp.layers:
+                self.count(lay.name, int(2 * (self.world - 1) / self.world * n * self.es))  # ring all-reduce
         self.total = torch.cat(partial)
         self._reduce = collective("all_reduce of the Jᵀc partial sums (gram-blocks)",
                                   lambda: dist.all_reduce(self.total, async_op=True))
@@ -163,17 +170,24 @@ class GramBlocksStep:
         out: dict[Tensor, Tensor] = {}
         off = 0
         a = 1.0 / damping
-        for lay, (gw, gb), ok, (nw, nb) in zip(self.layers, self.grads, self.push, self.shapes):
-            for p, g, k in ((lay.weight, gw, nw), (lay.bias, gb, nb)):
-                if p is None or g is None or k == 0:
+        for grp, (gw, gb), ok, (sw, sb) in zip(self.groups, self.grads, self.push, self.shapes):
+            us: list[Optional[Tensor]] = []
+            for g, shape in ((gw, sw), (gb, sb)):
+                if shape is None:
+                    us.append(None)
                     continue
-                JTc = self.total[off: off + k].view(g.shape).to(g.dtype)
+                k = shape.numel()
+                JTc = self.total[off: off + k].view(shape)
                 off += k
+                if g is None:
+                    us.append(None)
+                    continue
+                JTc = JTc.to(g.dtype)
                 u = (g - JTc) * a
                 if ok is not None:  # push-through where the probe holds (scale 1: mean loss)
-                    u = torch.where(ok, JTc, u)
-                if p.grad is not None:
-                    out[p] = u.to(p.dtype)
+                    u = torch.where(ok.unsqueeze(1), JTc, u)
+                us.append(u)
+            out.update(grp.split(us[0], us[1]))  # type: ignore[arg-type]
         return out
 
 

@@ -15,7 +15,8 @@ order), up to rounding. ``prepare(DDP(model))`` works too (``torch.fx`` cannot t
 DDP's forward, so ``prepare`` falls back to module surgery inside the wrapper; its report
 says so); pass that wrapper to the optimizer and call it for the forward.
 
-Per curvature step (``mode="gather"``):
+Per curvature step (``mode="gather"``; the default ``mode="auto"`` picks gather or
+gram-blocks per layer, below):
 
 1. every rank sends the shapes of its records (a small host exchange) — all ranks must
    have captured the same layers with the same local batch size (else ``ValueError``);
@@ -135,7 +136,7 @@ class DistributedTENGraD(TENGraD):
     """
 
     def __init__(self, model: torch.nn.Module, lr: float, damping: float, *,
-                 mode: Literal["gather", "gram-blocks", "auto", "local"] = "gather",
+                 mode: Literal["gather", "gram-blocks", "auto", "local"] = "auto",
                  placement: Literal["auto", "owner", "replicate"] = "auto", seed: int = 0,
                  bandwidth: float = 50e9, flop_rate: float = 50e12, **kwargs: Any):
         if not dist.is_available() or not dist.is_initialized():
@@ -169,6 +170,8 @@ class DistributedTENGraD(TENGraD):
         self._owner: dict[str, int] = {}  # layer name -> owning rank, REPLICATED (last curvature step)
         self._mode: dict[str, str] = {}  # layer name -> "gather" / "gram-blocks" (last curvature step)
         self._local: dict[int, list[Any]] = {}  # site -> this rank's own records of gram-blocks layers
+        self._local_groups: list[Any] = []  # LayerGroups over them (every rank)
+        self._rebuild_local = False
         self._n_gather = 0  # self._curv[:_n_gather]: groups of gather layers; the rest gram-blocks
         self._sharing: Optional[tuple[list[Tensor], list[Bucket], list[Any]]] = None  # u broadcasts in flight
         self._fresh = True  # no curvature yet (on any rank)
@@ -230,7 +233,7 @@ class DistributedTENGraD(TENGraD):
         if isinstance(sd.get(META), dict) and sd[META].get("optimizer") == "TENGraD":
             sd[META] = {**sd[META], "optimizer": type(self).__name__}
         self._fresh = True
-        self._layers, self._owner, self._mode, self._local = [], {}, {}, {}
+        self._layers, self._owner, self._mode, self._local, self._local_groups = [], {}, {}, {}, []
         super().load_state_dict(sd)
         capturing(self.model, True)
 
@@ -259,7 +262,7 @@ class DistributedTENGraD(TENGraD):
         """Steps 1–3 of the module docstring: metadata, owners, modes, gathered records."""
         layers = self._all_layers
         live = check_records(layers)
-        self._local = {}
+        self._local, self._local_groups, self._rebuild_local = {}, [], True
         self._owner, self._mode = {}, {}
         if not live:
             self._layers = []
@@ -304,6 +307,10 @@ class DistributedTENGraD(TENGraD):
         for grp in blocks:  # only the factor stays
             grp.A = grp.B = grp.Pw = grp.Pb = None
         self._info.store.records.update({site: list(recs) for site, recs in self._local.items()})
+        if self._rebuild_local:  # every rank: its own rows of every gram-blocks layer, grouped
+            lays = [lay for lay in self._all_layers if self._mode.get(lay.name) == "gram-blocks"]
+            self._local_groups = build_groups(lays, self.strategy, self.jacobian_budget)[0] if lays else []
+            self._rebuild_local = False
 
     def _precondition(self, push_through: bool, damping: float) -> dict[Tensor, Tensor]:
         """``u`` of the gather layers solved here (TENGraD's) and of every ``gram-blocks``
@@ -311,10 +318,10 @@ class DistributedTENGraD(TENGraD):
         all-gather of the ``J_a g`` runs while this rank solves its gather layers; the
         broadcasts of their ``u`` run while it finishes the gram-blocks layers."""
         use_pt = push_through and self.update_form == "auto"
-        blocks = [lay for lay in self._all_layers if self._mode.get(lay.name) == "gram-blocks"]
         step = None
-        if blocks:  # starts the all-gather of J_a g
-            step = GramBlocksStep(blocks, use_pt, self._generator(blocks[0].weight.device, "probe"), self._add_bytes)
+        if self._local_groups:  # starts the all-gather of J_a g
+            device = self._local_groups[0].layers[0].weight.device
+            step = GramBlocksStep(self._local_groups, use_pt, self._generator(device, "probe"), self._add_bytes)
         gather = self._curv[:self._n_gather]
         out: dict[Tensor, Tensor] = {}
         if gather and self._chol is not None:
