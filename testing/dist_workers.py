@@ -5,7 +5,7 @@ and in one process on the concatenated batch (:func:`train_single`, the referenc
 A run is described by a ``cfg`` dict: ``model`` ("mlp", "mlp2", "mlp3" or "cnn"), ``m`` (local batch),
 ``steps``, ``T`` (curvature_every), ``fisher``, ``kl_clip``, ``placement`` (default
 ``"owner"``), ``mode`` (default ``"gather"``), ``bandwidth``/``flop_rate`` (the cost
-model's, for ``"auto"``), and optional
+model's, for ``"auto"``), ``sequential`` (no overlap of communication and work), and optional
 ``inside`` (``prepare(DDP(model))`` instead of ``DDP(prepare(model))``), and optional
 faults: ``short_rank`` (that rank's batch has one sample fewer; with ``expect_error`` the
 ``ValueError`` each rank raised is returned), ``nan_rank``/``nan_step`` (that rank's gradient gets a NaN after DDP's
@@ -80,6 +80,7 @@ def train_ranks(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[
         opt = DistributedTENGraD(ddp, placement=cfg.get("placement", "owner"), mode=cfg.get("mode", "gather"),
                                  seed=cfg.get("seed", 0), bandwidth=cfg.get("bandwidth", 50e9),
                                  flop_rate=cfg.get("flop_rate", 50e12), **_opt_kwargs(cfg))
+        opt._overlap = not cfg.get("sequential", False)
         if cfg.get("load"):
             ck = torch.load(cfg["load"], weights_only=False)
             net.load_state_dict(ck["model"])

@@ -46,7 +46,7 @@ flops at ``flop_rate``);
 ``layer_plan()`` reports each layer's mode, placement and owner.
 
 Overlap (async handles; the arithmetic is the same as without, so results are bit for
-bit those of the sequential order): the records of all layers travel together (one
+bit those of the sequential order, ``_overlap = False``; tested): the records of all layers travel together (one
 bucket per ``(owner, dtype)``, all in flight); on every step the all-gather of the
 gram-blocks layers' ``J_a g`` is in flight while the rank solves its gather layers, and
 the owners' ``u`` broadcasts are in flight while it finishes the gram-blocks layers
@@ -174,6 +174,7 @@ class DistributedTENGraD(TENGraD):
         self._rebuild_local = False
         self._n_gather = 0  # self._curv[:_n_gather]: groups of gather layers; the rest gram-blocks
         self._sharing: Optional[tuple[list[Tensor], list[Bucket], list[Any]]] = None  # u broadcasts in flight
+        self._overlap = True  # False: the same collectives one after the other (tests: identical bits)
         self._fresh = True  # no curvature yet (on any rank)
         self._generators: dict[str, torch.Generator] = {}
         self.last_mc_targets: Optional[Tensor] = None
@@ -319,16 +320,22 @@ class DistributedTENGraD(TENGraD):
         broadcasts of their ``u`` run while it finishes the gram-blocks layers."""
         use_pt = push_through and self.update_form == "auto"
         step = None
-        if self._local_groups:  # starts the all-gather of J_a g
+
+        def start_blocks() -> GramBlocksStep:  # computes J_a g, starts its all-gather
             device = self._local_groups[0].layers[0].weight.device
-            step = GramBlocksStep(self._local_groups, use_pt, self._generator(device, "probe"), self._add_bytes)
+            return GramBlocksStep(self._local_groups, use_pt, self._generator(device, "probe"), self._add_bytes)
+
+        if self._local_groups and self._overlap:
+            step = start_blocks()
         gather = self._curv[:self._n_gather]
         out: dict[Tensor, Tensor] = {}
         if gather and self._chol is not None:
             L = sum(len(grp.layers) for grp in gather)
             out = precondition_groups(gather, self._chol[:L], use_pt, damping, self._info.loss_reduction)
-        if self.mode != "local":
+        if self.mode != "local" and self._overlap:
             self._start_share(out)  # the owners' u of gather layers, in flight from here
+        if self._local_groups and step is None:
+            step = start_blocks()
         if step is not None:
             chol = {lay.name: grp.chol[i] for grp in self._curv[self._n_gather:] if grp.chol is not None
                     for i, lay in enumerate(grp.layers)}

@@ -35,6 +35,8 @@ TWO = {
     "cnn-auto-mixed": dict(model="cnn", m=3, steps=4, T=2, mode="auto", bandwidth=1e9, flop_rate=3e10),
     "mlp-blocks-10": dict(model="mlp", m=3, steps=10, T=3, mode="gram-blocks", fisher="mc"),
     "mlp3-blocks-equal-shapes": dict(model="mlp3", m=3, steps=4, T=2, mode="gram-blocks"),
+    "cnn-auto-mixed-sequential": dict(model="cnn", m=3, steps=4, T=2, mode="auto", bandwidth=1e9, flop_rate=3e10,
+                                      sequential=True),
     "mlp-save": dict(model="mlp", m=6, steps=2, T=1),  # + save (fixture)
     "mlp-resume-same": dict(model="mlp", m=6, steps=2, T=1, start=2),  # + load (fixture)
 }
@@ -224,6 +226,15 @@ def test_auto_mode_mixes_gather_and_gram_blocks(two: dict[str, Any], three: dict
                         world, cfg["bandwidth"], cfg["flop_rate"])
     assert [plan[lay.name]["mode"] for lay in lays] == want
     assert want[0] == "gram-blocks" and want[-1] == "gather"
+
+
+def test_overlap_changes_no_bit(two: dict[str, Any]) -> None:
+    """Overlapping the collectives with the work (the default) gives the same bits as
+    running them one after the other, on every rank and step (gather and gram-blocks mixed)."""
+    a, b = two["ranks"]["cnn-auto-mixed"], two["ranks"]["cnn-auto-mixed-sequential"]
+    assert {v["mode"] for v in a[0]["plan"].values()} == {"gather", "gram-blocks"}
+    for ra, rb in zip(a, b):
+        assert all(torch.equal(x, y) for x, y in zip(ra["traj"], rb["traj"]))
 
 
 def test_gram_blocks_reuse_step_moves_only_vectors(two: dict[str, Any]) -> None:
