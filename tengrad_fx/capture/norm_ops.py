@@ -10,7 +10,7 @@
 
 Every backward op computes, from the saved statistics, the per-sample gradients
 ``P = [Σ_s G_i[s] ⊙ x̂_i[s]]_i`` and ``Gsum = [Σ_s G_i[s]]_i`` (``[m, C]``; for BatchNorm and
-GroupNorm as ``rstd ⊙ (Σ_s G x − mean ⊙ Gsum)``, one batched dot product, no ``x̂``) and,
+GroupNorm by aten's batch-norm backward kernel over ``m·C`` one-sample channels, no ``x̂``) and,
 through :func:`_record`, hands the store either those or ``(x̂, G)``; the weight and bias
 gradients are their sums over the batch. Outside ``torch.compile`` the same bodies run
 in plain ``autograd.Function``s (:mod:`.eager`).
@@ -68,15 +68,17 @@ def _finish_channel_stats(store: CaptureStore, site: int, grad: Tensor, x: Tenso
                           gx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Channel-first norms whose statistics are constant over each (sample, channel)'s
     positions (BatchNorm, GroupNorm; ``mean``, ``rstd``: ``[m or 1, C]``): without forming
-    ``x̂``, ``dγ_i = rstd ⊙ (Σ_s G_i[s] x_i[s] − mean ⊙ dβ_i)``; the sums are one batched
-    dot product over positions, no full-size temporary."""
+    ``x̂``, ``dγ_i = rstd ⊙ Σ_s G_i[s] (x_i[s] − mean)`` and ``dβ_i = Σ_s G_i[s]`` are the
+    affine gradients of a batch norm over ``m·C`` channels of one sample each
+    (``[1, m·C, S]``, these statistics given as the saved ones): one fused aten kernel
+    (``native_batch_norm_backward``, ``∂L/∂x`` not requested), no full-size temporary."""
     m, C = grad.shape[:2]
-    g3, x3 = acc(grad).reshape(m * C, 1, -1), acc(x).reshape(m * C, -1, 1)
-    Pgx = torch.bmm(g3, x3).view(m, C)
-    Pb = g3.view(m, C, -1).sum(2)
-    Pw = acc(rstd) * (Pgx - acc(mean) * Pb)
+    stats = [acc(t).expand(m, C).reshape(m * C) for t in (mean, rstd)]
+    _, Pw, Pb = torch.ops.aten.native_batch_norm_backward(
+        acc(grad).reshape(1, m * C, -1), acc(x).reshape(1, m * C, -1), None, None, None, *stats, True, 0.0,
+        [False, True, True])
     shape = (-1, C, *([1] * (x.dim() - 2)))
-    return _record(store, site, grad, Pw, Pb, weight, has_bias, gx,
+    return _record(store, site, grad, Pw.view(m, C), Pb.view(m, C), weight, has_bias, gx,
                    lambda: (x - mean.reshape(shape)) * rstd.reshape(shape))
 
 
