@@ -15,9 +15,11 @@ backward of the cross-entropy per round, the order rotated every round):
   (norm layers and added parameters left out), capture on.
 
 No optimizer step: the rows differ only in the capture mechanism (no ``P`` is
-materialized; that is curvature work, timed by the ordinary bench rows). Beside the
-median times: the ``tengrad_fx::*`` ops and the aten ops one forward + backward
-dispatches (counted by a dispatch mode: machine-independent).
+materialized; that is curvature work, timed by the ordinary bench rows). Printed: median
+times, ``x plain`` = the median over rounds of the row's forward + backward over
+``plain``'s in the same round (robust to a loaded machine), and the ``tengrad_fx::*`` ops
+and the aten ops one forward + backward dispatches (counted by a dispatch mode:
+machine-independent).
 """
 from __future__ import annotations
 
@@ -88,12 +90,14 @@ def run_capture(base: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]
         for i in range(len(rows)):
             rows[(i + r) % len(rows)].step(x, y, sync)
     out = {}
+    plain = [sum(t) for t in rows[0].times[warmup:]]
     for row in rows:
         times = row.times[warmup:]
         fwd, bwd = statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
         total = statistics.median(t[0] + t[1] for t in times)
+        ratio = statistics.median(sum(t) / p for t, p in zip(times, plain))
         n_capture, n_aten = row.ops(*batches[0])
-        out[row.name] = {"forward": fwd, "backward": bwd, "total": total,
+        out[row.name] = {"forward": fwd, "backward": bwd, "total": total, "ratio": ratio,
                          "tengrad_ops": n_capture, "aten_ops": n_aten}
     return out
 
@@ -101,12 +105,11 @@ def run_capture(base: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]
 def report_capture(res: dict[str, dict[str, float]], head: str) -> None:
     """Print the table: ms, ratio to ``plain``, ops per forward + backward."""
     print(head)
-    base = res["plain"]["total"]
     print(f"{'row':<26}{'fwd+bwd ms':>11}{'forward ms':>11}{'backward ms':>12}{'x plain':>9}"
           f"{'tengrad_fx ops':>15}{'aten ops':>9}")
     for name, r in res.items():
         print(f"{name:<26}{r['total'] * 1e3:>11.2f}{r['forward'] * 1e3:>11.2f}{r['backward'] * 1e3:>12.2f}"
-              f"{r['total'] / base:>9.3f}{r['tengrad_ops']:>15d}{r['aten_ops']:>9d}")
+              f"{r['ratio']:>9.3f}{r['tengrad_ops']:>15d}{r['aten_ops']:>9d}")
 
 
 def main_capture(args: argparse.Namespace, base: nn.Module, batches: list[Any], sync: Callable[[], None]) -> dict:
