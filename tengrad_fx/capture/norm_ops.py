@@ -73,7 +73,9 @@ def _finish_channel_stats(store: CaptureStore, site: int, grad: Tensor, x: Tenso
     (``[1, m·C, S]``, these statistics given as the saved ones): one fused aten kernel
     (``native_batch_norm_backward``, ``∂L/∂x`` not requested), no full-size temporary."""
     m, C = grad.shape[:2]
-    stats = [acc(t).expand(m, C).reshape(m * C) for t in (mean, rstd)]
+    # dense: with one position per channel (S = 1) the kernel reads the statistics as
+    # contiguous vectors, and C = 1 would otherwise give a stride-0 view (wrong values)
+    stats = [acc(t).expand(m, C).contiguous().view(m * C) for t in (mean, rstd)]
     _, Pw, Pb = torch.ops.aten.native_batch_norm_backward(
         acc(grad).reshape(1, m * C, -1), acc(x).reshape(1, m * C, -1), None, None, None, *stats, True, 0.0,
         [False, True, True])

@@ -193,13 +193,16 @@ def test_batchnorm_train_mode_convention(kind: str) -> None:
     assert BN_NOTE in str(tengrad_fx.report(prepared))
 
 
-@pytest.mark.parametrize("kind", ["bn2d", "ln", "gn", "rms"])
-def test_norm_materialized_in_backward(kind: str) -> None:
+@pytest.mark.parametrize("kind,C,train", [("bn2d", 3, False), ("bn2d", 3, True), ("bn1d", 1, True),
+                                          ("ln", 3, False), ("gn", 3, False), ("rms", 3, False)])
+def test_norm_materialized_in_backward(kind: str, C: int, train: bool) -> None:
     """Sites the optimizer materializes record ``P``, ``Gsum`` ``[m, C]`` and no ``x̂``;
-    gradients and per-sample gradients are unchanged."""
-    orig, prepared, x, y = _prepared(kind, 3, 4, 2, True, True, 5, 3)
-    orig.eval()
-    prepared.eval()
+    gradients and per-sample gradients are unchanged (``bn1d``, ``C = 1``, train mode: one
+    position and one channel, whose batch statistics must reach aten's kernel as a dense
+    ``[m]`` vector, not a stride-0 view)."""
+    orig, prepared, x, y = _prepared(kind, C, 4, 2, True, True, 5, 3)
+    orig.train(train)
+    prepared.train(train)
     F.cross_entropy(prepared(x), y).backward()
     layer = _norm_layer(prepared)
     ref_psg = layer.per_sample_grads()
