@@ -95,12 +95,15 @@ def _local_error(base: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> flo
 def _auto_modes(opt: Any, world: int, m: int, bandwidth: float, flop_rate: float) -> dict[str, str]:
     """The mode ``mode="auto"`` picks per layer (the cost model on the captured shapes)."""
     from tengrad_fx.distributed.plan import assign_owners, choose_modes, solve_cost  # noqa: PLC0415
+    from tengrad_fx.distributed.records import record_bytes  # noqa: PLC0415
 
     lays = [lay for lay in opt._all_layers if lay.captured]
     M = world * m
     owners = assign_owners([solve_cost(M, lay.dims()) for lay in lays], world)
     ns = [sum(p.numel() for p in (lay.weight, lay.bias) if p is not None) for lay in lays]
-    modes = choose_modes(M, ns, [lay.dims() for lay in lays], owners, world, bandwidth, flop_rate)
+    recs = [record_bytes(lay, M, opt.strategy) for lay in lays]
+    modes = choose_modes(M, ns, [lay.dims() for lay in lays], owners, world, bandwidth, flop_rate, recs,
+                         opt.curvature_every)
     return {lay.name: md for lay, md in zip(lays, modes)}
 
 

@@ -26,9 +26,10 @@ per-sample gradients), ``n`` = parameters, ``(g, S, f, o)`` the Gram cost dims. 
   per gram-blocks layer);
 * DDP's gradient all-reduce (any optimizer): ``2·(W−1)/W·N·4`` bytes per rank per step.
 
-``(P) MB`` is what the curvature step would send if a layer's per-sample gradients ``P``
-(``n`` per sample) were sent where they are smaller than its ``I`` and ``G`` (not
-implemented: the backward records ``I``, ``G`` on every rank). The table reports, per
+``curv MB`` counts a gather layer's per-sample gradients ``P`` (``n`` per sample) where
+the ranks send them instead of ``I``, ``G`` (:func:`tengrad_fx.distributed.records.sends_per_sample`:
+a Linear or convolution called once, ``n < r``, and the owner materializes at ``M``);
+``I,G MB`` is the same with every layer's records sent as ``I``, ``G``. The table reports, per
 world size, the totals per rank (maximum over ranks, owners by the greedy assignment of :mod:`tengrad_fx.distributed.plan`), the per-layer mode and the placement that
 the ``placement="auto"`` rule of :func:`tengrad_fx.distributed.plan.choose_placement`
 picks at the stated bandwidth and flop rate, and whether the global Gram is affordable
@@ -65,7 +66,8 @@ def _build(name: str) -> tuple[torch.nn.Module, tuple[int, ...], int]:
 
 
 def layer_shapes(name: str) -> list[dict[str, Any]]:
-    """Per covered layer: ``name``, ``n``, ``r`` (record elements per sample), ``dims``."""
+    """Per covered layer: ``name``, ``n``, ``r`` (record elements per sample), ``dims``,
+    ``p_ok`` (a Linear or convolution called once: its ``P`` may be sent instead)."""
     import tengrad_fx  # noqa: PLC0415
 
     model, shape, classes = _build(name)
@@ -78,14 +80,16 @@ def layer_shapes(name: str) -> list[dict[str, Any]]:
             continue
         r = sum(t.numel() for rec in lay.records() for t in (rec.I, rec.G, rec.P, rec.Gsum)
                 if t is not None and t.is_floating_point()) // 2
+        p_ok = (lay.kind == "linear" or lay.kind.startswith("conv")) and len(lay.records()) == 1
         n = sum(p.numel() for p in (lay.weight, lay.bias) if p is not None)
-        out.append({"name": lay.name, "n": n, "r": r, "dims": lay.dims()})
+        out.append({"name": lay.name, "n": n, "r": r, "dims": lay.dims(), "p_ok": p_ok})
     return out
 
 
 def model_table(layers: list[dict[str, Any]], worlds: list[int], m: int, T: int,
                 bandwidth: float, flop_rate: float) -> list[dict[str, Any]]:
     """One row per world size (module docstring)."""
+    from tengrad_fx.curvature.layer import choose_strategy  # noqa: PLC0415
     from tengrad_fx.distributed.plan import (  # noqa: PLC0415
         assign_owners, choose_modes, choose_placement, solve_cost, step_flops)
 
@@ -95,18 +99,23 @@ def model_table(layers: list[dict[str, Any]], worlds: list[int], m: int, T: int,
         M = W * m
         costs = [solve_cost(M, lay["dims"]) for lay in layers]
         owners = assign_owners(costs, W)
+        p_sent = [lay.get("p_ok", False) and lay["n"] < lay["r"] and choose_strategy(M, *lay["dims"]) == "materialize"
+                  for lay in layers]  # records.sends_per_sample, in gather mode
+        recs = [(m * (lay["n"] if p else lay["r"]) * 4.0, m * lay["r"] * 4.0) for lay, p in zip(layers, p_sent)]
         modes = choose_modes(M, [lay["n"] for lay in layers], [lay["dims"] for lay in layers], owners, W,
-                             bandwidth, flop_rate)
+                             bandwidth, flop_rate, recs, T)
         place = [choose_placement(M, lay["n"], m * lay["r"] * 4, lay["dims"], W, T, bandwidth, flop_rate, md)
                  for lay, md in zip(layers, modes)]
         gather_curv = [0.0] * W
-        gather_p = [0.0] * W  # the same, sending P (n per sample) where it is smaller than I, G
+        all_ig = [0.0] * W  # the same with every layer's records sent as I, G
         reuse = [0.0] * W
         flops = [0.0] * W
         step = [0.0] * W  # per-step J g and Jᵀc flops
-        for lay, o, pl, c, md in zip(layers, owners, place, costs, modes):
-            rec = m * lay["r"] * 4.0
+        for lay, o, pl, c, md, p in zip(layers, owners, place, costs, modes, p_sent):
             blocks = md == "gram-blocks"
+            send_p = p and not blocks
+            rec = m * (lay["n"] if send_p else lay["r"]) * 4.0
+            ig = m * lay["r"] * 4.0
             if blocks:  # every rank: the Jᵀc all-reduce and J_a g all-gather; c from the owner
                 for k in range(W):
                     reuse[k] += 2.0 * (W - 1) / W * lay["n"] * 4.0 + (W - 1) * m * 4.0
@@ -115,20 +124,20 @@ def model_table(layers: list[dict[str, Any]], worlds: list[int], m: int, T: int,
             if pl == "replicate":
                 for k in range(W):
                     gather_curv[k] += (W - 1) * rec
-                    gather_p[k] += (W - 1) * m * min(lay["r"], lay["n"]) * 4.0
+                    all_ig[k] += (W - 1) * ig
                     flops[k] += c
                     step[k] += 0.0 if blocks else step_flops(M, lay["dims"])
             else:
                 for k in range(W):
                     gather_curv[k] += rec if k != o else 0.0
-                    gather_p[k] += m * min(lay["r"], lay["n"]) * 4.0 if k != o else 0.0
+                    all_ig[k] += ig if k != o else 0.0
                     reuse[k] += 0.0 if blocks else lay["n"] * 4.0  # pipelined broadcast: every rank sends u once
                 flops[o] += c
                 step[o] += 0.0 if blocks else step_flops(M, lay["dims"])
         gram_mem = M * M * 4.0
         rows.append({
             "W": W, "M": M, "ddp_MB": 2.0 * (W - 1) / W * N * 4 / 2**20,
-            "curv_MB": max(gather_curv) / 2**20, "curvP_MB": max(gather_p) / 2**20, "reuse_MB": max(reuse) / 2**20,
+            "curv_MB": max(gather_curv) / 2**20, "curvIG_MB": max(all_ig) / 2**20, "reuse_MB": max(reuse) / 2**20,
             "local_MB": 2.0 * (W - 1) / W * N * 4 / 2**20,
             "owner_TFLOP": max(flops) / 1e12, "gram_GiB": gram_mem / 2**30,
             "replicated": sum(p == "replicate" for p in place), "layers": len(layers),
@@ -155,10 +164,10 @@ def main(argv: list[str] | None = None) -> None:
     N = sum(lay["n"] for lay in layers)
     print(f"{args.model}: {len(layers)} covered layers, {N / 1e6:.1f} M covered parameters, m = {args.m} per rank, "
           f"T = {args.T}; bandwidth {args.bandwidth / 1e9:g} GB/s, {args.flop_rate / 1e12:g} TFLOP/s")
-    print(f"{'W':>5s} {'M':>7s} {'DDP MB':>8s} {'curv MB':>9s} {'(P) MB':>9s} {'reuse MB':>9s} {'local MB':>9s} "
+    print(f"{'W':>5s} {'M':>7s} {'DDP MB':>8s} {'curv MB':>9s} {'I,G MB':>9s} {'reuse MB':>9s} {'local MB':>9s} "
           f"{'owner TFLOP':>12s} {'step GFLOP':>11s} {'Gram GiB':>9s} {'blocks':>11s} {'replicated':>11s} global Gram")
     for r in rows:
-        print(f"{r['W']:5d} {r['M']:7d} {r['ddp_MB']:8.1f} {r['curv_MB']:9.1f} {r['curvP_MB']:9.1f} {r['reuse_MB']:9.1f} "
+        print(f"{r['W']:5d} {r['M']:7d} {r['ddp_MB']:8.1f} {r['curv_MB']:9.1f} {r['curvIG_MB']:9.1f} {r['reuse_MB']:9.1f} "
               f"{r['local_MB']:9.1f} {r['owner_TFLOP']:12.3f} {r['step_GFLOP']:11.1f} {r['gram_GiB']:9.3f} "
               f"{r['blocks']:>5d}/{r['layers']:<5d} {r['replicated']:>5d}/{r['layers']:<5d} "
               f"{'affordable' if r['affordable'] else 'NOT affordable: local'}")

@@ -100,7 +100,7 @@ from ..optim.tengrad_groups import build_groups, precondition_groups, reuse_cost
 from .comm import Bucket, all_ok, all_sum, pack, start_broadcasts, unpack, wait_all
 from .gram_blocks import GramBlocksStep
 from .plan import assign_owners, choose_modes, choose_placement, solve_cost
-from .records import REPLICATED, check_records, gather_records
+from .records import REPLICATED, check_records, gather_records, record_bytes, sends_per_sample, to_per_sample
 
 __all__ = ["DistributedTENGraD", "mc_seed"]
 
@@ -273,13 +273,16 @@ class DistributedTENGraD(TENGraD):
         modes = [self.mode] * len(live)
         if self.mode == "auto":
             ns = [sum(p.numel() for p in (layers[i].weight, layers[i].bias) if p is not None) for i in live]
+            recs = [record_bytes(layers[i], M, self.strategy) for i in live]
             modes = choose_modes(M, ns, [layers[i].dims() for i in live], owners, self.world, self.bandwidth,
-                                 self.flop_rate)
+                                 self.flop_rate, recs, self.curvature_every)
         keep = set()
         store = self._info.store
         for q, i in enumerate(live):
             lay = layers[i]
             mode = self._mode[lay.name] = modes[q]
+            if mode == "gather" and sends_per_sample(lay, M, self.strategy):
+                to_per_sample(lay)  # P is smaller than I, G and the owner would materialize anyway
             if self._placement(lay, M, mode) == "replicate":
                 owners[q] = REPLICATED
             self._owner[lay.name] = owners[q]

@@ -13,7 +13,7 @@ identically, so every rank computes the same assignment without communicating.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from ..curvature.layer import gram_flops
 
@@ -54,8 +54,9 @@ def mode_times(M: int, n: int, dims: tuple[int, int, int, int], world: int, band
                      (ring all-reduce of the Jᵀc partial sums, all-gather of the m-vectors
                      J_a g, broadcast of c; J g and Jᵀc on each rank's own m rows)
 
-    A curvature step costs the same in both (the records go where the Gram is formed,
-    the same Gram and Cholesky), so it does not enter."""
+    The Gram and the Cholesky of a curvature step are the same in both modes and do not
+    enter; the records each rank sends on a curvature step may differ (gather may send
+    ``P``): :func:`choose_modes` adds that difference."""
     m = M // world
     t_gather = n * nbytes / bandwidth + step_flops(M, dims) / flop_rate
     sent = 2.0 * (world - 1) / world * n * nbytes + (world - 1) * m * nbytes + M * nbytes
@@ -63,9 +64,14 @@ def mode_times(M: int, n: int, dims: tuple[int, int, int, int], world: int, band
 
 
 def choose_modes(M: int, ns: Sequence[int], dims: Sequence[tuple[int, int, int, int]], owners: Sequence[int],
-                 world: int, bandwidth: float, flop_rate: float) -> list[str]:
+                 world: int, bandwidth: float, flop_rate: float,
+                 records: Optional[Sequence[tuple[float, float]]] = None, T: int = 1) -> list[str]:
     """``"gather"`` or ``"gram-blocks"`` per layer (``ns``, ``dims``, ``owners``: per
-    layer), minimizing the busiest rank's per-step time (:func:`mode_times`).
+    layer), minimizing the busiest rank's per-step time (:func:`mode_times`; ``records``:
+    per layer the bytes a rank sends on a curvature step in gather and in gram-blocks mode,
+    :func:`.records.record_bytes` — gather may send the smaller ``P``; every rank sends its
+    part in either mode, so their difference, amortized over ``T`` steps, is added to the
+    gram-blocks time).
 
     In ``gather`` a layer's per-step time falls on its owner (the other ranks work on
     their own layers meanwhile); in ``gram-blocks`` every rank spends the layer's
@@ -79,7 +85,11 @@ def choose_modes(M: int, ns: Sequence[int], dims: Sequence[tuple[int, int, int, 
     modes = ["gather"] * len(ns)
     if world == 1 or not ns:
         return modes
-    times = [mode_times(M, n, d, world, bandwidth, flop_rate) for n, d in zip(ns, dims)]
+    recs = list(records) if records is not None else [(0.0, 0.0)] * len(ns)
+    times = []
+    for n, d, (rg, rb) in zip(ns, dims, recs):
+        tg, tb = mode_times(M, n, d, world, bandwidth, flop_rate)
+        times.append((tg, tb + (rb - rg) / T / bandwidth))
     load = [0.0] * world
     for (tg, _), r in zip(times, owners):
         load[r] += tg

@@ -15,10 +15,11 @@ import torch
 from torch import Tensor
 
 from ..capture.store import CaptureStore, Record
-from ..curvature.layer import CoveredLayer
+from ..curvature.layer import KERNELS, CoveredLayer, choose_strategy
 from .comm import Bucket, all_gather_meta, gather_buckets, pack, unpack
 
-__all__ = ["FIELDS", "REPLICATED", "layer_meta", "check_records", "gather_records"]
+__all__ = ["FIELDS", "REPLICATED", "layer_meta", "check_records", "sends_per_sample", "record_bytes",
+           "to_per_sample", "gather_records"]
 
 FIELDS = ("I", "G", "P", "Gsum")
 REPLICATED = -1  # the "owner" of a layer every rank solves
@@ -55,6 +56,50 @@ def check_records(layers: list[CoveredLayer]) -> list[int]:
                 raise ValueError(f"DistributedTENGraD: layer '{lay.name}' captured {b} on rank {r} but {a} on "
                                  "rank 0; every rank needs the same local batch size and the same layers called")
     return [i for i, mt in enumerate(meta) if mt is not None]
+
+
+def sends_per_sample(layer: CoveredLayer, M: int, strategy: str) -> bool:
+    """Whether the ranks send ``layer``'s per-sample gradients ``P`` (``n`` values per
+    sample) in place of its ``I``, ``G`` (``r`` values per sample): for a Linear or
+    convolution called once, when ``n < r`` and the owner would build the global Gram by
+    materializing (``strategy``, or the cost model at ``M`` samples under ``"auto"``) —
+    the issue's "``I`` and ``G``, or ``P`` where the cost model materializes"."""
+    if strategy == "factor" or not (layer.kind == "linear" or layer.kind.startswith("conv")):
+        return False
+    recs = layer.records()
+    if len(recs) != 1 or recs[0].P is not None or recs[0].I is None or recs[0].G is None:
+        return False
+    r = recs[0]
+    n = sum(p.numel() for p in (layer.weight, layer.bias) if p is not None)
+    if n * r.m >= r.I.numel() + r.G.numel():
+        return False
+    return strategy == "materialize" or choose_strategy(M, *layer.dims()) == "materialize"
+
+
+def record_bytes(layer: CoveredLayer, M: int, strategy: str) -> tuple[float, float]:
+    """Bytes of this rank's records of ``layer`` as sent on a curvature step in gather
+    mode (``P`` and its bias sums where :func:`sends_per_sample`, else ``I``, ``G``) and in
+    gram-blocks mode (always ``I``, ``G``, or the ``P`` a kind always keeps)."""
+    recs = layer.records()
+    ig = float(sum(t.numel() * t.element_size() for r in recs for t in (r.I, r.G, r.P, r.Gsum) if t is not None))
+    if not sends_per_sample(layer, M, strategy):
+        return ig, ig
+    r = recs[0]
+    g, _, _, o = layer.dims()  # Gsum: [m, g·o]
+    return float(r.m * (layer.weight.numel() + g * o) * r.G.element_size()), ig  # type: ignore[union-attr]
+
+
+def to_per_sample(layer: CoveredLayer) -> None:
+    """Replace ``layer``'s record ``(I, G)`` by ``(P, Gsum)``: its rows' per-sample weight
+    gradients ``[m, n_w]`` and bias gradients ``[m, o]`` in ``G``'s scale (what a
+    materializing backward stores), computed from this rank's own records."""
+    store = layer._info.store
+    site = layer.spec.sites[0] if len(layer.spec.sites) == 1 else next(
+        s for s in layer.spec.sites if store.records.get(s))
+    r = store.records[site][0]
+    w, b = KERNELS[layer.kind].per_sample_grads(layer.spec, r.I, r.G)
+    store.records[site] = [Record(I=None, G=None, P=w.reshape(r.m, -1), Gsum=b.reshape(r.m, -1),
+                                  in_shape=tuple(r.in_shape))]
 
 
 def gather_records(layers: list[CoveredLayer], live: list[int], owners: list[int], store: CaptureStore,

@@ -32,10 +32,10 @@ TWO = {
     "mlp-nan": dict(model="mlp", m=4, steps=3, T=1, nan_rank=1, nan_step=1),
     "mlp-blocks-T2": dict(model="mlp", m=4, steps=4, T=2, mode="gram-blocks"),
     "cnn-blocks-mc-T2-clip": dict(model="cnn", m=3, steps=4, T=2, mode="gram-blocks", fisher="mc", kl_clip=0.01),
-    "cnn-auto-mixed": dict(model="cnn", m=3, steps=4, T=2, mode="auto", bandwidth=1e9, flop_rate=3e10),
+    "cnn-auto-mixed": dict(model="cnn", m=3, steps=4, T=2, mode="auto", bandwidth=1e9, flop_rate=1e10),
     "mlp-blocks-10": dict(model="mlp", m=3, steps=10, T=3, mode="gram-blocks", fisher="mc"),
     "mlp3-blocks-equal-shapes": dict(model="mlp3", m=3, steps=4, T=2, mode="gram-blocks"),
-    "cnn-auto-mixed-sequential": dict(model="cnn", m=3, steps=4, T=2, mode="auto", bandwidth=1e9, flop_rate=3e10,
+    "cnn-auto-mixed-sequential": dict(model="cnn", m=3, steps=4, T=2, mode="auto", bandwidth=1e9, flop_rate=1e10,
                                       sequential=True),
     "mlp-save": dict(model="mlp", m=6, steps=2, T=1),  # + save (fixture)
     "mlp-resume-same": dict(model="mlp", m=6, steps=2, T=1, start=2),  # + load (fixture)
@@ -50,7 +50,7 @@ THREE = {
     "mlp-blocks-mc-T1": dict(model="mlp", m=3, steps=3, T=1, mode="gram-blocks", fisher="mc"),
     "cnn-blocks-replicate-mc": dict(model="cnn", m=2, steps=3, T=2, mode="gram-blocks", fisher="mc",
                                     placement="replicate"),
-    "cnn-auto-mixed": dict(model="cnn", m=2, steps=4, T=2, mode="auto", bandwidth=1e9, flop_rate=3e10),
+    "cnn-auto-mixed": dict(model="cnn", m=2, steps=4, T=2, mode="auto", bandwidth=1e9, flop_rate=1e10),
     "mlp2-blocks-a-rank-owns-nothing": dict(model="mlp2", m=3, steps=4, T=2, mode="gram-blocks"),
     "mlp-resume": dict(model="mlp", m=4, steps=2, T=1, start=2),  # + load (fixture)
     "mlp-unequal-batches": dict(model="mlp", m=4, steps=1, T=1, short_rank=2, expect_error=True),
@@ -212,6 +212,7 @@ def test_auto_mode_mixes_gather_and_gram_blocks(two: dict[str, Any], three: dict
     import torch.nn.functional as F
     import tengrad_fx
     from tengrad_fx.distributed.plan import choose_modes
+    from tengrad_fx.distributed.records import record_bytes
     from testing.dist_workers import global_batch, make_model
     cfg = (TWO if world == 2 else THREE)["cnn-auto-mixed"]
     ranks = (two if world == 2 else three)["ranks"]["cnn-auto-mixed"]
@@ -222,8 +223,10 @@ def test_auto_mode_mixes_gather_and_gram_blocks(two: dict[str, Any], three: dict
     F.cross_entropy(net(x), y).backward()
     lays = tengrad_fx.covered_layers(net)
     ns = [sum(p.numel() for p in (lay.weight, lay.bias) if p is not None) for lay in lays]
-    want = choose_modes(world * cfg["m"], ns, [lay.dims() for lay in lays], [plan[lay.name]["owner"] for lay in lays],
-                        world, cfg["bandwidth"], cfg["flop_rate"])
+    M = world * cfg["m"]
+    recs = [record_bytes(lay, M, "auto") for lay in lays]
+    want = choose_modes(M, ns, [lay.dims() for lay in lays], [plan[lay.name]["owner"] for lay in lays],
+                        world, cfg["bandwidth"], cfg["flop_rate"], recs, cfg["T"])
     assert [plan[lay.name]["mode"] for lay in lays] == want
     assert want[0] == "gram-blocks" and want[-1] == "gather"
 
@@ -251,3 +254,20 @@ def test_gram_blocks_reuse_step_moves_only_vectors(two: dict[str, Any]) -> None:
             n = lin.weight.numel() + lin.bias.numel()
             want = ((W - 1) * m + W * m + int(2 * (W - 1) / W * n)) * 8  # float64
             assert r["bytes"][name] == want, (name, r["bytes"][name], want)
+
+
+def test_gather_sends_per_sample_gradients_where_smaller(three: dict[str, Any]) -> None:
+    """A gather layer whose ``P`` (``n`` per sample) is smaller than its ``I``, ``G`` and
+    that the owner materializes anyway travels as ``P`` and its bias sums: the first conv's
+    bytes on a curvature step (the last step of this config, replicated: a ring all-gather
+    of ``W − 1`` parts) are ``P``'s, not ``I``, ``G``'s; the update is still the global one
+    (``test_three_ranks_equal_global_batch[cnn-replicate-mc]``)."""
+    from testing.dist_workers import make_model
+    W, m = 3, THREE["cnn-replicate-mc"]["m"]
+    conv = make_model("cnn")[0]  # Conv2d(3, 4, 3, padding=1) on 6x6
+    n_w, o = conv.weight.numel(), conv.out_channels
+    r_ig = 3 * 6 * 6 + 4 * 6 * 6  # I and G per sample
+    assert n_w + o < r_ig
+    for r in three["ranks"]["cnn-replicate-mc"]:
+        assert r["plan"]["0"]["mode"] == "gather"
+        assert r["bytes"]["0"] == (W - 1) * m * (n_w + o) * 8
