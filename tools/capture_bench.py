@@ -14,6 +14,11 @@ backward of the cross-entropy per round, the order rotated every round):
 * ``linconv on`` / ``linconv on, custom ops``: prepared with ``only_linear_conv=True``
   (norm layers and added parameters left out), capture on.
 
+A second table times one forward + backward of a one-layer model per capture kind on a
+tiny input (launch-bound: the capture mechanism's per-call cost), the minimum over 7
+repeats of the mean of ``--steps`` calls (robust to a loaded machine): capture off, on, and on
+through the custom ops, and the two overheads over capture off in µs per layer call.
+
 No optimizer step: the rows differ only in the capture mechanism (no ``P`` is
 materialized; that is curvature work, timed by the ordinary bench rows). Printed: median
 times, ``x plain`` = the median over rounds of the row's forward + backward over
@@ -27,6 +32,7 @@ import argparse
 import copy
 import statistics
 import time
+import timeit
 from typing import Any, Callable
 
 import torch
@@ -37,7 +43,7 @@ import tengrad_fx
 from tengrad_fx.capture import eager
 from tools.dispatch import OpCounter
 
-__all__ = ["run_capture", "report_capture", "ROWS"]
+__all__ = ["run_capture", "report_capture", "per_call", "ROWS"]
 
 ROWS = ("plain", "capture off", "capture on", "capture on, custom ops", "linconv on", "linconv on, custom ops")
 
@@ -112,10 +118,60 @@ def report_capture(res: dict[str, dict[str, float]], head: str) -> None:
               f"{r['ratio']:>9.3f}{r['tengrad_ops']:>15d}{r['aten_ops']:>9d}")
 
 
+def _one_layer(kind: str) -> tuple[nn.Module, torch.Tensor]:
+    """A one-layer model of ``kind`` and a batch of 4 tiny inputs."""
+    g = torch.Generator().manual_seed(0)
+    img, vec = torch.randn(4, 4, 6, 6, generator=g), torch.randn(4, 16, generator=g)
+    return {
+        "linear": (nn.Linear(16, 16), vec),
+        "conv2d": (nn.Conv2d(4, 4, 3, padding=1), img),
+        "batchnorm2d": (nn.BatchNorm2d(4), img),
+        "layernorm": (nn.LayerNorm(16), vec),
+        "groupnorm": (nn.GroupNorm(2, 4), img),
+        "rmsnorm": (nn.RMSNorm(16), vec),
+        "embedding": (nn.Embedding(10, 16), torch.randint(0, 10, (4, 3), generator=g)),
+    }[kind]
+
+
+def per_call(repeat: int = 7, number: int = 50) -> dict[str, dict[str, float]]:
+    """Per capture kind: seconds of one forward + backward with capture off / on / on
+    through the custom ops (min over ``repeat`` of the mean of ``number`` calls)."""
+    out = {}
+    for kind in ("linear", "conv2d", "batchnorm2d", "layernorm", "groupnorm", "rmsnorm", "embedding"):
+        layer, x = _one_layer(kind)
+        model = tengrad_fx.prepare(nn.Sequential(layer), example_inputs=(x[:2],))
+        if x.is_floating_point():
+            x = x.requires_grad_()
+        res = {}
+        for name, capture, force in (("off", False, False), ("on", True, False), ("custom ops", True, True)):
+            tengrad_fx.capturing(model, capture)
+            was, eager.FORCE_CUSTOM_OPS = eager.FORCE_CUSTOM_OPS, force
+            try:
+                def call() -> None:
+                    model(x).sum().backward()
+                for _ in range(5):
+                    call()
+                res[name] = min(timeit.repeat(call, number=number, repeat=repeat)) / number
+            finally:
+                eager.FORCE_CUSTOM_OPS = was
+        out[kind] = res
+    return out
+
+
+def report_per_call(res: dict[str, dict[str, float]]) -> None:
+    print("\none layer, forward + backward, µs per call (min over repeats; input of 4 samples)")
+    print(f"{'kind':<14}{'off':>9}{'on':>9}{'custom ops':>12}{'on - off':>10}{'custom - off':>14}")
+    for kind, r in res.items():
+        print(f"{kind:<14}{r['off'] * 1e6:>9.1f}{r['on'] * 1e6:>9.1f}{r['custom ops'] * 1e6:>12.1f}"
+              f"{(r['on'] - r['off']) * 1e6:>10.1f}{(r['custom ops'] - r['off']) * 1e6:>14.1f}")
+
+
 def main_capture(args: argparse.Namespace, base: nn.Module, batches: list[Any], sync: Callable[[], None]) -> dict:
     """``tools.bench --capture``: run, print, return the results."""
     res = run_capture(base, batches, args.steps, args.warmup, sync)
     report_capture(res, f"model={args.model} m={args.m} device={args.device} threads={torch.get_num_threads()} "
                         f"torch={torch.__version__}: forward + backward, median of {args.steps} interleaved "
                         f"rounds after {args.warmup} warm-up")
-    return res
+    calls = per_call(number=max(2, args.steps))
+    report_per_call(calls)
+    return {"rows": res, "per_call": calls}

@@ -13,7 +13,8 @@ def test_capture_rows_and_op_counts(tmp_path, capsys) -> None:  # type: ignore[n
     out = tmp_path / "capture.json"
     bench.main(["--capture", "--model", "tiny-bn", "--m", "4", "--steps", "2", "--warmup", "1",
                 "--json", str(out)])
-    res = json.loads(out.read_text())
+    full = json.loads(out.read_text())
+    res = full["rows"]
     assert list(res) == list(ROWS)
     assert res["plain"]["ratio"] == 1.0 and all(r["total"] > 0 for r in res.values())
     ops = {name: r["tengrad_ops"] for name, r in res.items()}
@@ -21,4 +22,6 @@ def test_capture_rows_and_op_counts(tmp_path, capsys) -> None:  # type: ignore[n
     assert ops == {"plain": 0, "capture off": 0, "capture on": 0, "capture on, custom ops": 2 * 9,
                    "linconv on": 0, "linconv on, custom ops": 2 * 5}
     assert res["capture off"]["aten_ops"] == res["plain"]["aten_ops"]
+    assert set(full["per_call"]) >= {"linear", "conv2d", "batchnorm2d", "embedding"}
+    assert all(t > 0 for r in full["per_call"].values() for t in r.values())
     assert "x plain" in capsys.readouterr().out
