@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "per_sample_grads", "gram_factor", "gram_materialize", "gram_bias", "jvp", "vjp",
+    "per_sample_grads", "gram_factor", "gram_factor_stacked", "gram_materialize", "gram_bias", "jvp", "vjp",
     "DEFAULT_BLOCK_BYTES",
 ]
 
@@ -50,30 +50,36 @@ def gram_factor(A: Tensor, B: Tensor, block_bytes: int = DEFAULT_BLOCK_BYTES) ->
     ``K[i, j] = Σ_g Σ_{s,t} (A[i,g,s]·A[j,g,t]) (B[i,g,s]·B[j,g,t])``. Never forms
     ``J``; for ``S > 1`` the ``[bi·S, bj·S]`` products are computed over sample blocks
     sized so each block's working set stays under ``block_bytes`` (at least one pair).
-    Cost ``2·m²·S²·(f + o)·g`` flops.
+    Cost ``2·m²·S²·(f + o)·g`` flops. One layer of :func:`gram_factor_stacked`.
     """
-    m, g, S, f = A.shape
+    return gram_factor_stacked(A.transpose(0, 1).unsqueeze(0), B.transpose(0, 1).unsqueeze(0), block_bytes)[0]
+
+
+def gram_factor_stacked(A: Tensor, B: Tensor, block_bytes: int = DEFAULT_BLOCK_BYTES) -> Tensor:
+    """:func:`gram_factor` of ``L`` stacked layers at once, ``[L, m, m]``: ``A [L, g, m, S, f]``,
+    ``B [L, g, m, S, o]`` (layer, group, sample, position, feature). Each sample block is
+    one ``bmm`` over ``L·g`` for ``A`` and one for ``B`` (the block bound covers all ``L``)."""
+    L, g, m, S, f = A.shape
     o = B.shape[-1]
     if S == 1:
-        a, b = A[:, :, 0].transpose(0, 1), B[:, :, 0].transpose(0, 1)  # [g, m, f|o]
-        return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(b, b.transpose(1, 2))).sum(0)
-    per_pair = 2 * g * S * S * A.element_size()
+        a, b = A[..., 0, :].reshape(L * g, m, f), B[..., 0, :].reshape(L * g, m, o)
+        return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(b, b.transpose(1, 2))).view(L, g, m, m).sum(1)
+    per_pair = 2 * L * g * S * S * A.element_size()
     blk = max(1, min(m, int(math.sqrt(block_bytes / per_pair))))
-    Ag = A.transpose(0, 1)  # [g, m, S, f]
-    Bg = B.transpose(0, 1)
-    K = A.new_zeros(m, m)
+    K = A.new_zeros(L, m, m)
     for i0 in range(0, m, blk):
         i1 = min(m, i0 + blk)
-        ai = Ag[:, i0:i1].reshape(g, -1, f)
-        bi = Bg[:, i0:i1].reshape(g, -1, o)
+        ai = A[:, :, i0:i1].reshape(L * g, -1, f)
+        bi = B[:, :, i0:i1].reshape(L * g, -1, o)
         for j0 in range(i0, m, blk):
             j1 = min(m, j0 + blk)
-            aa = torch.bmm(ai, Ag[:, j0:j1].reshape(g, -1, f).transpose(1, 2))
-            bb = torch.bmm(bi, Bg[:, j0:j1].reshape(g, -1, o).transpose(1, 2))
-            blkK = aa.mul_(bb).reshape(g, i1 - i0, S, j1 - j0, S).sum((0, 2, 4))  # in place: 2 buffers
-            K[i0:i1, j0:j1] = blkK
+            aa = torch.bmm(ai, A[:, :, j0:j1].reshape(L * g, -1, f).transpose(1, 2))
+            bb = torch.bmm(bi, B[:, :, j0:j1].reshape(L * g, -1, o).transpose(1, 2))
+            # in place: 2 buffers
+            blkK = aa.mul_(bb).reshape(L, g, i1 - i0, S, j1 - j0, S).sum((1, 3, 5))
+            K[:, i0:i1, j0:j1] = blkK
             if j0 != i0:
-                K[j0:j1, i0:i1] = blkK.T
+                K[:, j0:j1, i0:i1] = blkK.transpose(1, 2)
     return K
 
 

@@ -12,8 +12,13 @@ the number of ops a step dispatches does not grow with depth. Forms:
   ``A [L, m, f]``, captured output gradients ``B [L, m, o]``, ``J_i = k·vec(B_i A_iᵀ, B_i)``.
   ``J g = k·Σ (A Gwᵀ)⊙B`` or ``k·Σ (B Gw)⊙A`` — the order with the smaller ``[m, min(o, f)]``
   intermediate (equal flops ``m·o·f``); ``Jᵀ c = k·(B⊙c)ᵀ A``.
+* ``"conv"`` — convolutions kept as their captured ``I, G`` (factored by the cost model,
+  or materialized beyond ``jacobian_budget_mb``), stacked along a layer axis after the
+  sample axis: ``A = I [m, L, c_in, *sp]``, ``B = G [m, L, c_out, *sp_out]``; the Gram, ``J g``
+  and ``Jᵀ c`` are one convolution / ``bmm`` per group
+  (:mod:`tengrad_fx.curvature.conv_stack`).
 * ``"layer"`` — one layer through :class:`~tengrad_fx.curvature.layer.CoveredLayer`
-  (convolutions by factorization, several calls of one module, sequences).
+  (transposed convolutions, several calls of one module, sequences, norms by factor).
 
 ``k`` is the per-sample scale of the captured ``G`` (``m`` for a mean loss). Gradients of
 a group are stacked the same way: ``gw [L, n_w]``, ``gb [L, n_b]``.
@@ -27,11 +32,12 @@ from typing import Iterator, Literal, Optional
 import torch
 from torch import Tensor
 
+from ..curvature import conv_stack
 from ..curvature.layer import CoveredLayer
 
 __all__ = ["LayerGroup", "build_groups", "precondition_groups", "probe_generator", "reuse_cost"]
 
-Form = Literal["P", "IG", "layer"]
+Form = Literal["P", "IG", "conv", "layer"]
 _PROBE_GENERATORS: dict[str, torch.Generator] = {}
 
 
@@ -67,8 +73,8 @@ def tf32_matmuls(enabled: bool) -> Iterator[None]:
             mm.allow_tf32 = old
 
 
-def _stack(ts: list[Tensor]) -> Tensor:
-    return ts[0].unsqueeze(0) if len(ts) == 1 else torch.stack(ts)
+def _stack(ts: list[Tensor], dim: int = 0) -> Tensor:
+    return ts[0].unsqueeze(dim) if len(ts) == 1 else torch.stack(ts, dim)
 
 
 @dataclass(eq=False)
@@ -81,9 +87,9 @@ class LayerGroup:
     k: float = 1.0
     Pw: Optional[Tensor] = None  # "P": [L, m, n_w]
     Pb: Optional[Tensor] = None  # "P": [L, m, n_b]
-    A: Optional[Tensor] = None  # "IG": [L, m, f]
-    B: Optional[Tensor] = None  # "IG": [L, m, o]
-    strategy: str = "auto"  # "layer": Gram strategy
+    A: Optional[Tensor] = None  # "IG": [L, m, f]; "conv": I [m, L, c_in, *sp]
+    B: Optional[Tensor] = None  # "IG": [L, m, o]; "conv": G [m, L, c_out, *sp_out]
+    strategy: str = "auto"  # "layer", "conv": Gram strategy
     chol: Optional[Tensor] = None  # [L, m, m]: factors of K + mαI
 
     @property
@@ -98,7 +104,8 @@ class LayerGroup:
         pointing the store's records at this group's views; False when they differ. Keeps
         the tensors a captured CUDA graph reads at fixed addresses."""
         names = ("Pw", "Pb", "A", "B")
-        if new.form != self.form or new.form == "layer" or new.layers != self.layers or new.k != self.k:
+        if new.form != self.form or new.form == "layer" or new.layers != self.layers or new.k != self.k \
+                or new.strategy != self.strategy:
             return False
         for n in names:
             a, b = getattr(self, n), getattr(new, n)
@@ -112,9 +119,13 @@ class LayerGroup:
             recs = lay.records()
             if len(recs) == 1 and self.form == "P" and recs[0].P is not None:
                 recs[0].P, recs[0].Gsum = self.Pw[i], (self.Pb[i] if self.Pb is not None else recs[0].Gsum)  # type: ignore[index]
-            elif len(recs) == 1 and self.form == "IG":
-                recs[0].I, recs[0].G = self.A[i], self.B[i]  # type: ignore[index]
+            elif len(recs) == 1 and self.form in ("IG", "conv"):
+                recs[0].I, recs[0].G = self._layer_slice(self.A, i), self._layer_slice(self.B, i)  # type: ignore[arg-type]
         return True
+
+    def _layer_slice(self, X: Tensor, i: int) -> Tensor:
+        """Layer ``i``'s part of a stack (the layer axis is 1 for ``"conv"``, else 0)."""
+        return X[:, i] if self.form == "conv" else X[i]
 
     # ------------------------------------------------------------------ gradients
     def grads(self) -> tuple[Tensor, Optional[Tensor]]:
@@ -146,6 +157,9 @@ class LayerGroup:
             assert self.A is not None and self.B is not None
             AA = torch.bmm(self.A, self.A.transpose(1, 2))
             K = (AA + 1.0 if self.has_bias else AA) * torch.bmm(self.B, self.B.transpose(1, 2))
+        elif self.form == "conv":
+            assert self.A is not None and self.B is not None
+            K = conv_stack.gram(self.layers[0].spec, self.A, self.B, self.strategy, self.has_bias)
         else:
             return self.layers[0].gram(self.strategy).unsqueeze(0)  # type: ignore[arg-type]
         return K * (self.k * self.k)
@@ -169,6 +183,9 @@ class LayerGroup:
             if gb is not None:
                 out = out + torch.bmm(B, gb.unsqueeze(2)).squeeze(2)
             return out * self.k
+        if self.form == "conv":
+            assert self.A is not None and self.B is not None
+            return conv_stack.jvp(self.layers[0].spec, self.A, self.B, gw, gb) * self.k
         lay = self.layers[0]
         vb = gb[0].view_as(lay.bias) if gb is not None and lay.bias is not None else None
         return lay.jvp(gw[0].view_as(lay.weight), vb).unsqueeze(0)
@@ -186,6 +203,10 @@ class LayerGroup:
             Bc = self.B * (c.to(self.B.dtype) * self.k).unsqueeze(2)
             w = torch.bmm(Bc.transpose(1, 2), self.A).flatten(1)
             return w, (Bc.sum(1) if self.has_bias else None)
+        if self.form == "conv":
+            assert self.A is not None and self.B is not None
+            w, b = conv_stack.vjp(self.layers[0].spec, self.A, self.B, c * self.k)
+            return w, (b if self.has_bias else None)
         lay = self.layers[0]
         w, b = lay.vjp(c[0])
         return w.reshape(1, -1), (b.reshape(1, -1) if b is not None else None)
@@ -220,11 +241,12 @@ class LayerGroup:
         """Is each layer's gradient the captured batch's ``s·Jᵀ1``? ``[L]`` bool, on the
         device (False after gradient clipping, a loss term outside the captured layers or
         accumulation; the push-through form is exact only when it holds). Checked on
-        ``n_probe`` random weight coordinates plus the bias, in full for ``"layer"``."""
+        ``n_probe`` random weight coordinates plus the bias, in full for ``"layer"`` and
+        ``"conv"`` (one ``Jᵀ1``)."""
         tol = 1e-4 if gw.dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-9
         nw = gw.shape[1]
-        if self.form == "layer":
-            got_w, got_b = self.vjp(torch.ones(1, self.m, dtype=gw.dtype, device=gw.device))
+        if self.form in ("layer", "conv"):
+            got_w, got_b = self.vjp(torch.ones(gw.shape[0], self.m, dtype=gw.dtype, device=gw.device))
             got, ref = got_w * s, gw
             if got_b is not None and gb is not None:
                 got, ref = torch.cat([got, got_b * s], 1), torch.cat([ref, gb], 1)
@@ -257,6 +279,21 @@ def _materialized(layer: CoveredLayer) -> tuple[Tensor, Optional[Tensor], float]
     return dW.flatten(1), (db.flatten(1) if db is not None else None), 1.0
 
 
+def _jacobian_bytes(layer: CoveredLayer) -> int:
+    """Bytes of the layer's ``J`` (``m × n``) in its captured dtype."""
+    r = layer.records()[0]
+    t = next((x for x in (r.P, r.I, r.G) if x is not None), layer.weight)
+    n = layer.weight.numel() + (layer.bias.numel() if layer.bias is not None else 0)
+    return r.m * n * t.element_size()
+
+
+def _stackable_conv(layer: CoveredLayer) -> bool:
+    """A (non-transposed) ConvNd captured as one call's ``I, G``: a ``"conv"`` group member."""
+    recs = layer.records()
+    return layer.kind in ("conv1d", "conv2d", "conv3d") and not layer.spec.transposed and len(recs) == 1 \
+        and recs[0].I is not None and recs[0].G is not None and recs[0].P is None
+
+
 def build_groups(layers: list[CoveredLayer], strategy: str, budget: float,
                  sites: Optional[set[int]] = None) -> tuple[list[LayerGroup], set[int]]:
     """Groups of the trainable covered layers with a record in the store, and the call
@@ -276,7 +313,7 @@ def build_groups(layers: list[CoveredLayer], strategy: str, budget: float,
         how = layer.choose(strategy)  # type: ignore[arg-type]
         recs = layer.records()
         m = recs[0].m
-        if how == "materialize":
+        if how == "materialize" and _jacobian_bytes(layer) <= budget:  # (no P made for nothing)
             Pw, Pb, k = _materialized(layer)
             nbytes = (Pw.numel() + (Pb.numel() if Pb is not None else 0)) * Pw.element_size()
             if nbytes <= budget:
@@ -285,18 +322,27 @@ def build_groups(layers: list[CoveredLayer], strategy: str, budget: float,
                 key = ("P", Pw.shape[1], Pb.shape[1] if Pb is not None else 0, k, Pw.dtype)
                 keyed.setdefault(key, []).append((layer, Pw, Pb, k))
                 continue
-        elif layer.kind == "linear" and len(recs) == 1 and recs[0].I is not None and recs[0].I.dim() == 2:
+        elif how != "materialize" and layer.kind == "linear" and len(recs) == 1 and recs[0].I is not None \
+                and recs[0].I.dim() == 2:
             I, G = recs[0].I, recs[0].G
             assert G is not None
             key = ("IG", I.shape[1], G.shape[1], layer.bias is not None, layer._scale(), I.dtype)
+            keyed.setdefault(key, []).append((layer, I, G, layer._scale()))
+            continue
+        if _stackable_conv(layer):  # factored, or materialized beyond the budget
+            I, G, spec = recs[0].I, recs[0].G, layer.spec
+            assert I is not None and G is not None
+            key = ("conv", how, tuple(layer.weight.shape), spec.stride, spec.padding, spec.dilation, spec.groups,
+                   tuple(I.shape), tuple(G.shape), layer.bias is not None, layer._scale(), I.dtype)
             keyed.setdefault(key, []).append((layer, I, G, layer._scale()))
             continue
         single.append(LayerGroup("layer", [layer], m, strategy=how))
     groups: list[LayerGroup] = []
     for key, members in keyed.items():
         lays = [mb[0] for mb in members]
-        X = _stack([mb[1] for mb in members])
-        Y = _stack([mb[2] for mb in members]) if members[0][2] is not None else None  # type: ignore[misc]
+        dim = 1 if key[0] == "conv" else 0  # "conv": the layer axis after the sample axis
+        X = _stack([mb[1] for mb in members], dim)
+        Y = _stack([mb[2] for mb in members], dim) if members[0][2] is not None else None  # type: ignore[misc]
         for i, lay in enumerate(lays):  # the records now view the stack (no second copy)
             recs = lay.records()
             if len(recs) != 1:
@@ -308,9 +354,13 @@ def build_groups(layers: list[CoveredLayer], strategy: str, budget: float,
                     r.Gsum = Y[i]
             elif key[0] == "IG":
                 r.I, r.G = X[i], Y[i]  # type: ignore[index]
-        m, k = X.shape[1], members[0][3]
+            elif key[0] == "conv":
+                r.I, r.G = X[:, i], Y[:, i]  # type: ignore[index]
+        m, k = X.shape[1 - dim], members[0][3]
         if key[0] == "P":
             groups.append(LayerGroup("P", lays, m, k, Pw=X, Pb=Y))
+        elif key[0] == "conv":
+            groups.append(LayerGroup("conv", lays, m, k, A=X, B=Y, strategy=key[1]))
         else:
             groups.append(LayerGroup("IG", lays, m, k, A=X, B=Y))
     return groups + single, sites
@@ -377,6 +427,11 @@ def reuse_cost(groups: list[LayerGroup]) -> tuple[float, float]:
         elif grp.form == "IG":
             assert grp.A is not None and grp.B is not None
             flops += 2 * 2.0 * L * grp.m * grp.A.shape[2] * grp.B.shape[2]
+            nbytes += 2.0 * (grp.A.numel() + grp.B.numel()) * es
+        elif grp.form == "conv":
+            assert grp.A is not None and grp.B is not None
+            g, S, f, o = grp.layers[0].dims()
+            flops += 2 * 2.0 * L * grp.m * S * f * o * g
             nbytes += 2.0 * (grp.A.numel() + grp.B.numel()) * es
         else:
             lay = grp.layers[0]

@@ -34,10 +34,13 @@ def _run(cuda_graph: bool, **kw):
     return [p.detach().clone() for p in pm.parameters()], opt, groups
 
 
+@pytest.mark.parametrize("strategy", ["auto", "factor"])  # factor: the convs in stacked "conv" groups
 @pytest.mark.parametrize("fisher", ["empirical", "mc"])
-def test_cuda_graph_option_on_cpu_equals_eager_bit_for_bit(fisher: str) -> None:
-    ref, _, _ = _run(False, fisher=fisher)
-    got, opt, groups = _run(True, fisher=fisher)
+def test_cuda_graph_option_on_cpu_equals_eager_bit_for_bit(fisher: str, strategy: str) -> None:
+    ref, _, _ = _run(False, fisher=fisher, strategy=strategy)
+    got, opt, groups = _run(True, fisher=fisher, strategy=strategy)
+    if strategy == "factor":
+        assert sum(grp.form == "conv" for grp in groups[0]) == 2, [grp.form for grp in groups[0]]
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
     assert opt._graphs.eager_runs == 4 and opt._graphs.replays == 0  # the 4 reuse steps went through it

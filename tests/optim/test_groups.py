@@ -2,7 +2,8 @@
 
 A float64 model with two equal 3→3 convolutions and two equal 6→6 Linears, so groups
 hold two layers (``P`` groups under materialization, ``IG`` groups for factored
-Linears). ``curvature_every=2`` on batches of 8 (curvature), 5 (reuse, a smaller last
+Linears, ``conv`` groups for factored convolutions and for convolutions materialized
+beyond ``jacobian_budget_mb``: ``"materialize-nobudget"``, a budget of 0). ``curvature_every=2`` on batches of 8 (curvature), 5 (reuse, a smaller last
 batch) and 8 (curvature): each step's update equals ``solve(JᵀJ/m + αI, g)`` per layer,
 ``J`` from ``torch.func`` per-sample gradients at the last curvature step's parameters
 and batch (sampled labels for the MC Fisher), ``g`` the current full-batch gradient.
@@ -36,7 +37,7 @@ def _grad(ref: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.T
     return {n: p.grad.detach().clone() for n, p in ref.named_parameters()}
 
 
-@pytest.mark.parametrize("strategy", ["auto", "factor", "materialize"])
+@pytest.mark.parametrize("strategy", ["auto", "factor", "materialize", "materialize-nobudget"])
 @pytest.mark.parametrize("fisher,form", [("empirical", "auto"), ("empirical", "woodbury"), ("mc", "auto")])
 def test_grouped_steps_equal_dense_block_ngd(strategy: str, fisher: str, form: str) -> None:
     net = _net()
@@ -46,8 +47,10 @@ def test_grouped_steps_equal_dense_block_ngd(strategy: str, fisher: str, form: s
                for m in (8, 5, 8)]
     model = tengrad_fx.prepare(net, example_inputs=(batches[0][0][:2],))
     alpha = 0.07
+    budget = 0.0 if strategy.endswith("-nobudget") else 1024.0
     opt = TENGraD(model, lr=1.0, damping=alpha, momentum=0.0, curvature_every=2, fisher=fisher,
-                  update_form=form, strategy=strategy, kl_clip=None)
+                  update_form=form, strategy=strategy.removesuffix("-nobudget"), kl_clip=None,
+                  jacobian_budget_mb=budget)
     covered = tengrad_fx.get_info(model).covered
     J_at = None
     for t, (x, y) in enumerate(batches):
@@ -75,7 +78,10 @@ def test_grouped_steps_equal_dense_block_ngd(strategy: str, fisher: str, form: s
             err = ((got - u_ref).norm() / u_ref.norm()).item()
             assert err <= 1e-8, (t, n, err)
     sizes = sorted(len(grp.layers) for grp in opt._curv)
-    assert sizes[-1] == 2 or strategy == "factor" and sizes.count(2) == 1, sizes
+    assert sizes[-1] == 2, sizes
+    forms = {(grp.form, grp.strategy if grp.form == "conv" else "", len(grp.layers)) for grp in opt._curv}
+    if strategy in ("factor", "materialize-nobudget"):  # the two 3→3 convolutions: one stacked group
+        assert ("conv", strategy.split("-")[0], 2) in forms, forms
     assert opt.counters == {"step": 3, "skipped": 0, "uncaptured": 0}
 
 

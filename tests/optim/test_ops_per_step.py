@@ -9,8 +9,13 @@ Bound reached (CPU, torch 2.14.1): with every layer materialized (``strategy=
 "materialize"``: all layers in stacked ``P`` groups) the deep model's step launches at
 most 1.02× the kernels of the shallow one, on curvature and on reuse steps (the
 difference is the ``stack`` of groups with several layers). With ``strategy="auto"``
-at these tiny sizes the cost model factors the last stage's convolutions, which go
-one layer at a time: the bound there is 1.7× (the issue asked for ≤ 4×).
+at these tiny sizes the cost model factors the last stage's convolutions; they are
+stacked too (``"conv"`` groups, :mod:`tengrad_fx.curvature.conv_stack`), so the bound
+there is 1.04× (measured 1.018 / 1.035 on empirical / MC curvature steps, 1.014 on reuse
+steps; it was 1.47 / 1.56 / 1.41 when factored convolutions went one layer at a time).
+With ``strategy="factor"`` every BatchNorm is factored too, and norm layers by factor
+still go one layer at a time (25 against 7): 2.27× (it was 2.96× before the conv stacks).
+The issue asked for ≤ 4×.
 """
 from __future__ import annotations
 
@@ -50,7 +55,7 @@ def _kernels_per_step(pm: torch.nn.Module, strategy: str, T: int, fisher: str) -
 
 
 @pytest.mark.parametrize("fisher", ["empirical", "mc"])
-@pytest.mark.parametrize("strategy,bound", [("materialize", 1.05), ("auto", 1.75)])
+@pytest.mark.parametrize("strategy,bound", [("materialize", 1.03), ("auto", 1.04), ("factor", 2.3)])
 def test_deep_step_dispatches_about_what_shallow_does(prepared, fisher: str, strategy: str, bound: float) -> None:
     shallow = _kernels_per_step(prepared[10], strategy, 2, fisher)
     deep = _kernels_per_step(prepared[28], strategy, 2, fisher)
