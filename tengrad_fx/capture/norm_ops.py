@@ -76,8 +76,10 @@ def _finish_channel_stats(store: CaptureStore, site: int, grad: Tensor, x: Tenso
     # dense: with one position per channel (S = 1) the kernel reads the statistics as
     # contiguous vectors, and C = 1 would otherwise give a stride-0 view (wrong values)
     stats = [acc(t).expand(m, C).contiguous().view(m * C) for t in (mean, rstd)]
+    # an explicit unit γ: CUDA's kernel computes no γ-gradient (and fails) without a weight
+    ones = stats[1].new_ones(m * C)
     _, Pw, Pb = torch.ops.aten.native_batch_norm_backward(
-        acc(grad).reshape(1, m * C, -1), acc(x).reshape(1, m * C, -1), None, None, None, *stats, True, 0.0,
+        acc(grad).reshape(1, m * C, -1), acc(x).reshape(1, m * C, -1), ones, None, None, *stats, True, 0.0,
         [False, True, True])
     shape = (-1, C, *([1] * (x.dim() - 2)))
     return _record(store, site, grad, Pw.view(m, C), Pb.view(m, C), weight, has_bias, gx,
