@@ -33,17 +33,12 @@ from torch import Tensor
 
 from ..curvature.layer import CoveredLayer
 from ..optim.tengrad_groups import LayerGroup
+from ..solve.woodbury import solve_cholesky
 from .comm import Bucket, broadcast_buckets, collective, pack, unpack
 
 __all__ = ["GramBlocksStep", "N_PROBE"]
 
 N_PROBE = 256  # weight coordinates of the push-through probe (plus the whole bias)
-
-
-def _solve(chol: Tensor, rhs: Tensor) -> Tensor:
-    """``(L Lᵀ)⁻¹ rhs`` for ``chol = L`` ``[M, M]``, ``rhs [M]`` (two triangular solves)."""
-    y = torch.linalg.solve_triangular(chol, rhs.to(chol.dtype).view(-1, 1), upper=False)
-    return torch.linalg.solve_triangular(chol.mH, y, upper=True).view(-1)
 
 
 class GramBlocksStep:
@@ -136,7 +131,7 @@ class GramBlocksStep:
             self.push.append(ok)
             for i, lay in enumerate(grp.layers):
                 if lay.name in chol:
-                    cs[lay.name] = _solve(chol[lay.name], Jg[i])
+                    cs[lay.name] = solve_cholesky(chol[lay.name], Jg[i])
         buckets: dict[int, Bucket] = {}
         for grp in self.groups:
             for lay in grp.layers:

@@ -34,6 +34,7 @@ from torch import Tensor
 
 from ..curvature import conv_stack
 from ..curvature.layer import CoveredLayer
+from ..solve.woodbury import solve_cholesky
 
 __all__ = ["LayerGroup", "build_groups", "precondition_groups", "probe_generator", "reuse_cost"]
 
@@ -386,10 +387,7 @@ def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, da
             Jg = torch.where(ok.unsqueeze(1), torch.ones_like(Jg), Jg)
         grads.append((gw, gb))
         rhs.append(Jg)
-    # (K + mαI)⁻¹ rhs by two batched triangular solves (what cholesky_solve does; trsm
-    # never synchronizes, so it can be captured in a CUDA graph)
-    y = torch.linalg.solve_triangular(chol, torch.cat(rhs).to(chol.dtype).unsqueeze(2), upper=False)
-    c_all = torch.linalg.solve_triangular(chol.mH, y, upper=True).squeeze(2)
+    c_all = solve_cholesky(chol, torch.cat(rhs))  # (K + mαI)⁻¹ rhs, [L_total, m]
     out: dict[Tensor, Tensor] = {}
     off = 0
     for i, (grp, (gw, gb)) in enumerate(zip(groups, grads)):

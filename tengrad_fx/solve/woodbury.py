@@ -21,8 +21,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["damped_cholesky", "damped_cholesky_ex", "woodbury_apply", "woodbury_push_through",
-           "CholeskyFailed", "JITTERS"]
+__all__ = ["damped_cholesky", "damped_cholesky_ex", "solve_cholesky", "woodbury_apply",
+           "woodbury_push_through", "CholeskyFailed", "JITTERS"]
 
 
 class CholeskyFailed(RuntimeError):
@@ -78,6 +78,14 @@ def damped_cholesky(K: Tensor, shift: Tensor | float, dtype: Optional[torch.dtyp
             raise CholeskyFailed("non-finite entries in the damped Gram")
         raise CholeskyFailed(f"damped Gram not positive definite after {len(JITTERS)} jitter retries")
     return chol
+
+
+def solve_cholesky(chol: Tensor, rhs: Tensor) -> Tensor:
+    """``(L Lᵀ)⁻¹ rhs`` for ``chol = L`` ``[..., m, m]`` (lower), ``rhs [..., m]``, in
+    ``chol``'s dtype: two (batched) triangular solves, which is what ``cholesky_solve``
+    does, but ``trsm`` never synchronizes, so a CUDA graph can capture it."""
+    y = torch.linalg.solve_triangular(chol, rhs.to(chol.dtype).unsqueeze(-1), upper=False)
+    return torch.linalg.solve_triangular(chol.mH, y, upper=True).squeeze(-1)
 
 
 def _solve(chol: Tensor, rhs: Tensor) -> Tensor:
