@@ -8,6 +8,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import attention, embedding, functional, norm, ops, params
+from .plain import compiled_forward, drop_dead_attributes, install_forward, plain_graph
 from .info import ATTR, PrepareInfo, get_info
 from .inputs import leading_dim
 from .match import LayerSpec, conv_call_args, match_module, pad_same_input
@@ -294,25 +295,34 @@ def _prepare_fx(model, candidates, fallback, example_inputs, added_params=True):
     odd: set[str] = set()
     refused: dict[str, str] = {}
     skip = {id(p) for mod in candidates.values() for p in mod.parameters(recurse=False)}
+    def rewritten(node: fx.Node) -> bool:  # as _rewrite: a candidate called with its input only
+        return str(node.target) in candidates and _call_arguments(node, candidates[str(node.target)])[0] is not None
+    plain = [plain_graph(g, model, rewritten, added_params) if g is not None else None for g in (g_train, g_eval)]
     _rewrite(g_train, candidates, layers, store.key, n_sites, runtime_batch, odd)
     if added_params:
         functional.rewrite_functional_layers(g_train, model, layers, store.key, n_sites, _batch_node(g_train), OURS)
         attention.rewrite_attention(g_train, model, layers, store.key, n_sites, _batch_node(g_train), OURS)
         params.rewrite_params(g_train, model, skip, layers, store.key, n_sites, _batch_node(g_train), refused, OURS)
+    drop_dead_attributes(g_train)
     gm = _graph_module(model, g_train, c_train)
     method = "fx"
+    eval_forward = None
     if g_eval is not None:
         _rewrite(g_eval, candidates, layers, store.key, n_sites, runtime_batch, odd)
         if added_params:
             functional.rewrite_functional_layers(g_eval, model, layers, store.key, n_sites, _batch_node(g_eval), OURS)
             attention.rewrite_attention(g_eval, model, layers, store.key, n_sites, _batch_node(g_eval), OURS)
             params.rewrite_params(g_eval, model, skip, layers, store.key, n_sites, _batch_node(g_eval), refused, OURS)
+        drop_dead_attributes(g_eval)
         gm_eval = _graph_module(model, g_eval, c_eval)
         for k, v in gm_eval._buffers.items():  # the eval graph runs on gm: give it gm_eval's extras
             if k not in gm._buffers and v is not None:
                 gm.register_buffer(k, v, persistent=False)
-        _dispatch_on_mode(gm, gm_eval)
+        eval_forward = type(gm_eval).forward
+        gm.__dict__["_tengrad_eval_graph"] = gm_eval.graph
         method = "fx-dual"
+    plain_fwd = [compiled_forward(gm, g) if g is not None else None for g in plain]
+    install_forward(gm, store.key, eval_forward, plain_fwd[0], plain_fwd[1] if g_eval is not None else plain_fwd[0])
     store.n_sites = n_sites[0]
     gm.__dict__["_tengrad_store"] = store
     note_functional_uses(gm, g_train, g_eval, layers, fallback)
@@ -327,22 +337,6 @@ def _prepare_fx(model, candidates, fallback, example_inputs, added_params=True):
         drop_layer(layers, name, why)
         fallback.setdefault(name, why)
     return gm, list(layers.values()), method, ""
-
-
-def _dispatch_on_mode(gm: fx.GraphModule, gm_eval: fx.GraphModule) -> None:
-    """Make ``gm`` run its own graph in train mode and ``gm_eval``'s in eval mode."""
-    cls = type(gm)  # GraphModule gives each instance its own class
-    train_forward = cls.forward
-    eval_forward = type(gm_eval).forward
-
-    def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if self.training:
-            return train_forward(self, *args, **kwargs)
-        return eval_forward(self, *args, **kwargs)
-
-    cls.forward = forward  # type: ignore[method-assign]
-    gm.__dict__["_tengrad_eval_graph"] = gm_eval.graph
-
 
 
 def _classify_params(model: nn.Module, info: PrepareInfo) -> None:
