@@ -1,6 +1,7 @@
 """``tools.bench --capture``: what capture costs in forward + backward, interleaved.
 
     python -m tools.bench --capture [--model tiny] [--m 32] [--steps 20] [--warmup 3]
+    python -m tools.capture_bench [--depth 50] [--rounds 15] [--number 20] [--device cpu]  # table 3 only
 
 Rows (each its own copy of the same initial model, the same batches, one forward +
 backward of the cross-entropy per round, the order rotated every round):
@@ -18,6 +19,13 @@ A second table times one forward + backward of a one-layer model per capture kin
 tiny input (launch-bound: the capture mechanism's per-call cost), the minimum over 7
 repeats of the mean of ``--steps`` calls (robust to a loaded machine): capture off, on, and on
 through the custom ops, and the two overheads over capture off in µs per layer call.
+
+A third table is the launch-bound regime of a GPU step, seen on any machine: a deep narrow
+model (``--depth`` × Conv2d(4, 4, 1) + BatchNorm2d(4) + ReLU, then a Linear; 2 samples of
+2×2; one CPU thread) whose kernels cost next to nothing, so what the prepared model adds
+per covered layer call is host time: µs per covered call over the plain model, capture
+off and on, forward and forward + backward (:func:`launch_bound`; the minimum over
+interleaved rounds of each row's time, minus the plain model's: a loaded machine only adds).
 
 No optimizer step: the rows differ only in the capture mechanism (no ``P`` is
 materialized; that is curvature work, timed by the ordinary bench rows). Printed: median
@@ -43,7 +51,7 @@ import tengrad_fx
 from tengrad_fx.capture import eager
 from tools.dispatch import OpCounter
 
-__all__ = ["run_capture", "report_capture", "per_call", "ROWS"]
+__all__ = ["run_capture", "report_capture", "per_call", "launch_bound", "report_launch_bound", "ROWS"]
 
 ROWS = ("plain", "capture off", "capture on", "capture on, custom ops", "linconv on", "linconv on, custom ops")
 
@@ -166,6 +174,62 @@ def report_per_call(res: dict[str, dict[str, float]]) -> None:
               f"{(r['on'] - r['off']) * 1e6:>10.1f}{(r['custom ops'] - r['off']) * 1e6:>14.1f}")
 
 
+def _deep_narrow(depth: int) -> nn.Module:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(16, 3))
+
+
+def launch_bound(depth: int = 50, rounds: int = 15, number: int = 20, device: str = "cpu",
+                 sync: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """µs per covered layer call that a prepared model adds over the plain one on a deep
+    narrow model (module docstring), capture off and on, ``forward`` and ``fwd+bwd``: per
+    round, each row runs ``number`` calls of each (rows rotated every round, one CPU thread);
+    (min over ``rounds`` of the row's mean call − the plain model's) / covered calls."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        base = _deep_narrow(depth).to(device)
+        x = torch.randn(2, 4, 2, 2, device=device)
+        models = {"plain": copy.deepcopy(base)}
+        for name, on in (("off", False), ("on", True)):
+            models[name] = tengrad_fx.prepare(copy.deepcopy(base), example_inputs=(x,))
+            tengrad_fx.capturing(models[name], on)
+        calls = 2 * depth + 1
+        work = {"forward": lambda net: net(x), "fwd+bwd": lambda net: net(x).sum().backward()}
+        times: dict[tuple[str, str], list[float]] = {(n, w): [] for n in models for w in work}
+        names = list(models)
+        for r in range(rounds + 1):  # round 0: warm-up
+            for i in range(len(names)):
+                name = names[(i + r) % len(names)]
+                for w, f in work.items():
+                    sync()
+                    t0 = time.perf_counter()
+                    for _ in range(number):
+                        f(models[name])
+                    sync()
+                    if r:
+                        times[(name, w)].append((time.perf_counter() - t0) / number)
+    finally:
+        torch.set_num_threads(threads)
+    out: dict[str, Any] = {"depth": depth, "covered_calls": calls, "device": device,
+                           "plain_us": {w: min(times[("plain", w)]) * 1e6 for w in work}}
+    for name in ("off", "on"):
+        out[name] = {w: (min(times[(name, w)]) - min(times[("plain", w)])) / calls * 1e6 for w in work}
+    return out
+
+
+def report_launch_bound(res: dict[str, Any]) -> None:
+    print(f"\nlaunch-bound: {res['depth']} x (Conv2d(4,4,1) + BatchNorm2d(4) + ReLU) + Linear, m=2, 2x2, "
+          f"{res['covered_calls']} covered calls, 1 thread, device={res['device']}; "
+          f"plain model: forward {res['plain_us']['forward']:.0f} us, fwd+bwd {res['plain_us']['fwd+bwd']:.0f} us")
+    print(f"{'capture':<10}{'forward us/call':>17}{'fwd+bwd us/call':>17}   (over the plain model, min of rounds)")
+    for name in ("off", "on"):
+        print(f"{name:<10}{res[name]['forward']:>17.2f}{res[name]['fwd+bwd']:>17.2f}")
+
+
 def main_capture(args: argparse.Namespace, base: nn.Module, batches: list[Any], sync: Callable[[], None]) -> dict:
     """``tools.bench --capture``: run, print, return the results."""
     res = run_capture(base, batches, args.steps, args.warmup, sync)
@@ -174,4 +238,17 @@ def main_capture(args: argparse.Namespace, base: nn.Module, batches: list[Any], 
                         f"rounds after {args.warmup} warm-up")
     calls = per_call(number=max(2, args.steps))
     report_per_call(calls)
-    return {"rows": res, "per_call": calls}
+    bound = launch_bound(rounds=max(2, args.steps), device=args.device, sync=sync)
+    report_launch_bound(bound)
+    return {"rows": res, "per_call": calls, "launch_bound": bound}
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description="the launch-bound table of tools.bench --capture alone")
+    ap.add_argument("--depth", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--number", type=int, default=20)
+    ap.add_argument("--device", default="cpu")
+    a = ap.parse_args()
+    report_launch_bound(launch_bound(a.depth, a.rounds, a.number, a.device,
+                                     torch.cuda.synchronize if a.device == "cuda" else (lambda: None)))

@@ -38,7 +38,11 @@ _KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "xpu": "AutocastXPU", "mp
 
 
 def autocast_dtype(t: Tensor) -> Optional[torch.dtype]:
-    """The autocast dtype active for ``t``'s device, or None when autocast is off there."""
+    """The autocast dtype active for ``t``'s device, or None when autocast is off there.
+    Without autocast on any device one C call (outside ``torch.compile``, which traces the
+    per-device query instead)."""
+    if not torch.compiler.is_compiling() and not torch._C._is_any_autocast_enabled():
+        return None
     dev = t.device.type
     if dev not in _KEYS or not torch.is_autocast_enabled(dev):
         return None
@@ -72,10 +76,13 @@ def cast_like_aten(op: str, x: Tensor, *ts: Optional[Tensor]) -> tuple[Optional[
     return _cast(torch.float32, (x, *ts))
 
 
+_NO_CONTEXT = contextlib.nullcontext()
+
+
 def autocast_off(t: Tensor) -> ContextManager[None]:
     """A context with autocast disabled on ``t``'s device (a no-op when it is off)."""
     if autocast_dtype(t) is None:
-        return contextlib.nullcontext()
+        return _NO_CONTEXT
     return torch.autocast(t.device.type, enabled=False)  # type: ignore[return-value]
 
 

@@ -58,7 +58,7 @@ def _embedding_backward(grad: Tensor, idx: Tensor, num_weights: int, padding_idx
     store.record(site, Record(idx, grad))
     if store.grad_only:
         return grad.new_zeros(num_weights, grad.shape[-1])
-    return torch.ops.aten.embedding_dense_backward(grad, idx, num_weights, padding_idx, False)
+    return torch.ops.aten.embedding_dense_backward.default(grad, idx, num_weights, padding_idx, False)
 
 
 def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]

@@ -122,6 +122,7 @@ def _drop_act(mod: nn.Module, y: Tensor) -> Tensor:
 
 
 _TABLE: Optional[dict[type, NormEntry]] = None
+_ENTRIES: dict[type, Optional[NormEntry]] = {}  # norm_entry by module class (read per layer call)
 
 
 def _table() -> dict[type, NormEntry]:
@@ -157,12 +158,20 @@ def _table() -> dict[type, NormEntry]:
 
 def norm_entry(mod: nn.Module) -> Optional[NormEntry]:
     """The entry of the nearest table class in ``type(mod)``'s MRO whose ``forward`` the
-    module still uses (None: not a norm layer, or its forward is overridden)."""
+    module still uses (None: not a norm layer, or its forward is overridden); the MRO is
+    walked once per class."""
+    cls = type(mod)
+    if cls not in _ENTRIES:
+        _ENTRIES[cls] = _find_entry(cls)
+    return _ENTRIES[cls]
+
+
+def _find_entry(mod_cls: type) -> Optional[NormEntry]:
     table = _table()
-    for cls in type(mod).__mro__:
+    for cls in mod_cls.__mro__:
         entry = table.get(cls)
         if entry is not None:
-            return entry if type(mod).forward is cls.forward or _is_capturing(type(mod)) else None
+            return entry if mod_cls.forward is cls.forward or _is_capturing(mod_cls) else None
     return None
 
 
@@ -203,15 +212,17 @@ def norm(x: Tensor, mod: nn.Module, key: int, site: int, batch: Optional[int] = 
     """
     entry = norm_entry(mod)
     assert entry is not None, f"{type(mod).__name__} is not a captured norm layer"
-    ops.probe(key, site, x)
-    if not ops._active(key, x, mod.weight, getattr(mod, "bias", None)):
+    if ops.PROBE is not None:
+        ops.probe(key, site, x)
+    if not ops._active(key, x, mod.weight):
         return entry.cls.forward(mod, x)
-    fold = FOLDS.get((key, site))
+    fold = FOLDS.get((key, site)) if FOLDS else None
     if fold is not None:  # a folded batch (trailing kinds only, see fold.FOLDABLE)
         keep = len(mod.normalized_shape)
         y = entry.run(mod, fold_rows(x, fold, keep, name), key, site)
         y = unfold_rows(y, fold, x.shape[:x.dim() - keep])
     else:
-        ops._check_batch(x, batch, name)
+        if batch is not None:
+            ops._check_batch(x, batch, name)
         y = entry.run(mod, x, key, site)
     return entry.post(mod, y) if entry.post is not None else y

@@ -17,6 +17,7 @@ in plain ``autograd.Function``s (:mod:`.eager`).
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -27,6 +28,12 @@ from .eager import capture_op, use_custom_ops
 from .store import CaptureStore, Record, lookup
 
 __all__ = ["per_sample_sums", "bcast"]
+
+# the backward kernels have no torch.* binding: their OpOverloads (cheaper per call than
+# the torch.ops.aten packets); the forwards call the torch.* bindings (see .ops)
+_bn_backward_kernel = torch.ops.aten.native_batch_norm_backward.default
+_ln_backward_kernel = torch.ops.aten.native_layer_norm_backward.default
+_gn_backward_kernel = torch.ops.aten.native_group_norm_backward.default
 
 
 def bcast(p: Tensor, ndim: int, channel_first: bool) -> Tensor:
@@ -50,8 +57,11 @@ def _record(store: CaptureStore, site: int, grad: Tensor, Pw: Tensor, Pb: Tensor
         store.record(site, Record(xhat(), grad))
     if store.grad_only:  # MC-Fisher pass: G only, no parameter gradients
         return gx, weight.new_zeros(weight.shape), weight.new_zeros(weight.shape if has_bias else 0)
-    return (gx, Pw.sum(0).view(weight.shape).to(weight.dtype),
-            (Pb.sum(0).view(weight.shape).to(weight.dtype) if has_bias else weight.new_empty(0)))
+    gw = Pw.sum(0) if weight.dim() == 1 else Pw.sum(0).view(weight.shape)
+    if not has_bias:
+        return gx, gw.to(weight.dtype), weight.new_empty(0)
+    gb = Pb.sum(0) if weight.dim() == 1 else Pb.sum(0).view(weight.shape)
+    return gx, gw.to(weight.dtype), gb.to(weight.dtype)
 
 
 def _finish(store: CaptureStore, site: int, grad: Tensor, xhat: Tensor, weight: Tensor,
@@ -67,7 +77,7 @@ def _finish_channel_stats(store: CaptureStore, site: int, grad: Tensor, x: Tenso
                           rstd: Tensor, weight: Tensor, has_bias: bool,
                           gx: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Channel-first norms whose statistics are constant over each (sample, channel)'s
-    positions (BatchNorm, GroupNorm; ``mean``, ``rstd``: ``[m or 1, C]``): without forming
+    positions (BatchNorm, GroupNorm; ``mean``, ``rstd``: ``[m, C]`` or ``[C]``): without forming
     ``x̂``, ``dγ_i = rstd ⊙ Σ_s G_i[s] (x_i[s] − mean)`` and ``dβ_i = Σ_s G_i[s]`` are the
     affine gradients of a batch norm over ``m·C`` channels of one sample each
     (``[1, m·C, S]``, these statistics given as the saved ones): one fused aten kernel
@@ -75,15 +85,35 @@ def _finish_channel_stats(store: CaptureStore, site: int, grad: Tensor, x: Tenso
     m, C = grad.shape[:2]
     # dense: with one position per channel (S = 1) the kernel reads the statistics as
     # contiguous vectors, and C = 1 would otherwise give a stride-0 view (wrong values)
-    stats = [acc(t).expand(m, C).contiguous().view(m * C) for t in (mean, rstd)]
+    stats = [_dense(acc(t), m, C) for t in (mean, rstd)]
     # an explicit unit γ: CUDA's kernel computes no γ-gradient (and fails) without a weight
-    ones = stats[1].new_ones(m * C)
-    _, Pw, Pb = torch.ops.aten.native_batch_norm_backward(
+    ones = _ones(m * C, stats[1])
+    _, Pw, Pb = _bn_backward_kernel(
         acc(grad).reshape(1, m * C, -1), acc(x).reshape(1, m * C, -1), ones, None, None, *stats, True, 0.0,
         [False, True, True])
     shape = (-1, C, *([1] * (x.dim() - 2)))
     return _record(store, site, grad, Pw.view(m, C), Pb.view(m, C), weight, has_bias, gx,
                    lambda: (x - mean.reshape(shape)) * rstd.reshape(shape))
+
+
+def _dense(t: Tensor, m: int, C: int) -> Tensor:
+    """``t [m, C]`` or ``[C]`` as a contiguous ``[m·C]`` (entry ``i·C + c``: ``t[i, c]`` or
+    ``t[c]``), copied where ``t`` is ``[C]`` (never a stride-0 view; ``expand`` +
+    ``contiguous``: a fraction of ``repeat``'s host time)."""
+    return t.expand(m, C).contiguous().view(m * C) if t.dim() == 1 else t.reshape(m * C)
+
+
+_ONES: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+
+
+def _ones(n: int, like: Tensor) -> Tensor:
+    """A ``[n]`` tensor of ones in ``like``'s dtype and device, made once per (n, dtype,
+    device) and only ever read (one kernel launch less per layer call)."""
+    k = (n, like.dtype, like.device)
+    ones = _ONES.get(k)
+    if ones is None:
+        ones = _ONES[k] = like.new_ones(n)
+    return ones
 
 
 def _fake_grads(grad: Tensor, x: Tensor, weight: Tensor, has_bias: bool, need_input: bool):  # type: ignore[no-untyped-def]
@@ -103,10 +133,11 @@ def _bn_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], running_mean:
 
 def _bn_forward_in_place(x: Tensor, weight: Tensor, bias: Optional[Tensor], running_mean: Optional[Tensor],
                          running_var: Optional[Tensor], training: bool, momentum: float, eps: float,
-                         key: int, site: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The eager Function's forward: aten updates the running statistics in place (as
-    ``F.batch_norm`` does); the last two outputs are empty."""
-    return _bn_run(x, weight, bias, running_mean, running_var, training, momentum, eps, key, False)
+                         key: int, site: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The eager Function's forward: ``(y, batch mean, batch rstd)``, aten updating the
+    running statistics in place (as ``F.batch_norm`` does)."""
+    lookup(key).begin()
+    return torch.native_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps)
 
 
 def _bn_run(x: Tensor, weight: Tensor, bias: Optional[Tensor], running_mean: Optional[Tensor],
@@ -116,7 +147,7 @@ def _bn_run(x: Tensor, weight: Tensor, bias: Optional[Tensor], running_mean: Opt
     update = functional and training and running_mean is not None and running_var is not None
     rm = running_mean.clone() if update else running_mean  # type: ignore[union-attr]
     rv = running_var.clone() if update else running_var  # type: ignore[union-attr]
-    out, mean, rstd = torch.ops.aten.native_batch_norm(x, weight, bias, rm, rv, training, momentum, eps)
+    out, mean, rstd = torch.native_batch_norm(x, weight, bias, rm, rv, training, momentum, eps)
     if not update:
         return out, mean, rstd, x.new_empty(0), x.new_empty(0)
     return out, mean, rstd, rm, rv  # type: ignore[return-value]
@@ -128,27 +159,24 @@ def _bn_backward(grad: Tensor, x: Tensor, weight: Tensor, running_mean: Optional
                  site: int) -> tuple[Tensor, Tensor, Tensor]:
     """``(∂L/∂x or [0], ∂L/∂γ, ∂L/∂β or [0])``; records (module docstring)."""
     with autocast_off(grad):
-        gx = grad.new_empty(0)
-        if need_input:
-            gx = torch.ops.aten.native_batch_norm_backward(
-                grad, x, weight, running_mean, running_var, save_mean, save_rstd, training, eps,
-                [True, False, False])[0]
+        gx = _bn_backward_kernel(
+            grad, x, weight, running_mean, running_var, save_mean, save_rstd, training, eps,
+            [True, False, False])[0] if need_input else grad.new_empty(0)
         if training:
             mean, rstd = save_mean, save_rstd
         else:
             assert running_mean is not None and running_var is not None
             mean, rstd = running_mean, (running_var + eps).rsqrt()
-        return _finish_channel_stats(lookup(key), site, grad, x, mean.unsqueeze(0), rstd.unsqueeze(0),
-                                     weight, has_bias, gx)
+        return _finish_channel_stats(lookup(key), site, grad, x, mean, rstd, weight, has_bias, gx)
 
 
 def _bn_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     x, weight, bias, rm, rv, training, momentum, eps, key, site = inputs
-    _, mean, rstd, new_rm, new_rv = output
+    mean, rstd = output[1], output[2]  # (the custom op: then the new running statistics)
     # running statistics are read by the backward only in eval mode (then they are constant)
     ctx.save_for_backward(x, weight, mean, rstd, None if training else rm, None if training else rv)
     ctx.conf = (training, eps, bias is not None, key, site)
-    ctx.mark_non_differentiable(mean, rstd, new_rm, new_rv)
+    ctx.mark_non_differentiable(*output[1:])
 
 
 def _bn_formula(backward, ctx, grad, *_):  # type: ignore[no-untyped-def]
@@ -184,12 +212,12 @@ def batch_norm(x: Tensor, weight: Tensor, bias: Optional[Tensor], running_mean: 
     running statistics are updated in place, as aten does. Autocast: as ``aten::batch_norm``."""
     x, weight, bias = cast_like_aten("aten::batch_norm", x, weight, bias)  # type: ignore[assignment]
     run = torch.ops.tengrad_fx.batch_norm if use_custom_ops() else BatchNormCapture.apply
-    out, _, _, rm, rv = run(x, weight, bias, running_mean, running_var, training, momentum, eps, key, site)
-    if rm.numel():
+    res = run(x, weight, bias, running_mean, running_var, training, momentum, eps, key, site)
+    if len(res) == 5 and res[3].numel():  # the custom op's new statistics (the eager Function's: in place)
         with torch.no_grad():
-            running_mean.copy_(rm)  # type: ignore[union-attr]
-            running_var.copy_(rv)  # type: ignore[union-attr]
-    return out
+            running_mean.copy_(res[3])  # type: ignore[union-attr]
+            running_var.copy_(res[4])  # type: ignore[union-attr]
+    return res[0]
 
 
 # --------------------------------------------------------------------------- layer norm
@@ -197,7 +225,7 @@ def _ln_forward(x: Tensor, normalized_shape: Sequence[int], weight: Tensor, bias
                 eps: float, key: int, site: int) -> tuple[Tensor, Tensor, Tensor]:
     """``(y, mean, rstd)`` of ``aten.native_layer_norm``."""
     lookup(key).begin()
-    out, mean, rstd = torch.ops.aten.native_layer_norm(x, normalized_shape, weight, bias, eps)
+    out, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
     return out, mean, rstd
 
 
@@ -206,10 +234,8 @@ def _ln_backward(grad: Tensor, x: Tensor, normalized_shape: Sequence[int], mean:
                  site: int) -> tuple[Tensor, Tensor, Tensor]:
     """``(∂L/∂x or [0], ∂L/∂γ, ∂L/∂β or [0])``; records (module docstring)."""
     with autocast_off(grad):
-        gx = grad.new_empty(0)
-        if need_input:
-            gx = torch.ops.aten.native_layer_norm_backward(
-                grad, x, normalized_shape, mean, rstd, weight, None, [True, False, False])[0]
+        gx = _ln_backward_kernel(grad, x, normalized_shape, mean, rstd, weight, None,
+                                 [True, False, False])[0] if need_input else grad.new_empty(0)
         # dγ_i = Σ_s G[s] ⊙ (x[s] − μ_s) r_s = Σ_s r_s (G ⊙ x)[s] − Σ_s μ_s r_s G[s]: two
         # batched products over positions, one full-size temporary (G ⊙ x)
         m, D = x.shape[0], weight.numel()
@@ -271,7 +297,7 @@ def _gn_forward(x: Tensor, num_groups: int, weight: Tensor, bias: Optional[Tenso
     """``(y, mean, rstd)`` of ``aten.native_group_norm`` (statistics ``[m, groups]``)."""
     lookup(key).begin()
     N, C = x.shape[:2]
-    out, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, N, C, x[0, 0].numel(),
+    out, mean, rstd = torch.native_group_norm(x, weight, bias, N, C, math.prod(x.shape[2:]),
                                                        num_groups, eps)
     return out, mean, rstd
 
@@ -282,10 +308,8 @@ def _gn_backward(grad: Tensor, x: Tensor, num_groups: int, mean: Tensor, rstd: T
     """``(∂L/∂x or [0], ∂L/∂γ, ∂L/∂β or [0])``; records (module docstring)."""
     with autocast_off(grad):
         N, C = x.shape[:2]
-        gx = grad.new_empty(0)
-        if need_input:
-            gx = torch.ops.aten.native_group_norm_backward(
-                grad, x, mean, rstd, weight, N, C, x[0, 0].numel(), num_groups, [True, False, False])[0]
+        gx = _gn_backward_kernel(grad, x, mean, rstd, weight, N, C, math.prod(x.shape[2:]), num_groups,
+                                 [True, False, False])[0] if need_input else grad.new_empty(0)
         k = C // num_groups  # channels per group: the group's statistics per channel
         return _finish_channel_stats(lookup(key), site, grad, x, mean.repeat_interleave(k, 1),
                                      rstd.repeat_interleave(k, 1), weight, has_bias, gx)

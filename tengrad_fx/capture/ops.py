@@ -17,7 +17,15 @@ dispatch, a fraction of its per-call cost).
 
 The Python functions :func:`linear` and :func:`conv` are what the rewritten FX graph
 calls. They dispatch to the plain aten op when capture is off, when grad is disabled,
-or when nothing requires grad — then capture costs nothing.
+or when nothing requires grad — then capture costs nothing (and an FX-prepared model
+runs its plain graph instead, :mod:`.plain`).
+
+Per-call cost: these wrappers and bodies run once per covered layer call, and on a GPU
+the step is launch-bound, so they call the generated ``torch.*`` bindings
+(``torch.convolution``: half the host time of the ``torch.ops.aten`` packet, which parses
+its arguments against the schema) and ``OpOverload``s (``.default``) where no binding
+exists, and pass the per-site constant tuples through unconverted
+(``tools.bench --capture``: the launch-bound table).
 """
 from __future__ import annotations
 
@@ -53,7 +61,7 @@ def probe(key: int, site: int, x: Tensor) -> None:
 ENABLED: dict[int, bool] = {}
 
 
-def _active(key: int, x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
+def _active(key: int, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> bool:
     """Capture this call? Only with capture on, grad enabled and a weight that requires
     grad: a frozen layer (weight ``requires_grad=False``) is preconditioned by nobody, so it
     runs the plain aten op (input and bias gradients as usual). Read at every call, so
@@ -71,14 +79,20 @@ def _check_batch(x: Tensor, batch: Optional[int], name: str) -> None:
         )
 
 
+_unsafe_view = torch.ops.aten._unsafe_view.default
+_convolution_backward = torch.ops.aten.convolution_backward.default
+# output_padding of a convolution that is not transposed, by spatial dims
+_NO_OUTPUT_PADDING = {1: (0,), 2: (0, 0), 3: (0, 0, 0)}
+
+
 def _not_a_view(out: Tensor) -> Tensor:
     """``out`` without a view relation to the kernel's intermediate (F.linear on ``[m, *, d]``
     and Conv1d return views). Autograd forbids in-place ops on a view made inside a custom
     op, so an in-place activation or ``+=`` after a captured layer would raise; an alias
     without the view relation (what ``matmul`` itself returns) is safe, nothing else holds it."""
-    if out._is_view() and out.is_contiguous():
-        return torch.ops.aten._unsafe_view(out, out.shape)
-    return out.clone() if out._is_view() else out
+    if not out._is_view():
+        return out
+    return _unsafe_view(out, out.shape) if out.is_contiguous() else out.clone()
 
 
 # --------------------------------------------------------------------------- linear
@@ -154,15 +168,18 @@ def linear(
     ``torch.autocast`` the arguments are cast as for ``aten::linear`` (:mod:`.amp`).
     """
     x, weight, bias = cast_lower(x, weight, bias)  # type: ignore[assignment]
-    probe(key, site, x)
-    if not _active(key, x, weight, bias):
+    if PROBE is not None:
+        probe(key, site, x)
+    if not (ENABLED.get(key, False) and torch.is_grad_enabled() and weight.requires_grad):  # _active
         return F.linear(x, weight, bias)
-    fold = FOLDS.get((key, site))
     run = torch.ops.tengrad_fx.linear if use_custom_ops() else LinearCapture.apply
-    if fold is not None:  # a folded batch: run on the rows regrouped per sample
-        y = run(fold_rows(x, fold, 1, name), weight, bias, key, site)
-        return unfold_rows(y, fold, x.shape[:-1])
-    _check_batch(x, batch, name)
+    if FOLDS:
+        fold = FOLDS.get((key, site))
+        if fold is not None:  # a folded batch: run on the rows regrouped per sample
+            y = run(fold_rows(x, fold, 1, name), weight, bias, key, site)
+            return unfold_rows(y, fold, x.shape[:-1])
+    if batch is not None:
+        _check_batch(x, batch, name)
     return run(x, weight, bias, key, site)
 
 
@@ -177,7 +194,7 @@ def _conv_forward(
 ) -> Tensor:
     """``aten.convolution``, ``[m, c_out, *spatial_out]``; starts a new capture."""
     lookup(key).begin()
-    return _not_a_view(torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups))
+    return _not_a_view(torch.convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups))
 
 
 def _conv_backward_amp(
@@ -213,20 +230,20 @@ def _conv_backward(grad: Tensor, x: Tensor, weight: Tensor, conf: tuple, has_bia
     if store.grad_only:  # MC-Fisher pass: G only, no parameter gradients
         gx = _conv_input_grad(grad, x, weight, conf) if need_input else grad.new_empty(0)
         return gx, zeros_w(), zeros_b()
-    gx, gw, gb = torch.ops.aten.convolution_backward(
+    gx, gw, gb = _convolution_backward(
         grad, x, weight, [n_bias] if has_bias else None, *conf, [need_input, True, has_bias],
     )
     return (gx if need_input else grad.new_empty(0)), gw, (gb if has_bias else grad.new_empty(0))
 
 
 def _conv_input_grad(grad: Tensor, x: Tensor, weight: Tensor, conf: tuple) -> Tensor:  # type: ignore[type-arg]
-    return torch.ops.aten.convolution_backward(grad, x, weight, None, *conf, [True, False, False])[0]
+    return _convolution_backward(grad, x, weight, None, *conf, [True, False, False])[0]
 
 
 def _conv_setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     x, weight, bias, stride, padding, dilation, transposed, output_padding, groups, key, site = inputs
     ctx.save_for_backward(x, weight)
-    ctx.conf = (list(stride), list(padding), list(dilation), transposed, list(output_padding), groups)
+    ctx.conf = (stride, padding, dilation, transposed, output_padding, groups)
     ctx.has_bias = bias is not None
     ctx.key, ctx.site = key, site
 
@@ -273,14 +290,14 @@ def conv(
     if pre_pad is not None:
         x = F.pad(x, list(pre_pad), mode=pad_mode)
     x, weight, bias = cast_lower(x, weight, bias)  # type: ignore[assignment]  # as aten::conv*d (.amp)
-    probe(key, site, x)
-    op = list(output_padding) if output_padding is not None else [0] * (weight.dim() - 2)
-    if not _active(key, x, weight, bias):
-        return torch.ops.aten.convolution(
-            x, weight, bias, list(stride), list(padding), list(dilation), transposed, op, groups
-        )
-    _check_batch(x, batch, name)
-    run = torch.ops.tengrad_fx.conv if use_custom_ops() else ConvCapture.apply
-    return run(
-        x, weight, bias, list(stride), list(padding), list(dilation), transposed, op, groups, key, site
-    )
+    if PROBE is not None:
+        probe(key, site, x)
+    op = _NO_OUTPUT_PADDING[weight.dim() - 2] if output_padding is None else output_padding
+    if not (ENABLED.get(key, False) and torch.is_grad_enabled() and weight.requires_grad):  # _active
+        return torch.convolution(x, weight, bias, stride, padding, dilation, transposed, op, groups)
+    if batch is not None:
+        _check_batch(x, batch, name)
+    if use_custom_ops():  # the schema's int[]: lists
+        return torch.ops.tengrad_fx.conv(x, weight, bias, list(stride), list(padding), list(dilation),
+                                         transposed, list(op), groups, key, site)
+    return ConvCapture.apply(x, weight, bias, stride, padding, dilation, transposed, op, groups, key, site)

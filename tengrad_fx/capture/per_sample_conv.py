@@ -128,7 +128,7 @@ def _grouped(grad: Tensor, x: Tensor, weight_shape: Sequence[int], stride: Seque
     gs = grad.reshape(1, -1, *grad.shape[2:])
     w = x.new_empty((m * weight_shape[0], *weight_shape[1:]))
     op = list(output_padding) if output_padding is not None else [0] * nd
-    gw = torch.ops.aten.convolution_backward(
+    gw = torch.ops.aten.convolution_backward.default(
         gs, xs, w, None, list(stride), list(padding), list(dilation), transposed, op, m * groups,
         [False, True, False])[1]
     return gw.reshape(m, -1)

@@ -54,13 +54,20 @@ class Record:
     in_shape: tuple[int, ...] = ()  # shape of the layer input (kept when I is not)
 
     def __post_init__(self) -> None:
-        # detached: a record must not keep the autograd graph (or give results with grad)
-        for name in ("I", "G", "P", "Gsum"):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t.detach())
-        if self.I is not None and not self.in_shape:
-            self.in_shape = tuple(self.I.shape)
+        # detached: a record must not keep the autograd graph (or give results with grad);
+        # a tensor without grad is kept as is (an output gradient in backward: no detach op).
+        # Written out (no getattr/setattr loop): one record per layer call.
+        if self.I is not None:
+            if self.I.requires_grad:
+                self.I = self.I.detach()
+            if not self.in_shape:
+                self.in_shape = tuple(self.I.shape)
+        if self.G is not None and self.G.requires_grad:
+            self.G = self.G.detach()
+        if self.P is not None and self.P.requires_grad:
+            self.P = self.P.detach()
+        if self.Gsum is not None and self.Gsum.requires_grad:
+            self.Gsum = self.Gsum.detach()
 
     def finalize(self, inv_scale: Optional[torch.Tensor]) -> None:
         """Low-precision floating tensors to float32; ``G``, ``P``, ``Gsum`` times

@@ -1,9 +1,11 @@
 """``tools.bench --capture`` on the ``tiny-bn`` proxy: every row runs, and the dispatch
 counts it prints are the machine-independent facts of the eager path (no ``tengrad_fx``
-op with capture on; two per covered layer, forward and backward, on the custom ops)."""
+op with capture on; two per covered layer, forward and backward, on the custom ops), and
+the launch-bound table's figures are there."""
 from __future__ import annotations
 
 import json
+import math
 
 from tools import bench
 from tools.capture_bench import ROWS
@@ -24,4 +26,8 @@ def test_capture_rows_and_op_counts(tmp_path, capsys) -> None:  # type: ignore[n
     assert res["capture off"]["aten_ops"] == res["plain"]["aten_ops"]
     assert set(full["per_call"]) >= {"linear", "conv2d", "batchnorm2d", "embedding"}
     assert all(t > 0 for r in full["per_call"].values() for t in r.values())
-    assert "x plain" in capsys.readouterr().out
+    bound = full["launch_bound"]  # the deep narrow model: µs per covered call (any sign on a loaded machine)
+    assert bound["covered_calls"] == 101 and bound["plain_us"]["fwd+bwd"] > bound["plain_us"]["forward"] > 0
+    assert all(math.isfinite(bound[row][w]) for row in ("off", "on") for w in ("forward", "fwd+bwd"))
+    out = capsys.readouterr().out
+    assert "x plain" in out and "launch-bound" in out
