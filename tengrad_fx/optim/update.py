@@ -64,6 +64,61 @@ def _sanitized(ds: list[Tensor], ok: Tensor) -> list[Tensor]:
     return out  # type: ignore[return-value]
 
 
+FUSED_DEVICES = ("cpu", "cuda")
+"""Devices whose ``aten::_fused_sgd_`` kernel takes the update (:func:`_fused_momentum_step`)."""
+
+
+def _fusable(ps: list[Tensor], ds: list[Tensor], state: dict[Any, Any], momentum: float) -> bool:
+    """Can :func:`_fused_momentum_step` apply this step? Its kernel walks each tensor's
+    storage in order, so parameter, update and buffer must all be contiguous (a
+    channels-last parameter takes the ``_foreach`` path), of one dtype, on a fused device."""
+    for p, d in zip(ps, ds):
+        if p.device.type not in FUSED_DEVICES or not p.is_floating_point() or d.dtype != p.dtype \
+                or d.device != p.device or not (p.is_contiguous() and d.is_contiguous()):
+            return False
+        buf = state[p].get("momentum_buffer") if momentum else None
+        if buf is not None and (buf.dtype != p.dtype or not buf.is_contiguous()):
+            return False
+    return True
+
+
+def _fused_momentum_step(state: dict[Any, Any], ps: list[Tensor], ds: list[Tensor], preconditioned: list[bool],
+                         lr: float, momentum: float, weight_decay: float, nu: Optional[Tensor],
+                         ok: Optional[Tensor]) -> None:
+    """The update by ``aten::_fused_sgd_`` (the kernel of ``torch.optim.SGD(fused=True)``),
+    one call per (device, dtype, first step) bucket, after ``u ← ν·u`` in place on the
+    preconditioned updates (temporaries; the kernel's own ``grad_scale`` is float32 only):
+    ``d = u + λw``, ``buf = μ·buf + d`` (``buf = d`` on a first step), ``w ← w − lr·buf``.
+    ``found_inf = 1[not ok]`` makes the kernel return before touching anything: the
+    parameters and buffers keep their bits, decided on the device (no host read).
+    A plain gradient (a parameter without a preconditioned update) is never written."""
+    found_inf = None if ok is None else torch.logical_not(ok).to(torch.float32)
+    if nu is not None:
+        pre = [i for i, (p, flag) in enumerate(zip(ps, preconditioned)) if flag]
+        for i in pre:
+            if ps[i].grad is not None and ds[i].data_ptr() == ps[i].grad.data_ptr():
+                ds[i] = ds[i].clone()  # scaled in place below: never the user's .grad
+        if pre:
+            torch._foreach_mul_([ds[i] for i in pre], nu)
+    buckets: dict[tuple[Any, ...], tuple[list[Tensor], list[Tensor], list[Tensor]]] = {}
+    for p, d in zip(ps, ds):
+        first = False
+        if momentum:
+            st = state[p]
+            first = "momentum_buffer" not in st
+            if first:
+                st["momentum_buffer"] = torch.empty_like(p, memory_format=torch.contiguous_format)
+        b = buckets.setdefault((p.device, p.dtype, first), ([], [], []))
+        b[0].append(p)
+        b[1].append(d)
+        if momentum:
+            b[2].append(state[p]["momentum_buffer"])
+    for (device, _, first), (bp, bd, bb) in buckets.items():
+        torch._fused_sgd_(bp, bd, bb, weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=0.0,
+                          nesterov=False, maximize=False, is_first_step=first,
+                          found_inf=found_inf.to(device) if found_inf is not None else None)
+
+
 @torch.no_grad()
 def apply_momentum_step(state: dict[Any, Any], params: list[Tensor], updates: dict[Tensor, Tensor],
                         lr: float, momentum: float, weight_decay: float, nu: Optional[Tensor] = None,
@@ -79,6 +134,10 @@ def apply_momentum_step(state: dict[Any, Any], params: list[Tensor], updates: di
         b = (o·lr)·buf + 0.0        # +0.0 when skipped
         w ← w − b
 
+    On CPU and CUDA with contiguous tensors all of this is aten's fused SGD kernel
+    (:func:`_fused_momentum_step`: one pass, the skip read on the device); elsewhere
+    ``_foreach`` ops in the masked form above.
+
     Momentum buffers are created on a parameter's first update (``buf = d``, as SGD);
     while one is missing the flag is read on the host once (warm-up, a sync), so a
     skipped first step creates no buffer. Returns False if that read found a skip
@@ -88,17 +147,20 @@ def apply_momentum_step(state: dict[Any, Any], params: list[Tensor], updates: di
     if not ps:
         return None
     ds = [updates[p] if p in updates else p.grad for p in ps]
-    if nu is not None:
-        pre = [i for i, p in enumerate(ps) if p in updates]
-        scaled = torch._foreach_mul([ds[i] for i in pre], nu)
-        for i, d in zip(pre, scaled):
-            ds[i] = d
     read: Optional[bool] = None
     if ok is not None and momentum and any("momentum_buffer" not in state[p] for p in ps):
         read = bool(ok)  # warm-up only: buffers are created from a taken step
         if not read:
             return False
         ok = None
+    if _fusable(ps, ds, state, momentum):
+        _fused_momentum_step(state, ps, ds, [p in updates for p in ps], lr, momentum, weight_decay, nu, ok)
+        return read
+    if nu is not None:
+        pre = [i for i, p in enumerate(ps) if p in updates]
+        scaled = torch._foreach_mul([ds[i] for i in pre], nu)
+        for i, d in zip(pre, scaled):
+            ds[i] = d
     if ok is not None:
         ds = _sanitized(ds, ok)
     if weight_decay:
