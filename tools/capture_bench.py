@@ -25,7 +25,8 @@ model (``--depth`` × Conv2d(4, 4, 1) + BatchNorm2d(4) + ReLU, then a Linear; 2 
 2×2; one CPU thread) whose kernels cost next to nothing, so what the prepared model adds
 per covered layer call is host time: µs per covered call over the plain model, capture
 off and on, forward and forward + backward (:func:`launch_bound`; the minimum over
-interleaved rounds of each row's time, minus the plain model's: a loaded machine only adds).
+interleaved rounds of each row's time, minus the plain model's: a loaded machine only adds;
+on CPU the time is the thread's CPU time, which other processes' load does not inflate).
 
 No optimizer step: the rows differ only in the capture mechanism (no ``P`` is
 materialized; that is curvature work, timed by the ordinary bench rows). Printed: median
@@ -186,7 +187,10 @@ def launch_bound(depth: int = 50, rounds: int = 15, number: int = 20, device: st
     """µs per covered layer call that a prepared model adds over the plain one on a deep
     narrow model (module docstring), capture off and on, ``forward`` and ``fwd+bwd``: per
     round, each row runs ``number`` calls of each (rows rotated every round, one CPU thread);
-    (min over ``rounds`` of the row's mean call − the plain model's) / covered calls."""
+    (min over ``rounds`` of the row's mean call − the plain model's) / covered calls. Clock:
+    the calling thread's CPU time on CPU (``time.thread_time``: blind to other processes),
+    wall time with ``sync`` elsewhere."""
+    clock = time.thread_time if device == "cpu" else time.perf_counter
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -206,12 +210,12 @@ def launch_bound(depth: int = 50, rounds: int = 15, number: int = 20, device: st
                 name = names[(i + r) % len(names)]
                 for w, f in work.items():
                     sync()
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     for _ in range(number):
                         f(models[name])
                     sync()
                     if r:
-                        times[(name, w)].append((time.perf_counter() - t0) / number)
+                        times[(name, w)].append((clock() - t0) / number)
     finally:
         torch.set_num_threads(threads)
     out: dict[str, Any] = {"depth": depth, "covered_calls": calls, "device": device,
@@ -223,7 +227,8 @@ def launch_bound(depth: int = 50, rounds: int = 15, number: int = 20, device: st
 
 def report_launch_bound(res: dict[str, Any]) -> None:
     print(f"\nlaunch-bound: {res['depth']} x (Conv2d(4,4,1) + BatchNorm2d(4) + ReLU) + Linear, m=2, 2x2, "
-          f"{res['covered_calls']} covered calls, 1 thread, device={res['device']}; "
+          f"{res['covered_calls']} covered calls, 1 thread, device={res['device']} "
+          f"({'thread CPU' if res['device'] == 'cpu' else 'wall'} time); "
           f"plain model: forward {res['plain_us']['forward']:.0f} us, fwd+bwd {res['plain_us']['fwd+bwd']:.0f} us")
     print(f"{'capture':<10}{'forward us/call':>17}{'fwd+bwd us/call':>17}   (over the plain model, min of rounds)")
     for name in ("off", "on"):

@@ -37,11 +37,14 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 _KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA", "xpu": "AutocastXPU", "mps": "AutocastMPS"}
 
 
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)  # (absent: the per-device query)
+
+
 def autocast_dtype(t: Tensor) -> Optional[torch.dtype]:
     """The autocast dtype active for ``t``'s device, or None when autocast is off there.
     Without autocast on any device one C call (outside ``torch.compile``, which traces the
     per-device query instead)."""
-    if not torch.compiler.is_compiling() and not torch._C._is_any_autocast_enabled():
+    if _ANY_AUTOCAST is not None and not torch.compiler.is_compiling() and not _ANY_AUTOCAST():
         return None
     dev = t.device.type
     if dev not in _KEYS or not torch.is_autocast_enabled(dev):

@@ -65,15 +65,18 @@ def _batch_norm(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:
         mod._check_input_dim(x)
     elif x.dim() != 4:
         raise ValueError(f"expected 4D input (got {x.dim()}D input)")
-    eaf = 0.0 if mod.momentum is None else mod.momentum
-    if mod.training and mod.track_running_stats and mod.num_batches_tracked is not None:
-        mod.num_batches_tracked.add_(1)
-        eaf = 1.0 / float(mod.num_batches_tracked) if mod.momentum is None else mod.momentum
-    bn_training = mod.training or (mod.running_mean is None and mod.running_var is None)
-    use_buffers = not mod.training or mod.track_running_stats
-    return norm_ops.batch_norm(x, mod.weight, mod.bias, mod.running_mean if use_buffers else None,
-                               mod.running_var if use_buffers else None, bn_training, eaf, mod.eps,
-                               key, site)
+    # each buffer read once (a Module.__getattr__ per read, per call)
+    momentum, training, rm, rv = mod.momentum, mod.training, mod.running_mean, mod.running_var
+    eaf = 0.0 if momentum is None else momentum
+    if training and mod.track_running_stats:
+        tracked = mod.num_batches_tracked
+        if tracked is not None:
+            tracked.add_(1)
+            eaf = 1.0 / float(tracked) if momentum is None else momentum
+    bn_training = training or (rm is None and rv is None)
+    use_buffers = not training or mod.track_running_stats
+    return norm_ops.batch_norm(x, mod.weight, mod.bias, rm if use_buffers else None,
+                               rv if use_buffers else None, bn_training, eaf, mod.eps, key, site)
 
 
 def _layer_norm(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:

@@ -212,10 +212,6 @@ def _conv_backward(grad: Tensor, x: Tensor, weight: Tensor, conf: tuple, has_bia
                    need_input: bool, key: int, site: int) -> tuple[Tensor, Tensor, Tensor]:
     store = lookup(key)
     stride, padding, dilation, transposed, output_padding, groups = conf
-    n_bias = grad.shape[1]
-    # fresh empty placeholders each time: a custom op's outputs must not alias each other
-    zeros_w = (lambda: grad.new_zeros(weight.shape))
-    zeros_b = (lambda: grad.new_zeros(n_bias) if has_bias else grad.new_empty(0))
     if store.wants_jacobian(site):  # per-sample weight grads in place of the weight grad
         P = per_sample_conv_weight_grads(acc(grad), acc(x), weight.shape, stride, padding, dilation, groups,
                                          transposed=transposed, output_padding=output_padding)
@@ -223,17 +219,23 @@ def _conv_backward(grad: Tensor, x: Tensor, weight: Tensor, conf: tuple, has_bia
         store.record(site, Record(None, None, P, gsum, tuple(x.shape)))
         gx = _conv_input_grad(grad, x, weight, conf) if need_input else grad.new_empty(0)
         if store.grad_only:
-            return gx, zeros_w(), zeros_b()
+            return gx, *_zero_param_grads(grad, weight, has_bias)
         return (gx, P.sum(0).view(weight.shape).to(weight.dtype),
                 (gsum.sum(0).to(grad.dtype) if has_bias else grad.new_empty(0)))
     store.record(site, Record(x, grad))
     if store.grad_only:  # MC-Fisher pass: G only, no parameter gradients
         gx = _conv_input_grad(grad, x, weight, conf) if need_input else grad.new_empty(0)
-        return gx, zeros_w(), zeros_b()
+        return gx, *_zero_param_grads(grad, weight, has_bias)
     gx, gw, gb = _convolution_backward(
-        grad, x, weight, [n_bias] if has_bias else None, *conf, [need_input, True, has_bias],
+        grad, x, weight, [grad.shape[1]] if has_bias else None, *conf, [need_input, True, has_bias],
     )
     return (gx if need_input else grad.new_empty(0)), gw, (gb if has_bias else grad.new_empty(0))
+
+
+def _zero_param_grads(grad: Tensor, weight: Tensor, has_bias: bool) -> tuple[Tensor, Tensor]:
+    """Zero weight and bias gradients (MC-Fisher pass); fresh tensors each time: a custom
+    op's outputs must not alias each other."""
+    return grad.new_zeros(weight.shape), (grad.new_zeros(grad.shape[1]) if has_bias else grad.new_empty(0))
 
 
 def _conv_input_grad(grad: Tensor, x: Tensor, weight: Tensor, conf: tuple) -> Tensor:  # type: ignore[type-arg]
