@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Literal, Optional
+from typing import Iterator, Literal, Optional, Union
 
 import torch
 from torch import Tensor
@@ -215,30 +215,41 @@ class LayerGroup:
         w, b = lay.vjp(c[0])
         return w.reshape(1, -1), (b.reshape(1, -1) if b is not None else None)
 
-    def woodbury(self, c: Tensor, gw: Tensor, gb: Optional[Tensor], damping: float) -> tuple[Tensor, Optional[Tensor]]:
-        """``u = (g − Jᵀc)/α`` for ``c [L, m]``: ``(uw [L, n_w], ub [L, n_b] or None)``.
+    def woodbury(self, c: Tensor, gw: Tensor, gb: Optional[Tensor], beta: Union[float, Tensor], gamma: float,
+                 ) -> tuple[Tensor, Optional[Tensor]]:
+        """``u = β·g + γ·Jᵀc`` for ``c [L, m]``: ``(uw [L, n_w], ub [L, n_b] or None)``;
+        ``β`` a float or ``[L]`` (one per layer, picked on the device). The Woodbury form
+        ``(g − Jᵀc)/α`` is ``β = 1/α, γ = −1/α``; push-through ``s·Jᵀc`` is ``β = 0`` with
+        ``c`` scaled by ``s`` (:func:`precondition_groups` picks per layer).
 
         For stacked ``P`` (and a factored Linear's weight) one ``baddbmm`` per parameter
-        computes ``g/α − (k/α)·Pᵀc`` (a reuse step's whole per-group work after ``J g``)."""
-        a = 1.0 / damping
+        computes it (a reuse step's whole per-group work after ``J g``)."""
+        if isinstance(beta, Tensor):  # per layer: folded into g
+            bw = beta.unsqueeze(1)
+            gw, gb = gw * bw, (gb * bw if gb is not None else None)
+            beta = 1.0
         if self.form == "P":
             assert self.Pw is not None
             c3 = c.to(self.Pw.dtype).unsqueeze(1)  # [L, 1, m]: cᵀ P row form, as in jvp
-            uw = torch.baddbmm(gw.unsqueeze(1), c3, self.Pw, beta=a, alpha=-self.k * a)
+            uw = torch.baddbmm(gw.unsqueeze(1), c3, self.Pw, beta=beta, alpha=gamma * self.k)
             ub = None
             if self.Pb is not None and gb is not None:
-                ub = torch.baddbmm(gb.unsqueeze(1), c3, self.Pb, beta=a, alpha=-self.k * a)
+                ub = torch.baddbmm(gb.unsqueeze(1), c3, self.Pb, beta=beta, alpha=gamma * self.k)
             return uw.squeeze(1), (ub.squeeze(1) if ub is not None else None)
         if self.form == "IG":
             assert self.A is not None and self.B is not None
             Bc = self.B * c.to(self.B.dtype).unsqueeze(2)  # [L, m, o]
             Gw = gw.view(gw.shape[0], self.B.shape[2], self.A.shape[2])  # [L, o, f]
-            uw = torch.baddbmm(Gw, Bc.transpose(1, 2), self.A, beta=a, alpha=-self.k * a).flatten(1)
-            ub = torch.sub(gb, Bc.sum(1), alpha=self.k).mul_(a) if gb is not None and self.has_bias else None
+            uw = torch.baddbmm(Gw, Bc.transpose(1, 2), self.A, beta=beta, alpha=gamma * self.k).flatten(1)
+            ub = None
+            if gb is not None and self.has_bias:
+                ub = torch.add(gb * beta if beta != 1.0 else gb, Bc.sum(1), alpha=gamma * self.k)
             return uw, ub
         JTw, JTb = self.vjp(c)
-        uw = (gw - JTw.to(gw.dtype)) * a
-        ub = (gb - JTb.to(gb.dtype)) * a if gb is not None and JTb is not None else None
+        uw = torch.add(gw * beta if beta != 1.0 else gw, JTw.to(gw.dtype), alpha=gamma)
+        ub = None
+        if gb is not None and JTb is not None:
+            ub = torch.add(gb * beta if beta != 1.0 else gb, JTb.to(gb.dtype), alpha=gamma)
         return uw, ub
 
     def probe(self, gw: Tensor, gb: Optional[Tensor], s: float, n_probe: int = 256) -> Tensor:
@@ -392,22 +403,20 @@ def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, da
         rhs.append(Jg)
     c_all = solve_cholesky(chol, torch.cat(rhs))  # (K + mαI)⁻¹ rhs, [L_total, m]
     out: dict[Tensor, Tensor] = {}
+    a = 1.0 / damping
+    betas: list[Union[float, Tensor]] = [a] * len(groups)
+    if use_pt:  # per layer on the device: push-through u = scale·Jᵀc where the probe holds, else Woodbury
+        push_all = torch.cat(push)
+        dev, g_dt = c_all.device, grads[0][0].dtype
+        betas = list(torch.where(push_all, 0.0, torch.full((), a, dtype=g_dt, device=dev))
+                     .split([len(grp.layers) for grp in groups]))
+        c_all = c_all * torch.where(push_all, torch.full((), scale, dtype=c_all.dtype, device=dev), -a).unsqueeze(1)
     off = 0
-    for i, (grp, (gw, gb)) in enumerate(zip(groups, grads)):
+    for grp, (gw, gb), beta in zip(groups, grads, betas):
         L = gw.shape[0]
         c = c_all[off: off + L]
         off += L
-        if not use_pt:  # u = (g − Jᵀc)/α, fused per group
-            out.update(grp.split(*grp.woodbury(c, gw, gb, damping)))
-            continue
-        # push-through where the probe holds (u = scale·Jᵀc), the Woodbury form elsewhere
-        JTw, JTb = grp.vjp(c)
-        sel = push[i].unsqueeze(1)
-        uw = torch.where(sel, JTw.to(gw.dtype) * scale, (gw - JTw.to(gw.dtype)) / damping)
-        ub = None
-        if gb is not None and JTb is not None:
-            ub = torch.where(sel, JTb.to(gb.dtype) * scale, (gb - JTb.to(gb.dtype)) / damping)
-        out.update(grp.split(uw, ub))
+        out.update(grp.split(*grp.woodbury(c, gw, gb, beta, 1.0 if use_pt else -a)))
     return out
 
 
