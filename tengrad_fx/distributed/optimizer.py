@@ -96,7 +96,8 @@ from ..curvature.layer import CoveredLayer, covered_layers
 from ..optim.mc import mc_capture, sample_targets
 from ..optim.state_check import META
 from ..optim.tengrad import TENGraD
-from ..optim.tengrad_groups import build_groups, precondition_groups, reuse_cost, tf32_matmuls
+from ..optim.group_build import build_groups
+from ..optim.tengrad_groups import precondition_groups, reuse_cost, tf32_matmuls
 from .comm import Bucket, all_ok, all_sum, pack, start_broadcasts, unpack, wait_all
 from .gram_blocks import GramBlocksStep
 from .plan import assign_owners, choose_modes, choose_placement, solve_cost

@@ -40,7 +40,8 @@ from .skeleton import StepSkeleton
 from ..curvature.layer import KERNELS, choose_strategy, covered_layers
 from ..solve.woodbury import damped_cholesky_ex
 from .graphs import StepGraphs
-from .tengrad_groups import LayerGroup, build_groups, precondition_groups, reuse_cost, tf32_matmuls
+from .group_build import build_groups
+from .tengrad_groups import LayerGroup, precondition_groups, reuse_cost, tf32_matmuls
 from .fused_step import FusedStep
 
 __all__ = ["TENGraD"]

@@ -8,6 +8,12 @@ the number of ops a step dispatches does not grow with depth. Forms:
 * ``"P"`` — materialized per-sample gradients (made by the backward in place of the
   weight gradient): ``Pw [L, m, n_w]``, ``Pb [L, m, n_b]`` (or None), ``J = k·[Pw, Pb]``.
   ``J g`` and ``Jᵀ c`` are two GEMVs per layer over ``P`` (one ``bmm`` each per group).
+  *Packed* (``cols`` set): layers of different widths in one group, each layer's
+  ``[P_w, P_b]`` side by side in ``Pw [L, m, W]`` (``W`` = the widest layer's ``n_w + n_b``,
+  zeros after ``n_w + n_b``; ``Pb`` None), its gradient likewise in ``g [L, W]``. Zero
+  columns add nothing to ``K = P Pᵀ`` or ``J g``, and the padded part of ``Jᵀ c`` / ``u``
+  is zero and sliced away by :meth:`LayerGroup.split`, so packing is exact
+  (which layers are packed: :mod:`tengrad_fx.optim.group_build`).
 * ``"IG"`` — Linear layers with one position per sample, by factorization: inputs
   ``A [L, m, f]``, captured output gradients ``B [L, m, o]``, ``J_i = k·vec(B_i A_iᵀ, B_i)``.
   ``J g = k·Σ (A Gwᵀ)⊙B`` or ``k·Σ (B Gw)⊙A`` — the order with the smaller ``[m, min(o, f)]``
@@ -21,7 +27,8 @@ the number of ops a step dispatches does not grow with depth. Forms:
   (transposed convolutions, several calls of one module, sequences, norms by factor).
 
 ``k`` is the per-sample scale of the captured ``G`` (``m`` for a mean loss). Gradients of
-a group are stacked the same way: ``gw [L, n_w]``, ``gb [L, n_b]``.
+a group are stacked the same way: ``gw [L, n_w]``, ``gb [L, n_b]``. The groups of a step
+are built by :func:`tengrad_fx.optim.group_build.build_groups`.
 """
 from __future__ import annotations
 
@@ -36,7 +43,7 @@ from ..curvature import conv_stack
 from ..curvature.layer import CoveredLayer
 from ..solve.woodbury import solve_cholesky
 
-__all__ = ["LayerGroup", "build_groups", "precondition_groups", "probe_generator", "reuse_cost"]
+__all__ = ["LayerGroup", "precondition_groups", "probe_generator", "reuse_cost", "stack", "tf32_matmuls"]
 
 Form = Literal["P", "IG", "conv", "layer"]
 _PROBE_GENERATORS: dict[str, torch.Generator] = {}
@@ -74,8 +81,27 @@ def tf32_matmuls(enabled: bool) -> Iterator[None]:
             mm.allow_tf32 = old
 
 
-def _stack(ts: list[Tensor], dim: int = 0) -> Tensor:
+def stack(ts: list[Tensor], dim: int = 0) -> Tensor:
+    """``torch.stack`` (a view, no copy, for one tensor)."""
     return ts[0].unsqueeze(dim) if len(ts) == 1 else torch.stack(ts, dim)
+
+
+def pack(parts: list[list[Optional[Tensor]]], width: int, like: Tensor) -> Tensor:
+    """``[L, *lead, width]``: row ``i`` holds ``parts[i]`` (tensors ``[*lead, n]``; a None is
+    skipped, so only trailing ones keep the columns of the others) side by side from column
+    0, zeros after them; one ``zeros`` and one ``_foreach_copy_`` whatever ``L``."""
+    ref = next(t for row in parts for t in row if t is not None)
+    out = like.new_zeros(len(parts), *ref.shape[:-1], width)
+    dst, src = [], []
+    for i, row in enumerate(parts):
+        off = 0
+        for t in row:
+            if t is not None:
+                dst.append(out[i, ..., off: off + t.shape[-1]])
+                src.append(t)
+                off += t.shape[-1]
+    torch._foreach_copy_(dst, src)
+    return out
 
 
 @dataclass(eq=False)
@@ -92,10 +118,12 @@ class LayerGroup:
     B: Optional[Tensor] = None  # "IG": [L, m, o]; "conv": G [m, L, c_out, *sp_out]
     strategy: str = "auto"  # "layer", "conv": Gram strategy
     chol: Optional[Tensor] = None  # [L, m, m]: factors of K + mαI
+    cols: Optional[list[tuple[int, int]]] = None  # packed "P": (n_w, n_b) per layer
 
     @property
     def has_bias(self) -> bool:
-        return self.layers[0].bias is not None
+        """Whether the group has a bias stack (``Pb``, or ``B``'s bias part); packed: False."""
+        return self.Pb is not None if self.form == "P" else self.layers[0].bias is not None
 
     def params(self) -> list[torch.nn.Parameter]:
         return [p for lay in self.layers for p in (lay.weight, lay.bias) if p is not None]
@@ -106,7 +134,7 @@ class LayerGroup:
         the tensors a captured CUDA graph reads at fixed addresses."""
         names = ("Pw", "Pb", "A", "B")
         if new.form != self.form or new.form == "layer" or new.layers != self.layers or new.k != self.k \
-                or new.strategy != self.strategy:
+                or new.strategy != self.strategy or new.cols != self.cols:
             return False
         for n in names:
             a, b = getattr(self, n), getattr(new, n)
@@ -116,32 +144,67 @@ class LayerGroup:
             a, b = getattr(self, n), getattr(new, n)
             if a is not None:
                 a.copy_(b)
-        for i, lay in enumerate(self.layers):
-            recs = lay.records()
-            if len(recs) == 1 and self.form == "P" and recs[0].P is not None:
-                recs[0].P, recs[0].Gsum = self.Pw[i], (self.Pb[i] if self.Pb is not None else recs[0].Gsum)  # type: ignore[index]
-            elif len(recs) == 1 and self.form in ("IG", "conv"):
-                recs[0].I, recs[0].G = self._layer_slice(self.A, i), self._layer_slice(self.B, i)  # type: ignore[arg-type]
+        self.point_records()
         return True
 
-    def _layer_slice(self, X: Tensor, i: int) -> Tensor:
-        """Layer ``i``'s part of a stack (the layer axis is 1 for ``"conv"``, else 0)."""
-        return X[:, i] if self.form == "conv" else X[i]
+    def point_records(self) -> None:
+        """Point the store's records of layers captured as one call at their part of the
+        stacks (:meth:`_layer_slice`), so no second copy of ``P`` (or ``I``, ``G``) stays
+        alive. Records whose ``P`` was formed here from ``I, G`` are left as they are."""
+        for i, lay in enumerate(self.layers):
+            recs = lay.records()
+            if len(recs) != 1 or self.form == "layer":
+                continue
+            r = recs[0]
+            if self.form == "P" and r.P is not None:
+                assert self.Pw is not None
+                w, b = self._layer_slice(self.Pw, i, self.Pb)
+                r.P = w
+                if b is not None:
+                    r.Gsum = b
+            elif self.form in ("IG", "conv"):
+                assert self.A is not None and self.B is not None
+                r.I, r.G = self._layer_slice(self.A, i, self.B)
+
+    def _layer_slice(self, X: Tensor, i: int, Y: Optional[Tensor] = None,
+                     records: bool = True) -> tuple[Tensor, Optional[Tensor]]:
+        """Layer ``i``'s parts of a pair of stacks ``(X, Y)``: ``(X[i], Y[i])``, for the
+        records' stacks (``Pw, Pb``; ``A, B``) on the layer axis 1 for ``"conv"``; with
+        ``records=False`` a gradient or update pair ``(w [L, n_w], b [L, n_b])``. Packed:
+        the columns ``[:n_w]`` and ``[n_w : n_w + n_b]`` of ``X[i]`` (None without a bias)."""
+        if self.cols is not None:
+            n_w, n_b = self.cols[i]
+            return X[i, ..., :n_w], (X[i, ..., n_w: n_w + n_b] if n_b else None)
+        if self.form == "conv" and records:
+            return X[:, i], (Y[:, i] if Y is not None else None)
+        return X[i], (Y[i] if Y is not None else None)
 
     # ------------------------------------------------------------------ gradients
     def grads(self) -> tuple[Tensor, Optional[Tensor]]:
-        """``(gw [L, n_w], gb [L, n_b] or None)``; a missing ``.grad`` counts as zeros."""
+        """``(gw [L, n_w], gb [L, n_b] or None)``; a missing ``.grad`` counts as zeros.
+        Packed: ``(g [L, W], None)``, each layer's ``[g_w, g_b]`` then zeros."""
+        if self.cols is not None:
+            assert self.Pw is not None
+            flat = [[p.grad.reshape(-1) if p is not None and p.grad is not None else None
+                     for p in (lay.weight, lay.bias)] for lay in self.layers]
+            for row, lay in zip(flat, self.layers):  # a missing weight gradient keeps its columns
+                if row[0] is None and row[1] is not None:
+                    row[0] = torch.zeros_like(lay.weight).reshape(-1)
+            if all(t is None for row in flat for t in row):
+                return self.Pw.new_zeros(len(self.layers), self.Pw.shape[-1]), None
+            return pack(flat, self.Pw.shape[-1], self.layers[0].weight), None
+
         def one(p: Tensor) -> Tensor:  # flat: a "P" group may mix shapes of equal size
             return (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-        gw = _stack([one(lay.weight) for lay in self.layers])
-        gb = _stack([one(lay.bias) for lay in self.layers]) if self.has_bias else None  # type: ignore[arg-type]
+        gw = stack([one(lay.weight) for lay in self.layers])
+        gb = stack([one(lay.bias) for lay in self.layers]) if self.has_bias else None  # type: ignore[arg-type]
         return gw, gb
 
     def split(self, uw: Tensor, ub: Optional[Tensor]) -> dict[Tensor, Tensor]:
         """``{param: u}`` (views of the stacked ``uw``/``ub``) for parameters with a gradient."""
         out: dict[Tensor, Tensor] = {}
         for i, lay in enumerate(self.layers):
-            for p, u in ((lay.weight, uw[i]), (lay.bias, ub[i] if ub is not None else None)):
+            for p, u in zip((lay.weight, lay.bias), self._layer_slice(uw, i, ub, records=False)):
                 if p is not None and p.grad is not None and u is not None:
                     out[p] = u.view(p.shape).to(p.dtype)
         return out
@@ -260,7 +323,10 @@ class LayerGroup:
         ``"conv"`` (one ``Jᵀ1``)."""
         tol = 1e-4 if gw.dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-9
         nw = gw.shape[1]
-        if self.form in ("layer", "conv"):
+        if self.cols is not None:  # packed: every column (small layers only, group_build)
+            assert self.Pw is not None
+            got, ref = self.Pw.sum(1) * (self.k * s), gw
+        elif self.form in ("layer", "conv"):
             got_w, got_b = self.vjp(torch.ones(gw.shape[0], self.m, dtype=gw.dtype, device=gw.device))
             got, ref = got_w * s, gw
             if got_b is not None and gb is not None:
@@ -282,103 +348,6 @@ class LayerGroup:
                 got, ref = torch.cat([got, got_b * (self.k * s)], 1), torch.cat([ref, gb], 1)
         err = torch.linalg.vector_norm(ref - got.to(ref.dtype), dim=1)
         return err <= tol * torch.linalg.vector_norm(ref, dim=1)
-
-
-def _materialized(layer: CoveredLayer) -> tuple[Tensor, Optional[Tensor], float]:
-    """``(Pw, Pb, k)`` with ``J = k·[Pw, Pb]``, without copying backward-made ``P``."""
-    recs = layer.records()
-    if len(recs) == 1 and recs[0].P is not None:
-        r = recs[0]
-        return r.P, (r.Gsum if layer.bias is not None else None), layer._scale()
-    dW, db = layer.per_sample_grads()  # already scaled
-    return dW.flatten(1), (db.flatten(1) if db is not None else None), 1.0
-
-
-def _jacobian_bytes(layer: CoveredLayer) -> int:
-    """Bytes of the layer's ``J`` (``m × n``) in its captured dtype."""
-    r = layer.records()[0]
-    t = next((x for x in (r.P, r.I, r.G) if x is not None), layer.weight)
-    n = layer.weight.numel() + (layer.bias.numel() if layer.bias is not None else 0)
-    return r.m * n * t.element_size()
-
-
-def _stackable_conv(layer: CoveredLayer) -> bool:
-    """A (non-transposed) ConvNd captured as one call's ``I, G``: a ``"conv"`` group member."""
-    recs = layer.records()
-    return layer.kind in ("conv1d", "conv2d", "conv3d") and not layer.spec.transposed and len(recs) == 1 \
-        and recs[0].I is not None and recs[0].G is not None and recs[0].P is None
-
-
-def build_groups(layers: list[CoveredLayer], strategy: str, budget: float,
-                 sites: Optional[set[int]] = None) -> tuple[list[LayerGroup], set[int]]:
-    """Groups of the trainable covered layers with a record in the store, and the call
-    sites whose ``J`` is kept (materialized by later backwards, within ``budget`` bytes;
-    added to ``sites``, e.g. the kept choice of layers not captured this time).
-
-    Stacking copies each group's ``P`` (or ``I``, ``G``) once; the store's records are
-    then pointed at views of the stack, so no second copy stays alive.
-    """
-    sites = set() if sites is None else set(sites)
-    keyed: dict[tuple, list[tuple[CoveredLayer, Tensor, Optional[Tensor], float]]] = {}
-    single: list[LayerGroup] = []
-    for layer in layers:
-        params = [p for p in (layer.weight, layer.bias) if p is not None]
-        if not all(p.requires_grad for p in params) or not layer.captured:
-            continue
-        how = layer.choose(strategy)  # type: ignore[arg-type]
-        recs = layer.records()
-        m = recs[0].m
-        if how == "materialize" and _jacobian_bytes(layer) <= budget:  # (no P made for nothing)
-            Pw, Pb, k = _materialized(layer)
-            nbytes = (Pw.numel() + (Pb.numel() if Pb is not None else 0)) * Pw.element_size()
-            if nbytes <= budget:
-                budget -= nbytes
-                sites.update(layer.spec.sites)
-                key = ("P", Pw.shape[1], Pb.shape[1] if Pb is not None else 0, k, Pw.dtype)
-                keyed.setdefault(key, []).append((layer, Pw, Pb, k))
-                continue
-        elif how != "materialize" and layer.kind == "linear" and len(recs) == 1 and recs[0].I is not None \
-                and recs[0].I.dim() == 2:
-            I, G = recs[0].I, recs[0].G
-            assert G is not None
-            key = ("IG", I.shape[1], G.shape[1], layer.bias is not None, layer._scale(), I.dtype)
-            keyed.setdefault(key, []).append((layer, I, G, layer._scale()))
-            continue
-        if _stackable_conv(layer):  # factored, or materialized beyond the budget
-            I, G, spec = recs[0].I, recs[0].G, layer.spec
-            assert I is not None and G is not None
-            key = ("conv", how, tuple(layer.weight.shape), spec.stride, spec.padding, spec.dilation, spec.groups,
-                   tuple(I.shape), tuple(G.shape), layer.bias is not None, layer._scale(), I.dtype)
-            keyed.setdefault(key, []).append((layer, I, G, layer._scale()))
-            continue
-        single.append(LayerGroup("layer", [layer], m, strategy=how))
-    groups: list[LayerGroup] = []
-    for key, members in keyed.items():
-        lays = [mb[0] for mb in members]
-        dim = 1 if key[0] == "conv" else 0  # "conv": the layer axis after the sample axis
-        X = _stack([mb[1] for mb in members], dim)
-        Y = _stack([mb[2] for mb in members], dim) if members[0][2] is not None else None  # type: ignore[misc]
-        for i, lay in enumerate(lays):  # the records now view the stack (no second copy)
-            recs = lay.records()
-            if len(recs) != 1:
-                continue
-            r = recs[0]
-            if key[0] == "P" and r.P is not None:
-                r.P = X[i]
-                if Y is not None:
-                    r.Gsum = Y[i]
-            elif key[0] == "IG":
-                r.I, r.G = X[i], Y[i]  # type: ignore[index]
-            elif key[0] == "conv":
-                r.I, r.G = X[:, i], Y[:, i]  # type: ignore[index]
-        m, k = X.shape[1 - dim], members[0][3]
-        if key[0] == "P":
-            groups.append(LayerGroup("P", lays, m, k, Pw=X, Pb=Y))
-        elif key[0] == "conv":
-            groups.append(LayerGroup("conv", lays, m, k, A=X, B=Y, strategy=key[1]))
-        else:
-            groups.append(LayerGroup("IG", lays, m, k, A=X, B=Y))
-    return groups + single, sites
 
 
 def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, damping: float,
@@ -428,12 +397,13 @@ def reuse_cost(groups: list[LayerGroup]) -> tuple[float, float]:
     flops = nbytes = 0.0
     for grp in groups:
         L = len(grp.layers)
-        n = sum(p.numel() for p in (grp.layers[0].weight, grp.layers[0].bias) if p is not None)
+        n = sum(p.numel() for lay in grp.layers for p in (lay.weight, lay.bias) if p is not None)  # all L
         es = grp.layers[0].weight.element_size()
-        if grp.form == "P":
+        if grp.form == "P":  # a packed group's zero columns are read and multiplied too
             assert grp.Pw is not None
-            flops += 2 * 2.0 * L * grp.m * n
-            nbytes += 2.0 * (grp.Pw.numel() + (grp.Pb.numel() if grp.Pb is not None else 0)) * es
+            P_numel = grp.Pw.numel() + (grp.Pb.numel() if grp.Pb is not None else 0)
+            flops += 2 * 2.0 * P_numel
+            nbytes += 2.0 * P_numel * es
         elif grp.form == "IG":
             assert grp.A is not None and grp.B is not None
             flops += 2 * 2.0 * L * grp.m * grp.A.shape[2] * grp.B.shape[2]
@@ -450,5 +420,5 @@ def reuse_cost(groups: list[LayerGroup]) -> tuple[float, float]:
             nbytes += 2.0 * sum((r.I.numel() if r.I is not None else 0) + (r.G.numel() if r.G is not None else 0)
                                 for r in lay.records()) * es
         flops += 2 * 2.0 * L * grp.m * grp.m
-        nbytes += L * grp.m * grp.m * (grp.chol.element_size() if grp.chol is not None else es) + 2.0 * L * n * es
+        nbytes += L * grp.m * grp.m * (grp.chol.element_size() if grp.chol is not None else es) + 2.0 * n * es
     return flops, nbytes

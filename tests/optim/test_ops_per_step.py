@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import tengrad_fx
+from testing.grouped_steps import step_counts
 from tools.dispatch import OpCounter
 from zoo.models.wrn import WideResNet
 
@@ -43,17 +44,7 @@ def _kernels_per_step(pm: torch.nn.Module, strategy: str, T: int, fisher: str) -
     x, y = torch.randn(4, 1, 8, 8, generator=g), torch.randint(0, 5, (4,), generator=g)
     opt = tengrad_fx.TENGraD(pm, lr=0.01, damping=0.1, momentum=0.9, weight_decay=1e-3,
                              kl_clip=1e-3, curvature_every=T, fisher=fisher, strategy=strategy)
-    out: dict[str, int] = {}
-    for _ in range(4):
-        kind = "curvature" if opt._is_curvature_step() else "reuse"
-        opt.zero_grad()
-        o = pm(x)
-        opt.mc_capture(o)
-        F.cross_entropy(o, y).backward()
-        with OpCounter() as oc:
-            opt.step()
-        out[kind] = oc.kernels  # the last (warmed-up) step of each kind
-    return out
+    return {kind: counts[0] for kind, counts in step_counts(pm, opt, x, y).items()}  # last (warmed-up) step
 
 
 @pytest.mark.parametrize("fisher", ["empirical", "mc"])

@@ -1,0 +1,182 @@
+"""Which covered layers share a :class:`~tengrad_fx.optim.tengrad_groups.LayerGroup`.
+
+:func:`build_groups` puts every trainable covered layer with a record into a group:
+
+1. **Equal shapes.** Layers of one form and one shape (and scale ``k``, dtypes, conv
+   geometry) are stacked along a layer axis, as before: ``"P"`` (materialized per-sample
+   gradients, within ``jacobian_budget_mb``), ``"IG"`` (factored Linears with one position
+   per sample), ``"conv"`` (convolutions kept as ``I, G``), else ``"layer"`` (one each).
+2. **Packing small ``"P"`` groups.** Each group is one set of batched ops per step (Gram,
+   ``J g``, probe, ``Jᵀ c``, Woodbury: ~35 kernels on a curvature step), launched whatever
+   its size, so many small groups (the norm layers' ``γ, β``: ``n = 2C``, the first
+   convolution, a head) cost launches, not flops. The equal-shape ``"P"`` groups of one
+   ``(k, dtypes)`` are therefore sorted by their layers' width ``n = n_w + n_b`` and merged
+   greedily in that order into *packed* groups (``LayerGroup.cols``; each layer's
+   ``[P_w, P_b]`` side by side in ``[L, m, W]``, zero-padded to the widest ``W``; exact,
+   see :mod:`.tengrad_groups`) while the packed stack stays
+
+   * at most ``PACK_MAX_BYTES`` (16 MiB): only small layers are padded, so the zero
+     columns cost at most that much memory (on top of ``jacobian_budget_mb``) and the
+     packed group's probe can check every column, and
+   * at most ``PACK_MAX_RATIO`` (4) times its layers' own bytes: the padding at most
+     triples the Gram flops of the layers it packs (``2·m²·W`` per layer).
+
+   A group left alone keeps the unpacked form (no copy for a single layer). Measured on
+   tiny-bn / 3c1f-bn (README, ``tools.bench --ops``): the four BatchNorms and the first
+   convolution end up in one packed group with the other small ``"P"`` layers.
+
+Stacking copies each group's ``P`` (or ``I``, ``G``) once; the store's records are then
+pointed at views of the stack (:meth:`LayerGroup.point_records`), so no second copy stays
+alive.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import Tensor
+
+from ..curvature.layer import CoveredLayer
+from .tengrad_groups import LayerGroup, pack, stack
+
+__all__ = ["build_groups", "PACK_MAX_BYTES", "PACK_MAX_RATIO"]
+
+PACK_MAX_BYTES = 16 * 2**20
+PACK_MAX_RATIO = 4.0
+
+_Member = tuple[CoveredLayer, Tensor, Optional[Tensor], float]  # (layer, X, Y, k)
+
+
+def _materialized(layer: CoveredLayer) -> tuple[Tensor, Optional[Tensor], float]:
+    """``(Pw, Pb, k)`` with ``J = k·[Pw, Pb]``, without copying backward-made ``P``."""
+    recs = layer.records()
+    if len(recs) == 1 and recs[0].P is not None:
+        r = recs[0]
+        return r.P, (r.Gsum if layer.bias is not None else None), layer._scale()
+    dW, db = layer.per_sample_grads()  # already scaled
+    return dW.flatten(1), (db.flatten(1) if db is not None else None), 1.0
+
+
+def _jacobian_bytes(layer: CoveredLayer) -> int:
+    """Bytes of the layer's ``J`` (``m × n``) in its captured dtype."""
+    r = layer.records()[0]
+    t = next((x for x in (r.P, r.I, r.G) if x is not None), layer.weight)
+    n = layer.weight.numel() + (layer.bias.numel() if layer.bias is not None else 0)
+    return r.m * n * t.element_size()
+
+
+def _stackable_conv(layer: CoveredLayer) -> bool:
+    """A (non-transposed) ConvNd captured as one call's ``I, G``: a ``"conv"`` group member."""
+    recs = layer.records()
+    return layer.kind in ("conv1d", "conv2d", "conv3d") and not layer.spec.transposed and len(recs) == 1 \
+        and recs[0].I is not None and recs[0].G is not None and recs[0].P is None
+
+
+def _width(unit: list[_Member]) -> int:
+    """``n_w + n_b`` of an equal-shape ``"P"`` unit's layers."""
+    _, Pw, Pb, _ = unit[0]
+    return Pw.shape[1] + (Pb.shape[1] if Pb is not None else 0)
+
+
+def _packable(units: list[list[_Member]]) -> bool:
+    """Whether ``units`` may share one packed group (module docstring)."""
+    m, es = units[0][0][1].shape[0], units[0][0][1].element_size()
+    L = sum(len(u) for u in units)
+    packed = L * m * max(_width(u) for u in units) * es
+    real = sum(len(u) * m * _width(u) * es for u in units)
+    return packed <= PACK_MAX_BYTES and packed <= PACK_MAX_RATIO * real
+
+
+def pack_plan(units: list[list[_Member]]) -> list[list[int]]:
+    """Indices of ``units`` (equal-shape ``"P"`` groups of one ``(k, dtypes)``) per group:
+    sorted by width and merged greedily while :func:`_packable` holds."""
+    plans: list[list[int]] = []
+    for u in sorted(range(len(units)), key=lambda i: _width(units[i])):
+        if plans and _packable([units[i] for i in plans[-1] + [u]]):
+            plans[-1].append(u)
+        else:
+            plans.append([u])
+    return plans
+
+
+def _group(key: tuple, members: list[_Member]) -> LayerGroup:
+    """The unpacked group of equal-shape ``members`` (``key[0]`` = form)."""
+    lays = [mb[0] for mb in members]
+    dim = 1 if key[0] == "conv" else 0  # "conv": the layer axis after the sample axis
+    X = stack([mb[1] for mb in members], dim)
+    Y = stack([mb[2] for mb in members], dim) if members[0][2] is not None else None  # type: ignore[misc]
+    m, k = X.shape[1 - dim], members[0][3]
+    if key[0] == "P":
+        return LayerGroup("P", lays, m, k, Pw=X, Pb=Y)
+    if key[0] == "conv":
+        return LayerGroup("conv", lays, m, k, A=X, B=Y, strategy=key[1])
+    return LayerGroup("IG", lays, m, k, A=X, B=Y)
+
+
+def _packed_group(members: list[_Member]) -> LayerGroup:
+    """One ``"P"`` group of layers of different widths, packed (module docstring)."""
+    cols = [(Pw.shape[1], Pb.shape[1] if Pb is not None else 0) for _, Pw, Pb, _ in members]
+    Pw0 = members[0][1]
+    X = pack([[Pw, Pb] for _, Pw, Pb, _ in members], max(a + b for a, b in cols), Pw0)
+    return LayerGroup("P", [mb[0] for mb in members], Pw0.shape[0], members[0][3], Pw=X, cols=cols)
+
+
+def build_groups(layers: list[CoveredLayer], strategy: str, budget: float,
+                 sites: Optional[set[int]] = None) -> tuple[list[LayerGroup], set[int]]:
+    """Groups of the trainable covered layers with a record in the store, and the call
+    sites whose ``J`` is kept (materialized by later backwards, within ``budget`` bytes;
+    added to ``sites``, e.g. the kept choice of layers not captured this time)."""
+    sites = set() if sites is None else set(sites)
+    keyed: dict[tuple, list[_Member]] = {}
+    single: list[LayerGroup] = []
+    for layer in layers:
+        params = [p for p in (layer.weight, layer.bias) if p is not None]
+        if not all(p.requires_grad for p in params) or not layer.captured:
+            continue
+        how = layer.choose(strategy)  # type: ignore[arg-type]
+        recs = layer.records()
+        m = recs[0].m
+        if how == "materialize" and _jacobian_bytes(layer) <= budget:  # (no P made for nothing)
+            Pw, Pb, k = _materialized(layer)
+            nbytes = (Pw.numel() + (Pb.numel() if Pb is not None else 0)) * Pw.element_size()
+            if nbytes <= budget:
+                budget -= nbytes
+                sites.update(layer.spec.sites)
+                key = ("P", Pw.shape[1], Pb.shape[1] if Pb is not None else 0, k, Pw.dtype, layer.weight.dtype)
+                keyed.setdefault(key, []).append((layer, Pw, Pb, k))
+                continue
+        elif how != "materialize" and layer.kind == "linear" and len(recs) == 1 and recs[0].I is not None \
+                and recs[0].I.dim() == 2:
+            I, G = recs[0].I, recs[0].G
+            assert G is not None
+            key = ("IG", I.shape[1], G.shape[1], layer.bias is not None, layer._scale(), I.dtype)
+            keyed.setdefault(key, []).append((layer, I, G, layer._scale()))
+            continue
+        if _stackable_conv(layer):  # factored, or materialized beyond the budget
+            I, G, spec = recs[0].I, recs[0].G, layer.spec
+            assert I is not None and G is not None
+            key = ("conv", how, tuple(layer.weight.shape), spec.stride, spec.padding, spec.dilation, spec.groups,
+                   tuple(I.shape), tuple(G.shape), layer.bias is not None, layer._scale(), I.dtype)
+            keyed.setdefault(key, []).append((layer, I, G, layer._scale()))
+            continue
+        single.append(LayerGroup("layer", [layer], m, strategy=how))
+    # "P" keys of one (k, dtypes) -> their packing plan; a plan's group goes where its first key was
+    by_kind: dict[Any, list[tuple]] = {}
+    for key in keyed:
+        if key[0] == "P":
+            by_kind.setdefault(key[3:], []).append(key)
+    plan_of: dict[tuple, list[tuple]] = {}
+    for keys in by_kind.values():
+        for plan in pack_plan([keyed[key] for key in keys]):
+            for i in plan:
+                plan_of[keys[i]] = [keys[j] for j in plan]
+    groups: list[LayerGroup] = []
+    done: set[tuple] = set()
+    for key, members in keyed.items():
+        plan = plan_of.get(key, [key])
+        if key in done:
+            continue
+        done.update(plan)
+        grp = _group(key, members) if len(plan) == 1 else _packed_group([mb for k2 in plan for mb in keyed[k2]])
+        grp.point_records()
+        groups.append(grp)
+    return groups + single, sites
