@@ -314,7 +314,9 @@ class DistributedTENGraD(TENGraD):
         self._info.store.records.update({site: list(recs) for site, recs in self._local.items()})
         if self._rebuild_local:  # every rank: its own rows of every gram-blocks layer, grouped
             lays = [lay for lay in self._all_layers if self._mode.get(lay.name) == "gram-blocks"]
-            self._local_groups = build_groups(lays, self.strategy, self.jacobian_budget)[0] if lays else []
+            # unpacked: the groups' J_a g and Jᵀc partial sums travel (no zero columns sent)
+            self._local_groups = build_groups(lays, self.strategy, self.jacobian_budget, packed=False)[0] \
+                if lays else []
             self._rebuild_local = False
 
     def _precondition(self, push_through: bool, damping: float) -> dict[Tensor, Tensor]:

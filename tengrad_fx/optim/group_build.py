@@ -121,10 +121,12 @@ def _packed_group(members: list[_Member]) -> LayerGroup:
 
 
 def build_groups(layers: list[CoveredLayer], strategy: str, budget: float,
-                 sites: Optional[set[int]] = None) -> tuple[list[LayerGroup], set[int]]:
+                 sites: Optional[set[int]] = None, packed: bool = True) -> tuple[list[LayerGroup], set[int]]:
     """Groups of the trainable covered layers with a record in the store, and the call
     sites whose ``J`` is kept (materialized by later backwards, within ``budget`` bytes;
-    added to ``sites``, e.g. the kept choice of layers not captured this time)."""
+    added to ``sites``, e.g. the kept choice of layers not captured this time).
+    ``packed=False``: equal shapes only (no zero columns, e.g. where ``J g`` / ``Jᵀ c``
+    of a group travel between ranks)."""
     sites = set() if sites is None else set(sites)
     keyed: dict[tuple, list[_Member]] = {}
     single: list[LayerGroup] = []
@@ -166,7 +168,7 @@ def build_groups(layers: list[CoveredLayer], strategy: str, budget: float,
             by_kind.setdefault(key[3:], []).append(key)
     plan_of: dict[tuple, list[tuple]] = {}
     for keys in by_kind.values():
-        for plan in pack_plan([keyed[key] for key in keys]):
+        for plan in pack_plan([keyed[key] for key in keys]) if packed else [[i] for i in range(len(keys))]:
             for i in plan:
                 plan_of[keys[i]] = [keys[j] for j in plan]
     groups: list[LayerGroup] = []
