@@ -126,6 +126,9 @@ def apply_momentum_step(state: dict[Any, Any], params: list[Tensor], updates: di
     """Apply the step to every parameter with a gradient (foreach kernels); momentum buffers
     live in ``state[p]["momentum_buffer"]`` as in ``torch.optim.SGD``.
 
+    ``updates`` are consumed: the fused path scales them by ``ν`` in place (they are the
+    step's temporaries); a parameter's ``.grad`` is never written.
+
     ``ok`` (device bool scalar, or None = apply): when it is False the parameters and the
     momentum buffers keep their exact bits. Masked form, with ``o = 1[ok]``::
 
