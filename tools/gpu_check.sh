@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One prepared GPU session (< 8 min on an H100/H200): the GPU-only tests, the bench on the
-# four paper models (SGD in the same process, interleaved, CUDA-synchronized; the default
-# CUDA-graph reuse step beside the eager one), compile rows, and the paper's Fashion-MNIST
-# runs (SGD and TENGraD for 2 seeds, then K-FAC, EK-FAC, KBFGS). Everything is teed to
-# $OUT/log.txt; the reproduce tables come back as CSV.
+# One prepared GPU session (< 8 min on an H100/H200), most wanted first: the GPU-only tests,
+# the bench on the four paper models (SGD in the same process, interleaved,
+# CUDA-synchronized; the default CUDA-graph reuse step beside the eager one), the norm-layer
+# cost (3c1f-bn, all parameters vs Linear/Conv only), the capture mechanism's per-call cost
+# on a launch-bound deep narrow model, peak memory (each method alone), TF32 Grams, the
+# per-sample conv rules, compile rows, then short real runs and the paper's Fashion-MNIST
+# rows if time is left. Everything is teed to $OUT/log.txt; tables come back as JSON/CSV.
 #   OUT=gpu_out bash tools/gpu_check.sh     # from the repository root (data in .data/fashion-mnist)
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -25,12 +27,19 @@ for model in 3c1f wrn-28-4 densenet-19 mobilenetv2; do
   timeout 100 $PY -m tools.bench --device cuda --model "$model" --m 128 --methods $ROWS \
     --steps 15 --warmup 5 --json "$OUT/bench-$model.json" 2>&1 | grep -v Warn | tee -a "$L"
 done
+step "bench 3c1f-bn: norm layers preconditioned vs Linear/Conv only (issue 10: <= 5 % at T=1 and T=100)"
+timeout 60 $PY -m tools.bench --device cuda --model 3c1f-bn --m 128 --steps 15 --warmup 5 \
+  --methods sgd,tengrad,tengrad-linconv,tengrad-mc,tengrad-mc-T100,tengrad-mc-T100-linconv 2>&1 | grep -v Warn | tee -a "$L"
+step "capture per-call cost, launch-bound deep narrow model (capture off / on, us per covered call)"
+timeout 60 $PY -m tools.capture_bench --device cuda 2>&1 | grep -v Warn | tee -a "$L"
+for model in wrn-28-4 mobilenetv2; do
+  step "peak memory $model (each method alone, x SGD; issue 8: <= 1.3x)"
+  timeout 120 $PY -m tools.bench --device cuda --model "$model" --m 128 --methods sgd,tengrad-mc,tengrad-mc-T100 \
+    --steps 4 --warmup 2 --memory 2>&1 | grep -v Warn | tee -a "$L"
+done
 step "bench wrn-28-4: TF32 Grams (gram_tf32=True); reuse step with every J kept (jacobian_budget_mb=4096)"
 timeout 70 $PY -m tools.bench --device cuda --model wrn-28-4 --m 128 --steps 15 --warmup 5 \
   --methods sgd,tengrad,tengrad-tf32,tengrad-mc,tengrad-mc-T100,tengrad-mc-T100-budget4g 2>&1 | grep -v Warn | tee -a "$L"
-step "bench 3c1f-bn: norm layers preconditioned vs Linear/Conv only"
-timeout 60 $PY -m tools.bench --device cuda --model 3c1f-bn --m 128 --steps 15 --warmup 5 \
-  --methods sgd,tengrad,tengrad-linconv,tengrad-mc,tengrad-mc-T100,tengrad-mc-T100-linconv 2>&1 | grep -v Warn | tee -a "$L"
 for model in wrn-28-4 mobilenetv2; do
   step "bench $model, per-sample conv grads: default rule vs all grouped conv (the old default) vs all unfold + bmm, one process"
   timeout 75 $PY -m tools.bench --device cuda --model "$model" --m 128 \
