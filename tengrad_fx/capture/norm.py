@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import norm_ops, ops
-from .amp import acc, cast_like_aten
+from .amp import acc, as_dtype, cast_like_aten
 from .rows import FOLDS, fold_rows, unfold_rows
 
 __all__ = ["NORM_KINDS", "CHANNEL_FIRST", "match_norm", "norm_entry", "is_norm_leaf", "norm", "BN_NOTE"]
@@ -99,7 +99,7 @@ def _rms_norm(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:
     the same here, so the output matches bit for bit."""
     (x,) = cast_like_aten("aten::rms_norm", x)
     xhat = F.rms_norm(acc(x), mod.normalized_shape, None, mod.eps)
-    return norm_ops.affine(xhat, mod.weight, None, False, key, site).to(x.dtype)
+    return as_dtype(norm_ops.affine(xhat, mod.weight, None, False, key, site), x.dtype)
 
 
 def _timm_rms_norm(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:

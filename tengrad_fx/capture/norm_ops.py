@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .amp import acc, autocast_off, cast_like_aten
+from .amp import acc, as_dtype, autocast_off, cast_like_aten
 from .eager import capture_op, use_custom_ops
 from .store import CaptureStore, Record, lookup
 
@@ -59,9 +59,9 @@ def _record(store: CaptureStore, site: int, grad: Tensor, Pw: Tensor, Pb: Tensor
         return gx, weight.new_zeros(weight.shape), weight.new_zeros(weight.shape if has_bias else 0)
     gw = Pw.sum(0) if weight.dim() == 1 else Pw.sum(0).view(weight.shape)
     if not has_bias:
-        return gx, gw.to(weight.dtype), weight.new_empty(0)
+        return gx, as_dtype(gw, weight.dtype), weight.new_empty(0)
     gb = Pb.sum(0) if weight.dim() == 1 else Pb.sum(0).view(weight.shape)
-    return gx, gw.to(weight.dtype), gb.to(weight.dtype)
+    return gx, as_dtype(gw, weight.dtype), as_dtype(gb, weight.dtype)
 
 
 def _finish(store: CaptureStore, site: int, grad: Tensor, xhat: Tensor, weight: Tensor,
@@ -353,7 +353,7 @@ def _affine_backward(grad: Tensor, xhat: Tensor, weight: Tensor, has_bias: bool,
                      channel_first: bool, key: int, site: int) -> tuple[Tensor, Tensor, Tensor]:
     """``(∂L/∂x̂ or [0], ∂L/∂γ, ∂L/∂β or [0])``; records (module docstring)."""
     with autocast_off(grad):
-        gx = (grad * bcast(weight, xhat.dim(), channel_first)).to(xhat.dtype) if need_input else grad.new_empty(0)
+        gx = as_dtype(grad * bcast(weight, xhat.dim(), channel_first), xhat.dtype) if need_input else grad.new_empty(0)
         return _finish(lookup(key), site, grad, xhat, weight, has_bias, channel_first, gx)
 
 

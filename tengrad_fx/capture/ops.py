@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .amp import acc, autocast_off, cast_lower
+from .amp import acc, as_dtype, autocast_off, cast_lower
 from .per_sample_conv import per_sample_conv_weight_grads
 from .eager import capture_op, use_custom_ops
 from .rows import FOLDS, fold_rows, unfold_rows
@@ -117,8 +117,8 @@ def _linear_backward(grad: Tensor, x: Tensor, weight: Tensor, has_bias: bool, ne
             store.record(site, Record(None, None, P, gsum, tuple(x.shape)))
             if store.grad_only:
                 return gx, grad.new_zeros(weight.shape), grad.new_zeros(o if has_bias else 0)
-            gb = gsum.sum(0).to(grad.dtype) if has_bias else grad.new_empty(0)
-            return gx, P.sum(0).view(weight.shape).to(weight.dtype), gb
+            gb = as_dtype(gsum.sum(0), grad.dtype) if has_bias else grad.new_empty(0)
+            return gx, as_dtype(P.sum(0).view(weight.shape), weight.dtype), gb
         store.record(site, Record(x, grad))
         if store.grad_only:  # MC-Fisher pass: G only, no parameter gradients
             return gx, grad.new_zeros(weight.shape), grad.new_zeros(weight.shape[0] if has_bias else 0)
@@ -220,8 +220,8 @@ def _conv_backward(grad: Tensor, x: Tensor, weight: Tensor, conf: tuple, has_bia
         gx = _conv_input_grad(grad, x, weight, conf) if need_input else grad.new_empty(0)
         if store.grad_only:
             return gx, *_zero_param_grads(grad, weight, has_bias)
-        return (gx, P.sum(0).view(weight.shape).to(weight.dtype),
-                (gsum.sum(0).to(grad.dtype) if has_bias else grad.new_empty(0)))
+        return (gx, as_dtype(P.sum(0).view(weight.shape), weight.dtype),
+                (as_dtype(gsum.sum(0), grad.dtype) if has_bias else grad.new_empty(0)))
     store.record(site, Record(x, grad))
     if store.grad_only:  # MC-Fisher pass: G only, no parameter gradients
         gx = _conv_input_grad(grad, x, weight, conf) if need_input else grad.new_empty(0)
