@@ -50,8 +50,6 @@ step "reproduce fmnist sgd,tengrad, 2 seeds (paper protocol, 10 epochs)"
 timeout 170 $PY -m tools.reproduce fmnist --methods sgd,tengrad --seeds 2 --device cuda \
   --data-dir .data/fashion-mnist --out /tmp/gc/repro --no-progress 2>&1 | grep -v "^epoch\|^logs" | tee -a "$L"
 cp /tmp/gc/repro/table.csv "$OUT/table-sgd-tengrad.csv" 2>/dev/null
-step "launch-bound capture cost: us per covered call over the plain model (capture off / on)"
-timeout 60 $PY -m tools.capture_bench --device cuda --rounds 15 2>&1 | grep -v Warn | tee -a "$L"
 step "compile 3c1f"
 timeout 50 $PY -m tools.bench --device cuda --model 3c1f --steps 10 --warmup 4 \
   --methods sgd,tengrad,tengrad-compile,tengrad-mc-T100,tengrad-mc-T100-compile 2>&1 | grep -v Warn | tee -a "$L"
