@@ -230,7 +230,8 @@ def setup(args: argparse.Namespace) -> tuple[torch.device, Callable[[], None], n
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     dev, sync, base, batches = setup(args)
-    methods = method_list(args.methods)
+    # a peak-memory subprocess runs its one method alone (not with the T=1 row of a T>1 row)
+    methods = args.methods.split(",") if getattr(args, "report_peak", False) else method_list(args.methods)
     runners = [Runner(m, base, batches[0][0]) for m in methods]
     for r in range(args.warmup + args.steps):
         x, y = batches[r % len(batches)]

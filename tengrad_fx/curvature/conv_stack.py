@@ -38,7 +38,9 @@ from .tensors import DEFAULT_BLOCK_BYTES, gram_factor_stacked
 __all__ = ["jvp", "vjp", "gram", "STACK_BLOCK_BYTES"]
 
 STACK_BLOCK_BYTES = 512 * 2**20
-"""Bound on the per-sample gradients made at once by the ``"materialize"`` Gram."""
+"""Bound on the per-sample gradients made at once by the ``"materialize"`` Gram; beyond
+:data:`STACK_BLOCK_FLOOR` also by the bytes of the stack's own ``I, G``."""
+STACK_BLOCK_FLOOR = 32 * 2**20
 
 
 def _geometry(spec: LayerSpec, L: int) -> tuple[list[int], list[int], list[int], bool, list[int], int]:
@@ -99,11 +101,15 @@ def _gram_factor(spec: LayerSpec, I: Tensor, G: Tensor, block_bytes: int) -> Ten
 
 
 def _gram_materialize(spec: LayerSpec, I: Tensor, G: Tensor) -> Tensor:
-    """``P Pᵀ`` per layer, the per-sample gradients of ``Lc`` layers made at a time."""
+    """``P Pᵀ`` per layer, the per-sample gradients of ``Lc`` layers made at a time: at
+    most :data:`STACK_BLOCK_BYTES` of them, and beyond :data:`STACK_BLOCK_FLOOR` no more
+    than the stack's own ``I, G`` (one layer at least), so the transient ``P`` does not
+    outgrow what is kept."""
     m, L = I.shape[:2]
     w = spec.weight
     n = w.numel()
-    Lc = max(1, min(L, STACK_BLOCK_BYTES // max(1, m * n * I.element_size())))
+    block = min(STACK_BLOCK_BYTES, max(STACK_BLOCK_FLOOR, I.numel() * I.element_size() + G.numel() * G.element_size()))
+    Lc = max(1, min(L, block // max(1, m * n * I.element_size())))
     geo = _geometry(spec, 1)
     parts = []
     for l0 in range(0, L, Lc):
@@ -112,4 +118,5 @@ def _gram_materialize(spec: LayerSpec, I: Tensor, G: Tensor) -> Tensor:
                                          geo[0], geo[1], geo[2], spec.groups)  # [m·Lc, n], (sample, layer)
         P = P.reshape(m, l1 - l0, n).transpose(0, 1)
         parts.append(torch.bmm(P, P.transpose(1, 2)))
+        del P  # freed before the next chunk's P is made
     return parts[0] if len(parts) == 1 else torch.cat(parts)

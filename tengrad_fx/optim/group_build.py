@@ -26,11 +26,17 @@
    convolution end up in one packed group with the other small ``"P"`` layers.
 
 Stacking copies each group's ``P`` (or ``I``, ``G``) once; the store's records are then
-pointed at views of the stack (:meth:`LayerGroup.point_records`), so no second copy stays
-alive.
+pointed at views of the stack (:meth:`LayerGroup.point_records`) and the group's members
+released before the next group is stacked, so no second copy stays alive and the
+transient copy is one stack (at most :data:`STACK_BYTES`).
+
+Which materialized layers keep ``J`` (:func:`keeps_jacobian`): by default each layer
+whose ``J`` is no larger than its own ``I, G``, so the kept records are at most those of
+an all-factored model; with a number (``jacobian_budget_mb``) every one within it.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 from torch import Tensor
@@ -38,10 +44,17 @@ from torch import Tensor
 from ..curvature.layer import CoveredLayer
 from .tengrad_groups import LayerGroup, pack, stack
 
-__all__ = ["build_groups", "PACK_MAX_BYTES", "PACK_MAX_RATIO"]
+__all__ = ["build_groups", "factored_bytes", "keeps_jacobian", "PACK_MAX_BYTES", "PACK_MAX_RATIO", "STACK_BYTES"]
 
 PACK_MAX_BYTES = 16 * 2**20
 PACK_MAX_RATIO = 4.0
+STACK_BYTES = 64 * 2**20
+"""Bound on one stack of an equal-shape group, and so on the transient of making it (its
+records and the stack are alive together while it is copied; the records are then
+pointed at the stack and the members released before the next group is stacked). Layers
+of one shape beyond it form several groups; a layer larger than it is a group of its own
+and a view of its record (no copy): a few more ops per step only where each moves that
+many bytes."""
 
 _Member = tuple[CoveredLayer, Tensor, Optional[Tensor], float]  # (layer, X, Y, k)
 
@@ -56,12 +69,43 @@ def _materialized(layer: CoveredLayer) -> tuple[Tensor, Optional[Tensor], float]
     return dW.flatten(1), (db.flatten(1) if db is not None else None), 1.0
 
 
+def _itemsize(layer: CoveredLayer) -> int:
+    """Element size of the layer's captured (floating) records."""
+    r = layer.records()[0]
+    return next((x for x in (r.P, r.G, r.I) if x is not None and x.is_floating_point()), layer.weight).element_size()
+
+
 def _jacobian_bytes(layer: CoveredLayer) -> int:
     """Bytes of the layer's ``J`` (``m × n``) in its captured dtype."""
-    r = layer.records()[0]
-    t = next((x for x in (r.P, r.I, r.G) if x is not None), layer.weight)
     n = layer.weight.numel() + (layer.bias.numel() if layer.bias is not None else 0)
-    return r.m * n * t.element_size()
+    return layer.records()[0].m * n * _itemsize(layer)
+
+
+def factored_bytes(layer: CoveredLayer, in_shapes: list[tuple[int, ...]], itemsize: int) -> int:
+    """Bytes of the layer's ``I`` and ``G`` for calls with inputs ``in_shapes`` (batch
+    first): what keeping the layer factored costs (``I`` = the input, ``G`` ``m·g·S·o``)."""
+    total = 0
+    for shape in in_shapes:
+        g, S, _, o = layer._kernel.dims(layer.spec, shape)
+        total += math.prod(shape) + shape[0] * g * S * o
+    return total * itemsize
+
+
+def keeps_jacobian(p_bytes: int, ig_bytes: int, budget: Optional[float]) -> bool:
+    """Whether a layer the cost model materializes keeps its ``J`` (``p_bytes``) between
+    steps: within the bytes left of a flat ``budget``, or, with ``budget=None`` (TENGraD's
+    default), where ``J`` is no larger than the layer's ``I, G`` (``ig_bytes``), so that
+    keeping ``J`` never holds more than keeping the layer factored would."""
+    return p_bytes <= (ig_bytes if budget is None else budget)
+
+
+def _runs(key: tuple, members: list[_Member]) -> list[list[_Member]]:
+    """Equal-shape ``members`` in runs whose stack is at most :data:`STACK_BYTES` (one
+    member at least): each run is one group."""
+    X, Y = members[0][1], members[0][2]
+    size = max(1, sum(t.numel() * t.element_size() for t in (X, Y) if t is not None))
+    n = max(1, min(len(members), STACK_BYTES // size))
+    return [members[i:i + n] for i in range(0, len(members), n)]
 
 
 def _stackable_conv(layer: CoveredLayer) -> bool:
@@ -120,11 +164,12 @@ def _packed_group(members: list[_Member]) -> LayerGroup:
     return LayerGroup("P", [mb[0] for mb in members], Pw0.shape[0], members[0][3], Pw=X, cols=cols)
 
 
-def build_groups(layers: list[CoveredLayer], strategy: str, budget: float,
+def build_groups(layers: list[CoveredLayer], strategy: str, budget: Optional[float],
                  sites: Optional[set[int]] = None, packed: bool = True) -> tuple[list[LayerGroup], set[int]]:
     """Groups of the trainable covered layers with a record in the store, and the call
-    sites whose ``J`` is kept (materialized by later backwards, within ``budget`` bytes;
-    added to ``sites``, e.g. the kept choice of layers not captured this time).
+    sites whose ``J`` is kept (materialized by later backwards, by :func:`keeps_jacobian`:
+    within ``budget`` bytes, or with None no larger than the layer's ``I, G``; added to
+    ``sites``, e.g. the kept choice of layers not captured this time).
     ``packed=False``: equal shapes only (no zero columns, e.g. where ``J g`` / ``Jᵀ c``
     of a group travel between ranks)."""
     sites = set() if sites is None else set(sites)
@@ -137,21 +182,26 @@ def build_groups(layers: list[CoveredLayer], strategy: str, budget: float,
         how = layer.choose(strategy)  # type: ignore[arg-type]
         recs = layer.records()
         m = recs[0].m
-        if how == "materialize" and _jacobian_bytes(layer) <= budget:  # (no P made for nothing)
+        ig = 0 if budget is not None or how != "materialize" else \
+            factored_bytes(layer, [r.in_shape for r in recs], _itemsize(layer))
+        if how == "materialize" and keeps_jacobian(_jacobian_bytes(layer), ig, budget):  # (no P made for nothing)
             Pw, Pb, k = _materialized(layer)
             nbytes = (Pw.numel() + (Pb.numel() if Pb is not None else 0)) * Pw.element_size()
-            if nbytes <= budget:
-                budget -= nbytes
+            if keeps_jacobian(nbytes, ig, budget):
+                budget = None if budget is None else budget - nbytes
                 sites.update(layer.spec.sites)
                 key = ("P", Pw.shape[1], Pb.shape[1] if Pb is not None else 0, k, Pw.dtype, layer.weight.dtype)
                 keyed.setdefault(key, []).append((layer, Pw, Pb, k))
+                del Pw, Pb  # no local may hold a record's tensor once it is stacked
                 continue
+            del Pw, Pb
         elif how != "materialize" and layer.kind == "linear" and len(recs) == 1 and recs[0].I is not None \
                 and recs[0].I.dim() == 2:
             I, G = recs[0].I, recs[0].G
             assert G is not None
             key = ("IG", I.shape[1], G.shape[1], layer.bias is not None, layer._scale(), I.dtype)
             keyed.setdefault(key, []).append((layer, I, G, layer._scale()))
+            del I, G
             continue
         if _stackable_conv(layer):  # factored, or materialized beyond the budget
             I, G, spec = recs[0].I, recs[0].G, layer.spec
@@ -159,6 +209,7 @@ def build_groups(layers: list[CoveredLayer], strategy: str, budget: float,
             key = ("conv", how, tuple(layer.weight.shape), spec.stride, spec.padding, spec.dilation, spec.groups,
                    tuple(I.shape), tuple(G.shape), layer.bias is not None, layer._scale(), I.dtype)
             keyed.setdefault(key, []).append((layer, I, G, layer._scale()))
+            del I, G
             continue
         single.append(LayerGroup("layer", [layer], m, strategy=how))
     # "P" keys of one (k, dtypes) -> their packing plan; a plan's group goes where its first key was
@@ -173,12 +224,20 @@ def build_groups(layers: list[CoveredLayer], strategy: str, budget: float,
                 plan_of[keys[i]] = [keys[j] for j in plan]
     groups: list[LayerGroup] = []
     done: set[tuple] = set()
-    for key, members in keyed.items():
+    for key in list(keyed):
         plan = plan_of.get(key, [key])
         if key in done:
             continue
         done.update(plan)
-        grp = _group(key, members) if len(plan) == 1 else _packed_group([mb for k2 in plan for mb in keyed[k2]])
-        grp.point_records()
-        groups.append(grp)
+        if len(plan) == 1:
+            runs = _runs(key, keyed.pop(key))
+            while runs:  # each run's members are released once it is stacked
+                grp = _group(key, runs.pop(0))
+                grp.point_records()
+                groups.append(grp)
+        else:
+            grp = _packed_group([mb for k2 in plan for mb in keyed.pop(k2)])
+            grp.point_records()
+            groups.append(grp)
+        del grp
     return groups + single, sites

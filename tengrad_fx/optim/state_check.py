@@ -78,13 +78,13 @@ def check_loadable(opt: Any, sd: dict[str, Any]) -> None:
 def materialization_meta(opt: Any) -> dict[str, Any]:
     """TENGraD's materialization choices (they decide how the backward computes gradients)."""
     sites = opt._info.store.jacobian_sites
-    return {"strategy": opt.strategy, "jacobian_budget_mb": opt.jacobian_budget / 2**20,
+    return {"strategy": opt.strategy, "jacobian_budget_mb": opt.jacobian_budget_mb,
             "materialized": sorted(lay.name for lay in opt._layers if set(lay.spec.sites) & sites)}
 
 
 def check_materialization(opt: Any, meta: dict[str, Any]) -> None:
     """``ValueError`` if TENGraD ``opt`` cannot continue the saved materialization choices."""
-    mine = {"strategy": opt.strategy, "jacobian_budget_mb": opt.jacobian_budget / 2**20}
+    mine = {"strategy": opt.strategy, "jacobian_budget_mb": opt.jacobian_budget_mb}
     diff = [f"{k}={meta.get(k)!r} in the state_dict, {v!r} here" for k, v in mine.items() if meta.get(k) != v]
     if diff:
         raise ValueError("TENGraD.load_state_dict: other materialization choices (" + "; ".join(diff) +

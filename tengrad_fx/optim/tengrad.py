@@ -40,7 +40,7 @@ from .skeleton import StepSkeleton
 from ..curvature.layer import KERNELS, choose_strategy, covered_layers
 from ..solve.woodbury import damped_cholesky_ex
 from .graphs import StepGraphs
-from .group_build import build_groups
+from .group_build import build_groups, factored_bytes, keeps_jacobian
 from .tengrad_groups import LayerGroup, precondition_groups, reuse_cost, tf32_matmuls
 from .fused_step import FusedStep
 
@@ -83,8 +83,13 @@ class TENGraD(StepSkeleton):
         update_form: ``"auto"`` (push-through on empirical curvature steps, Woodbury
             otherwise), ``"woodbury"`` (always the general form).
         solve_dtype: dtype of the m×m Cholesky (default: the parameters'); e.g. float64.
-        jacobian_budget_mb: memory allowed for keeping materialized ``J``s between steps
-            (layers the cost model materializes); beyond it ``J`` is used through ``I, G``.
+        jacobian_budget_mb: which layers the cost model materializes keep ``J`` between
+            steps (the rest use theirs through ``I, G``). Default (None): each layer whose
+            ``J`` is no larger than its own ``I, G`` (keeping ``J`` never holds more memory
+            than keeping the layer factored; ``group_build.keeps_jacobian``), or with
+            ``strategy="materialize"`` a flat 1024 MiB. A number: a flat budget in MiB for
+            all kept ``J``s, in layer order (more memory; faster reuse steps where ``J`` is
+            larger than ``I, G`` on a CPU).
         strategy: Gram strategy for all layers: ``"auto"``, ``"factor"``, ``"materialize"``.
         compile: run the whole update (Gram → Cholesky → solve → Jᵀc over all layers,
             :func:`tengrad_fx.optim.fused.fused_update`) under ``torch.compile``; layers
@@ -118,7 +123,7 @@ class TENGraD(StepSkeleton):
         kl_clip: Optional[float] = 0.01,
         update_form: Literal["auto", "woodbury"] = "auto",
         solve_dtype: Optional[torch.dtype] = None,
-        jacobian_budget_mb: float = 1024.0,
+        jacobian_budget_mb: Optional[float] = None,
         strategy: Literal["auto", "factor", "materialize"] = "auto",
         compile: bool | str = False,
         cuda_graph: Optional[bool] = None,
@@ -147,7 +152,12 @@ class TENGraD(StepSkeleton):
         self.kl_clip = kl_clip
         self.update_form = update_form
         self.solve_dtype = solve_dtype
-        self.jacobian_budget = jacobian_budget_mb * 2**20
+        if jacobian_budget_mb is not None:
+            check_nonneg("jacobian_budget_mb", jacobian_budget_mb)
+        self.jacobian_budget_mb = jacobian_budget_mb  # as given (checked when a state_dict is loaded)
+        if jacobian_budget_mb is None and strategy == "materialize":
+            jacobian_budget_mb = 1024.0  # every layer asked for as J: a flat budget
+        self.jacobian_budget = None if jacobian_budget_mb is None else jacobian_budget_mb * 2**20
         self.strategy = strategy
         self.compile = bool(compile)
         # default: on when the parameters live on a CUDA device (graphs.py)
@@ -247,9 +257,12 @@ class TENGraD(StepSkeleton):
         place of the weight gradient (``P``), and the Gram is ``P Pᵀ``.
         """
         t_start = time.perf_counter()
+        # the last curvature's stacks: freed before the new ones are made, unless a captured
+        # graph reads them (then the new ones are copied into them, LayerGroup.adopt)
+        old = self._curv if self.cuda_graph else []
+        self._curv, self._K = [], []
         groups, sites = build_groups(self._layers, self.strategy, self.jacobian_budget, self._uncaptured_sites())
         self._info.store.jacobian_sites = sites
-        old = self._curv
         if self.cuda_graph and len(old) == len(groups) and all(
                 isinstance(o, LayerGroup) and o.adopt(n) for o, n in zip(old, groups)):
             groups = old  # the captured reuse step keeps reading the same tensors
@@ -390,9 +403,10 @@ class TENGraD(StepSkeleton):
                 S += s_
             if self.strategy == "materialize" or choose_strategy(m, g, S, f, o) == "materialize":
                 n = sum(p.numel() for p in (layer.weight, layer.bias) if p is not None)
-                nbytes = m * n * layer.weight.element_size()
-                if nbytes <= budget:
-                    budget -= nbytes
+                es = layer.weight.element_size()
+                ig = factored_bytes(layer, [(m, *shape[1:]) for shape in spec.input_shapes], es)
+                if keeps_jacobian(m * n * es, ig, budget):
+                    budget = None if budget is None else budget - m * n * es
                     sites.update(spec.sites)
         self._info.store.jacobian_sites = sites
 
@@ -413,8 +427,9 @@ class TENGraD(StepSkeleton):
         for layer in self._layers:
             if layer.weight.requires_grad and layer.captured and layer.choose(self.strategy) == "materialize":
                 n = layer.m * sum(p.numel() for p in (layer.weight, layer.bias) if p is not None)
-                nbytes = n * layer.weight.element_size()
-                if nbytes <= budget:
-                    budget -= nbytes
+                es = layer.weight.element_size()
+                ig = factored_bytes(layer, [r.in_shape for r in layer.records()], es)
+                if keeps_jacobian(n * es, ig, budget):
+                    budget = None if budget is None else budget - n * es
                     sites.update(layer.spec.sites)
         self._info.store.jacobian_sites = sites
