@@ -373,18 +373,14 @@ def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, da
     c_all = solve_cholesky(chol, torch.cat(rhs))  # (K + mαI)⁻¹ rhs, [L_total, m]
     out: dict[Tensor, Tensor] = {}
     a = 1.0 / damping
+    sizes = [len(grp.layers) for grp in groups]
     betas: list[Union[float, Tensor]] = [a] * len(groups)
     if use_pt:  # per layer on the device: push-through u = scale·Jᵀc where the probe holds, else Woodbury
         push_all = torch.cat(push)
         dev, g_dt = c_all.device, grads[0][0].dtype
-        betas = list(torch.where(push_all, 0.0, torch.full((), a, dtype=g_dt, device=dev))
-                     .split([len(grp.layers) for grp in groups]))
+        betas = list(torch.where(push_all, 0.0, torch.full((), a, dtype=g_dt, device=dev)).split(sizes))
         c_all = c_all * torch.where(push_all, torch.full((), scale, dtype=c_all.dtype, device=dev), -a).unsqueeze(1)
-    off = 0
-    for grp, (gw, gb), beta in zip(groups, grads, betas):
-        L = gw.shape[0]
-        c = c_all[off: off + L]
-        off += L
+    for grp, (gw, gb), beta, c in zip(groups, grads, betas, c_all.split(sizes)):
         out.update(grp.split(*grp.woodbury(c, gw, gb, beta, 1.0 if use_pt else -a)))
     return out
 

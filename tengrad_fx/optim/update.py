@@ -82,24 +82,15 @@ def _fusable(ps: list[Tensor], ds: list[Tensor], state: dict[Any, Any], momentum
     return True
 
 
-def _fused_momentum_step(state: dict[Any, Any], ps: list[Tensor], ds: list[Tensor], preconditioned: list[bool],
-                         lr: float, momentum: float, weight_decay: float, nu: Optional[Tensor],
-                         ok: Optional[Tensor]) -> None:
+def _fused_momentum_step(state: dict[Any, Any], ps: list[Tensor], ds: list[Tensor], lr: float, momentum: float,
+                         weight_decay: float, ok: Optional[Tensor]) -> None:
     """The update by ``aten::_fused_sgd_`` (the kernel of ``torch.optim.SGD(fused=True)``),
-    one call per (device, dtype, first step) bucket, after ``u ← ν·u`` in place on the
-    preconditioned updates (temporaries; the kernel's own ``grad_scale`` is float32 only):
+    one call per (device, dtype, first step) bucket, on ``ds`` already scaled by ``ν``:
     ``d = u + λw``, ``buf = μ·buf + d`` (``buf = d`` on a first step), ``w ← w − lr·buf``.
     ``found_inf = 1[not ok]`` makes the kernel return before touching anything: the
-    parameters and buffers keep their bits, decided on the device (no host read).
-    A plain gradient (a parameter without a preconditioned update) is never written."""
+    parameters and buffers keep their bits, decided on the device (no host read). Without
+    ``grad_scale`` the kernel writes none of ``ds`` (a plain ``.grad`` stays as it is)."""
     found_inf = None if ok is None else torch.logical_not(ok).to(torch.float32)
-    if nu is not None:
-        pre = [i for i, (p, flag) in enumerate(zip(ps, preconditioned)) if flag]
-        for i in pre:
-            if ps[i].grad is not None and ds[i].data_ptr() == ps[i].grad.data_ptr():
-                ds[i] = ds[i].clone()  # scaled in place below: never the user's .grad
-        if pre:
-            torch._foreach_mul_([ds[i] for i in pre], nu)
     buckets: dict[tuple[Any, ...], tuple[list[Tensor], list[Tensor], list[Tensor]]] = {}
     for p, d in zip(ps, ds):
         first = False
@@ -123,11 +114,10 @@ def _fused_momentum_step(state: dict[Any, Any], ps: list[Tensor], ds: list[Tenso
 def apply_momentum_step(state: dict[Any, Any], params: list[Tensor], updates: dict[Tensor, Tensor],
                         lr: float, momentum: float, weight_decay: float, nu: Optional[Tensor] = None,
                         ok: Optional[Tensor] = None) -> Optional[bool]:
-    """Apply the step to every parameter with a gradient (foreach kernels); momentum buffers
+    """Apply the step to every parameter with a gradient; momentum buffers
     live in ``state[p]["momentum_buffer"]`` as in ``torch.optim.SGD``.
 
-    ``updates`` are consumed: the fused path scales them by ``ν`` in place (they are the
-    step's temporaries); a parameter's ``.grad`` is never written.
+    Neither ``updates`` nor a parameter's ``.grad`` is written.
 
     ``ok`` (device bool scalar, or None = apply): when it is False the parameters and the
     momentum buffers keep their exact bits. Masked form, with ``o = 1[ok]``::
@@ -150,6 +140,10 @@ def apply_momentum_step(state: dict[Any, Any], params: list[Tensor], updates: di
     if not ps:
         return None
     ds = [updates[p] if p in updates else p.grad for p in ps]
+    if nu is not None:  # ν·u for the preconditioned updates (new tensors: updates stay as given)
+        pre = [i for i, p in enumerate(ps) if p in updates]
+        for i, d in zip(pre, torch._foreach_mul([ds[i] for i in pre], nu)):
+            ds[i] = d
     read: Optional[bool] = None
     if ok is not None and momentum and any("momentum_buffer" not in state[p] for p in ps):
         read = bool(ok)  # warm-up only: buffers are created from a taken step
@@ -157,13 +151,8 @@ def apply_momentum_step(state: dict[Any, Any], params: list[Tensor], updates: di
             return False
         ok = None
     if _fusable(ps, ds, state, momentum):
-        _fused_momentum_step(state, ps, ds, [p in updates for p in ps], lr, momentum, weight_decay, nu, ok)
+        _fused_momentum_step(state, ps, ds, lr, momentum, weight_decay, ok)
         return read
-    if nu is not None:
-        pre = [i for i, p in enumerate(ps) if p in updates]
-        scaled = torch._foreach_mul([ds[i] for i in pre], nu)
-        for i, d in zip(pre, scaled):
-            ds[i] = d
     if ok is not None:
         ds = _sanitized(ds, ok)
     if weight_decay:

@@ -38,7 +38,7 @@ def test_update_matches_formula_over_steps(channels_last: bool, kl: bool) -> Non
         _, updates = _tensors(100 + t, channels_last)
         updates = {p: u for p, u in zip([ps[0], ps[2]], updates.values())}
         grads = [p.grad.clone() for p in ps]
-        us = {p: u.clone() for p, u in updates.items()}  # the step consumes (may scale) its updates
+        us = {p: u.clone() for p, u in updates.items()}
         nu = torch.tensor(0.37, dtype=torch.float64) if kl else None
         ok = torch.tensor(True)
         assert update._fusable(ps, [updates.get(p, p.grad) for p in ps], state, mu) == (not channels_last)
@@ -51,6 +51,8 @@ def test_update_matches_formula_over_steps(channels_last: bool, kl: bool) -> Non
             torch.testing.assert_close(p.detach(), w[i], rtol=1e-13, atol=1e-13)
             torch.testing.assert_close(state[p]["momentum_buffer"], buf[i], rtol=1e-13, atol=1e-13)
             assert torch.equal(p.grad, grads[i]), "a plain gradient was written"
+            if p in us:
+                assert torch.equal(updates[p], us[p]), "an update was written"
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["fused", "foreach"])
