@@ -390,25 +390,20 @@ class TENGraD(StepSkeleton):
         nominal batch ``m`` (from the shapes ``prepare`` probed), so even the first
         backward computes their per-sample gradients in place of the weight gradient.
         The first curvature step re-decides with the real batch."""
-        sites: set[int] = set()
-        budget = self.jacobian_budget
+        candidates = []
         for layer in self._layers:
             spec = layer.spec
             if not spec.input_shapes or self.strategy == "factor" or \
                     not getattr(KERNELS[spec.kind], "MATERIALIZE", True):
                 continue
+            shapes = [(m, *shape[1:]) for shape in spec.input_shapes]
             g = S = f = o = 0
-            for shape in spec.input_shapes:
-                g, s_, f, o = KERNELS[spec.kind].dims(spec, (m, *shape[1:]))
+            for shape in shapes:
+                g, s_, f, o = KERNELS[spec.kind].dims(spec, shape)
                 S += s_
             if self.strategy == "materialize" or choose_strategy(m, g, S, f, o) == "materialize":
-                n = sum(p.numel() for p in (layer.weight, layer.bias) if p is not None)
-                es = layer.weight.element_size()
-                ig = factored_bytes(layer, [(m, *shape[1:]) for shape in spec.input_shapes], es)
-                if keeps_jacobian(m * n * es, ig, budget):
-                    budget = None if budget is None else budget - m * n * es
-                    sites.update(spec.sites)
-        self._info.store.jacobian_sites = sites
+                candidates.append((layer, m, shapes))
+        self._info.store.jacobian_sites = self._kept_sites(candidates, set())
 
     def _uncaptured_sites(self) -> set[int]:
         """The materialized sites of layers with no record now: they keep the choice."""
@@ -422,14 +417,19 @@ class TENGraD(StepSkeleton):
                                    and lay.weight.grad is not None and lay.weight not in updates))
 
     def _mark_jacobian_sites(self) -> None:
-        sites = self._uncaptured_sites()
+        candidates = [(layer, layer.m, [r.in_shape for r in layer.records()]) for layer in self._layers
+                      if layer.weight.requires_grad and layer.captured and layer.choose(self.strategy) == "materialize"]
+        self._info.store.jacobian_sites = self._kept_sites(candidates, self._uncaptured_sites())
+
+    def _kept_sites(self, candidates: list[tuple[Any, int, list[tuple[int, ...]]]], sites: set[int]) -> set[int]:
+        """``sites`` plus the call sites of the ``(layer, m, input shapes)`` the cost model
+        materializes (in layer order) that keep ``J`` between steps
+        (:func:`~.group_build.keeps_jacobian` under ``jacobian_budget_mb``)."""
         budget = self.jacobian_budget
-        for layer in self._layers:
-            if layer.weight.requires_grad and layer.captured and layer.choose(self.strategy) == "materialize":
-                n = layer.m * sum(p.numel() for p in (layer.weight, layer.bias) if p is not None)
-                es = layer.weight.element_size()
-                ig = factored_bytes(layer, [r.in_shape for r in layer.records()], es)
-                if keeps_jacobian(n * es, ig, budget):
-                    budget = None if budget is None else budget - n * es
-                    sites.update(layer.spec.sites)
-        self._info.store.jacobian_sites = sites
+        for layer, m, shapes in candidates:
+            es = layer.weight.element_size()
+            nbytes = m * sum(p.numel() for p in (layer.weight, layer.bias) if p is not None) * es
+            if keeps_jacobian(nbytes, factored_bytes(layer, shapes, es), budget):
+                budget = None if budget is None else budget - nbytes
+                sites.update(layer.spec.sites)
+        return sites
