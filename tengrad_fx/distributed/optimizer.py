@@ -98,6 +98,7 @@ from ..optim.state_check import META
 from ..optim.tengrad import TENGraD
 from ..optim.group_build import build_groups
 from ..optim.tengrad_groups import precondition_groups, reuse_cost, tf32_matmuls
+from ..optim.update import finite_flag
 from .comm import Bucket, all_ok, all_sum, pack, start_broadcasts, unpack, wait_all
 from .gram_blocks import GramBlocksStep
 from .plan import assign_owners, choose_modes, choose_placement, solve_cost
@@ -240,8 +241,7 @@ class DistributedTENGraD(TENGraD):
         capturing(self.model, True)
 
     # ------------------------------------------------------------------ step
-    def _updates(self, step: int, curvature_step: bool, mc_step: bool, damping: float,
-                 ok: Tensor) -> dict[Tensor, Tensor]:
+    def _updates(self, step: int, curvature_step: bool, mc_step: bool, damping: float) -> dict[Tensor, Tensor]:
         t0 = time.perf_counter()
         self.comm_bytes = {}
         self._sharing = None
@@ -252,11 +252,14 @@ class DistributedTENGraD(TENGraD):
                 self._exchange_records()
             self._fresh = False
         t1 = time.perf_counter()
-        local = super()._updates(step, curvature_step, mc_step, damping, ok)
+        local = super()._updates(step, curvature_step, mc_step, damping)
         t2 = time.perf_counter()
         updates = self._average_updates(local) if self.mode == "local" else self._share_updates(local)
-        flags = [ok] if self._chol_ok is None else [ok, self._chol_ok]
-        self._step_flag = all_ok(torch.stack(flags).all())
+        # every rank skips together: its gradients' finiteness (the skeleton checks them
+        # again with the shared updates) and its factors, all-reduced
+        ok = finite_flag([p.grad for p in self.param_groups[0]["params"] if p.grad is not None])
+        assert ok is not None
+        self._step_flag = all_ok(ok if self._chol_ok is None else ok & self._chol_ok)
         self.timings = {**self.timings, "gather": t1 - t0, "share": time.perf_counter() - t2}
         return updates
 
@@ -337,7 +340,7 @@ class DistributedTENGraD(TENGraD):
         out: dict[Tensor, Tensor] = {}
         if gather and self._chol is not None:
             L = sum(len(grp.layers) for grp in gather)
-            out = precondition_groups(gather, self._chol[:L], use_pt, damping, self._info.loss_reduction)
+            out, _ = precondition_groups(gather, self._chol[:L], use_pt, damping, self._info.loss_reduction)
         if self.mode != "local" and self._overlap:
             self._start_share(out)  # the owners' u of gather layers, in flight from here
         if self._local_groups and step is None:

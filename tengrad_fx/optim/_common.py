@@ -266,8 +266,7 @@ class CurvatureOptimizer(StepSkeleton):
                                    "of this batch but nothing new was captured (capture switched off?)")
             self._seen_generation = store.generation
 
-    def _updates(self, step: int, stats_step: bool, mc_step: bool, damping: float,
-                 ok: Tensor) -> dict[Tensor, Tensor]:
+    def _updates(self, step: int, stats_step: bool, mc_step: bool, damping: float) -> dict[Tensor, Tensor]:
         if stats_step:  # a gradient but no record (capture was off for it): u = g, counted
             self._add_uncaptured(sum(1 for b in self.blocks if self._has_grad(b) and not b.layer.captured))
         self._update_curvature(step, stats_step)

@@ -34,7 +34,7 @@ from torch import Tensor
 from ..capture.info import PrepareInfo
 from ..capture.prepare import capturing
 from .amp import loss_scale, scaler_enabled, scaler_flags, unscale_grads
-from .update import apply_momentum_step, finite_flag, kl_clip_factor
+from .update import all_finite, apply_momentum_step, finite_flag, kl_clip_factor
 from .checks import check_positive
 from .reduction_check import check_loss_reduction
 from .state_check import META, check_loadable, layout_meta
@@ -141,13 +141,18 @@ class StepSkeleton(torch.optim.Optimizer):
     def _check_capture(self, stats_step: bool) -> None:
         """Before the finiteness check: checks of what was captured (may raise/warn)."""
 
-    def _updates(self, step: int, stats_step: bool, mc_step: bool, damping: float,
-                 ok: Tensor) -> dict[Tensor, Tensor]:
+    def _updates(self, step: int, stats_step: bool, mc_step: bool, damping: float) -> dict[Tensor, Tensor]:
         """``{param: u}`` of the preconditioned parameters; raise :class:`SkipStep` to skip."""
         raise NotImplementedError
 
     def _device_flags(self) -> Optional[Tensor]:
         """More device ``bool`` conditions of this step's validity (e.g. Cholesky success)."""
+        return None
+
+    def _update_dot(self) -> Optional[Tensor]:
+        """``Σ u·g`` over this step's updates as a device scalar when the subclass has it
+        for less than a pass over ``u`` (TENGraD: from its ``m``-vectors); None: computed
+        from the updates."""
         return None
 
     def _after_update(self, stats_step: bool, closure: Optional[Callable[[], Tensor]]) -> None:
@@ -300,20 +305,22 @@ class StepSkeleton(torch.optim.Optimizer):
         (``SYNC_FREE = False``, or the warm-up read of the first step)."""
         lr, damping = group["lr"], group["damping"]
         grads = [p.grad for p in group["params"] if p.grad is not None]
-        ok = finite_flag(grads)
-        assert ok is not None
-        if not self.SYNC_FREE and not bool(ok):
+        if not self.SYNC_FREE and not all_finite(grads):  # read on the host before any curvature work
             raise SkipStep("non-finite gradient")
-        updates = self._updates(k, stats_step, mc_step, damping, ok)
-        flags = [f for f in (ok, finite_flag(updates.values()), self._device_flags()) if f is not None]
-        ok = torch.stack(flags).all() if len(flags) > 1 else flags[0]
+        updates = self._updates(k, stats_step, mc_step, damping)
+        # one finiteness check of the gradients and the updates together (one _foreach_norm)
+        ok = finite_flag([*grads, *updates.values()])
+        assert ok is not None
+        extra = self._device_flags()
+        if extra is not None:
+            ok = ok & extra
         if not self.SYNC_FREE and not bool(ok):
             raise SkipStep("non-finite preconditioned update")
-        nu = kl_clip_factor(updates, lr, self.kl_clip)
+        nu = kl_clip_factor(updates, lr, self.kl_clip, self._update_dot())
         if nu is not None:  # counted on the device, in place (no sync; graph-safe); read by kl_clipped_steps
             if self._kl_clipped is None:
                 self._kl_clipped = torch.zeros((), dtype=torch.int64, device=nu.device)
-            self._kl_clipped.add_(((nu < 1.0) & ok).to(torch.int64))
+            self._kl_clipped.add_((nu < 1.0) & ok)
         read = apply_momentum_step(self.state, group["params"], updates, lr, group["momentum"],
                                    group["weight_decay"], nu, ok if self.SYNC_FREE else None)
         if read is False:  # the warm-up host read found a skip

@@ -174,6 +174,7 @@ class TENGraD(StepSkeleton):
         self._curv_damping: Optional[float] = None
         self._chol_ok: Optional[Tensor] = None  # device bool: every cached factor is valid
         self._step_flag: Optional[Tensor] = None  # extra device flag of the current step
+        self._ug: Optional[Tensor] = None  # Σ u·g of the current step (precondition_groups), for the KL clip
         self._curv_sched = 0  # schedule count of the last curvature step
         self._recapture = False  # a skipped curvature step was seen: take curvature again
         self._warned_accum = False
@@ -306,11 +307,11 @@ class TENGraD(StepSkeleton):
             self._warned_accum = True
         self._last_generation = store.generation
 
-    def _updates(self, step: int, curvature_step: bool, mc_step: bool, damping: float,
-                 ok: Tensor) -> dict[Tensor, Tensor]:
+    def _updates(self, step: int, curvature_step: bool, mc_step: bool, damping: float) -> dict[Tensor, Tensor]:
         t0 = time.perf_counter()
         self._gram_seconds = 0.0
         self._step_flag = None
+        self._ug = None
         updates = None
         if self.compile and curvature_step:  # reuse steps take the modular path (fused_step.py)
             fused = self._fused(self._layers, not mc_step and self.update_form == "auto", damping,
@@ -371,6 +372,9 @@ class TENGraD(StepSkeleton):
     def _device_flags(self) -> Optional[Tensor]:
         return self._step_flag
 
+    def _update_dot(self) -> Optional[Tensor]:
+        return self._ug
+
     def _after_update(self, stats_step: bool, closure: Optional[Callable[[], Tensor]]) -> None:
         if self.timings:
             self.timings["apply"] = time.perf_counter() - self._t_apply
@@ -382,8 +386,9 @@ class TENGraD(StepSkeleton):
         groups: list[LayerGroup] = self._curv
         if not groups or self._chol is None:
             return {}
-        return precondition_groups(groups, self._chol, push_through and self.update_form == "auto", damping,
-                                   self._info.loss_reduction)
+        out, self._ug = precondition_groups(groups, self._chol, push_through and self.update_form == "auto",
+                                            damping, self._info.loss_reduction, dot=self.kl_clip is not None)
+        return out
 
     def _initial_jacobian_sites(self, m: int = 128) -> None:
         """Before any capture: mark the layers the cost model would materialize at a

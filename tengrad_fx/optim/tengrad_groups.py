@@ -200,6 +200,11 @@ class LayerGroup:
         gb = stack([one(lay.bias) for lay in self.layers]) if self.has_bias else None  # type: ignore[arg-type]
         return gw, gb
 
+    def sqnorms(self, gw: Tensor, gb: Optional[Tensor]) -> Tensor:
+        """``‖g_l‖²`` per layer, ``[L]``: one read of the stacked gradients (batched dots)."""
+        sq = torch.bmm(gw.unsqueeze(1), gw.unsqueeze(2)).view(-1)
+        return sq if gb is None else sq + torch.bmm(gb.unsqueeze(1), gb.unsqueeze(2)).view(-1)
+
     def split(self, uw: Tensor, ub: Optional[Tensor]) -> dict[Tensor, Tensor]:
         """``{param: u}`` (views of the stacked ``uw``/``ub``) for parameters with a gradient."""
         out: dict[Tensor, Tensor] = {}
@@ -351,19 +356,27 @@ class LayerGroup:
 
 
 def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, damping: float,
-                        loss_reduction: str) -> dict[Tensor, Tensor]:
-    """``{param: u}`` for every parameter with a gradient of ``groups`` (``chol``
+                        loss_reduction: str, dot: bool = False) -> tuple[dict[Tensor, Tensor], Optional[Tensor]]:
+    """``({param: u}, Σ u·g)`` for every parameter with a gradient of ``groups`` (``chol``
     ``[L_total, m, m]``: their factors of ``K + mαI``, in group order): per group ``J g``,
     one solve for all layers, per group ``Jᵀ c``. With ``use_pt`` (empirical curvature
     steps) each layer takes the push-through form ``u = scale·Jᵀ(K + mαI)⁻¹1`` where its
     probe holds (picked on the device; ``J g`` is computed either way), else
-    ``u = (g − Jᵀc)/α``."""
+    ``u = (g − Jᵀc)/α``.
+
+    With ``dot`` the device scalar ``Σ u·g`` over these parameters (the KL clip's) comes
+    from the ``m``-vectors: per layer ``u = β·g + γ·Jᵀc`` gives ``u·g = β‖g‖² + γ·cᵀ(J g)``,
+    so no pass over ``u`` (one read of ``g`` for ``‖g‖²``); else None."""
     m = groups[0].m
     scale = float(m) * (1.0 if loss_reduction == "sum" else 1.0 / m)
-    grads, rhs, push = [], [], []
+    grads, rhs, push, jgs, sqs = [], [], [], [], []
     for grp in groups:
         gw, gb = grp.grads()
         Jg = grp.jvp(gw, gb)
+        if dot:
+            jgs.append(Jg)
+            if use_pt:  # β differs per layer: ‖g_l‖² per layer
+                sqs.append(grp.sqnorms(gw, gb))
         if use_pt:
             ok = grp.probe(gw, gb, scale / m)
             push.append(ok)
@@ -375,14 +388,25 @@ def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, da
     a = 1.0 / damping
     sizes = [len(grp.layers) for grp in groups]
     betas: list[Union[float, Tensor]] = [a] * len(groups)
+    gamma = -a
     if use_pt:  # per layer on the device: push-through u = scale·Jᵀc where the probe holds, else Woodbury
         push_all = torch.cat(push)
         dev, g_dt = c_all.device, grads[0][0].dtype
-        betas = list(torch.where(push_all, 0.0, torch.full((), a, dtype=g_dt, device=dev)).split(sizes))
+        beta_all = torch.where(push_all, 0.0, torch.full((), a, dtype=g_dt, device=dev))
+        betas = list(beta_all.split(sizes))
         c_all = c_all * torch.where(push_all, torch.full((), scale, dtype=c_all.dtype, device=dev), -a).unsqueeze(1)
+        gamma = 1.0
+    ug = None
+    if dot:  # Σ_l β_l‖g_l‖² + γ·c_l·(J g)_l, in the solve's dtype
+        if use_pt:
+            ug = (beta_all.to(c_all.dtype) * torch.cat(sqs).to(c_all.dtype)).sum()
+        else:  # one β = 1/α: ‖g‖² of all stacks by one _foreach_norm
+            norms = torch._foreach_norm([t for gw_gb in grads for t in gw_gb if t is not None])
+            ug = torch.stack(norms).to(c_all.dtype).square().sum() * a
+        ug = ug + (c_all * torch.cat(jgs).to(c_all.dtype)).sum() * gamma
     for grp, (gw, gb), beta, c in zip(groups, grads, betas, c_all.split(sizes)):
-        out.update(grp.split(*grp.woodbury(c, gw, gb, beta, 1.0 if use_pt else -a)))
-    return out
+        out.update(grp.split(*grp.woodbury(c, gw, gb, beta, gamma)))
+    return out, ug
 
 
 def reuse_cost(groups: list[LayerGroup]) -> tuple[float, float]:

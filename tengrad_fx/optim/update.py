@@ -21,14 +21,17 @@ __all__ = ["finite_flag", "all_finite", "kl_clip_factor", "apply_momentum_step"]
 
 def finite_flag(ts: Iterable[Tensor]) -> Optional[Tensor]:
     """A device ``bool`` scalar: every tensor's 2-norm is finite (None for no tensors). One
-    ``_foreach_norm`` (the fast, fused one; NaN and ±inf propagate into it), squares summed
-    in at least float32, no host read. An entry beyond ~1e19 overflows the norm and counts
-    as non-finite too (such a step would not give a finite update anyway)."""
+    ``_foreach_norm`` (the fast, fused one; NaN and ±inf propagate into it), in at least
+    float32, no host read: the norms are non-negative, so their sum is finite
+    exactly when each is, and ``0·S == 0`` tests that in two scalar ops (``0·inf`` is NaN). An entry beyond
+    ~1e19 overflows the norm, and norms summing beyond the dtype's range overflow the sum;
+    both count as non-finite (such a step would not give a finite update anyway)."""
     ts = [t for t in ts if t.numel()]
     if not ts:
         return None
     dtype = torch.float32 if all(t.dtype in (torch.float16, torch.bfloat16, torch.float32) for t in ts) else None
-    return torch.isfinite(torch.stack(torch._foreach_norm(ts, 2, dtype=dtype))).all()
+    total = torch.stack(torch._foreach_norm(ts, 2, dtype=dtype)).sum()
+    return (total * 0) == 0
 
 
 def all_finite(ts: list[Tensor]) -> bool:
@@ -37,16 +40,20 @@ def all_finite(ts: list[Tensor]) -> bool:
     return True if flag is None else bool(flag)
 
 
-def kl_clip_factor(updates: dict[Tensor, Tensor], lr: float, kl_clip: Optional[float]) -> Optional[Tensor]:
+def kl_clip_factor(updates: dict[Tensor, Tensor], lr: float, kl_clip: Optional[float],
+                   ug: Optional[Tensor] = None) -> Optional[Tensor]:
     """``ν`` of the KL clip over the preconditioned parameters as a device scalar, 1 where
-    ``Σ u·g ≤ 0`` (or not finite); None when the clip is off."""
+    ``Σ u·g ≤ 0`` (NaN where it is NaN: such a step is skipped by its finiteness flag);
+    None when the clip is off. ``ug``: ``Σ u·g`` when the
+    caller already has it (else one pass over ``u`` and ``g`` here)."""
     if kl_clip is None or not updates:
         return None
-    us = list(updates.values())
-    prods = torch._foreach_mul(us, [p.grad.to(u.dtype) for p, u in updates.items()])
-    vg = torch.cat([t.reshape(-1) for t in prods]).sum() * (lr * lr)
-    nu = (kl_clip / vg).sqrt().clamp(max=1.0)
-    return torch.where(vg > 0, nu, torch.ones_like(nu))
+    if ug is None:
+        us = list(updates.values())
+        prods = torch._foreach_mul(us, [p.grad.to(u.dtype) for p, u in updates.items()])
+        ug = torch.cat([t.reshape(-1) for t in prods]).sum()
+    # 1/ν = max(1, sqrt(lr²·max(Σ u·g, 0) / kl_clip)): ν = 1 where Σ u·g ≤ 0
+    return (ug.clamp(min=0.0) * (lr * lr / kl_clip)).sqrt().clamp(min=1.0).reciprocal()
 
 
 def _sanitized(ds: list[Tensor], ok: Tensor) -> list[Tensor]:
@@ -83,31 +90,40 @@ def _fusable(ps: list[Tensor], ds: list[Tensor], state: dict[Any, Any], momentum
 
 
 def _fused_momentum_step(state: dict[Any, Any], ps: list[Tensor], ds: list[Tensor], lr: float, momentum: float,
-                         weight_decay: float, ok: Optional[Tensor]) -> None:
+                         weight_decay: float, ok: Optional[Tensor], inv_nu: Optional[Tensor] = None,
+                         scaled: frozenset[int] = frozenset()) -> None:
     """The update by ``aten::_fused_sgd_`` (the kernel of ``torch.optim.SGD(fused=True)``),
-    one call per (device, dtype, first step) bucket, on ``ds`` already scaled by ``ν``:
-    ``d = u + λw``, ``buf = μ·buf + d`` (``buf = d`` on a first step), ``w ← w − lr·buf``.
-    ``found_inf = 1[not ok]`` makes the kernel return before touching anything: the
-    parameters and buffers keep their bits, decided on the device (no host read). Without
-    ``grad_scale`` the kernel writes none of ``ds`` (a plain ``.grad`` stays as it is)."""
+    one call per (device, dtype, first step, scaled) bucket: ``d = u + λw``, ``buf = μ·buf + d``
+    (``buf = d`` on a first step), ``w ← w − lr·buf``. ``found_inf = 1[not ok]`` makes the
+    kernel return before touching anything: the parameters and buffers keep their bits,
+    decided on the device (no host read). The ``scaled`` entries of ``ds`` are divided by
+    ``inv_nu`` (float32 ``1/ν``, the kernel's ``grad_scale``) inside the same pass, which
+    writes ``ν·u`` back into them; the other entries are not written."""
     found_inf = None if ok is None else torch.logical_not(ok).to(torch.float32)
     buckets: dict[tuple[Any, ...], tuple[list[Tensor], list[Tensor], list[Tensor]]] = {}
-    for p, d in zip(ps, ds):
+    for i, (p, d) in enumerate(zip(ps, ds)):
         first = False
         if momentum:
             st = state[p]
             first = "momentum_buffer" not in st
             if first:
                 st["momentum_buffer"] = torch.empty_like(p, memory_format=torch.contiguous_format)
-        b = buckets.setdefault((p.device, p.dtype, first), ([], [], []))
+        b = buckets.setdefault((p.device, p.dtype, first, i in scaled), ([], [], []))
         b[0].append(p)
         b[1].append(d)
         if momentum:
             b[2].append(state[p]["momentum_buffer"])
-    for (device, _, first), (bp, bd, bb) in buckets.items():
+    for (device, _, first, sc), (bp, bd, bb) in buckets.items():
         torch._fused_sgd_(bp, bd, bb, weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=0.0,
                           nesterov=False, maximize=False, is_first_step=first,
+                          grad_scale=inv_nu.to(device) if sc and inv_nu is not None else None,
                           found_inf=found_inf.to(device) if found_inf is not None else None)
+
+
+def _shares_grad(p: Tensor, d: Tensor) -> bool:
+    """Does ``d`` live in ``p.grad``'s storage (writing it would write the gradient)?"""
+    g = p.grad
+    return g is not None and d.untyped_storage().data_ptr() == g.untyped_storage().data_ptr()
 
 
 @torch.no_grad()
@@ -117,7 +133,10 @@ def apply_momentum_step(state: dict[Any, Any], params: list[Tensor], updates: di
     """Apply the step to every parameter with a gradient; momentum buffers
     live in ``state[p]["momentum_buffer"]`` as in ``torch.optim.SGD``.
 
-    Neither ``updates`` nor a parameter's ``.grad`` is written.
+    A parameter's ``.grad`` is never written. ``updates`` are not written either, except
+    on the fused path with ``ν`` and float32 updates that do not share a gradient's storage:
+    there the kernel scales them in place to ``ν·u`` (they are the step's temporaries; one
+    pass fewer than a separate ``ν·u``).
 
     ``ok`` (device bool scalar, or None = apply): when it is False the parameters and the
     momentum buffers keep their exact bits. Masked form, with ``o = 1[ok]``::
@@ -140,17 +159,23 @@ def apply_momentum_step(state: dict[Any, Any], params: list[Tensor], updates: di
     if not ps:
         return None
     ds = [updates[p] if p in updates else p.grad for p in ps]
-    if nu is not None:  # ν·u for the preconditioned updates (new tensors: updates stay as given)
-        pre = [i for i, p in enumerate(ps) if p in updates]
-        for i, d in zip(pre, torch._foreach_mul([ds[i] for i in pre], nu)):
-            ds[i] = d
     read: Optional[bool] = None
     if ok is not None and momentum and any("momentum_buffer" not in state[p] for p in ps):
         read = bool(ok)  # warm-up only: buffers are created from a taken step
         if not read:
             return False
         ok = None
-    if _fusable(ps, ds, state, momentum):
+    fused = _fusable(ps, ds, state, momentum)
+    pre = [i for i, p in enumerate(ps) if p in updates] if nu is not None else []
+    if fused and pre and all(ds[i].dtype == torch.float32 and not _shares_grad(ps[i], ds[i]) for i in pre):
+        # ν inside the kernel: grad_scale = 1/ν (float32 only), the updates overwritten with ν·u
+        _fused_momentum_step(state, ps, ds, lr, momentum, weight_decay, ok,
+                             nu.to(torch.float32).reciprocal(), frozenset(pre))
+        return read
+    if pre:  # ν·u for the preconditioned updates (new tensors: updates stay as given)
+        for i, d in zip(pre, torch._foreach_mul([ds[i] for i in pre], nu)):
+            ds[i] = d
+    if fused:
         _fused_momentum_step(state, ps, ds, lr, momentum, weight_decay, ok)
         return read
     if ok is not None:

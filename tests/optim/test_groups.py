@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx import TENGraD
+from tengrad_fx.optim.tengrad_groups import precondition_groups
 from testing.grouped_steps import check_steps_against_dense, float64_batches
 
 
@@ -83,3 +84,36 @@ def test_gram_tf32_restores_the_matmul_setting_and_is_a_no_op_on_cpu() -> None:
         out.append([p.detach().clone() for p in pm.parameters()])
         assert read() == before
     assert all(torch.equal(a, b) for a, b in zip(*out))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "factor", "materialize"])
+@pytest.mark.parametrize("fisher", ["empirical", "mc"])
+def test_update_dot_equals_sum_of_u_times_g(strategy: str, fisher: str) -> None:
+    """``precondition_groups(..., dot=True)``'s ``Σ u·g`` (the KL clip's, from the
+    ``m``-vectors: ``β‖g‖² + γ·cᵀ(J g)`` per layer) equals the sum over its updates, in
+    float64, for the push-through and the Woodbury form and every group form: after a
+    curvature step (``lr = 0``) the same batch again (its gradient is ``Jᵀ1/m``, so the
+    empirical push-through probe holds) and another batch (it does not)."""
+    net = _net()
+    batches = float64_batches((2, 5, 5), 4)
+    model = tengrad_fx.prepare(net, example_inputs=(batches[0][0][:2],))
+    opt = TENGraD(model, lr=0.0, damping=0.07, curvature_every=10, fisher=fisher, strategy=strategy,
+                  kl_clip=1e-3)
+    seen_push = False
+    for t, (x, y) in enumerate([batches[0], batches[0], batches[1]]):
+        opt.zero_grad()
+        out = model(x)
+        if t == 0:
+            opt.mc_capture(out)
+        F.cross_entropy(out, y).backward()
+        if t:
+            for use_pt in (True, False):
+                updates, ug = precondition_groups(opt._curv, opt._chol, use_pt, 0.07, "mean", dot=True)
+                ref = sum((u * p.grad).sum() for p, u in updates.items())
+                torch.testing.assert_close(ug, ref, rtol=1e-10, atol=1e-12)
+            pushed = [grp.probe(*grp.grads(), 1.0 / x.shape[0]) for grp in opt._curv]
+            seen_push |= bool(torch.cat(pushed).all())
+        opt.step()
+    assert seen_push == (fisher == "empirical")
+    forms = {grp.form for grp in opt._curv}
+    assert forms == {"materialize": {"P"}, "auto": {"P", "IG"}, "factor": {"IG", "conv"}}[strategy], forms
