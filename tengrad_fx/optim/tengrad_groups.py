@@ -81,6 +81,21 @@ def tf32_matmuls(enabled: bool) -> Iterator[None]:
             mm.allow_tf32 = old
 
 
+_ZEROS: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+
+def _scaled_bmm(X: Tensor, Y: Tensor, alpha: float) -> Tensor:
+    """``alpha·(X @ Y)`` batched, as one GEMM (``beta = 0``: its 0-d input, made once per
+    dtype and device, is never read)."""
+    if alpha == 1.0:
+        return torch.bmm(X, Y)
+    key = (X.dtype, X.device)
+    zero = _ZEROS.get(key)
+    if zero is None:
+        zero = _ZEROS[key] = X.new_zeros(())
+    return torch.baddbmm(zero, X, Y, beta=0.0, alpha=alpha)
+
+
 def stack(ts: list[Tensor], dim: int = 0) -> Tensor:
     """``torch.stack`` (a view, no copy, for one tensor)."""
     return ts[0].unsqueeze(dim) if len(ts) == 1 else torch.stack(ts, dim)
@@ -216,22 +231,25 @@ class LayerGroup:
 
     # ------------------------------------------------------------------ J products
     def gram(self) -> Tensor:
-        """``K = J Jᵀ``, ``[L, m, m]``."""
+        """``K = J Jᵀ``, ``[L, m, m]``; the scale ``k²`` rides in a GEMM's ``alpha`` (no pass
+        over ``K``), a factored Linear's bias term ``(AAᵀ + 1)⊙BBᵀ`` is one ``addcmul``."""
+        kk = self.k * self.k
         if self.form == "P":
             assert self.Pw is not None
-            K = torch.bmm(self.Pw, self.Pw.transpose(1, 2))
+            K = _scaled_bmm(self.Pw, self.Pw.transpose(1, 2), kk)
             if self.Pb is not None:
-                K = torch.baddbmm(K, self.Pb, self.Pb.transpose(1, 2))
-        elif self.form == "IG":
+                K = torch.baddbmm(K, self.Pb, self.Pb.transpose(1, 2), alpha=kk)
+            return K
+        if self.form == "IG":
             assert self.A is not None and self.B is not None
             AA = torch.bmm(self.A, self.A.transpose(1, 2))
-            K = (AA + 1.0 if self.has_bias else AA) * torch.bmm(self.B, self.B.transpose(1, 2))
-        elif self.form == "conv":
+            BB = _scaled_bmm(self.B, self.B.transpose(1, 2), kk)
+            return torch.addcmul(BB, AA, BB) if self.has_bias else AA * BB
+        if self.form == "conv":
             assert self.A is not None and self.B is not None
             K = conv_stack.gram(self.layers[0].spec, self.A, self.B, self.strategy, self.has_bias)
-        else:
-            return self.layers[0].gram(self.strategy).unsqueeze(0)  # type: ignore[arg-type]
-        return K * (self.k * self.k)
+            return K * kk
+        return self.layers[0].gram(self.strategy).unsqueeze(0)  # type: ignore[arg-type]
 
     def jvp(self, gw: Tensor, gb: Optional[Tensor]) -> Tensor:
         """``J g``, ``[L, m]``."""
@@ -325,33 +343,36 @@ class LayerGroup:
         device (False after gradient clipping, a loss term outside the captured layers or
         accumulation; the push-through form is exact only when it holds). Checked on
         ``n_probe`` random weight coordinates plus the bias, in full for ``"layer"`` and
-        ``"conv"`` (one ``Jᵀ1``)."""
+        ``"conv"`` (one ``Jᵀ1``) and for packed groups (small layers only). The test
+        ``‖g − s·Jᵀ1‖ ≤ tol·‖g‖`` over those coordinates is one ``sub`` (the scale as its
+        ``alpha``), two norms and a compare; a factored Linear's coordinates ``(t, j)`` are
+        drawn as a row ``t`` of ``B`` and a column ``j`` of ``A`` (no flat index arithmetic)."""
         tol = 1e-4 if gw.dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-9
-        nw = gw.shape[1]
+        ks = self.k * s  # got below is unscaled: J = k·[...]
+        got_b: Optional[Tensor] = None
         if self.cols is not None:  # packed: every column (small layers only, group_build)
             assert self.Pw is not None
-            got, ref = self.Pw.sum(1) * (self.k * s), gw
-        elif self.form in ("layer", "conv"):
-            got_w, got_b = self.vjp(torch.ones(gw.shape[0], self.m, dtype=gw.dtype, device=gw.device))
-            got, ref = got_w * s, gw
-            if got_b is not None and gb is not None:
-                got, ref = torch.cat([got, got_b * s], 1), torch.cat([ref, gb], 1)
+            got, ref = self.Pw.sum(1), gw
+        elif self.form in ("layer", "conv"):  # vjp is scaled already
+            got, got_b = self.vjp(torch.ones(gw.shape[0], self.m, dtype=gw.dtype, device=gw.device))
+            ref, ks = gw, s
         else:
-            idx = torch.randint(0, nw, (min(n_probe, nw),), device=gw.device,
-                                generator=probe_generator(gw.device))
+            n, gen = min(n_probe, gw.shape[1]), probe_generator(gw.device)
             if self.form == "P":
                 assert self.Pw is not None
-                got = self.Pw[:, :, idx].sum(1)
+                idx = torch.randint(0, gw.shape[1], (n,), device=gw.device, generator=gen)
+                got, ref = self.Pw[:, :, idx].sum(1), gw[:, idx]
                 got_b = self.Pb.sum(1) if self.Pb is not None else None
             else:
                 assert self.A is not None and self.B is not None
-                f = self.A.shape[2]
-                got = (self.B[:, :, idx // f] * self.A[:, :, idx % f]).sum(1)
+                o, f = self.B.shape[2], self.A.shape[2]
+                rows = torch.randint(0, o, (n,), device=gw.device, generator=gen)
+                cols = torch.randint(0, f, (n,), device=gw.device, generator=gen)
+                got, ref = (self.B[:, :, rows] * self.A[:, :, cols]).sum(1), gw.view(-1, o, f)[:, rows, cols]
                 got_b = self.B.sum(1) if self.has_bias else None
-            got, ref = got * (self.k * s), gw[:, idx]
-            if got_b is not None and gb is not None:
-                got, ref = torch.cat([got, got_b * (self.k * s)], 1), torch.cat([ref, gb], 1)
-        err = torch.linalg.vector_norm(ref - got.to(ref.dtype), dim=1)
+        if got_b is not None and gb is not None:
+            got, ref = torch.cat([got, got_b], 1), torch.cat([ref, gb], 1)
+        err = torch.linalg.vector_norm(torch.sub(ref, got, alpha=ks), dim=1)
         return err <= tol * torch.linalg.vector_norm(ref, dim=1)
 
 

@@ -16,13 +16,14 @@ batched Cholesky.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 __all__ = ["damped_cholesky", "damped_cholesky_ex", "solve_cholesky", "woodbury_apply",
-           "woodbury_push_through", "CholeskyFailed", "JITTERS"]
+           "woodbury_push_through", "CholeskyFailed", "JITTERS", "TRIES_BYTES"]
 
 
 class CholeskyFailed(RuntimeError):
@@ -33,6 +34,25 @@ JITTERS = (1e-6, 1e-4, 1e-1)
 """Relative jitters of the fixed retries of :func:`damped_cholesky_ex` (times ``mean|diag|``)."""
 
 
+TRIES_BYTES = 64 * 2**20
+"""Bound on the bytes of all tries' damped Grams held at once: within it every try of
+:func:`damped_cholesky_ex` is one batched ``cholesky_ex``; beyond it the tries go one by
+one (the same factors)."""
+_TRIES = (0.0, *JITTERS)
+_CONSTANTS: dict[tuple[int, torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
+
+
+def _eye_and_tries(m: int, like: Tensor) -> tuple[Tensor, Tensor]:
+    """``(I [m, m], (0, *JITTERS) [T, 1, 1, 1])`` in ``like``'s dtype and device, made once
+    per ``(m, dtype, device)`` and only ever read (two launches less per factorization)."""
+    key = (m, like.dtype, like.device)
+    const = _CONSTANTS.get(key)
+    if const is None:
+        const = _CONSTANTS[key] = (torch.eye(m, dtype=like.dtype, device=like.device),
+                                   torch.tensor(_TRIES, dtype=like.dtype, device=like.device).reshape(-1, 1, 1, 1))
+    return const
+
+
 def damped_cholesky_ex(K: Tensor, shift: Tensor | float,
                        dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
     """``(L, ok)``: lower Cholesky factors of ``K + shift·I`` and, per matrix, whether
@@ -40,32 +60,43 @@ def damped_cholesky_ex(K: Tensor, shift: Tensor | float,
 
     ``K``: ``[B, m, m]`` (or ``[m, m]``); ``shift``: ``m·α`` (scalar or ``[B]``).
 
-    The rule: one batched ``cholesky_ex``, then always ``len(JITTERS)`` batched retries
-    of the whole batch with ``jitter·mean|diag|`` added to the damped Gram (``jitter``
-    from :data:`JITTERS`, each retry from the damped Gram itself, not cumulative); each
-    matrix keeps its first successful factor (healthy matrices keep the unjittered one,
-    bit for bit). ``ok`` is False where every try failed or the input is non-finite.
-    The retries cost three more ``m×m`` factorizations per matrix, on curvature steps only.
+    The rule: the damped Gram ``A = K + shift·I`` and ``len(JITTERS)`` retries of it with
+    ``jitter·mean|diag A|`` added to the diagonal (``jitter`` from :data:`JITTERS`, each
+    from ``A`` itself, not cumulative) are factorized, always, and each matrix keeps its
+    first successful factor (healthy matrices keep the unjittered one, bit for bit).
+    ``ok`` is False where every try failed or the input is non-finite. All ``1 +
+    len(JITTERS)`` tries are ONE batched ``cholesky_ex`` over ``[T·B, m, m]`` while they
+    fit in :data:`TRIES_BYTES` (about 17 ops in all, whatever ``B``), else one per try;
+    the retries cost three more ``m×m`` factorizations per matrix, on curvature steps only.
     """
     Kd = K if dtype is None else K.to(dtype)
     batched = Kd.dim() == 3
     if not batched:
         Kd = Kd.unsqueeze(0)
-    m = Kd.shape[-1]
-    eye = torch.eye(m, dtype=Kd.dtype, device=Kd.device)
+    B, m = Kd.shape[0], Kd.shape[-1]
+    eye, tries = _eye_and_tries(m, Kd)
     if isinstance(shift, Tensor):
         A = Kd + shift.to(Kd.device, Kd.dtype).reshape(-1, 1, 1) * eye
     else:
         A = Kd + float(shift) * eye
-    chol, info = torch.linalg.cholesky_ex(A)
-    done = info == 0
     scale = A.diagonal(dim1=1, dim2=2).abs().mean(1).clamp_min(torch.finfo(A.dtype).tiny)
-    for jitter in JITTERS:
-        c2, i2 = torch.linalg.cholesky_ex(A + (jitter * scale).reshape(-1, 1, 1) * eye)
-        take = ~done & (i2 == 0)
-        chol = torch.where(take.reshape(-1, 1, 1), c2, chol)
-        done = done | take
-    ok = done & torch.isfinite(A).flatten(1).all(1)
+    jit = tries * scale.reshape(1, -1, 1, 1)  # [T, B, 1, 1]; try 0 adds exact zeros
+    if len(_TRIES) * A.numel() * A.element_size() <= TRIES_BYTES:
+        chols, info = torch.linalg.cholesky_ex(A + jit * eye)  # [T, B, m, m], [T, B]
+        # first try with info == 0 (the first one where all failed): min of info clamped to 1
+        best, first = info.clamp_max(1).min(0)
+        chol = chols.gather(0, first.reshape(1, B, 1, 1).expand(1, B, m, m))[0]
+        done = best == 0
+    else:
+        chol, info = torch.linalg.cholesky_ex(A)
+        done = info == 0
+        for j in range(1, len(_TRIES)):
+            c2, i2 = torch.linalg.cholesky_ex(A + jit[j] * eye)
+            take = ~done & (i2 == 0)
+            chol = torch.where(take.reshape(-1, 1, 1), c2, chol)
+            done = done | take
+    # finite: max|A| < inf (amax propagates NaN; three ops where isfinite's composite is five)
+    ok = done & (A.abs().amax((1, 2)) < math.inf)
     return (chol, ok) if batched else (chol[0], ok[0])
 
 

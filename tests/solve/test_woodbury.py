@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tengrad_fx.solve import CholeskyFailed, damped_cholesky, woodbury_apply, woodbury_push_through
+from tengrad_fx.solve import CholeskyFailed, damped_cholesky, damped_cholesky_ex, woodbury, woodbury_apply, \
+    woodbury_push_through
+from tengrad_fx.solve.woodbury import JITTERS
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -91,6 +93,55 @@ def test_hopeless_gram_raises_after_retries() -> None:
     assert issubclass(CholeskyFailed, RuntimeError)
 
 
+def _reference_cholesky_ex(K: torch.Tensor, shift: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The retry rule written per matrix: ``K_b + shift_b·I``, then each jitter of
+    ``JITTERS`` (times ``mean|diag|`` of that damped Gram) until a factor exists."""
+    chols, oks = [], []
+    for Kb, s in zip(K, shift):
+        A = Kb + s * torch.eye(K.shape[-1], dtype=K.dtype)
+        scale = A.diagonal().abs().mean().clamp_min(torch.finfo(K.dtype).tiny)
+        chol, info = torch.linalg.cholesky_ex(A)
+        ok = int(info) == 0
+        for jitter in JITTERS:
+            if ok:
+                break
+            chol, info = torch.linalg.cholesky_ex(A + (jitter * scale) * torch.eye(K.shape[-1], dtype=K.dtype))
+            ok = int(info) == 0
+        chols.append(chol)
+        oks.append(ok and bool(torch.isfinite(A).all()))
+    return torch.stack(chols), torch.tensor(oks)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("one_call", [True, False])
+def test_cholesky_ex_tries_equal_the_rule_per_matrix(monkeypatch, dtype: torch.dtype, one_call: bool) -> None:
+    """All tries in one batched ``cholesky_ex`` (or, beyond ``TRIES_BYTES``, one per try)
+    give each matrix the factor of its first successful try, as the rule written per
+    matrix does: healthy ones bit for bit, rescued ones by the same jitter; ``ok`` False
+    for the hopeless and the non-finite ones only."""
+    if not one_call:
+        monkeypatch.setattr(woodbury, "TRIES_BYTES", 0)
+    torch.manual_seed(3)
+    m = 6
+    Q, _ = torch.linalg.qr(torch.randn(m, m, dtype=torch.float64))
+    tiny_neg = Q @ torch.diag(torch.tensor([3.0, 2.0, 1.5, 1.0, 0.5, -1e-7], dtype=torch.float64)) @ Q.T
+    needs_big = Q @ torch.diag(torch.tensor([3.0, 2.0, 1.5, 1.0, 0.5, -0.05], dtype=torch.float64)) @ Q.T
+    nan = _psd(1, m, rank=m)[0]
+    nan[0, 3] = float("nan")
+    K = torch.stack([_psd(1, m, rank=m)[0], (tiny_neg + tiny_neg.T) / 2, (needs_big + needs_big.T) / 2,
+                     -torch.eye(m, dtype=torch.float64), nan, _psd(1, m, rank=2)[0]]).to(dtype)
+    shift = torch.tensor([0.1, 0.0, 0.0, 0.0, 0.1, 0.3], dtype=dtype)
+    chol, ok = damped_cholesky_ex(K, shift)
+    ref, ref_ok = _reference_cholesky_ex(K, shift)
+    assert ok.tolist() == ref_ok.tolist() == [True, True, True, False, False, True]
+    for b in (0, 1, 2, 5):
+        torch.testing.assert_close(chol[b], ref[b], rtol=0, atol=0)
+    assert torch.equal(chol[0], torch.linalg.cholesky(K[0] + 0.1 * torch.eye(m, dtype=dtype)))
+    # a scalar shift and one matrix take the same path
+    one, one_ok = damped_cholesky_ex(K[5], 0.3)
+    assert bool(one_ok) and torch.equal(one, chol[5])
+
+
 # --------------------------------------------------------------------------- Woodbury forms
 @pytest.mark.parametrize("m,n", [(6, 20), (1, 5), (12, 7)])  # wide, single sample, tall (m > n)
 @pytest.mark.parametrize("alpha", [1e-3, 0.1, 10.0])
@@ -129,3 +180,19 @@ def test_float32_operands_with_float64_factor() -> None:
     u = woodbury_apply(chol, g, alpha, lambda v: J @ v, lambda c: J.T @ c.to(J.dtype))
     assert u.dtype == torch.float32
     assert rel(u.double(), _dense_u(J.double(), g.double(), alpha)) < 1e-5
+
+
+def test_cholesky_ex_dispatches_a_fixed_handful_of_ops() -> None:
+    """Every try is one batched ``cholesky_ex``: the kernels dispatched do not grow with the
+    batch (the loop over tries was 41 kernels, 4 of them ``cholesky_ex``; now 17)."""
+    from tools.dispatch import OpCounter
+
+    counts = []
+    for B in (1, 9):
+        K = _psd(B, 5, rank=5, dtype=torch.float32)
+        damped_cholesky_ex(K, 0.1)  # warm: the identity and the jitters are made once
+        with OpCounter() as oc:
+            damped_cholesky_ex(K, 0.1)
+        counts.append(oc.kernels)
+        assert oc.ops["aten.linalg_cholesky_ex.default"] == 1, oc.ops
+    assert counts[0] == counts[1] <= 20, counts
