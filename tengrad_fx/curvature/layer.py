@@ -124,8 +124,12 @@ class CoveredLayer:
         """True when the backward pass already stored the per-sample gradients."""
         return any(r.P is not None for r in self.records())
 
-    def _scale(self) -> float:
-        return float(self.m) if self._info.loss_reduction == "mean" else 1.0
+    def _scale(self, m: Optional[int] = None) -> float:
+        """The per-sample scale ``k`` of the captured ``G`` (``m`` for a mean loss; ``m``
+        defaults to the captured batch's)."""
+        if self._info.loss_reduction != "mean":
+            return 1.0
+        return float(self.m if m is None else m)
 
     def _layouts(self) -> list[tuple[Tensor, Tensor]]:
         out = []
@@ -135,25 +139,29 @@ class CoveredLayer:
             out.append(self._kernel.layout(self.spec, r.I, r.G))
         return out
 
-    def dims(self) -> tuple[int, int, int, int]:
-        """``(g, S, f, o)`` of the captured batch, positions of all calls added."""
+    def dims(self, recs: Optional[list[Record]] = None) -> tuple[int, int, int, int]:
+        """``(g, S, f, o)`` of the captured batch, positions of all calls added (``recs``:
+        :meth:`records`, when the caller has read them already)."""
         g = S = f = o = 0
-        for r in self.records():
+        for r in self.records() if recs is None else recs:
             g, s, f, o = self._kernel.dims(self.spec, r.in_shape)
             S += s
         return g, S, f, o
 
-    def choose(self, strategy: Strategy = "auto") -> Literal["factor", "materialize"]:
-        """Resolve ``"auto"`` with the cost model for the captured batch."""
+    def choose(self, strategy: Strategy = "auto",
+               recs: Optional[list[Record]] = None) -> Literal["factor", "materialize"]:
+        """Resolve ``"auto"`` with the cost model for the captured batch (``recs``:
+        :meth:`records`, when the caller has read them already)."""
         if strategy not in ("auto", "factor", "materialize"):
             raise ValueError(f"strategy must be 'auto', 'factor' or 'materialize', got {strategy!r}")
         if not getattr(self._kernel, "MATERIALIZE", True):
             return "factor"  # a kernel with its own Gram (embeddings: index matching)
         if strategy != "auto":
             return strategy
-        if self.materialized:
+        recs = self.records() if recs is None else recs
+        if any(r.P is not None for r in recs):  # materialized by the backward
             return "materialize"
-        return choose_strategy(self.m, *self.dims())
+        return choose_strategy(recs[0].m, *self.dims(recs))
 
     # ----------------------------------------------------------------- curvature
     def per_sample_grads(self) -> tuple[Tensor, Optional[Tensor]]:

@@ -41,6 +41,7 @@ from typing import Any, Optional
 
 from torch import Tensor
 
+from ..capture.store import Record
 from ..curvature.layer import CoveredLayer
 from .tengrad_groups import LayerGroup, pack, stack
 
@@ -59,26 +60,21 @@ many bytes."""
 _Member = tuple[CoveredLayer, Tensor, Optional[Tensor], float]  # (layer, X, Y, k)
 
 
-def _materialized(layer: CoveredLayer) -> tuple[Tensor, Optional[Tensor], float]:
-    """``(Pw, Pb, k)`` with ``J = k·[Pw, Pb]``, without copying backward-made ``P``."""
-    recs = layer.records()
+def _materialized(layer: CoveredLayer, recs: list[Record], has_bias: bool,
+                  k: float) -> tuple[Tensor, Optional[Tensor], float]:
+    """``(Pw, Pb, k)`` with ``J = k·[Pw, Pb]``, without copying backward-made ``P``
+    (``recs``: the layer's records, ``k``: its scale)."""
     if len(recs) == 1 and recs[0].P is not None:
         r = recs[0]
-        return r.P, (r.Gsum if layer.bias is not None else None), layer._scale()
+        return r.P, (r.Gsum if has_bias else None), k
     dW, db = layer.per_sample_grads()  # already scaled
     return dW.flatten(1), (db.flatten(1) if db is not None else None), 1.0
 
 
-def _itemsize(layer: CoveredLayer) -> int:
-    """Element size of the layer's captured (floating) records."""
-    r = layer.records()[0]
-    return next((x for x in (r.P, r.G, r.I) if x is not None and x.is_floating_point()), layer.weight).element_size()
-
-
-def _jacobian_bytes(layer: CoveredLayer) -> int:
-    """Bytes of the layer's ``J`` (``m × n``) in its captured dtype."""
-    n = layer.weight.numel() + (layer.bias.numel() if layer.bias is not None else 0)
-    return layer.records()[0].m * n * _itemsize(layer)
+def _itemsize(recs: list[Record], weight: Tensor) -> int:
+    """Element size of a layer's captured (floating) records."""
+    r = recs[0]
+    return next((x for x in (r.P, r.G, r.I) if x is not None and x.is_floating_point()), weight).element_size()
 
 
 def factored_bytes(layer: CoveredLayer, in_shapes: list[tuple[int, ...]], itemsize: int) -> int:
@@ -108,9 +104,9 @@ def _runs(key: tuple, members: list[_Member]) -> list[list[_Member]]:
     return [members[i:i + n] for i in range(0, len(members), n)]
 
 
-def _stackable_conv(layer: CoveredLayer) -> bool:
-    """A (non-transposed) ConvNd captured as one call's ``I, G``: a ``"conv"`` group member."""
-    recs = layer.records()
+def _stackable_conv(layer: CoveredLayer, recs: list[Record]) -> bool:
+    """A (non-transposed) ConvNd captured as one call's ``I, G`` (``recs``: its records): a
+    ``"conv"`` group member."""
     return layer.kind in ("conv1d", "conv2d", "conv3d") and not layer.spec.transposed and len(recs) == 1 \
         and recs[0].I is not None and recs[0].G is not None and recs[0].P is None
 
@@ -175,42 +171,44 @@ def build_groups(layers: list[CoveredLayer], strategy: str, budget: Optional[flo
     sites = set() if sites is None else set(sites)
     keyed: dict[tuple, list[_Member]] = {}
     single: list[LayerGroup] = []
-    for layer in layers:
-        params = [p for p in (layer.weight, layer.bias) if p is not None]
-        if not all(p.requires_grad for p in params) or not layer.captured:
+    for layer in layers:  # each layer's weight, bias and records read once (host time per layer)
+        weight, bias = layer.weight, layer.bias  # bias: None when absent or frozen
+        if not weight.requires_grad or not layer.captured:
             continue
-        how = layer.choose(strategy)  # type: ignore[arg-type]
         recs = layer.records()
-        m = recs[0].m
-        ig = 0 if budget is not None or how != "materialize" else \
-            factored_bytes(layer, [r.in_shape for r in recs], _itemsize(layer))
-        if how == "materialize" and keeps_jacobian(_jacobian_bytes(layer), ig, budget):  # (no P made for nothing)
-            Pw, Pb, k = _materialized(layer)
-            nbytes = (Pw.numel() + (Pb.numel() if Pb is not None else 0)) * Pw.element_size()
-            if keeps_jacobian(nbytes, ig, budget):
-                budget = None if budget is None else budget - nbytes
-                sites.update(layer.spec.sites)
-                key = ("P", Pw.shape[1], Pb.shape[1] if Pb is not None else 0, k, Pw.dtype, layer.weight.dtype)
-                keyed.setdefault(key, []).append((layer, Pw, Pb, k))
-                del Pw, Pb  # no local may hold a record's tensor once it is stacked
-                continue
-            del Pw, Pb
-        elif how != "materialize" and layer.kind == "linear" and len(recs) == 1 and recs[0].I is not None \
-                and recs[0].I.dim() == 2:
+        how = layer.choose(strategy, recs)  # type: ignore[arg-type]
+        m, k = recs[0].m, layer._scale(recs[0].m)
+        if how == "materialize":
+            es = _itemsize(recs, weight)
+            ig = 0 if budget is not None else factored_bytes(layer, [r.in_shape for r in recs], es)
+            n = weight.numel() + (bias.numel() if bias is not None else 0)
+            if keeps_jacobian(m * n * es, ig, budget):  # (no P made for nothing)
+                Pw, Pb, kP = _materialized(layer, recs, bias is not None, k)
+                nbytes = (Pw.numel() + (Pb.numel() if Pb is not None else 0)) * Pw.element_size()
+                if keeps_jacobian(nbytes, ig, budget):
+                    budget = None if budget is None else budget - nbytes
+                    sites.update(layer.spec.sites)
+                    key = ("P", Pw.shape[1], Pb.shape[1] if Pb is not None else 0, kP, Pw.dtype, weight.dtype)
+                    keyed.setdefault(key, []).append((layer, Pw, Pb, kP))
+                    del Pw, Pb  # no local may hold a record's tensor once it is stacked
+                    continue
+                del Pw, Pb
+        elif layer.kind == "linear" and len(recs) == 1 and recs[0].I is not None and recs[0].I.dim() == 2:
             I, G = recs[0].I, recs[0].G
             assert G is not None
-            key = ("IG", I.shape[1], G.shape[1], layer.bias is not None, layer._scale(), I.dtype)
-            keyed.setdefault(key, []).append((layer, I, G, layer._scale()))
-            del I, G
+            key = ("IG", I.shape[1], G.shape[1], bias is not None, k, I.dtype)
+            keyed.setdefault(key, []).append((layer, I, G, k))
+            del I, G, recs
             continue
-        if _stackable_conv(layer):  # factored, or materialized beyond the budget
+        if _stackable_conv(layer, recs):  # factored, or materialized beyond the budget
             I, G, spec = recs[0].I, recs[0].G, layer.spec
             assert I is not None and G is not None
-            key = ("conv", how, tuple(layer.weight.shape), spec.stride, spec.padding, spec.dilation, spec.groups,
-                   tuple(I.shape), tuple(G.shape), layer.bias is not None, layer._scale(), I.dtype)
-            keyed.setdefault(key, []).append((layer, I, G, layer._scale()))
-            del I, G
+            key = ("conv", how, tuple(weight.shape), spec.stride, spec.padding, spec.dilation, spec.groups,
+                   tuple(I.shape), tuple(G.shape), bias is not None, k, I.dtype)
+            keyed.setdefault(key, []).append((layer, I, G, k))
+            del I, G, recs
             continue
+        del recs
         single.append(LayerGroup("layer", [layer], m, strategy=how))
     # "P" keys of one (k, dtypes) -> their packing plan; a plan's group goes where its first key was
     by_kind: dict[Any, list[tuple]] = {}
