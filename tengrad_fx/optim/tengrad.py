@@ -284,10 +284,11 @@ class TENGraD(StepSkeleton):
             m = groups[0].m
             if any(grp.m != m for grp in groups):
                 raise RuntimeError("TENGraD: covered layers captured different batch sizes")
-            chol, ok = damped_cholesky_ex(torch.cat(self._K), m * damping, self.solve_dtype)
+            K = self._K[0] if len(self._K) == 1 else torch.cat(self._K)
+            chol, ok = damped_cholesky_ex(K, m * damping, self.solve_dtype)
             ok = ok.all()
-            if old_chol is not None and old_ok is not None and old_chol.shape == chol.shape \
-                    and old_chol.dtype == chol.dtype:  # in place: static for a captured step
+            if self.cuda_graph and old_chol is not None and old_ok is not None and old_chol.shape == chol.shape \
+                    and old_chol.dtype == chol.dtype:  # in place: static for a captured step (no copy without one)
                 chol, ok = old_chol.copy_(chol), old_ok.copy_(ok)
             elif self.cuda_graph:
                 self._graph_version += 1
