@@ -80,3 +80,40 @@ def test_reuse_step_forms_u_inside_the_gemm(prepared) -> None:
     assert ops.get("aten.sub.Tensor", 0) == 0, ops
     # J g (weight + bias) and u (weight + bias) per group
     assert ops["aten.baddbmm.default"] <= 4 * groups, (ops["aten.baddbmm.default"], groups)
+
+
+def test_curvature_work_of_a_3c1f_shape_is_a_handful_of_kernels() -> None:
+    """The curvature part of a T=1 step on a 3C1F-shaped model (three convolutions in one
+    packed ``P`` group, two factored Linears): building the groups, their Grams and ONE
+    factorization (every jitter try in one batched ``cholesky_ex``) dispatch 28 kernels
+    (59 before: four ``cholesky_ex`` with a ``where`` chain, the scale ``k²`` as a pass of
+    its own, a copy of the factors without a CUDA graph); the push-through probe 6 per
+    packed group and 15 per factored Linear (7 and 18 before)."""
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    c = 4
+    net = nn.Sequential(nn.Conv2d(1, c, 3, padding=1), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1), nn.ReLU(),
+                        nn.Conv2d(c, c, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3), nn.Flatten(),
+                        nn.Linear(4 * 4 * c, 20), nn.ReLU(), nn.Linear(20, 5))
+    x, y = torch.randn(8, 1, 12, 12), torch.randint(0, 5, (8,))
+    pm = tengrad_fx.prepare(net, example_inputs=(x[:2],))
+    opt = tengrad_fx.TENGraD(pm, lr=0.01, damping=0.1, curvature_every=1, kl_clip=None)
+    for _ in range(3):
+        opt.zero_grad()
+        F.cross_entropy(pm(x), y).backward()
+        opt.step()
+    opt.zero_grad()
+    F.cross_entropy(pm(x), y).backward()
+    with OpCounter() as oc:
+        opt._refresh(0.1)
+    assert [(g.form, len(g.layers), g.cols is not None) for g in opt._curv] == \
+        [("P", 3, True), ("IG", 1, False), ("IG", 1, False)]
+    assert oc.ops["aten.linalg_cholesky_ex.default"] == 1, oc.ops
+    assert oc.kernels <= 28, dict(oc.ops)
+    for grp, bound in zip(opt._curv, (6, 15, 15)):
+        gw, gb = grp.grads()
+        with OpCounter() as oc:
+            ok = grp.probe(gw, gb, 1.0 / x.shape[0])
+        assert oc.kernels <= bound, (grp.form, dict(oc.ops))
+        assert bool(ok.all())  # the plain loss: g is the batch's Jᵀ1/m
