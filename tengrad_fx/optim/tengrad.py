@@ -419,8 +419,8 @@ class TENGraD(StepSkeleton):
     def _count_uncaptured(self, updates: dict[Tensor, Tensor]) -> None:
         """Layers with a weight gradient but no curvature (not called, or called with
         capture off, on this step's capture): their SGD-momentum updates are counted."""
-        self._add_uncaptured(sum(1 for lay in self._layers if lay.weight.requires_grad
-                                   and lay.weight.grad is not None and lay.weight not in updates))
+        weights = (lay.weight for lay in self._layers)
+        self._add_uncaptured(sum(1 for w in weights if w.requires_grad and w.grad is not None and w not in updates))
 
     def _mark_jacobian_sites(self) -> None:
         candidates = [(layer, layer.m, [r.in_shape for r in layer.records()]) for layer in self._layers

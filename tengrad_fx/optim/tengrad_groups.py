@@ -33,7 +33,7 @@ are built by :func:`tengrad_fx.optim.group_build.build_groups`.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Literal, Optional, Union
 
 import torch
@@ -134,6 +134,8 @@ class LayerGroup:
     strategy: str = "auto"  # "layer", "conv": Gram strategy
     chol: Optional[Tensor] = None  # [L, m, m]: factors of K + mαI
     cols: Optional[list[tuple[int, int]]] = None  # packed "P": (n_w, n_b) per layer
+    _pairs: Optional[list[tuple[Tensor, Optional[Tensor]]]] = field(default=None, init=False, repr=False)
+    _gpack: Optional[tuple[Tensor, list[Tensor]]] = field(default=None, init=False, repr=False)
 
     @property
     def has_bias(self) -> bool:
@@ -200,8 +202,11 @@ class LayerGroup:
         Packed: ``(g [L, W], None)``, each layer's ``[g_w, g_b]`` then zeros."""
         if self.cols is not None:
             assert self.Pw is not None
+            pairs = self.param_pairs()
+            if all(p.grad is not None for pair in pairs for p in pair if p is not None):
+                return self._packed_grads(pairs), None
             flat = [[p.grad.reshape(-1) if p is not None and p.grad is not None else None
-                     for p in (lay.weight, lay.bias)] for lay in self.layers]
+                     for p in pair] for pair in pairs]
             for row, lay in zip(flat, self.layers):  # a missing weight gradient keeps its columns
                 if row[0] is None and row[1] is not None:
                     row[0] = torch.zeros_like(lay.weight).reshape(-1)
@@ -211,9 +216,34 @@ class LayerGroup:
 
         def one(p: Tensor) -> Tensor:  # flat: a "P" group may mix shapes of equal size
             return (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-        gw = stack([one(lay.weight) for lay in self.layers])
-        gb = stack([one(lay.bias) for lay in self.layers]) if self.has_bias else None  # type: ignore[arg-type]
+        pairs = self.param_pairs()
+        gw = stack([one(w) for w, _ in pairs])
+        gb = stack([one(b) for _, b in pairs]) if self.has_bias else None  # type: ignore[arg-type]
         return gw, gb
+
+    def param_pairs(self) -> list[tuple[Tensor, Optional[Tensor]]]:
+        """``(weight, bias)`` per layer, read from the modules once per group."""
+        if self._pairs is None:
+            self._pairs = [(lay.weight, lay.bias) for lay in self.layers]
+        return self._pairs
+
+    def _packed_grads(self, pairs: list[tuple[Tensor, Optional[Tensor]]]) -> Tensor:
+        """Packed ``g [L, W]`` when every parameter has a gradient: one ``_foreach_copy_``
+        into a buffer kept by the group (its padding columns are zero once and never written)."""
+        if self._gpack is None:
+            assert self.Pw is not None
+            buf = self.Pw.new_zeros(len(pairs), self.Pw.shape[-1], dtype=pairs[0][0].dtype)
+            views = []
+            for i, pair in enumerate(pairs):
+                off = 0
+                for p in pair:
+                    if p is not None:
+                        views.append(buf[i, off: off + p.numel()])
+                        off += p.numel()
+            self._gpack = (buf, views)
+        buf, views = self._gpack
+        torch._foreach_copy_(views, [p.grad.reshape(-1) for pair in pairs for p in pair if p is not None])
+        return buf
 
     def sqnorms(self, gw: Tensor, gb: Optional[Tensor]) -> Tensor:
         """``‖g_l‖²`` per layer, ``[L]``: one read of the stacked gradients (batched dots)."""
@@ -223,8 +253,8 @@ class LayerGroup:
     def split(self, uw: Tensor, ub: Optional[Tensor]) -> dict[Tensor, Tensor]:
         """``{param: u}`` (views of the stacked ``uw``/``ub``) for parameters with a gradient."""
         out: dict[Tensor, Tensor] = {}
-        for i, lay in enumerate(self.layers):
-            for p, u in zip((lay.weight, lay.bias), self._layer_slice(uw, i, ub, records=False)):
+        for i, pair in enumerate(self.param_pairs()):
+            for p, u in zip(pair, self._layer_slice(uw, i, ub, records=False)):
                 if p is not None and p.grad is not None and u is not None:
                     out[p] = u.view(p.shape).to(p.dtype)
         return out
@@ -419,12 +449,13 @@ def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, da
         gamma = 1.0
     ug = None
     if dot:  # Σ_l β_l‖g_l‖² + γ·c_l·(J g)_l, in the solve's dtype
+        dt = c_all.dtype
+        cJg = torch.dot(c_all.reshape(-1), torch.cat(jgs).to(dt).reshape(-1))
         if use_pt:
-            ug = (beta_all.to(c_all.dtype) * torch.cat(sqs).to(c_all.dtype)).sum()
-        else:  # one β = 1/α: ‖g‖² of all stacks by one _foreach_norm
-            norms = torch._foreach_norm([t for gw_gb in grads for t in gw_gb if t is not None])
-            ug = torch.stack(norms).to(c_all.dtype).square().sum() * a
-        ug = ug + (c_all * torch.cat(jgs).to(c_all.dtype)).sum() * gamma
+            ug = torch.dot(beta_all.to(dt), torch.cat(sqs).to(dt)) + cJg
+        else:  # one β = 1/α, γ = −1/α: ‖g‖² of all stacks by one _foreach_norm
+            norms = torch.stack(torch._foreach_norm([t for gw_gb in grads for t in gw_gb if t is not None])).to(dt)
+            ug = torch.add(torch.dot(norms, norms) * a, cJg, alpha=-a)
     for grp, (gw, gb), beta, c in zip(groups, grads, betas, c_all.split(sizes)):
         out.update(grp.split(*grp.woodbury(c, gw, gb, beta, gamma)))
     return out, ug

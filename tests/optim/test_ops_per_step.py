@@ -20,9 +20,12 @@ layers, two reshape copies of their factored Grams) since the curvature part of 
 step shrank (one batched ``cholesky_ex`` for all jitter tries: WRN-10's MC curvature step
 229 -> 199 kernels), so the ratio rose from 1.027 / 1.042 with the same difference.
 With ``strategy="factor"`` every BatchNorm is factored too, and norm layers by factor
-still go one layer at a time (25 against 7): 2.34× (it was 2.96× before the conv stacks; the
-fused final update, ``update._fused_momentum_step``, took 15 kernels off every step of both
-models, so the same per-layer ops weigh more in the ratio).
+still go one layer at a time (25 against 7): 2.34 / 2.32 / 2.36× (it was 2.96× before the
+conv stacks; the fused final update, ``update._fused_momentum_step``, took 15 kernels off
+every step of both models, and the KL clip from the ``m``-vectors and one finiteness check
+a few more, so the same per-layer ops weigh more in the ratio: reuse 629 against 267
+kernels). With ``"materialize"`` both models' steps are now the same kernels (96 / 70 /
+43: every layer in one packed group).
 The issue asked for ≤ 4×.
 """
 from __future__ import annotations
@@ -54,7 +57,7 @@ def _kernels_per_step(pm: torch.nn.Module, strategy: str, T: int, fisher: str) -
 
 
 @pytest.mark.parametrize("fisher", ["empirical", "mc"])
-@pytest.mark.parametrize("strategy,bound", [("materialize", 1.03), ("auto", 1.06), ("factor", 2.35)])
+@pytest.mark.parametrize("strategy,bound", [("materialize", 1.03), ("auto", 1.06), ("factor", 2.4)])
 def test_deep_step_dispatches_about_what_shallow_does(prepared, fisher: str, strategy: str, bound: float) -> None:
     shallow = _kernels_per_step(prepared[10], strategy, 2, fisher)
     deep = _kernels_per_step(prepared[28], strategy, 2, fisher)

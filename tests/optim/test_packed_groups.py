@@ -22,6 +22,7 @@ import torch.nn as nn
 
 import tengrad_fx
 from tengrad_fx import TENGraD
+from tengrad_fx.optim.tengrad_groups import pack
 from testing.grouped_steps import check_steps_against_dense, float64_batches, step_counts
 from tools.bench import build_model
 
@@ -91,6 +92,18 @@ def test_packed_groups_equal_dense_block_ngd(strategy: str, fisher: str, form: s
             assert r.Gsum is not None and r.Gsum.shape == (8, n_b)
             assert torch.equal(r.Gsum, grp.Pw[i, :, n_w: n_w + n_b])
     assert opt.counters == {"step": 3, "skipped": 0, "uncaptured": 0}
+    # the packed gradient: the group's kept buffer (every gradient present) = a fresh pack,
+    # padding still zero after three steps; without one gradient, fresh zeros in its place
+    pairs = grp.param_pairs()
+    fresh = pack([[p.grad.reshape(-1) for p in pair if p is not None] for pair in pairs], grp.Pw.shape[2], grp.Pw)
+    kept = grp.grads()[0]
+    assert torch.equal(kept, fresh) and kept is grp.grads()[0]
+    w0 = pairs[0][0]
+    g0, w0.grad = w0.grad, None
+    without = grp.grads()[0]
+    assert torch.equal(without[0, :w0.numel()], torch.zeros(w0.numel(), dtype=without.dtype))
+    assert torch.equal(without[:, w0.numel():], fresh[:, w0.numel():]) and without is not kept
+    w0.grad = g0
 
 
 NORM_EXTRA_KERNELS = 0
