@@ -35,7 +35,7 @@ from ..capture.per_sample_conv import per_sample_conv_weight_grads
 from .conv import unfold
 from .tensors import DEFAULT_BLOCK_BYTES, gram_factor_stacked
 
-__all__ = ["jvp", "vjp", "gram", "STACK_BLOCK_BYTES"]
+__all__ = ["jvp", "vjp", "gram", "channel_sums", "STACK_BLOCK_BYTES"]
 
 STACK_BLOCK_BYTES = 512 * 2**20
 """Bound on the per-sample gradients made at once by the ``"materialize"`` Gram; beyond
@@ -71,6 +71,23 @@ def vjp(spec: LayerSpec, I: Tensor, G: Tensor, c: Tensor) -> tuple[Tensor, Tenso
         Gc.flatten(1, 2), I.flatten(1, 2), I.new_empty(shape), [shape[0]], *_geometry(spec, L),
         [False, True, True])
     return gW.reshape(L, -1), gb.reshape(L, -1)
+
+
+def channel_sums(spec: LayerSpec, I: Tensor, G: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+    """``Jᵀ1`` of every layer (unscaled) at a few output channels, by ONE weight-gradient
+    convolution over those channels only: ``rows [n_r]`` (channels within a group, in
+    ``[0, c_out/g)``) are taken in every group ``j`` (output channels ``j·c_out/g + rows``).
+    Returns ``(sums [L, g·n_r, c_in/g·Πk], channels [g·n_r])``: row ``t`` of a layer is its
+    weight gradient's output channel ``channels[t]``. Costs ``g·n_r / c_out`` of the full
+    ``Jᵀ1`` (:func:`vjp` with ``c = 1``)."""
+    m, L = I.shape[:2]
+    g, c_out = spec.groups, spec.weight.shape[0]
+    channels = rows if g == 1 else (torch.arange(g, device=rows.device).unsqueeze(1) * (c_out // g) + rows).reshape(-1)
+    Gs = G.index_select(2, channels)  # [m, L, g·n_r, *sp_out]: group j's channels j-th, as the weight's
+    shape = (L * channels.shape[0], *spec.weight.shape[1:])
+    _, gW, _ = torch.ops.aten.convolution_backward(
+        Gs.flatten(1, 2), I.flatten(1, 2), I.new_empty(shape), None, *_geometry(spec, L), [False, True, False])
+    return gW.reshape(L, channels.shape[0], -1), channels
 
 
 def bias_sums(G: Tensor) -> Tensor:

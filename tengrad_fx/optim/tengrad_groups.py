@@ -42,21 +42,12 @@ from torch import Tensor
 from ..curvature import conv_stack
 from ..curvature.layer import CoveredLayer
 from ..solve.woodbury import solve_cholesky
+from . import group_probe
+from .group_probe import probe_generator
 
 __all__ = ["LayerGroup", "precondition_groups", "probe_generator", "reuse_cost", "stack", "tf32_matmuls"]
 
 Form = Literal["P", "IG", "conv", "layer"]
-_PROBE_GENERATORS: dict[str, torch.Generator] = {}
-
-
-def probe_generator(device: torch.device) -> torch.Generator:
-    """A private generator for the consistency probe (the global RNG stays untouched)."""
-    key = str(device)
-    if key not in _PROBE_GENERATORS:
-        _PROBE_GENERATORS[key] = torch.Generator(device=device).manual_seed(0)
-    return _PROBE_GENERATORS[key]
-
-
 @contextlib.contextmanager
 def tf32_matmuls(enabled: bool) -> Iterator[None]:
     """Inside: float32 CUDA matmuls may use TF32 tensor cores (10-bit mantissa inputs,
@@ -370,40 +361,8 @@ class LayerGroup:
 
     def probe(self, gw: Tensor, gb: Optional[Tensor], s: float, n_probe: int = 256) -> Tensor:
         """Is each layer's gradient the captured batch's ``s·Jᵀ1``? ``[L]`` bool, on the
-        device (False after gradient clipping, a loss term outside the captured layers or
-        accumulation; the push-through form is exact only when it holds). Checked on
-        ``n_probe`` random weight coordinates plus the bias, in full for ``"layer"`` and
-        ``"conv"`` (one ``Jᵀ1``) and for packed groups (small layers only). The test
-        ``‖g − s·Jᵀ1‖ ≤ tol·‖g‖`` over those coordinates is one ``sub`` (the scale as its
-        ``alpha``), two norms and a compare; a factored Linear's coordinates ``(t, j)`` are
-        drawn as a row ``t`` of ``B`` and a column ``j`` of ``A`` (no flat index arithmetic)."""
-        tol = 1e-4 if gw.dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-9
-        ks = self.k * s  # got below is unscaled: J = k·[...]
-        got_b: Optional[Tensor] = None
-        if self.cols is not None:  # packed: every column (small layers only, group_build)
-            assert self.Pw is not None
-            got, ref = self.Pw.sum(1), gw
-        elif self.form in ("layer", "conv"):  # vjp is scaled already
-            got, got_b = self.vjp(torch.ones(gw.shape[0], self.m, dtype=gw.dtype, device=gw.device))
-            ref, ks = gw, s
-        else:
-            n, gen = min(n_probe, gw.shape[1]), probe_generator(gw.device)
-            if self.form == "P":
-                assert self.Pw is not None
-                idx = torch.randint(0, gw.shape[1], (n,), device=gw.device, generator=gen)
-                got, ref = self.Pw[:, :, idx].sum(1), gw[:, idx]
-                got_b = self.Pb.sum(1) if self.Pb is not None else None
-            else:
-                assert self.A is not None and self.B is not None
-                o, f = self.B.shape[2], self.A.shape[2]
-                rows = torch.randint(0, o, (n,), device=gw.device, generator=gen)
-                cols = torch.randint(0, f, (n,), device=gw.device, generator=gen)
-                got, ref = (self.B[:, :, rows] * self.A[:, :, cols]).sum(1), gw.view(-1, o, f)[:, rows, cols]
-                got_b = self.B.sum(1) if self.has_bias else None
-        if got_b is not None and gb is not None:
-            got, ref = torch.cat([got, got_b], 1), torch.cat([ref, gb], 1)
-        err = torch.linalg.vector_norm(torch.sub(ref, got, alpha=ks), dim=1)
-        return err <= tol * torch.linalg.vector_norm(ref, dim=1)
+        device (:func:`tengrad_fx.optim.group_probe.probe`)."""
+        return group_probe.probe(self, gw, gb, s, n_probe)
 
 
 def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, damping: float,

@@ -68,6 +68,13 @@ def test_stacked_products_equal_explicit_jacobians(case, monkeypatch) -> None:
     assert torch.allclose(JTw, JTc[:, :nw], rtol=1e-11, atol=1e-11)
     if bias:
         assert torch.allclose(JTb, JTc[:, nw:], rtol=1e-11, atol=1e-11)
+    # Jᵀ1 at a few output channels of every group (the push-through probe's sample)
+    og = c_out // groups
+    rows = torch.tensor([og - 1, 0, og - 1][: max(1, min(3, og))])
+    sums, channels = conv_stack.channel_sums(spec, I, G, rows)
+    assert channels.tolist() == [j * og + int(r) for j in range(groups) for r in rows]
+    JT1 = J.sum(1)[:, :nw].reshape(L, c_out, -1)
+    assert torch.allclose(sums, JT1[:, channels], rtol=1e-11, atol=1e-11)
     K = torch.bmm(J, J.transpose(1, 2))
     for how in ("factor", "materialize"):
         got = conv_stack.gram(spec, I, G, how, bias)

@@ -117,3 +117,45 @@ def test_update_dot_equals_sum_of_u_times_g(strategy: str, fisher: str) -> None:
     assert seen_push == (fisher == "empirical")
     forms = {grp.form for grp in opt._curv}
     assert forms == {"materialize": {"P"}, "auto": {"P", "IG"}, "factor": {"IG", "conv"}}[strategy], forms
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_conv_probe_samples_channels_and_still_sees_a_changed_gradient(monkeypatch, groups: int) -> None:
+    """A ``"conv"`` stack wide enough to sample is probed on a few output channels of every
+    group (one weight-gradient convolution over those channels, ``conv_stack.channel_sums``)
+    instead of the full ``Jᵀ1``: True for the batch gradient itself, False once the gradient
+    is not ``Jᵀ1/m`` — scaled as by clipping, or changed only in the bias."""
+    from tengrad_fx.curvature import conv_stack
+    from tengrad_fx.optim import group_probe
+
+    torch.manual_seed(1)
+    net = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, groups=groups), nn.Tanh(),
+                        nn.Conv2d(16, 16, 3, padding=1, groups=groups), nn.Tanh(),
+                        nn.Conv2d(16, 16, 3, padding=1, groups=groups), nn.Tanh(), nn.Flatten(),
+                        nn.Linear(16 * 4 * 4, 3)).double()
+    x, y = torch.randn(6, 8, 4, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    pm = tengrad_fx.prepare(net, example_inputs=(x[:2],))
+    opt = TENGraD(pm, lr=0.1, damping=0.1, curvature_every=1, kl_clip=None, strategy="factor")
+    F.cross_entropy(pm(x), y).backward()
+    opt.step()
+    conv = next(g for g in opt._curv if g.form == "conv" and len(g.layers) == 2)
+    assert len(conv.layers) == 2
+    calls = []
+    real = conv_stack.channel_sums
+
+    def spy(*a, **k):  # type: ignore[no-untyped-def]
+        out = real(*a, **k)
+        calls.append(out[1].numel())
+        return out
+
+    monkeypatch.setattr(conv_stack, "channel_sums", spy)
+    monkeypatch.setattr(group_probe, "PROBE_MIN_CHANNELS", 4)
+    gw, gb = conv.grads()
+    assert conv.probe(gw, gb, 1.0 / 6).tolist() == [True, True]
+    # 16/g·9 coordinates per channel in each of g groups: ceil(256 / 144) = 2 channels per
+    # group, at least PROBE_MIN_CHANNELS (4 here: 16/g = 8 channels per group when g = 2)
+    assert calls == [4 * groups]
+    assert conv.probe(gw * 0.999, gb, 1.0 / 6).tolist() == [False, False]
+    gb2 = gb.clone()
+    gb2[1, 0] += 1e-3 * gb.norm()
+    assert conv.probe(gw, gb2, 1.0 / 6).tolist() == [True, False]
