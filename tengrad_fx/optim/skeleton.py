@@ -308,9 +308,11 @@ class StepSkeleton(torch.optim.Optimizer):
         if not self.SYNC_FREE and not all_finite(grads):  # read on the host before any curvature work
             raise SkipStep("non-finite gradient")
         updates = self._updates(k, stats_step, mc_step, damping)
-        # one finiteness check of the gradients and the updates together (one _foreach_norm)
-        ok = finite_flag([*grads, *updates.values()])
-        assert ok is not None
+        # one finiteness check of the gradients and the updates together (one _foreach_norm);
+        # without SYNC_FREE the gradients were read on the host above: the updates only
+        ok = finite_flag([*(grads if self.SYNC_FREE else ()), *updates.values()])
+        if ok is None:  # no update (and the gradients checked on the host)
+            ok = torch.ones((), dtype=torch.bool, device=grads[0].device)
         extra = self._device_flags()
         if extra is not None:
             ok = ok & extra
