@@ -98,16 +98,22 @@ def pack(parts: list[list[Optional[Tensor]]], width: int, like: Tensor) -> Tenso
     0, zeros after them; one ``zeros`` and one ``_foreach_copy_`` whatever ``L``."""
     ref = next(t for row in parts for t in row if t is not None)
     out = like.new_zeros(len(parts), *ref.shape[:-1], width)
-    dst, src = [], []
-    for i, row in enumerate(parts):
-        off = 0
-        for t in row:
-            if t is not None:
-                dst.append(out[i, ..., off: off + t.shape[-1]])
-                src.append(t)
-                off += t.shape[-1]
-    torch._foreach_copy_(dst, src)
+    widths = [[t.shape[-1] if t is not None else None for t in row] for row in parts]
+    torch._foreach_copy_(column_views(out, widths), [t for row in parts for t in row if t is not None])
     return out
+
+
+def column_views(out: Tensor, widths: list[list[Optional[int]]]) -> list[Tensor]:
+    """Views of ``out [L, *lead, W]``: row ``i``'s parts of ``widths[i]`` side by side from
+    column 0 (a None width is skipped), in row-major order: :func:`pack`'s layout."""
+    views = []
+    for i, row in enumerate(widths):
+        off = 0
+        for n in row:
+            if n is not None:
+                views.append(out[i, ..., off: off + n])
+                off += n
+    return views
 
 
 @dataclass(eq=False)
@@ -132,9 +138,6 @@ class LayerGroup:
     def has_bias(self) -> bool:
         """Whether the group has a bias stack (``Pb``, or ``B``'s bias part); packed: False."""
         return self.Pb is not None if self.form == "P" else self.layers[0].bias is not None
-
-    def params(self) -> list[torch.nn.Parameter]:
-        return [p for lay in self.layers for p in (lay.weight, lay.bias) if p is not None]
 
     def adopt(self, new: "LayerGroup") -> bool:
         """Copy ``new``'s stacked tensors into this group's (same layers, form and shapes),
@@ -224,14 +227,8 @@ class LayerGroup:
         if self._gpack is None:
             assert self.Pw is not None
             buf = self.Pw.new_zeros(len(pairs), self.Pw.shape[-1], dtype=pairs[0][0].dtype)
-            views = []
-            for i, pair in enumerate(pairs):
-                off = 0
-                for p in pair:
-                    if p is not None:
-                        views.append(buf[i, off: off + p.numel()])
-                        off += p.numel()
-            self._gpack = (buf, views)
+            widths = [[p.numel() if p is not None else None for p in pair] for pair in pairs]
+            self._gpack = (buf, column_views(buf, widths))
         buf, views = self._gpack
         torch._foreach_copy_(views, [p.grad.reshape(-1) for pair in pairs for p in pair if p is not None])
         return buf
