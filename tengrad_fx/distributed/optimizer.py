@@ -97,7 +97,8 @@ from ..optim.mc import mc_capture, sample_targets
 from ..optim.state_check import META
 from ..optim.tengrad import TENGraD
 from ..optim.group_build import build_groups
-from ..optim.tengrad_groups import precondition_groups, reuse_cost, tf32_matmuls
+from ..optim.group_cost import reuse_cost
+from ..optim.tengrad_groups import precondition_groups, tf32_matmuls
 from ..optim.update import finite_flag
 from .comm import Bucket, all_ok, all_sum, pack, start_broadcasts, unpack, wait_all
 from .gram_blocks import GramBlocksStep

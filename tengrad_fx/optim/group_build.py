@@ -28,7 +28,10 @@
 Stacking copies each group's ``P`` (or ``I``, ``G``) once; the store's records are then
 pointed at views of the stack (:meth:`LayerGroup.point_records`) and the group's members
 released before the next group is stacked, so no second copy stays alive and the
-transient copy is one stack (at most :data:`STACK_BYTES`).
+transient copy is one stack (at most :data:`STACK_BYTES`). The next curvature step copies
+a new capture of the same layers and shapes into the same stacks (``reuse``,
+:meth:`LayerGroup.refill`): no new stack, and the group keeps its views, its packed
+gradient buffer and its record slices (no zeros, no views made per step).
 
 Which materialized layers keep ``J`` (:func:`keeps_jacobian`): by default each layer
 whose ``J`` is no larger than its own ``I, G``, so the kept records are at most those of
@@ -43,9 +46,10 @@ from torch import Tensor
 
 from ..capture.store import Record
 from ..curvature.layer import CoveredLayer
-from .tengrad_groups import LayerGroup, pack, stack
+from .tengrad_groups import LayerGroup, pack_views, stack
 
-__all__ = ["build_groups", "factored_bytes", "keeps_jacobian", "PACK_MAX_BYTES", "PACK_MAX_RATIO", "STACK_BYTES"]
+__all__ = ["build_groups", "factored_bytes", "keeps_jacobian", "previous_stacks", "PACK_MAX_BYTES", "PACK_MAX_RATIO",
+           "STACK_BYTES"]
 
 PACK_MAX_BYTES = 16 * 2**20
 PACK_MAX_RATIO = 4.0
@@ -156,18 +160,73 @@ def _packed_group(members: list[_Member]) -> LayerGroup:
     """One ``"P"`` group of layers of different widths, packed (module docstring)."""
     cols = [(Pw.shape[1], Pb.shape[1] if Pb is not None else 0) for _, Pw, Pb, _ in members]
     Pw0 = members[0][1]
-    X = pack([[Pw, Pb] for _, Pw, Pb, _ in members], max(a + b for a, b in cols), Pw0)
-    return LayerGroup("P", [mb[0] for mb in members], Pw0.shape[0], members[0][3], Pw=X, cols=cols)
+    X, views = pack_views([[Pw, Pb] for _, Pw, Pb, _ in members], max(a + b for a, b in cols), Pw0)
+    return LayerGroup("P", [mb[0] for mb in members], Pw0.shape[0], members[0][3], Pw=X, cols=cols, _fill=views)
+
+
+_Plan = tuple[str, Optional[tuple], list[_Member]]  # ("stack" | "packed", key, members)
+
+
+def previous_stacks(groups: list[LayerGroup]) -> dict[tuple, LayerGroup]:
+    """The stacked groups of the last curvature step by :func:`_identity`, for
+    :func:`build_groups` to copy a new capture of the same layers into (``"layer"``
+    groups hold no stack)."""
+    return {_identity(g.form, g.layers, g.cols): g for g in groups if g.form != "layer"}
+
+
+def _identity(form: str, layers: list[CoveredLayer], cols: Optional[list[tuple[int, int]]]) -> tuple:
+    return (form, tuple(id(lay) for lay in layers), tuple(cols or ()))
+
+
+def _stack_shape(X: Tensor, L: int, dim: int) -> tuple[int, ...]:
+    return (*X.shape[:dim], L, *X.shape[dim:])
+
+
+def _match(plan: _Plan, reuse: dict[tuple, LayerGroup], static: bool) -> Optional[LayerGroup]:
+    """The previous group ``plan``'s members are copied into (:meth:`LayerGroup.refill`):
+    the same layers, form, scale, strategy and parameters, stacks of the same shapes and
+    dtypes; popped from ``reuse``. A single unpacked layer's stack is a view of its record
+    (no copy), so it is only refilled where the tensors must keep their addresses
+    (``static``: a captured CUDA graph reads them)."""
+    kind, key, members = plan
+    if not reuse or (kind == "stack" and len(members) == 1 and not static):
+        return None
+    form = "P" if kind == "packed" else key[0]  # type: ignore[index]
+    cols = [(Pw.shape[1], Pb.shape[1] if Pb is not None else 0) for _, Pw, Pb, _ in members] \
+        if kind == "packed" else None
+    old = reuse.pop(_identity(form, [mb[0] for mb in members], cols), None)
+    if old is None or old.k != members[0][3] or (form == "conv" and old.strategy != key[1]):  # type: ignore[index]
+        return None
+    if any(w is not lay.weight or b is not lay.bias for lay, (w, b) in zip(old.layers, old.param_pairs())):
+        return None  # a parameter was replaced: its kept pairs and gradient buffer are stale
+    X, Y = members[0][1], members[0][2]
+    S, T = old.stacks()
+    if kind == "packed":
+        ok = S is not None and S.dtype == X.dtype and S.shape[1] == X.shape[0]
+    else:
+        dim = 1 if form == "conv" else 0
+        ok = S is not None and S.dtype == X.dtype and tuple(S.shape) == _stack_shape(X, len(members), dim) \
+            and (T is None) == (Y is None) \
+            and (T is None or (T.dtype == Y.dtype and tuple(T.shape) == _stack_shape(Y, len(members), dim)))
+    return old if ok else None
 
 
 def build_groups(layers: list[CoveredLayer], strategy: str, budget: Optional[float],
-                 sites: Optional[set[int]] = None, packed: bool = True) -> tuple[list[LayerGroup], set[int]]:
+                 sites: Optional[set[int]] = None, packed: bool = True,
+                 reuse: Optional[dict[tuple, LayerGroup]] = None,
+                 static: bool = False) -> tuple[list[LayerGroup], set[int]]:
     """Groups of the trainable covered layers with a record in the store, and the call
     sites whose ``J`` is kept (materialized by later backwards, by :func:`keeps_jacobian`:
     within ``budget`` bytes, or with None no larger than the layer's ``I, G``; added to
     ``sites``, e.g. the kept choice of layers not captured this time).
     ``packed=False``: equal shapes only (no zero columns, e.g. where ``J g`` / ``Jᵀ c``
-    of a group travel between ranks)."""
+    of a group travel between ranks).
+
+    ``reuse`` (:func:`previous_stacks` of the last curvature's groups; consumed): a group
+    of the same layers and shapes as one there is that group, its stacks refilled in place
+    (:func:`_match`; no new stack, its views and kept buffers made once); the others are
+    dropped before any new stack is made. ``static``: refill single layers too (their
+    stacks then keep their addresses, for a captured CUDA graph)."""
     sites = set() if sites is None else set(sites)
     keyed: dict[tuple, list[_Member]] = {}
     single: list[LayerGroup] = []
@@ -220,7 +279,7 @@ def build_groups(layers: list[CoveredLayer], strategy: str, budget: Optional[flo
         for plan in pack_plan([keyed[key] for key in keys]) if packed else [[i] for i in range(len(keys))]:
             for i in plan:
                 plan_of[keys[i]] = [keys[j] for j in plan]
-    groups: list[LayerGroup] = []
+    plans: list[_Plan] = []
     done: set[tuple] = set()
     for key in list(keyed):
         plan = plan_of.get(key, [key])
@@ -228,14 +287,21 @@ def build_groups(layers: list[CoveredLayer], strategy: str, budget: Optional[flo
             continue
         done.update(plan)
         if len(plan) == 1:
-            runs = _runs(key, keyed.pop(key))
-            while runs:  # each run's members are released once it is stacked
-                grp = _group(key, runs.pop(0))
-                grp.point_records()
-                groups.append(grp)
+            plans.extend(("stack", key, run) for run in _runs(key, keyed.pop(key)))
         else:
-            grp = _packed_group([mb for k2 in plan for mb in keyed.pop(k2)])
-            grp.point_records()
-            groups.append(grp)
-        del grp
+            plans.append(("packed", None, [mb for k2 in plan for mb in keyed.pop(k2)]))
+    olds = [_match(p, reuse, static) for p in plans] if reuse else [None] * len(plans)
+    if reuse:
+        reuse.clear()  # the groups not refilled are released before any new stack is made
+    groups: list[LayerGroup] = []
+    while plans:  # each plan's members are released once it is stacked
+        (kind, key, members), old = plans.pop(0), olds.pop(0)
+        if old is not None:
+            old.refill([(mb[1], mb[2]) for mb in members])
+            grp = old
+        else:
+            grp = _packed_group(members) if kind == "packed" else _group(key, members)  # type: ignore[arg-type]
+        grp.point_records()
+        groups.append(grp)
+        del grp, old, members
     return groups + single, sites

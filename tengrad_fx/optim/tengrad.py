@@ -40,8 +40,9 @@ from .skeleton import StepSkeleton
 from ..curvature.layer import KERNELS, choose_strategy, covered_layers
 from ..solve.woodbury import damped_cholesky_ex
 from .graphs import StepGraphs
-from .group_build import build_groups, factored_bytes, keeps_jacobian
-from .tengrad_groups import LayerGroup, precondition_groups, reuse_cost, tf32_matmuls
+from .group_build import build_groups, factored_bytes, keeps_jacobian, previous_stacks
+from .group_cost import reuse_cost
+from .tengrad_groups import LayerGroup, precondition_groups, tf32_matmuls
 from .fused_step import FusedStep
 
 __all__ = ["TENGraD"]
@@ -191,7 +192,7 @@ class TENGraD(StepSkeleton):
 
     def reuse_cost(self) -> tuple[float, float]:
         """``(flops, bytes)`` of the curvature work of a step without new curvature, from
-        the cached groups (:func:`tengrad_fx.optim.tengrad_groups.reuse_cost`); zeros
+        the cached groups (:func:`tengrad_fx.optim.group_cost.reuse_cost`); zeros
         before the first curvature step or on the fused path."""
         groups = [g for g in self._curv if isinstance(g, LayerGroup)]
         return reuse_cost(groups) if groups else (0.0, 0.0)
@@ -258,17 +259,19 @@ class TENGraD(StepSkeleton):
         place of the weight gradient (``P``), and the Gram is ``P Pᵀ``.
         """
         t_start = time.perf_counter()
-        # the last curvature's stacks: freed before the new ones are made, unless a captured
-        # graph reads them (then the new ones are copied into them, LayerGroup.adopt)
-        old = self._curv if self.cuda_graph else []
-        self._curv, self._K = [], []
-        groups, sites = build_groups(self._layers, self.strategy, self.jacobian_budget, self._uncaptured_sites())
+        # the last curvature's stacks: a new capture of the same layers is copied into them
+        # (build_groups' reuse); the others are freed before new ones are made. A captured
+        # graph reads them: it stays valid while every group is the same tensors
+        old, self._curv, self._K = self._curv, [], []
+        reuse = previous_stacks([g for g in old if isinstance(g, LayerGroup)])
+        kept = old if self.cuda_graph else []
+        del old
+        groups, sites = build_groups(self._layers, self.strategy, self.jacobian_budget, self._uncaptured_sites(),
+                                     reuse=reuse, static=self.cuda_graph)
         self._info.store.jacobian_sites = sites
-        if self.cuda_graph and len(old) == len(groups) and all(
-                isinstance(o, LayerGroup) and o.adopt(n) for o, n in zip(old, groups)):
-            groups = old  # the captured reuse step keeps reading the same tensors
-        elif self.cuda_graph:
+        if self.cuda_graph and not (len(kept) == len(groups) and all(o is n for o, n in zip(kept, groups))):
             self._graph_version += 1
+        del kept
         with tf32_matmuls(self.gram_tf32):
             self._K = [grp.gram() for grp in groups]
         self._gram_seconds = time.perf_counter() - t_start

@@ -45,7 +45,7 @@ from ..solve.woodbury import solve_cholesky
 from . import group_probe
 from .group_probe import probe_generator
 
-__all__ = ["LayerGroup", "precondition_groups", "probe_generator", "reuse_cost", "stack", "tf32_matmuls"]
+__all__ = ["LayerGroup", "pack", "pack_views", "precondition_groups", "probe_generator", "stack", "tf32_matmuls"]
 
 Form = Literal["P", "IG", "conv", "layer"]
 @contextlib.contextmanager
@@ -96,11 +96,18 @@ def pack(parts: list[list[Optional[Tensor]]], width: int, like: Tensor) -> Tenso
     """``[L, *lead, width]``: row ``i`` holds ``parts[i]`` (tensors ``[*lead, n]``; a None is
     skipped, so only trailing ones keep the columns of the others) side by side from column
     0, zeros after them; one ``zeros`` and one ``_foreach_copy_`` whatever ``L``."""
+    return pack_views(parts, width, like)[0]
+
+
+def pack_views(parts: list[list[Optional[Tensor]]], width: int, like: Tensor) -> tuple[Tensor, list[Tensor]]:
+    """:func:`pack`'s ``[L, *lead, width]`` and the views of it the parts were copied into
+    (in row-major order: where a later set of parts of the same widths goes)."""
     ref = next(t for row in parts for t in row if t is not None)
     out = like.new_zeros(len(parts), *ref.shape[:-1], width)
     widths = [[t.shape[-1] if t is not None else None for t in row] for row in parts]
-    torch._foreach_copy_(column_views(out, widths), [t for row in parts for t in row if t is not None])
-    return out
+    views = column_views(out, widths)
+    torch._foreach_copy_(views, [t for row in parts for t in row if t is not None])
+    return out, views
 
 
 def column_views(out: Tensor, widths: list[list[Optional[int]]]) -> list[Tensor]:
@@ -133,49 +140,61 @@ class LayerGroup:
     cols: Optional[list[tuple[int, int]]] = None  # packed "P": (n_w, n_b) per layer
     _pairs: Optional[list[tuple[Tensor, Optional[Tensor]]]] = field(default=None, init=False, repr=False)
     _gpack: Optional[tuple[Tensor, list[Tensor]]] = field(default=None, init=False, repr=False)
+    _fill: Optional[list[Tensor]] = field(default=None, repr=False)  # packed: the views refill copies into
+    _slices: Optional[list[tuple[Tensor, Optional[Tensor]]]] = field(default=None, init=False, repr=False)
 
     @property
     def has_bias(self) -> bool:
         """Whether the group has a bias stack (``Pb``, or ``B``'s bias part); packed: False."""
         return self.Pb is not None if self.form == "P" else self.layers[0].bias is not None
 
-    def adopt(self, new: "LayerGroup") -> bool:
-        """Copy ``new``'s stacked tensors into this group's (same layers, form and shapes),
-        pointing the store's records at this group's views; False when they differ. Keeps
-        the tensors a captured CUDA graph reads at fixed addresses."""
-        names = ("Pw", "Pb", "A", "B")
-        if new.form != self.form or new.form == "layer" or new.layers != self.layers or new.k != self.k \
-                or new.strategy != self.strategy or new.cols != self.cols:
-            return False
-        for n in names:
-            a, b = getattr(self, n), getattr(new, n)
-            if (a is None) != (b is None) or (a is not None and (a.shape != b.shape or a.dtype != b.dtype)):
-                return False
-        for n in names:
-            a, b = getattr(self, n), getattr(new, n)
-            if a is not None:
-                a.copy_(b)
-        self.point_records()
-        return True
+    def stacks(self) -> tuple[Optional[Tensor], Optional[Tensor]]:
+        """The group's pair of stacks: ``(Pw, Pb)`` for ``"P"``, else ``(A, B)``."""
+        return (self.Pw, self.Pb) if self.form == "P" else (self.A, self.B)
+
+    def refill(self, parts: list[tuple[Tensor, Optional[Tensor]]]) -> None:
+        """Copy a new capture's tensors of the same layers (``parts``: per layer ``(X, Y)``
+        = ``(P_w, P_b)`` or ``(I, G)``, of the stacked shapes and dtypes) into this group's
+        stacks, in place: no new stack, and the tensors (and the record views of
+        :meth:`point_records`) keep their addresses, which a captured CUDA graph reads.
+        A packed group's zero columns are never written, so they stay zero."""
+        if self.cols is not None:
+            assert self._fill is not None
+            torch._foreach_copy_(self._fill, [t for pair in parts for t in pair if t is not None])
+            return
+        dim = 1 if self.form == "conv" else 0
+        for j, S in enumerate(self.stacks()):
+            if S is None:
+                continue
+            ts = [pair[j] for pair in parts]
+            if len(ts) == 1:  # the stack may be a strided view (of a record): copy_ takes any layout
+                S.copy_(ts[0].unsqueeze(dim))  # type: ignore[union-attr]
+            else:
+                torch.stack(ts, dim, out=S)  # type: ignore[arg-type]
 
     def point_records(self) -> None:
         """Point the store's records of layers captured as one call at their part of the
-        stacks (:meth:`_layer_slice`), so no second copy of ``P`` (or ``I``, ``G``) stays
-        alive. Records whose ``P`` was formed here from ``I, G`` are left as they are."""
-        for i, lay in enumerate(self.layers):
+        stacks (:meth:`_layer_slice`, made once per group), so no second copy of ``P`` (or
+        ``I``, ``G``) stays alive. Records whose ``P`` was formed here from ``I, G`` are
+        left as they are."""
+        if self.form == "layer":
+            return
+        X, Y = self.stacks()
+        assert X is not None
+        if self._slices is None:
+            self._slices = [self._layer_slice(X, i, Y) for i in range(len(self.layers))]
+        for lay, (x, y) in zip(self.layers, self._slices):
             recs = lay.records()
-            if len(recs) != 1 or self.form == "layer":
+            if len(recs) != 1:
                 continue
             r = recs[0]
-            if self.form == "P" and r.P is not None:
-                assert self.Pw is not None
-                w, b = self._layer_slice(self.Pw, i, self.Pb)
-                r.P = w
-                if b is not None:
-                    r.Gsum = b
-            elif self.form in ("IG", "conv"):
-                assert self.A is not None and self.B is not None
-                r.I, r.G = self._layer_slice(self.A, i, self.B)
+            if self.form == "P":
+                if r.P is not None:
+                    r.P = x
+                    if y is not None:
+                        r.Gsum = y
+            else:
+                r.I, r.G = x, y
 
     def _layer_slice(self, X: Tensor, i: int, Y: Optional[Tensor] = None,
                      records: bool = True) -> tuple[Tensor, Optional[Tensor]]:
@@ -415,38 +434,3 @@ def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, da
     for grp, (gw, gb), beta, c in zip(groups, grads, betas, c_all.split(sizes)):
         out.update(grp.split(*grp.woodbury(c, gw, gb, beta, gamma)))
     return out, ug
-
-
-def reuse_cost(groups: list[LayerGroup]) -> tuple[float, float]:
-    """``(flops, bytes)`` of a reuse step's curvature work over ``groups``: per layer
-    ``J g`` and ``Jᵀ c`` (each one pass over the cached ``P``, or over ``I``, ``G``), the two
-    triangular solves with the cached factors, and reading ``g`` / writing ``u``. The
-    final momentum update (a few passes over the parameters) is not included."""
-    flops = nbytes = 0.0
-    for grp in groups:
-        L = len(grp.layers)
-        n = sum(p.numel() for lay in grp.layers for p in (lay.weight, lay.bias) if p is not None)  # all L
-        es = grp.layers[0].weight.element_size()
-        if grp.form == "P":  # a packed group's zero columns are read and multiplied too
-            assert grp.Pw is not None
-            P_numel = grp.Pw.numel() + (grp.Pb.numel() if grp.Pb is not None else 0)
-            flops += 2 * 2.0 * P_numel
-            nbytes += 2.0 * P_numel * es
-        elif grp.form == "IG":
-            assert grp.A is not None and grp.B is not None
-            flops += 2 * 2.0 * L * grp.m * grp.A.shape[2] * grp.B.shape[2]
-            nbytes += 2.0 * (grp.A.numel() + grp.B.numel()) * es
-        elif grp.form == "conv":
-            assert grp.A is not None and grp.B is not None
-            g, S, f, o = grp.layers[0].dims()
-            flops += 2 * 2.0 * L * grp.m * S * f * o * g
-            nbytes += 2.0 * (grp.A.numel() + grp.B.numel()) * es
-        else:
-            lay = grp.layers[0]
-            g, S, f, o = lay.dims()
-            flops += 2 * 2.0 * grp.m * S * f * o * g
-            nbytes += 2.0 * sum((r.I.numel() if r.I is not None else 0) + (r.G.numel() if r.G is not None else 0)
-                                for r in lay.records()) * es
-        flops += 2 * 2.0 * L * grp.m * grp.m
-        nbytes += L * grp.m * grp.m * (grp.chol.element_size() if grp.chol is not None else es) + 2.0 * n * es
-    return flops, nbytes
