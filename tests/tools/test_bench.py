@@ -3,6 +3,11 @@ step's flops/bytes, and the machine-independent facts of ``--ops`` (0 host syncs
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from tools import bench
 
@@ -10,9 +15,9 @@ from tools import bench
 def test_bench_tiny_paper_rows_with_ops(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "bench.json"
     bench.main(["--model", "tiny", "--m", "4", "--steps", "2", "--warmup", "1", "--methods", "paper",
-                "--ops", "--json", str(out)])
+                "--ops", "--json", str(out), "--malloc", "default"])  # (steady: for this whole process)
     res = json.loads(out.read_text())
-    assert res["threads"] == 1 and res["m"] == 4
+    assert res["threads"] == 1 and res["m"] == 4 and res["malloc"] == "default"
     rows = res["results"]
     assert list(rows) == ["sgd", "tengrad", "tengrad-mc", "tengrad-mc-T100"]
     t100 = rows["tengrad-mc-T100"]
@@ -54,3 +59,15 @@ def test_conv_method_rows_run_under_their_method(monkeypatch) -> None:  # type: 
             r.step(x, y, lambda: None)
     assert seen == {"tengrad": {"auto"}, "tengrad-grouped": {"grouped"}, "tengrad-unfold": {"unfold"}}
     assert psc.PER_SAMPLE_CONV == "auto"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_cpu_bench_keeps_the_heap_steady_by_default(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """On Linux (glibc) a CPU bench run first applies :func:`tools.bench.steady_malloc`
+    (every ``mallopt`` accepted) and says so; in its own process (it lasts for the process)."""
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "tools.bench", "--model", "tiny", "--m", "4", "--steps", "1",
+                           "--warmup", "1", "--methods", "sgd", "--json", str(out)],
+                          stdout=subprocess.PIPE, text=True, check=True, cwd=Path(__file__).parents[2])
+    assert json.loads(out.read_text())["malloc"] == "steady"
+    assert "malloc=steady" in proc.stdout
