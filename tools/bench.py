@@ -16,8 +16,10 @@ On CUDA every phase ends with ``torch.cuda.synchronize()``. On a CPU the run fir
 glibc's heap steady (``--malloc steady``, the default; :func:`steady_malloc`): freed memory
 stays in the process, so a step does not page-fault on what the previous one gave back to
 the OS — as CUDA's caching allocator never gives memory back. With glibc's defaults
-(``--malloc default``) the faults depend on the heap each method's last step left, and
-moved this VM's rows by up to ~0.3× SGD (``tiny``, T=1 MC backward 9.1 vs 6.9 ms).
+(``--malloc default``) every tensor over glibc's mmap threshold is fresh pages each step,
+and the faults depend on the heap each method's last step left: on this 2-core VM they
+made 3C1F's SGD step 734–919 ms instead of 468 ms, and ``tiny``'s T=1 MC backward 9.1
+instead of 6.9 ms.
 
 Rows with ``curvature_every = T > 1`` (``tengrad-T20``, ``tengrad-mc-T100``) report the
 amortized step ``(curvature + (T−1)·reuse)/T`` in ``x SGD``: the reuse steps are measured
@@ -264,16 +266,18 @@ def amortize(res: dict[str, dict[str, float]]) -> None:
 
 
 def steady_malloc() -> bool:
-    """Keep glibc's heap steady for the rest of the process: no trimming, allocations up to
-    32 MiB (glibc's largest ``M_MMAP_THRESHOLD``) from the heap instead of fresh ``mmap``s,
-    64 MiB of padding when it grows (``mallopt``). Memory a step frees is then reused by the
-    next without page faults. True when applied (glibc), False elsewhere (nothing changed)."""
+    """Keep glibc's heap steady for the rest of the process (``mallopt``): every allocation
+    from the heap (``M_MMAP_MAX = 0``: no fresh ``mmap``; glibc falls back to one only where
+    the heap cannot grow), no trimming, 64 MiB of padding when it grows. Memory a step frees
+    is then reused by the next without page faults. True when applied (glibc), False
+    elsewhere (nothing changed)."""
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
         return False
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3  # <malloc.h>
-    settings = ((m_mmap_threshold, 32 * 2**20), (m_trim_threshold, 2**30), (m_top_pad, 64 * 2**20))
+    m_trim_threshold, m_top_pad, m_mmap_threshold, m_mmap_max = -1, -2, -3, -4  # <malloc.h>
+    settings = ((m_mmap_threshold, 32 * 2**20), (m_mmap_max, 0), (m_trim_threshold, 2**30),
+                (m_top_pad, 64 * 2**20))
     return all(mallopt(param, value) == 1 for param, value in settings)
 
 
