@@ -155,6 +155,12 @@ class StepSkeleton(torch.optim.Optimizer):
         from the updates."""
         return None
 
+    def _checked_grads(self) -> Optional[Tensor]:
+        """A device scalar, finite exactly when the gradients of this step's preconditioned
+        parameters (the keys of its updates) are (TENGraD: their ``Σ‖g‖²``, read anyway
+        for the KL clip); None: the finiteness check reads those gradients itself."""
+        return None
+
     def _after_update(self, stats_step: bool, closure: Optional[Callable[[], Tensor]]) -> None:
         """Called after the parameters moved (KBFGS's same-batch secant pass)."""
 
@@ -309,8 +315,12 @@ class StepSkeleton(torch.optim.Optimizer):
             raise SkipStep("non-finite gradient")
         updates = self._updates(k, stats_step, mc_step, damping)
         # one finiteness check of the gradients and the updates together (one _foreach_norm);
-        # without SYNC_FREE the gradients were read on the host above: the updates only
-        ok = finite_flag([*(grads if self.SYNC_FREE else ()), *updates.values()])
+        # without SYNC_FREE the gradients were read on the host above: the updates only.
+        # Gradients a finite _checked_grads() certifies are not read again
+        checked = self._checked_grads() if self.SYNC_FREE else None
+        if checked is not None:
+            grads = [p.grad for p in group["params"] if p.grad is not None and p not in updates]
+        ok = finite_flag([*(grads if self.SYNC_FREE else ()), *updates.values()], checked)
         if ok is None:  # no update (and the gradients checked on the host)
             ok = torch.ones((), dtype=torch.bool, device=grads[0].device)
         extra = self._device_flags()

@@ -176,6 +176,7 @@ class TENGraD(StepSkeleton):
         self._chol_ok: Optional[Tensor] = None  # device bool: every cached factor is valid
         self._step_flag: Optional[Tensor] = None  # extra device flag of the current step
         self._ug: Optional[Tensor] = None  # Σ u·g of the current step (precondition_groups), for the KL clip
+        self._gsq: Optional[Tensor] = None  # Σ‖g‖² of its preconditioned parameters (their finiteness check)
         self._curv_sched = 0  # schedule count of the last curvature step
         self._recapture = False  # a skipped curvature step was seen: take curvature again
         self._warned_accum = False
@@ -315,7 +316,7 @@ class TENGraD(StepSkeleton):
         t0 = time.perf_counter()
         self._gram_seconds = 0.0
         self._step_flag = None
-        self._ug = None
+        self._ug = self._gsq = None
         updates = None
         if self.compile and curvature_step:  # reuse steps take the modular path (fused_step.py)
             fused = self._fused(self._layers, not mc_step and self.update_form == "auto", damping,
@@ -379,6 +380,9 @@ class TENGraD(StepSkeleton):
     def _update_dot(self) -> Optional[Tensor]:
         return self._ug
 
+    def _checked_grads(self) -> Optional[Tensor]:
+        return self._gsq
+
     def _after_update(self, stats_step: bool, closure: Optional[Callable[[], Tensor]]) -> None:
         if self.timings:
             self.timings["apply"] = time.perf_counter() - self._t_apply
@@ -390,8 +394,10 @@ class TENGraD(StepSkeleton):
         groups: list[LayerGroup] = self._curv
         if not groups or self._chol is None:
             return {}
-        out, self._ug = precondition_groups(groups, self._chol, push_through and self.update_form == "auto",
-                                            damping, self._info.loss_reduction, dot=self.kl_clip is not None)
+        out, dots = precondition_groups(groups, self._chol, push_through and self.update_form == "auto",
+                                        damping, self._info.loss_reduction, dot=self.kl_clip is not None)
+        if dots is not None:
+            self._ug, self._gsq = dots
         return out
 
     def _initial_jacobian_sites(self, m: int = 128) -> None:

@@ -381,8 +381,8 @@ class LayerGroup:
         return group_probe.probe(self, gw, gb, s, n_probe)
 
 
-def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, damping: float,
-                        loss_reduction: str, dot: bool = False) -> tuple[dict[Tensor, Tensor], Optional[Tensor]]:
+def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, damping: float, loss_reduction: str,
+                        dot: bool = False) -> tuple[dict[Tensor, Tensor], Optional[tuple[Tensor, Tensor]]]:
     """``({param: u}, Σ u·g)`` for every parameter with a gradient of ``groups`` (``chol``
     ``[L_total, m, m]``: their factors of ``K + mαI``, in group order): per group ``J g``,
     one solve for all layers, per group ``Jᵀ c``. With ``use_pt`` (empirical curvature
@@ -390,9 +390,10 @@ def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, da
     probe holds (picked on the device; ``J g`` is computed either way), else
     ``u = (g − Jᵀc)/α``.
 
-    With ``dot`` the device scalar ``Σ u·g`` over these parameters (the KL clip's) comes
-    from the ``m``-vectors: per layer ``u = β·g + γ·Jᵀc`` gives ``u·g = β‖g‖² + γ·cᵀ(J g)``,
-    so no pass over ``u`` (one read of ``g`` for ``‖g‖²``); else None."""
+    With ``dot`` also ``(Σ u·g, Σ ‖g‖²)`` over these parameters as device scalars (else
+    None): the KL clip's ``Σ u·g`` comes from the ``m``-vectors, per layer ``u = β·g + γ·Jᵀc``
+    giving ``u·g = β‖g‖² + γ·cᵀ(J g)``, so no pass over ``u`` (one read of ``g`` for
+    ``‖g‖²``, which, finite, also certifies these gradients finite for the step's check)."""
     m = groups[0].m
     scale = float(m) * (1.0 if loss_reduction == "sum" else 1.0 / m)
     grads, rhs, push, jgs, sqs = [], [], [], [], []
@@ -422,15 +423,17 @@ def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, da
         betas = list(beta_all.split(sizes))
         c_all = c_all * torch.where(push_all, torch.full((), scale, dtype=c_all.dtype, device=dev), -a).unsqueeze(1)
         gamma = 1.0
-    ug = None
+    dots = None
     if dot:  # Σ_l β_l‖g_l‖² + γ·c_l·(J g)_l, in the solve's dtype
         dt = c_all.dtype
         cJg = torch.dot(c_all.reshape(-1), torch.cat(jgs).to(dt).reshape(-1))
         if use_pt:
-            ug = torch.dot(beta_all.to(dt), torch.cat(sqs).to(dt)) + cJg
+            sq = torch.cat(sqs).to(dt)
+            dots = (torch.dot(beta_all.to(dt), sq) + cJg, sq.sum())
         else:  # one β = 1/α, γ = −1/α: ‖g‖² of all stacks by one _foreach_norm
             norms = torch.stack(torch._foreach_norm([t for gw_gb in grads for t in gw_gb if t is not None])).to(dt)
-            ug = torch.add(torch.dot(norms, norms) * a, cJg, alpha=-a)
+            gsq = torch.dot(norms, norms)
+            dots = (torch.add(gsq * a, cJg, alpha=-a), gsq)
     for grp, (gw, gb), beta, c in zip(groups, grads, betas, c_all.split(sizes)):
         out.update(grp.split(*grp.woodbury(c, gw, gb, beta, gamma)))
-    return out, ug
+    return out, dots

@@ -19,18 +19,22 @@ from torch import Tensor
 __all__ = ["finite_flag", "all_finite", "kl_clip_factor", "apply_momentum_step"]
 
 
-def finite_flag(ts: Iterable[Tensor]) -> Optional[Tensor]:
-    """A device ``bool`` scalar: every tensor's 2-norm is finite (None for no tensors). One
-    ``_foreach_norm`` (the fast, fused one; NaN and ±inf propagate into it), in at least
-    float32, no host read: the norms are non-negative, so their sum is finite
-    exactly when each is, and ``0·S == 0`` tests that in two scalar ops (``0·inf`` is NaN). An entry beyond
-    ~1e19 overflows the norm, and norms summing beyond the dtype's range overflow the sum;
-    both count as non-finite (such a step would not give a finite update anyway)."""
+def finite_flag(ts: Iterable[Tensor], extra: Optional[Tensor] = None) -> Optional[Tensor]:
+    """A device ``bool`` scalar: every tensor's 2-norm is finite, and so is ``extra`` (a
+    device scalar of non-negative terms, e.g. squared norms the caller has; None for no
+    tensors and no ``extra``). One ``_foreach_norm`` (the fast, fused one; NaN and ±inf
+    propagate into it), in at least float32, no host read: the norms are non-negative, so
+    their sum is finite exactly when each is, and ``0·S == 0`` tests that in two scalar ops
+    (``0·inf`` is NaN). An entry beyond ~1e19 overflows the norm, and norms summing beyond
+    the dtype's range overflow the sum; both count as non-finite (such a step would not
+    give a finite update anyway)."""
     ts = [t for t in ts if t.numel()]
     if not ts:
-        return None
+        return None if extra is None else (extra * 0) == 0
     dtype = torch.float32 if all(t.dtype in (torch.float16, torch.bfloat16, torch.float32) for t in ts) else None
     total = torch.stack(torch._foreach_norm(ts, 2, dtype=dtype)).sum()
+    if extra is not None:
+        total = total + extra
     return (total * 0) == 0
 
 

@@ -90,7 +90,8 @@ def test_gram_tf32_restores_the_matmul_setting_and_is_a_no_op_on_cpu() -> None:
 @pytest.mark.parametrize("fisher", ["empirical", "mc"])
 def test_update_dot_equals_sum_of_u_times_g(strategy: str, fisher: str) -> None:
     """``precondition_groups(..., dot=True)``'s ``Σ u·g`` (the KL clip's, from the
-    ``m``-vectors: ``β‖g‖² + γ·cᵀ(J g)`` per layer) equals the sum over its updates, in
+    ``m``-vectors: ``β‖g‖² + γ·cᵀ(J g)`` per layer) equals the sum over its updates, and its
+    ``Σ‖g‖²`` that of their gradients, in
     float64, for the push-through and the Woodbury form and every group form: after a
     curvature step (``lr = 0``) the same batch again (its gradient is ``Jᵀ1/m``, so the
     empirical push-through probe holds) and another batch (it does not)."""
@@ -108,9 +109,13 @@ def test_update_dot_equals_sum_of_u_times_g(strategy: str, fisher: str) -> None:
         F.cross_entropy(out, y).backward()
         if t:
             for use_pt in (True, False):
-                updates, ug = precondition_groups(opt._curv, opt._chol, use_pt, 0.07, "mean", dot=True)
+                updates, dots = precondition_groups(opt._curv, opt._chol, use_pt, 0.07, "mean", dot=True)
+                assert dots is not None
+                ug, gsq = dots
                 ref = sum((u * p.grad).sum() for p, u in updates.items())
                 torch.testing.assert_close(ug, ref, rtol=1e-10, atol=1e-12)
+                # Σ‖g‖² over the same parameters (what certifies their gradients finite)
+                torch.testing.assert_close(gsq, sum((p.grad ** 2).sum() for p in updates), rtol=1e-12, atol=0.0)
             pushed = [grp.probe(*grp.grads(), 1.0 / x.shape[0]) for grp in opt._curv]
             seen_push |= bool(torch.cat(pushed).all())
         opt.step()

@@ -132,3 +132,40 @@ def test_sync_counter_sees_each_kind_of_host_read() -> None:
         torch.linalg.cholesky_ex(torch.eye(2))
         torch.where(t > 0, t, 0.0)
     assert sc.count == 0, dict(sc.ops)
+
+
+@pytest.mark.parametrize("T", [1, 3])  # a push-through curvature step, a reuse step (both with the KL clip)
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("where", ["preconditioned", "fallback"])
+def test_non_finite_gradient_skips_whether_preconditioned_or_not(T: int, value: float, where: str) -> None:
+    """The step's finiteness check takes the preconditioned parameters' gradients from
+    their ``Σ‖g‖²`` (read for the KL clip; their ``u = β·g + γ·Jᵀc`` carries a non-finite
+    ``g`` too, as ``0·inf`` is NaN) and reads only the others' (here a BatchNorm left to
+    SGD by ``only_linear_conv``): a NaN or inf in either skips the step on the device,
+    every bit of the parameters and momentum buffers kept."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                        nn.Linear(4 * 6 * 6, 5))
+    batches = _batches(4)
+    model = tengrad_fx.prepare(net, example_inputs=(batches[0][0][:2],), only_linear_conv=True)
+    opt = TENGraD(model, lr=0.05, damping=0.1, momentum=0.9, kl_clip=1e-3, curvature_every=T)
+    for x, y in batches[:2]:
+        _forward_backward(model, opt, x, y)
+        opt.step()
+    assert opt._is_curvature_step() == (T == 1)
+    x, y = batches[2]
+    _forward_backward(model, opt, x, y)
+    poisoned = model.get_parameter("0.weight" if where == "preconditioned" else "1.weight")
+    poisoned.grad.view(-1)[3] = value
+    bits = [p.detach().clone() for p in model.parameters()]
+    bufs = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    with warnings.catch_warnings(), SyncCounter() as sc:
+        warnings.simplefilter("ignore")
+        opt.step()
+    assert sc.count == 0, dict(sc.ops)
+    assert opt._gsq is not None  # the gradients' Σ‖g‖² came from the preconditioner
+    assert opt.counters["skipped"] == 1
+    for b, p in zip(bits, model.parameters()):
+        assert torch.equal(b.view(torch.int32), p.detach().view(torch.int32))
+    for b, p in zip(bufs, model.parameters()):
+        assert torch.equal(b.view(torch.int32), opt.state[p]["momentum_buffer"].view(torch.int32))
