@@ -70,17 +70,18 @@ def probe(grp: "LayerGroup", gw: Tensor, gb: Optional[Tensor], s: float, n_probe
     elif grp.form in ("layer", "conv"):  # in full; vjp is scaled already
         got, got_b = grp.vjp(torch.ones(gw.shape[0], grp.m, dtype=gw.dtype, device=gw.device))
         ref, ks = gw, s
-    elif grp.form == "P":
+    elif grp.form == "P":  # (index_select: a plain gather, a fraction of advanced indexing's host time)
         assert grp.Pw is not None
         idx = torch.randint(0, gw.shape[1], (min(n_probe, gw.shape[1]),), device=gw.device, generator=gen)
-        got, ref = grp.Pw[:, :, idx].sum(1), gw[:, idx]
+        got, ref = grp.Pw.index_select(2, idx).sum(1), gw.index_select(1, idx)
         got_b = grp.Pb.sum(1) if grp.Pb is not None else None
     else:
         assert grp.A is not None and grp.B is not None
         o, f, n = grp.B.shape[2], grp.A.shape[2], min(n_probe, gw.shape[1])
         rows = torch.randint(0, o, (n,), device=gw.device, generator=gen)
         cols = torch.randint(0, f, (n,), device=gw.device, generator=gen)
-        got, ref = (grp.B[:, :, rows] * grp.A[:, :, cols]).sum(1), gw.view(-1, o, f)[:, rows, cols]
+        got = (grp.B.index_select(2, rows) * grp.A.index_select(2, cols)).sum(1)
+        ref = gw.view(-1, o, f)[:, rows, cols]
         got_b = grp.B.sum(1) if grp.has_bias else None
     if got_b is not None and gb is not None:
         got, ref = torch.cat([got, got_b], 1), torch.cat([ref, gb], 1)
