@@ -131,3 +131,34 @@ def test_refill_makes_no_stack_and_no_views(monkeypatch) -> None:
     views = ("aten.select.int", "aten.slice.Tensor")
     assert sum(refilled.count(v) for v in views) < sum(fresh.count(v) for v in views)
     assert len(refilled) < len(fresh)
+
+
+@pytest.mark.parametrize("T", [1, 2])
+def test_static_refill_with_cuda_graph_option_on_cpu_across_batch_sizes(T: int) -> None:
+    """``cuda_graph=True`` on a CPU (the graph path, run eagerly): every group, single
+    layers too, is refilled in place while the shapes stay, and a batch of another size
+    makes new stacks and a new graph version; every step bit for bit the default path's."""
+    def run(cuda_graph: bool) -> tuple[list[torch.Tensor], list[int], list[list[int]]]:
+        net = _net()
+        data = _batches([8, 8, 8, 6, 6, 8])
+        pm = tengrad_fx.prepare(net, example_inputs=(data[0][0][:2],))
+        opt = TENGraD(pm, lr=0.05, damping=0.1, momentum=0.9, weight_decay=1e-3, kl_clip=1e-2,
+                      curvature_every=T, cuda_graph=cuda_graph)
+        versions, ids = [], []
+        for x, y in data:
+            opt.zero_grad()
+            F.cross_entropy(pm(x), y).backward()
+            opt.step()
+            versions.append(opt._graph_version)
+            ids.append([id(g) for g in opt._curv])
+        return [p.detach().clone() for p in pm.parameters()], versions, ids
+
+    ref, _, _ = run(False)
+    got, versions, ids = run(True)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    if T == 1:  # curvature every step: the same groups (singles included) while m = 8, then m = 6
+        assert ids[0] == ids[1] == ids[2] and ids[3] == ids[4] and not set(ids[2]) & set(ids[3])
+        assert versions[0] == versions[1] == versions[2] < versions[3] == versions[4] < versions[5]
+    else:
+        assert versions[2] < versions[4]  # the curvature step at m = 6 (t = 4) re-versions
