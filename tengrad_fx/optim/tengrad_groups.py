@@ -383,14 +383,14 @@ class LayerGroup:
 
 def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, damping: float, loss_reduction: str,
                         dot: bool = False) -> tuple[dict[Tensor, Tensor], Optional[tuple[Tensor, Tensor]]]:
-    """``({param: u}, Σ u·g)`` for every parameter with a gradient of ``groups`` (``chol``
+    """``({param: u}, dots)`` for every parameter with a gradient of ``groups`` (``chol``
     ``[L_total, m, m]``: their factors of ``K + mαI``, in group order): per group ``J g``,
     one solve for all layers, per group ``Jᵀ c``. With ``use_pt`` (empirical curvature
     steps) each layer takes the push-through form ``u = scale·Jᵀ(K + mαI)⁻¹1`` where its
     probe holds (picked on the device; ``J g`` is computed either way), else
     ``u = (g − Jᵀc)/α``.
 
-    With ``dot`` also ``(Σ u·g, Σ ‖g‖²)`` over these parameters as device scalars (else
+    With ``dot``, ``dots = (Σ u·g, Σ ‖g‖²)`` over these parameters as device scalars (else
     None): the KL clip's ``Σ u·g`` comes from the ``m``-vectors, per layer ``u = β·g + γ·Jᵀc``
     giving ``u·g = β‖g‖² + γ·cᵀ(J g)``, so no pass over ``u`` (one read of ``g`` for
     ``‖g‖²``, which, finite, also certifies these gradients finite for the step's check)."""
