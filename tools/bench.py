@@ -275,9 +275,8 @@ def steady_malloc() -> bool:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
         return False
-    m_trim_threshold, m_top_pad, m_mmap_threshold, m_mmap_max = -1, -2, -3, -4  # <malloc.h>
-    settings = ((m_mmap_threshold, 32 * 2**20), (m_mmap_max, 0), (m_trim_threshold, 2**30),
-                (m_top_pad, 64 * 2**20))
+    m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4  # <malloc.h>
+    settings = ((m_mmap_max, 0), (m_trim_threshold, 2**30), (m_top_pad, 64 * 2**20))
     return all(mallopt(param, value) == 1 for param, value in settings)
 
 

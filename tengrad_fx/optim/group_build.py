@@ -156,9 +156,14 @@ def _group(key: tuple, members: list[_Member]) -> LayerGroup:
     return LayerGroup("IG", lays, m, k, A=X, B=Y)
 
 
+def _cols(members: list[_Member]) -> list[tuple[int, int]]:
+    """``(n_w, n_b)`` per member of a packed ``"P"`` group (``LayerGroup.cols``)."""
+    return [(Pw.shape[1], Pb.shape[1] if Pb is not None else 0) for _, Pw, Pb, _ in members]
+
+
 def _packed_group(members: list[_Member]) -> LayerGroup:
     """One ``"P"`` group of layers of different widths, packed (module docstring)."""
-    cols = [(Pw.shape[1], Pb.shape[1] if Pb is not None else 0) for _, Pw, Pb, _ in members]
+    cols = _cols(members)
     Pw0 = members[0][1]
     X, views = pack_views([[Pw, Pb] for _, Pw, Pb, _ in members], max(a + b for a, b in cols), Pw0)
     return LayerGroup("P", [mb[0] for mb in members], Pw0.shape[0], members[0][3], Pw=X, cols=cols, _fill=views)
@@ -192,9 +197,7 @@ def _match(plan: _Plan, reuse: dict[tuple, LayerGroup], static: bool) -> Optiona
     if not reuse or (kind == "stack" and len(members) == 1 and not static):
         return None
     form = "P" if kind == "packed" else key[0]  # type: ignore[index]
-    cols = [(Pw.shape[1], Pb.shape[1] if Pb is not None else 0) for _, Pw, Pb, _ in members] \
-        if kind == "packed" else None
-    old = reuse.pop(_identity(form, [mb[0] for mb in members], cols), None)
+    old = reuse.pop(_identity(form, [mb[0] for mb in members], _cols(members) if kind == "packed" else None), None)
     if old is None or old.k != members[0][3] or (form == "conv" and old.strategy != key[1]):  # type: ignore[index]
         return None
     if any(w is not lay.weight or b is not lay.bias for lay, (w, b) in zip(old.layers, old.param_pairs())):
