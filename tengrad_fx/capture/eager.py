@@ -4,7 +4,10 @@ Every capture op exists twice over the same implementation functions:
 
 * as a ``torch.library`` custom op pair (``tengrad_fx::<kind>`` and
   ``tengrad_fx::<kind>_backward``, ``register_autograd``): opaque to ``torch.compile``,
-  so a compiled model still records;
+  so a compiled model still records; the backward op's records never share memory with
+  the op's arguments or results, which the compiled program may reuse (:mod:`.kept`),
+  and both ops are tagged ``cudagraph_unsafe`` (their Python side effects must run at
+  every call, not be replayed);
 * as a plain ``torch.autograd.Function`` made by :func:`capture_op` from the same
   forward body, ``setup_context`` and autograd formula, whose backward calls the
   backward op's body directly.
@@ -26,11 +29,18 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
+from torch.library import infer_schema
+
+from .kept import kept_apart
 
 __all__ = ["FORCE_CUSTOM_OPS", "use_custom_ops", "capture_op"]
 
 # True: run the custom ops in eager mode too (the path torch.compile takes)
 FORCE_CUSTOM_OPS = False
+
+# The ops run Python with side effects (records into the store): a CUDA graph replay would
+# skip them, so inductor must not capture them into one.
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 Setup = Callable[[Any, tuple[Any, ...], Any], None]
 # the autograd formula: formula(backward, ctx, *grads) with backward(*args) the backward op
@@ -56,8 +66,10 @@ def capture_op(name: str, forward: Callable[..., Any], backward: Callable[..., A
     whose backward is ``formula(backward, ctx, *grads)``: the same bodies, called directly.
     Returns ``(forward op, backward op, Function)``; the caller registers the fake kernels.
     """
-    op = torch.library.custom_op(f"tengrad_fx::{name}", forward, mutates_args=())
-    op_backward = torch.library.custom_op(f"tengrad_fx::{name}_backward", backward, mutates_args=())
+    op = torch.library.custom_op(f"tengrad_fx::{name}", forward, mutates_args=(), tags=_TAGS)
+    schema = infer_schema(backward, mutates_args=())
+    op_backward = torch.library.custom_op(f"tengrad_fx::{name}_backward", kept_apart(backward),
+                                          mutates_args=(), schema=schema, tags=_TAGS)
     dispatched = getattr(torch.ops.tengrad_fx, f"{name}_backward")
     op.register_autograd(lambda ctx, *grads: formula(dispatched, ctx, *grads), setup_context=setup)
     return op, op_backward, _function(name, eager_forward or forward, setup, backward, formula)

@@ -96,4 +96,9 @@ def install_forward(gm: fx.GraphModule, key: int, eval_forward: Optional[Forward
             return (train_forward if self.training else eval_forward)(self, *args, **kwargs)
         return (plain if self.training else plain_eval)(self, *args, **kwargs)
 
+    # A code object of its own: torch.compile caches compiled frames per code object, and
+    # this closure's guards differ per model (its capture key), so a shared code object
+    # would make every further prepared model recompile it, and past dynamo's cache limit
+    # run eagerly.
+    forward.__code__ = forward.__code__.replace()
     cls.forward = forward  # type: ignore[method-assign]

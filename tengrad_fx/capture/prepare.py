@@ -111,6 +111,7 @@ def prepare(
     ops.ENABLED[info.store.key] = True
     if example_inputs is not None:
         verify_samples(prepared, info, example_inputs)
+    info.store.site_names = {site: spec.name for spec in info.layers for site in spec.sites}
     _classify_params(model, info)
     return prepared
 

@@ -35,6 +35,7 @@ from typing import Optional
 
 import torch
 
+from . import kept
 from .amp import LOW_PRECISION
 
 __all__ = ["CaptureStore", "Record", "lookup"]
@@ -107,6 +108,9 @@ class CaptureStore:
     _complete: bool = False  # a backward has recorded since the last begin()
     generation: int = 0  # how many captures have completed (for users caching results)
     _finalized: int = 0  # the generation finalize() last converted
+    site_names: dict[int, str] = field(default_factory=dict)  # site -> layer name (for errors)
+    _watched: list[kept.Watched] = field(default_factory=list)  # fingerprinted, not yet verified
+    _verified: set[tuple] = field(default_factory=set)  # type: ignore[type-arg]  # (site, shapes) checked
 
     def __post_init__(self) -> None:
         _STORES[self.key] = self
@@ -116,6 +120,7 @@ class CaptureStore:
         if self._complete:
             self.records = {}
             self._complete = False
+            self._watched = []  # never read: their sites are fingerprinted again next time
 
     def wants_jacobian(self, site: int) -> bool:
         """Should the backward op of ``site`` materialize per-sample gradients now?"""
@@ -129,6 +134,22 @@ class CaptureStore:
             self.generation += 1
             self._complete = True
         self.records.setdefault(site, []).append(rec)
+        kept.note(self, site, rec)
+
+    def watch(self, site: int, rec: Record, always: bool) -> None:
+        """Fingerprint ``rec`` (recorded by a custom op, :mod:`.kept`) unless a record of
+        the same site and shapes was verified before (``always``: every time)."""
+        sig = (site, *(None if t is None else tuple(t.shape) for t in (rec.I, rec.G, rec.P, rec.Gsum)))
+        if always or sig not in self._verified:
+            self._watched.extend(kept.watch(rec, site, sig))
+
+    def verify_records(self) -> None:
+        """Raise :class:`~.kept.RecordOverwritten` if a fingerprinted record changed since
+        it was recorded (:mod:`.kept`); free when nothing is fingerprinted."""
+        if self._watched:
+            watched, self._watched = self._watched, []
+            kept.verify(watched, self.site_names)
+            self._verified.update(w.sig for w in watched)
 
     def needs_finalize(self) -> bool:
         """Are there records of a capture :meth:`finalize` has not converted yet?"""
@@ -148,6 +169,7 @@ class CaptureStore:
         its ``G``/``P``/``Gsum`` divided by the loss scale (``inv_scale = 1/scale``, a device
         scalar, None for none). Without autocast and without a scale nothing is touched
         (no op dispatched)."""
+        self.verify_records()
         if not self.needs_finalize():
             return
         self._finalized = self.generation

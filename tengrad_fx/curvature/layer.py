@@ -97,6 +97,7 @@ class CoveredLayer:
     # ----------------------------------------------------------------- captured data
     def records(self) -> list[Record]:
         """The captured records of every call (``G`` as autograd delivered it)."""
+        self._info.store.verify_records()
         recs = [r for site in self.spec.sites for r in self._info.store.records.get(site, [])]
         if not recs:
             raise RuntimeError(

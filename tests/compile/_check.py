@@ -1,0 +1,96 @@
+"""Records of a prepared model's backward, eager or compiled, and their comparison."""
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+import tengrad_fx
+from testing.oracle import per_sample_grads_reference
+
+from ._models import batch, make
+
+Snapshot = dict[tuple[str, int, str], Tensor]
+
+
+def prepare(name: str, dtype: torch.dtype = torch.float64, train: bool = True,
+            jacobian: bool = False) -> tuple[nn.Module, nn.Module]:
+    """``(original, prepared copy)`` of ``make(name)``; ``jacobian``: every site
+    materializes ``P`` in its backward."""
+    orig = make(name, dtype)
+    x, _ = batch(name, 2, dtype=dtype)
+    pm = tengrad_fx.prepare(copy.deepcopy(orig), example_inputs=(x,))
+    pm.train(train)
+    orig.train(train)
+    if jacobian:
+        store = tengrad_fx.get_info(pm).store
+        store.jacobian_sites = set(store.site_names)
+    return orig, pm
+
+
+def snapshot(pm: nn.Module) -> Snapshot:
+    """Copies of every record's tensors, keyed by (layer, call, field)."""
+    store = tengrad_fx.get_info(pm).store
+    out: Snapshot = {}
+    for site, recs in store.records.items():
+        for j, r in enumerate(recs):
+            for f in ("I", "G", "P", "Gsum"):
+                t = getattr(r, f)
+                if t is not None:
+                    out[(store.site_names.get(site, str(site)), j, f)] = t.detach().clone()
+    return out
+
+
+def backward(pm: nn.Module, fwd: Any, name: str, m: int, seed: int = 0,
+             dtype: torch.dtype = torch.float64) -> Snapshot:
+    x, y = batch(name, m, seed, dtype)
+    F.cross_entropy(fwd(x), y).backward()
+    return snapshot(pm)
+
+
+@functools.lru_cache(maxsize=None)
+def eager_records(name: str, m: int, seed: int = 0, dtype: torch.dtype = torch.float64, train: bool = True,
+                  jacobian: bool = False) -> Snapshot:
+    _, pm = prepare(name, dtype, train, jacobian)
+    return backward(pm, pm, name, m, seed, dtype)
+
+
+def compiled_records(name: str, sizes: tuple[int, ...], dtype: torch.dtype = torch.float64, train: bool = True,
+                     jacobian: bool = False, **compile_kw: Any) -> list[Snapshot]:
+    """The records of one compiled model's backward at each batch size in ``sizes``."""
+    _, pm = prepare(name, dtype, train, jacobian)
+    fwd = torch.compile(pm, **compile_kw)
+    return [backward(pm, fwd, name, m, seed=i, dtype=dtype) for i, m in enumerate(sizes)]
+
+
+def rel(a: Tensor, b: Tensor) -> float:
+    if a.dtype in (torch.int64, torch.int32):
+        return 0.0 if torch.equal(a, b) else float("inf")
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
+
+
+def assert_same(got: Snapshot, want: Snapshot, tol: float) -> None:
+    """Same records (keys, shapes) and every tensor within relative error ``tol``."""
+    assert sorted(got) == sorted(want), f"recorded fields differ: {sorted(set(got) ^ set(want))}"
+    bad = {k: rel(got[k], want[k]) for k in want if got[k].shape != want[k].shape or rel(got[k], want[k]) > tol}
+    assert not bad, f"compiled records differ from eager (relative error > {tol}): {bad}"
+
+
+def assert_per_sample(orig: nn.Module, pm: nn.Module, name: str, m: int, seed: int, tol: float,
+                      fwd: Optional[Any] = None) -> None:
+    """After a backward through ``fwd`` (default ``pm``): every covered layer's per-sample
+    gradients equal ``vmap(grad)`` of the original model."""
+    x, y = batch(name, m, seed)
+    F.cross_entropy((pm if fwd is None else fwd)(x), y).backward()
+    ref = per_sample_grads_reference(orig, x, F.cross_entropy, y)
+    names = {id(p): n for n, p in pm.named_parameters()}
+    for layer in tengrad_fx.covered_layers(pm):
+        dW, db = layer.per_sample_grads()
+        assert rel(dW, ref[names[id(layer.weight)]]) <= tol, layer.name
+        if layer.bias is not None:
+            assert rel(db, ref[names[id(layer.bias)]]) <= tol, layer.name
