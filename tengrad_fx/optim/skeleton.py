@@ -67,7 +67,7 @@ class HostMirror:
         self._pending = True
 
     def reset(self) -> None:
-        """Forget a copy in flight (its values are stale)."""
+        """Forget a copy in flight (its values are out of date)."""
         self._pending = False
 
     def poll(self) -> Optional[list[Any]]:
