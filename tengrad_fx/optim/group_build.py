@@ -3,7 +3,7 @@
 :func:`build_groups` puts every trainable covered layer with a record into a group:
 
 1. **Equal shapes.** Layers of one form and one shape (and scale ``k``, dtypes, conv
-   geometry) are stacked along a layer axis, as before: ``"P"`` (materialized per-sample
+   geometry) are stacked along a layer axis: ``"P"`` (materialized per-sample
    gradients, within ``jacobian_budget_mb``), ``"IG"`` (factored Linears with one position
    per sample), ``"conv"`` (convolutions kept as ``I, G``), else ``"layer"`` (one each).
 2. **Packing small ``"P"`` groups.** Each group is one set of batched ops per step (Gram,
