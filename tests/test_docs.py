@@ -139,3 +139,23 @@ def test_readme_quick_start_runs():
     """The README's first Python block is self-contained: it runs as written."""
     block = python_blocks(README)[0]
     exec(compile(block, "README.md:quick-start", "exec"), {"__name__": "readme_quick_start"})
+
+
+REPO_PATH = re.compile(r"^(?:tests|tengrad_fx|tools|testing|zoo)/[\w/.]+$")
+
+
+@pytest.mark.parametrize("path", markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_referenced_files_and_tests_exist(path: Path):
+    """Paths in backticks (`tests/x.py::test_y`, `tengrad_fx/optim/z.py`) name real files and tests."""
+    missing = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        for code in re.findall(r"`([^`]+)`", line):
+            for token in code.split():
+                file, _, test = token.partition("::")
+                if not REPO_PATH.match(file):
+                    continue
+                if not (ROOT / file).exists():
+                    missing.append(f"{path.relative_to(ROOT)}:{n}: {file}")
+                elif test and not re.search(rf"def {re.escape(test.split('[')[0])}\b", (ROOT / file).read_text()):
+                    missing.append(f"{path.relative_to(ROOT)}:{n}: {token}")
+    assert not missing, "references to missing files or tests:\n" + "\n".join(missing)
