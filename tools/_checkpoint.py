@@ -7,7 +7,7 @@ Files in ``--out``:
   A save writes a temporary file (``fsync``), then renames ``checkpoint.pt`` to
   ``checkpoint.prev.pt`` and the temporary file to ``checkpoint.pt`` (both ``os.replace``,
   atomic). A process killed at any moment leaves at least one complete checkpoint (if it
-  had written one before), plus perhaps a stale temporary file, removed at the next start.
+  had written one before), plus perhaps a leftover temporary file, removed at the next start.
 * ``checkpoint.pt.corrupt`` -- a latest checkpoint that failed to load on ``--resume``
   (kept for inspection, out of the way of the rotation); the run resumed from
   ``checkpoint.prev.pt``.

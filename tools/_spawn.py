@@ -64,8 +64,8 @@ def _exit(code: int) -> None:
     """Leave the rank process without the interpreter's teardown: with the result (or
     traceback) written and the process group destroyed there is nothing left to do, and
     static destructors of the backend's threads at exit can abort the process
-    ("terminate called without an active exception": a rank exiting with -6, seen in
-    3 of ~10 full-suite runs)."""
+    ("terminate called without an active exception": a rank exiting with -6,
+    occasionally)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -1,4 +1,4 @@
-"""Analytic communication / flop model of distributed TENGraD (README, "Distributed").
+"""Analytic communication / flop model of distributed TENGraD (docs/distributed.md).
 
     python -m tools.dist_model [--model wrn-28-4|vit-b16|3c1f] [--worlds 8,64,512] [--m 128] [--T 100]
 

@@ -151,7 +151,7 @@ def _acquire(lock: str) -> bool:
             if pid and _pid_alive(pid):
                 return False
             try:
-                os.unlink(lock)  # stale (its process is gone)
+                os.unlink(lock)  # left over (its process is gone)
             except FileNotFoundError:
                 pass
             continue

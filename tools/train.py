@@ -5,11 +5,12 @@
     python -m tools.train --model wrn-28-4 --dataset cifar10 --data-dir ~/data --epochs 60
     python -m tools.train --out runs/x --resume  # continue from runs/x/checkpoint.pt
 
-(also installed as the console script ``tengrad-train``). Cost on a 2-core CPU: a 3C1F
-step at batch 128 is ~250 GFLOP for TENGraD (~180 for SGD); measured ~12 s (SGD ~8.5 s)
-with the machine shared by other jobs, so one Fashion-MNIST epoch (469 steps, plus ~3 min
-to evaluate 10k test images) takes over an hour there. Use ``--subset N`` /
-``--max-steps N`` for smoke runs and ``--device cuda`` for real ones.
+(also installed as the console script ``tengrad-train``). Cost on a 2-core CPU (2
+threads, an idle machine): SGD's 3C1F step at batch 128 takes about 0.5 s, TENGraD's with
+the paper's settings (MC Fisher, ``T = 100``) about 1.07× that amortized (a curvature step
+1.2–1.8×; docs/performance.md), so one Fashion-MNIST epoch (469 steps) takes several
+minutes plus the test-set evaluation, and much longer on a loaded machine. Use
+``--subset N`` / ``--max-steps N`` for smoke runs and ``--device cuda`` for real ones.
 
 Hyperparameters: the paper's by default
 ---------------------------------------
@@ -31,9 +32,10 @@ model) triple, :func:`tengrad_fx.optim.registry.paper_settings`:
   ``multistep:30,45:0.1`` on CIFAR-100: ``lr(epoch e, 0-based) = lr · FACTOR^(e // EVERY)``
   resp. ``lr · FACTOR^(#{Ei <= e})``; it is applied at the start of every epoch.
 
-The empirical Fisher with curvature every step and no clip (``--fisher empirical
---curvature-every 1 --kl-clip 0``) is what ``TENGraD(model, lr, damping)`` does without a
-dataset; on 3C1F / Fashion-MNIST it trains markedly worse (see the README).
+Without a dataset, ``TENGraD(model, lr, damping)`` uses the empirical Fisher with
+curvature every 100 steps and KL clip 0.01. The empirical Fisher with curvature every step
+and no clip (``--fisher empirical --curvature-every 1 --kl-clip 0``) gives exact per-step
+updates but trains markedly worse on 3C1F / Fashion-MNIST (docs/paper.md).
 
 Optimizers are built by ``tengrad_fx.optim.registry.make_optimizer`` with every value
 explicit. SGD gets the plain model; every other optimizer the model

@@ -23,7 +23,7 @@ Rule (``"auto"``, the default), by the device of the tensors:
 * on CPU (and other devices) every other conv → ``"grouped"``;
 * every Conv3d and every transposed conv → ``"grouped"``.
 
-Why. CUDA (NVIDIA H200, m = 128, README "Performance"): cuDNN runs the grouped
+Why. CUDA (NVIDIA H200, m = 128): cuDNN runs the grouped
 weight-gradient convolution with ``groups = m·g`` as thousands of small kernels, worst for
 depthwise and grouped layers (MobileNetV2: ``wgrad2d_grouped_direct_kernel`` plus 4374
 ``nchwToNhwc`` layout conversions per step). Unfold + ``bmm`` for every Conv2d made

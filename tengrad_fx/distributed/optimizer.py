@@ -63,10 +63,10 @@ replicate exactly the layers whose ``u`` (``c``) takes longer to receive than to
 on every rank, by the cost model :func:`.plan.choose_placement`.
 
 ``mode="local"`` (the per-rank local Fisher, for world sizes where the global ``M × M``
-Gram is too big, README "Distributed"): no records move; each rank preconditions the
+Gram is too big, docs/distributed.md): no records move; each rank preconditions the
 averaged gradient with its own ``m × m`` Fisher blocks, ``u_r = (F_r + αI)⁻¹ g``, and
 the ranks' ``u_r`` are averaged by one ``all_reduce`` per step. It is not the global
-Fisher's update (the error is measured in the README).
+Fisher's update (docs/distributed.md gives the error on a small model).
 
 The backward never materializes per-sample gradients of Linear/Conv/norm layers here
 (every rank records ``I`` and ``G``, so the records agree across ranks); the owner may

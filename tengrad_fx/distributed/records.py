@@ -62,8 +62,8 @@ def sends_per_sample(layer: CoveredLayer, M: int, strategy: str) -> bool:
     """Whether the ranks send ``layer``'s per-sample gradients ``P`` (``n`` values per
     sample) in place of its ``I``, ``G`` (``r`` values per sample): for a Linear or
     convolution called once, when ``n < r`` and the owner would build the global Gram by
-    materializing (``strategy``, or the cost model at ``M`` samples under ``"auto"``) —
-    the issue's "``I`` and ``G``, or ``P`` where the cost model materializes"."""
+    materializing (``strategy``, or the cost model at ``M`` samples under ``"auto"``):
+    ``I`` and ``G``, or ``P`` where the cost model materializes and ``P`` is smaller."""
     if strategy == "factor" or not (layer.kind == "linear" or layer.kind.startswith("conv")):
         return False
     recs = layer.records()

@@ -3,7 +3,7 @@
 :func:`build_groups` puts every trainable covered layer with a record into a group:
 
 1. **Equal shapes.** Layers of one form and one shape (and scale ``k``, dtypes, conv
-   geometry) are stacked along a layer axis, as before: ``"P"`` (materialized per-sample
+   geometry) are stacked along a layer axis: ``"P"`` (materialized per-sample
    gradients, within ``jacobian_budget_mb``), ``"IG"`` (factored Linears with one position
    per sample), ``"conv"`` (convolutions kept as ``I, G``), else ``"layer"`` (one each).
 2. **Packing small ``"P"`` groups.** Each group is one set of batched ops per step (Gram,
@@ -22,7 +22,7 @@
      triples the Gram flops of the layers it packs (``2·m²·W`` per layer).
 
    A group left alone keeps the unpacked form (no copy for a single layer). Measured on
-   tiny-bn / 3c1f-bn (README, ``tools.bench --ops``): the four BatchNorms and the first
+   tiny-bn / 3c1f-bn (``tools.bench --ops``): the four BatchNorms and the first
    convolution end up in one packed group with the other small ``"P"`` layers.
 
 Stacking copies each group's ``P`` (or ``I``, ``G``) once; the store's records are then
@@ -201,7 +201,7 @@ def _match(plan: _Plan, reuse: dict[tuple, LayerGroup], static: bool) -> Optiona
     if old is None or old.k != members[0][3] or (form == "conv" and old.strategy != key[1]):  # type: ignore[index]
         return None
     if any(w is not lay.weight or b is not lay.bias for lay, (w, b) in zip(old.layers, old.param_pairs())):
-        return None  # a parameter was replaced: its kept pairs and gradient buffer are stale
+        return None  # a parameter was replaced: its kept pairs and gradient buffer are out of date
     X, Y = members[0][1], members[0][2]
     S, T = old.stacks()
     if kind == "packed":

@@ -16,7 +16,7 @@ is read. A skipped step still advances the curvature schedule. The one-time skip
 warning is emitted when the host first sees a skip: a later ``step()`` polls a
 non-blocking device→host copy of the counts (CUDA: pinned memory and an event, read only
 once the event has completed, so the host never waits), or :attr:`counters` is read.
-``SYNC_FREE = False`` (baselines): the flags are read on the host, as before: a skipped
+``SYNC_FREE = False`` (baselines): the flags are read on the host: a skipped
 step changes nothing and does not advance their schedules.
 
 Mixed precision: the captured records are converted to float32 (and unscaled) once per
@@ -67,7 +67,7 @@ class HostMirror:
         self._pending = True
 
     def reset(self) -> None:
-        """Forget a copy in flight (its values are stale)."""
+        """Forget a copy in flight (its values are out of date)."""
         self._pending = False
 
     def poll(self) -> Optional[list[Any]]:

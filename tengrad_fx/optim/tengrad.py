@@ -59,7 +59,7 @@ class TENGraD(StepSkeleton):
 
     Library defaults (no dataset named): the paper's curvature period ``T = 100`` and KL
     clip 0.01, with the empirical Fisher, which needs no change to an SGD loop. Chosen from
-    measurements on 3C1F / Fashion-MNIST (README, "Which settings are the paper's"): the
+    measurements on 3C1F / Fashion-MNIST (docs/paper.md, "Fisher ablation"): the
     empirical Fisher at ``T = 1`` without a clip trains markedly worse (90.1 % vs 93.1 % in
     10 epochs); the paper's MC Fisher adds 0.2 % there (``fisher="mc"`` and one
     ``opt.mc_capture(out)`` line). For exact per-step updates pass ``curvature_every=1,

@@ -2,7 +2,7 @@
 the float32 curvature (records, Gram, Cholesky, update) against a float64 dense solve
 from the run's own records.
 
-Tolerance of the bf16-vs-fp32 comparison (documented in the README): one step from the
+Tolerance of the bf16-vs-fp32 comparison (documented in docs/usage.md): one step from the
 same weights and batch; the bf16 update may differ from the fp32 one by the bf16
 gradient's own error amplified a little by the solve. Measured on ``AllKinds`` (seeds
 0-3, m = 16, α = 0.1): gradients 0.39-0.75 %, updates 0.55-0.83 % (relative 2-norm over

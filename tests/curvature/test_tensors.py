@@ -208,7 +208,7 @@ def test_gram_flops_formulas() -> None:
 
 
 def test_cost_model_3c1f_examples() -> None:
-    """The README's 3C1F numbers at m=128."""
+    """The 3C1F numbers at m=128 in docs/design.md (Gram cost model)."""
     conv_c = gram_flops(128, 1, 784, 1152, 128)  # conv 128→128 at 28×28, 3×3
     assert conv_c["factor"] == pytest.approx(2.58e13, rel=0.01)
     assert conv_c["materialize"] == pytest.approx(3.44e10, rel=0.01)
