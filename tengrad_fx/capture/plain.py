@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .._compile import own_code
 from . import ops
 from .attention import is_exact_mha
 
@@ -96,9 +97,4 @@ def install_forward(gm: fx.GraphModule, key: int, eval_forward: Optional[Forward
             return (train_forward if self.training else eval_forward)(self, *args, **kwargs)
         return (plain if self.training else plain_eval)(self, *args, **kwargs)
 
-    # A code object of its own: torch.compile caches compiled frames per code object, and
-    # this closure's guards differ per model (its capture key), so a shared code object
-    # would make every further prepared model recompile it, and past dynamo's cache limit
-    # run eagerly.
-    forward.__code__ = forward.__code__.replace()
-    cls.forward = forward  # type: ignore[method-assign]
+    cls.forward = own_code(forward)  # type: ignore[method-assign]  # its guards name this model's key

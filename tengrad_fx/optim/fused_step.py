@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from .._compile import own_code
 from .fused import LayerInput, fused_update
 
 __all__ = ["FusedStep"]
@@ -30,13 +31,15 @@ class FusedStep:
     """The compiled fused update of a curvature step (module docstring).
 
     Args:
-        backend: the ``torch.compile`` backend (e.g. ``"inductor"``), or None for eager.
+        backend: the ``torch.compile`` backend (e.g. ``"inductor"``, or a callable), or None
+            for eager. Each instance compiles its own copy of :func:`fused_update` (one
+            optimizer's shapes never evict another's compiled code).
     """
 
-    def __init__(self, backend: Optional[str]):
+    def __init__(self, backend: Optional[Any]):
         self.fn: Optional[Callable[..., Any]] = None
         if backend is not None:
-            self.fn = torch.compile(fused_update, dynamic=False, fullgraph=True, backend=backend)
+            self.fn = torch.compile(own_code(fused_update), dynamic=False, fullgraph=True, backend=backend)
 
     @staticmethod
     def inputs(layers: list[Any]) -> Optional[tuple[list[LayerInput], Used]]:

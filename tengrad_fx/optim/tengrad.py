@@ -96,7 +96,7 @@ class TENGraD(StepSkeleton):
             :func:`tengrad_fx.optim.fused.fused_update`) under ``torch.compile``; layers
             of equal shapes share one ``vmap``. Falls back to eager, with one warning, if
             compilation fails or a layer has no fused form (conv/sequence by factor).
-            A string names the ``torch.compile`` backend (default ``"inductor"``).
+            A string (or callable) names the ``torch.compile`` backend (default ``"inductor"``).
         cuda_graph: on CUDA, capture the device part of reuse steps (no new curvature) as a
             CUDA graph per step kind and replay it (:mod:`tengrad_fx.optim.graphs`); eager
             with one warning if capture fails; on a CPU the same code runs eagerly.
@@ -126,7 +126,7 @@ class TENGraD(StepSkeleton):
         solve_dtype: Optional[torch.dtype] = None,
         jacobian_budget_mb: Optional[float] = None,
         strategy: Literal["auto", "factor", "materialize"] = "auto",
-        compile: bool | str = False,
+        compile: Any = False,
         cuda_graph: Optional[bool] = None,
         gram_tf32: bool = False,
         grad_scaler: Optional[torch.amp.GradScaler] = None,
@@ -167,7 +167,7 @@ class TENGraD(StepSkeleton):
         self._graphs = StepGraphs()
         self._graph_version = 0  # bumped when a static tensor of the captured step is replaced
         self._gbuf: dict[Tensor, Tensor] = {}  # static gradient buffers (cuda_graph)
-        self._fused = FusedStep((compile if isinstance(compile, str) else "inductor") if self.compile else None)
+        self._fused = FusedStep((compile if not isinstance(compile, bool) else "inductor") if self.compile else None)
         self._layers = covered_layers(model)
         self._initial_jacobian_sites()
         self._curv: list[Any] = []  # LayerGroups (modular path) or (params, m) (fused path)
