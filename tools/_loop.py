@@ -13,7 +13,7 @@ Files written to ``--out`` (default ``runs/<model>-<dataset>-<optimizer>-s<seed>
     ``loss`` (training loss of the batch, before the update), ``acc`` (training accuracy
     of the batch, before the update), ``lr`` (learning rate used), ``train_time``
     (cumulative training wall-clock seconds, evaluation and checkpointing excluded;
-    with ``--compile`` the first steps include the compilation),
+    with ``--compile`` the compilation is done before the first step and not counted),
     ``skipped`` (true if the update was skipped: non-finite loss, or the optimizer
     skipped it).
 ``epochs.jsonl`` -- one JSON object per evaluation at the end of an epoch:
@@ -33,7 +33,8 @@ Files written to ``--out`` (default ``runs/<model>-<dataset>-<optimizer>-s<seed>
     epoch), ``steps``, ``samples_per_s``, ``optimizer``, ``model``, ``dataset``,
     ``skipped_steps`` (= ``skipped_nonfinite_loss`` + ``skipped_by_optimizer``),
     ``kl_clipped_steps`` (steps whose update the KL clip scaled down, ``opt.kl_clipped_steps``),
-    ``stopped_by_max_steps``, ``resumed_at_steps`` (steps at which ``--resume`` picked the
+    ``compile_time`` (seconds ``--compile`` spent compiling before the first step, null
+    without it), ``stopped_by_max_steps``, ``resumed_at_steps`` (steps at which ``--resume`` picked the
     run up), ``out``, ``torch`` (version), ``device_name``, ``threads``. Written last: a
     directory without it holds an unfinished run.
 ``checkpoint.pt``, ``checkpoint.prev.pt``
@@ -73,6 +74,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from tools._compile_warmup import warm_up
 from tools._checkpoint import (CHECKPOINT, CheckpointError, load_for_resume, remove_stale, save_checkpoint,
                                save_rotating)
 
@@ -301,6 +303,13 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
         return loss, acc
 
     forward_eval = forward
+    compile_time = None
+    if cfg["compile"] and dist is None:  # compile every step kind now, off the training clock
+        xb, yb = next(zoo.batches(train_ds, cfg["batch_size"], shuffle=False))
+        last = len(train_ds) % cfg["batch_size"]
+        compile_time = warm_up(forward, model, xb, yb, [len(yb)] + ([last] if last else []))
+        if main:
+            print(f"--compile: compiled in {compile_time:.1f}s (not counted in train_time)", flush=True)
     session_samples, session_t0 = 0, train_time
     model.train()
     try:
@@ -416,7 +425,7 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
         "samples_per_s": (samples / train_time) if train_time > 0 else None,
         "optimizer": cfg["optimizer"], "model": cfg["model"], "dataset": cfg["dataset"],
         "skipped_steps": skipped_loss + skipped_opt, "skipped_nonfinite_loss": skipped_loss,
-        "skipped_by_optimizer": skipped_opt, "kl_clipped_steps": int(getattr(opt, "kl_clipped_steps", 0)),
+        "compile_time": compile_time, "skipped_by_optimizer": skipped_opt, "kl_clipped_steps": int(getattr(opt, "kl_clipped_steps", 0)),
         "stopped_by_max_steps": stopped, "resumed_at_steps": resumed_at,
         "out": str(out), "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

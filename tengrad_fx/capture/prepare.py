@@ -8,6 +8,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import attention, embedding, functional, norm, ops, params
+from .._compile import keep_saved_tensors
 from .plain import compiled_forward, drop_dead_attributes, install_forward, plain_graph
 from .info import ATTR, PrepareInfo, get_info
 from .inputs import leading_dim
@@ -109,6 +110,7 @@ def prepare(
     )
     prepared.__dict__[ATTR] = info
     ops.ENABLED[info.store.key] = True
+    keep_saved_tensors()  # a compiled backward of this model may run twice (MC Fisher)
     if example_inputs is not None:
         verify_samples(prepared, info, example_inputs)
     info.store.site_names = {site: spec.name for spec in info.layers for site in spec.sites}

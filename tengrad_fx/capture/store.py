@@ -183,6 +183,7 @@ class CaptureStore:
         """Release every captured tensor."""
         self.records = {}
         self._complete = False
+        self._watched = []
 
 
 def lookup(key: int) -> CaptureStore:

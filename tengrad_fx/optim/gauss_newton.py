@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from ..capture.store import CaptureStore, Record
+from .mc import second_backward
 
 __all__ = ["MAX_OUTPUTS", "gauss_newton_capture"]
 
@@ -87,7 +88,7 @@ def gauss_newton_capture(store: CaptureStore, outputs: Tensor, weights: list[Ten
         for j in range(k):
             f_j = flat[:, j].sum()
             f_j = f_j if loss_scale is None else f_j * loss_scale
-            torch.autograd.grad(f_j, weights, retain_graph=True, allow_unused=True)
+            second_backward(f_j, weights)
             for site, recs in store.records.items():
                 per_site.setdefault(site, []).append(recs)
             store.records = {}

@@ -9,7 +9,21 @@ from torch import Tensor
 
 from ..capture.store import CaptureStore
 
-__all__ = ["mc_capture", "sample_targets"]
+__all__ = ["mc_capture", "sample_targets", "second_backward"]
+
+
+def second_backward(loss: Tensor, inputs: list[Tensor]) -> None:
+    """``torch.autograd.grad(loss, inputs, retain_graph=True)``, with a clear error where a
+    compiled backward refuses to keep its graph (:func:`tengrad_fx._compile.keep_saved_tensors`)."""
+    try:
+        torch.autograd.grad(loss, inputs, retain_graph=True, allow_unused=True)
+    except RuntimeError as exc:
+        if "donated buffer" not in str(exc):
+            raise
+        raise RuntimeError(
+            "tengrad_fx: the MC/Gauss-Newton Fisher backpropagates twice through the model, which this "
+            "torch.compile-d backward refuses (its saved tensors are donated). tengrad_fx.prepare() turns "
+            "donation off; leave torch._functorch.config.donated_buffer False when compiling a prepared model.") from exc
 
 
 @torch.no_grad()
@@ -47,7 +61,7 @@ def mc_capture(store: CaptureStore, outputs: Tensor, mc_loss: Literal["cross_ent
         loss = loss * loss_scale
     store.grad_only = True
     try:
-        torch.autograd.grad(loss, weights, retain_graph=True, allow_unused=True)
+        second_backward(loss, weights)
     finally:
         store.grad_only = False
     store.recording = False
