@@ -61,11 +61,18 @@ def eager_records(name: str, m: int, seed: int = 0, dtype: torch.dtype = torch.f
 
 
 def compiled_records(name: str, sizes: tuple[int, ...], dtype: torch.dtype = torch.float64, train: bool = True,
-                     jacobian: bool = False, **compile_kw: Any) -> list[Snapshot]:
-    """The records of one compiled model's backward at each batch size in ``sizes``."""
+                     jacobian: bool = False, device: str = "cpu", **compile_kw: Any) -> list[Snapshot]:
+    """The records of one compiled model's backward at each batch size in ``sizes``, on
+    ``device`` (brought back to the CPU)."""
     _, pm = prepare(name, dtype, train, jacobian)
+    pm.to(device)
     fwd = torch.compile(pm, **compile_kw)
-    return [backward(pm, fwd, name, m, seed=i, dtype=dtype) for i, m in enumerate(sizes)]
+    out = []
+    for i, m in enumerate(sizes):
+        x, y = batch(name, m, i, dtype)
+        F.cross_entropy(fwd(x.to(device)), y.to(device)).backward()
+        out.append({k: v.cpu() for k, v in snapshot(pm).items()})
+    return out
 
 
 def rel(a: Tensor, b: Tensor) -> float:

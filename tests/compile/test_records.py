@@ -76,3 +76,24 @@ def test_per_sample_gradients_equal_torch_func(name: str) -> None:
     (eval mode: with batch statistics the samples are coupled)."""
     orig, pm = prepare(name, train=False)
     assert_per_sample(orig, pm, name, 6, seed=3, tol=1e-10, fwd=torch.compile(pm))
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU twins above run everywhere)")
+
+
+@cuda
+@pytest.mark.parametrize("name", ["activations", "convs", "tokens"])
+@pytest.mark.parametrize("jacobian", [False, True], ids=["IG", "P"])
+def test_cuda_records_equal_eager(name: str, jacobian: bool) -> None:
+    """Inductor's CUDA code (Triton) differs from its CPU code: the same matrix on a GPU,
+    against the CPU eager records (float64)."""
+    train = name != "activations"
+    got, = compiled_records(name, (6,), train=train, jacobian=jacobian, device="cuda")
+    assert_same(got, eager_records(name, 6, train=train, jacobian=jacobian), 1e-10)
+
+
+@cuda
+def test_cuda_activations_float32_and_dynamic() -> None:
+    got = compiled_records("activations", (8, 5), dtype=torch.float32, train=False, device="cuda", dynamic=True)
+    for i, (snap, m) in enumerate(zip(got, (8, 5))):
+        assert_same(snap, eager_records("activations", m, seed=i, dtype=torch.float32, train=False), 1e-4)
