@@ -11,12 +11,16 @@ with a fixed random ``R``, so ``G`` is non-trivial and only the layer under test
 covered. The oracle ``J`` comes from ``torch.func`` (``vmap(grad)``) on a float64 copy of
 the unprepared model; float64 cases must agree to ``1e-9``, float32 ones to ``1e-4``
 (relative, in norm).
+
+With ``compiled``, the prepared model's forward and backward run through
+``torch.compile``; the same checks hold, and its records must equal those of an eager
+run of the same model and batch (:data:`~testing.records.RECORD_TOL`).
 """
 from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -26,6 +30,7 @@ from hypothesis import strategies as st
 import tengrad_fx
 
 from .oracle import explicit_jacobian, per_sample_grads_reference
+from .records import RECORD_TOL, assert_same, compile_model, snapshot
 
 __all__ = ["SETTINGS", "TOL", "KINDS", "layer_cases", "build_layer_case", "check_layer", "One", "Twice"]
 
@@ -180,22 +185,38 @@ def _close(a: torch.Tensor, b: torch.Tensor, scale: float, tol: float) -> bool:
 
 
 def check_layer(model: nn.Module, x: torch.Tensor, reduction: str, seed: int, x_grad: bool = False,
-                in_backward: bool = False) -> None:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*padding='same'.*")
-        _check_layer(model, x, reduction, seed, x_grad, in_backward)
-
-
-def _check_layer(model: nn.Module, x: torch.Tensor, reduction: str, seed: int, x_grad: bool,
-                 in_backward: bool) -> None:
-    """Prepare ``model`` (whose only covered layer is ``model.layer``), capture one batch,
-    and check ``per_sample_grads``, ``gram`` (every strategy), ``jvp`` and ``vjp`` against
-    ``J`` from ``torch.func`` in float64.
+                in_backward: bool = False, compiled: bool = False, backend: str = "inductor") -> None:
+    """Prepare ``model`` (whose only covered layer is ``model.layer``; ``x``: ``[m, ...]``),
+    capture one batch, and check ``per_sample_grads``, ``gram`` (every strategy), ``jvp``
+    and ``vjp`` against ``J`` (``[m, n]``) from ``torch.func`` in float64.
 
     ``x_grad``: the input requires grad (the backward op then also computes the input grad).
     ``in_backward``: the layer's sites are in ``store.jacobian_sites``, so the backward op
     keeps the per-sample gradients ``P`` instead of ``I``/``G``.
+    ``compiled``: capture through ``torch.compile(prepared, backend=backend)``, and check
+    the records against an eager capture of a copy of ``model`` on the same batch.
     """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*padding='same'.*")
+        _check_layer(model, x, reduction, seed, x_grad, in_backward, compiled, backend)
+
+
+def _capture(model: nn.Module, x: torch.Tensor, R: torch.Tensor, reduction: str, x_grad: bool,
+             in_backward: bool, backend: Optional[str]) -> nn.Module:
+    """The prepared ``model`` after one backward of the readout loss on ``x`` (through
+    ``torch.compile`` with ``backend``, unless None)."""
+    prepared = tengrad_fx.prepare(model, example_inputs=(x[:2],), loss_reduction=reduction)
+    if in_backward:
+        info = tengrad_fx.get_info(prepared)
+        info.store.jacobian_sites = set(info.layers[0].sites)
+    fwd = prepared if backend is None else compile_model(prepared, backend)
+    loss = _readout(fwd(x.detach().requires_grad_(x_grad)), R.to(x.dtype))
+    (loss / x.shape[0] if reduction == "mean" else loss).backward()
+    return prepared
+
+
+def _check_layer(model: nn.Module, x: torch.Tensor, reduction: str, seed: int, x_grad: bool,
+                 in_backward: bool, compiled: bool, backend: str) -> None:
     layer = model.layer
     dtype = x.dtype
     tol = TOL[dtype]
@@ -211,12 +232,12 @@ def _check_layer(model: nn.Module, x: torch.Tensor, reduction: str, seed: int, x
     K = J @ J.T
     nJ = J.norm().item()
 
-    prepared = tengrad_fx.prepare(model, example_inputs=(x[:2],), loss_reduction=reduction)
-    if in_backward:
-        info = tengrad_fx.get_info(prepared)
-        info.store.jacobian_sites = set(info.layers[0].sites)
-    loss = _readout(prepared(x.detach().requires_grad_(x_grad)), R.to(dtype))
-    (loss / m if reduction == "mean" else loss).backward()
+    eager = None
+    if compiled:
+        eager = snapshot(_capture(copy.deepcopy(model), x, R, reduction, x_grad, in_backward, None))
+    prepared = _capture(model, x, R, reduction, x_grad, in_backward, backend if compiled else None)
+    if eager is not None:
+        assert_same(snapshot(prepared), eager, RECORD_TOL[dtype])
     layers = tengrad_fx.covered_layers(prepared)
     assert len(layers) == 1
     cl = layers[0]
