@@ -3,8 +3,9 @@
 A case is one covered layer (Linear on ``[m, *seq, d]``, Conv1d/2d/3d with random groups,
 stride, dilation, padding and padding mode, ConvTranspose1d/2d/3d with random groups,
 stride, dilation, padding and output padding; bias or not), called once or twice per forward
-(two calls are extra positions of one layer), in float32 or float64, with either capture
-path (``I``/``G`` kept, or per-sample gradients ``P`` made in the backward).
+(two calls are extra positions of one layer), on the input or on its ReLU, in float32 or
+float64, with either capture path (``I``/``G`` kept, or per-sample gradients ``P`` made in
+the backward).
 
 The loss is a fixed nonlinear readout outside the layer, ``ℓ_i = Σ tanh(out_i) ⊙ R_i``
 with a fixed random ``R``, so ``G`` is non-trivial and only the layer under test is
@@ -42,25 +43,24 @@ SETTINGS: dict[str, Any] = dict(
 
 
 class One(nn.Module):
-    """The layer called once."""
+    """The layer called once, on ``x`` or (``relu_in``) on ``relu(x)``."""
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, relu_in: bool = False):
         super().__init__()
         self.layer = layer
+        self.relu_in = relu_in
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x)
+        return self.layer(torch.relu(x) if self.relu_in else x)
 
 
-class Twice(nn.Module):
-    """The layer called on ``x`` and on ``tanh(x)``: one layer, two calls (its positions add)."""
-
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        self.layer = layer
+class Twice(One):
+    """The layer called on ``h`` and on ``tanh(h)`` (``h``: ``x`` or ``relu(x)``): one layer,
+    two calls (its positions add); output ``[m, n₁ + n₂]``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.layer(x).flatten(1), self.layer(torch.tanh(x)).flatten(1)], 1)
+        h = torch.relu(x) if self.relu_in else x
+        return torch.cat([self.layer(h).flatten(1), self.layer(torch.tanh(h)).flatten(1)], 1)
 
 
 def _readout(out: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
@@ -151,7 +151,7 @@ def layer_cases(draw: Any, kinds: tuple[str, ...] = KINDS) -> dict[str, Any]:
         bias=draw(st.booleans()), m=draw(st.integers(1, 6)), calls=draw(st.sampled_from([1, 1, 2])),
         dtype=draw(st.sampled_from([torch.float64, torch.float32])),
         reduction=draw(st.sampled_from(["sum", "mean"])), seed=draw(st.integers(0, 2**16)),
-        x_grad=draw(st.booleans()), in_backward=draw(st.booleans()),
+        x_grad=draw(st.booleans()), in_backward=draw(st.booleans()), relu_in=draw(st.booleans()),
     )
     return case
 
@@ -174,7 +174,7 @@ def build_layer_case(case: dict[str, Any]) -> tuple[nn.Module, torch.Tensor]:
                     padding=case["padding"], dilation=case["dilation"], groups=case["groups"],
                     bias=case["bias"], padding_mode=case["padding_mode"])
         shape = (case["c_in"], *case["positions"])
-    model = (One if case["calls"] == 1 else Twice)(layer).to(case["dtype"])
+    model = (One if case["calls"] == 1 else Twice)(layer, case["relu_in"]).to(case["dtype"])
     g = torch.Generator().manual_seed(case["seed"] + 1)
     x = torch.randn(case["m"], *shape, generator=g, dtype=torch.float64).to(case["dtype"])
     return model, x

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 
 from testing.fuzz_layers import SETTINGS, build_layer_case, check_layer, layer_cases
 
@@ -19,6 +19,8 @@ from testing.fuzz_layers import SETTINGS, build_layer_case, check_layer, layer_c
 def _run(case: dict[str, Any], compiled: bool = False) -> None:
     model, x = build_layer_case(case)
     check_layer(model, x, case["reduction"], case["seed"], case["x_grad"], case["in_backward"], compiled=compiled)
+    event(f"kind {case['kind']}")
+    event(f"ReLU before the layer, input grad on {case['relu_in'] and case['x_grad']}")
 
 
 @settings(max_examples=250, **SETTINGS)
