@@ -7,9 +7,9 @@ by :class:`PlanNet`:
   ``"seq"`` (``[m, T, D]``, Linear layers on sequences);
 * blocks: a covered layer (random groups, stride, dilation, padding and padding mode,
   bias), a norm (BatchNorm in eval mode, GroupNorm, InstanceNorm, LayerNorm), an
-  activation (ReLU, in-place ReLU / LeakyReLU / Hardtanh / ELU, or tanh / GELU), pooling, and a
-  residual branch ``act(norm(layer(h)) + h)`` (the add in place or not; the branch layer
-  may be called twice, so one layer has two calls);
+  activation (ReLU, in-place ReLU / LeakyReLU / Hardtanh / ELU, or tanh / GELU),
+  pooling, and a residual branch ``act(norm(layer(h)) + h)`` (the add in place or not;
+  the branch layer may be called twice, so one layer has two calls);
 * a head: global average pooling or flatten, an optional hidden Linear, a Linear to the
   classes.
 
@@ -53,7 +53,8 @@ COMPILE_ACTS = ("relu", "relu", "relu_", "relu_", "leaky_", "hardtanh_", "tanh",
 
 
 def _act(name: str) -> nn.Module:
-    return {"relu": nn.ReLU, "relu_": lambda: nn.ReLU(inplace=True), "leaky_": lambda: nn.LeakyReLU(0.1, inplace=True),
+    return {"relu": nn.ReLU, "relu_": lambda: nn.ReLU(inplace=True),
+            "leaky_": lambda: nn.LeakyReLU(0.1, inplace=True),
             "hardtanh_": lambda: nn.Hardtanh(-2.0, 2.0, inplace=True), "elu_": lambda: nn.ELU(inplace=True),
             "tanh": nn.Tanh, "gelu": nn.GELU}[name]()
 
