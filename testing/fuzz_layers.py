@@ -3,20 +3,25 @@
 A case is one covered layer (Linear on ``[m, *seq, d]``, Conv1d/2d/3d with random groups,
 stride, dilation, padding and padding mode, ConvTranspose1d/2d/3d with random groups,
 stride, dilation, padding and output padding; bias or not), called once or twice per forward
-(two calls are extra positions of one layer), in float32 or float64, with either capture
-path (``I``/``G`` kept, or per-sample gradients ``P`` made in the backward).
+(two calls are extra positions of one layer), on the input or on its ReLU, in float32 or
+float64, with either capture path (``I``/``G`` kept, or per-sample gradients ``P`` made in
+the backward).
 
 The loss is a fixed nonlinear readout outside the layer, ``ℓ_i = Σ tanh(out_i) ⊙ R_i``
 with a fixed random ``R``, so ``G`` is non-trivial and only the layer under test is
 covered. The oracle ``J`` comes from ``torch.func`` (``vmap(grad)``) on a float64 copy of
 the unprepared model; float64 cases must agree to ``1e-9``, float32 ones to ``1e-4``
 (relative, in norm).
+
+With ``compiled``, the prepared model's forward and backward run through
+``torch.compile``; the same checks hold, and its records must equal those of an eager
+run of the same model and batch (:data:`~testing.records.RECORD_TOL`).
 """
 from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -26,6 +31,7 @@ from hypothesis import strategies as st
 import tengrad_fx
 
 from .oracle import explicit_jacobian, per_sample_grads_reference
+from .records import RECORD_TOL, assert_same, compile_model, snapshot
 
 __all__ = ["SETTINGS", "TOL", "KINDS", "layer_cases", "build_layer_case", "check_layer", "One", "Twice"]
 
@@ -37,25 +43,24 @@ SETTINGS: dict[str, Any] = dict(
 
 
 class One(nn.Module):
-    """The layer called once."""
+    """The layer called once, on ``x`` or (``relu_in``) on ``relu(x)``."""
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, relu_in: bool = False):
         super().__init__()
         self.layer = layer
+        self.relu_in = relu_in
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layer(x)
+        return self.layer(torch.relu(x) if self.relu_in else x)
 
 
-class Twice(nn.Module):
-    """The layer called on ``x`` and on ``tanh(x)``: one layer, two calls (its positions add)."""
-
-    def __init__(self, layer: nn.Module):
-        super().__init__()
-        self.layer = layer
+class Twice(One):
+    """The layer called on ``h`` and on ``tanh(h)`` (``h``: ``x`` or ``relu(x)``): one layer,
+    two calls (its positions add); output ``[m, n₁ + n₂]``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.layer(x).flatten(1), self.layer(torch.tanh(x)).flatten(1)], 1)
+        h = torch.relu(x) if self.relu_in else x
+        return torch.cat([self.layer(h).flatten(1), self.layer(torch.tanh(h)).flatten(1)], 1)
 
 
 def _readout(out: torch.Tensor, R: torch.Tensor) -> torch.Tensor:
@@ -146,7 +151,7 @@ def layer_cases(draw: Any, kinds: tuple[str, ...] = KINDS) -> dict[str, Any]:
         bias=draw(st.booleans()), m=draw(st.integers(1, 6)), calls=draw(st.sampled_from([1, 1, 2])),
         dtype=draw(st.sampled_from([torch.float64, torch.float32])),
         reduction=draw(st.sampled_from(["sum", "mean"])), seed=draw(st.integers(0, 2**16)),
-        x_grad=draw(st.booleans()), in_backward=draw(st.booleans()),
+        x_grad=draw(st.booleans()), in_backward=draw(st.booleans()), relu_in=draw(st.booleans()),
     )
     return case
 
@@ -169,7 +174,7 @@ def build_layer_case(case: dict[str, Any]) -> tuple[nn.Module, torch.Tensor]:
                     padding=case["padding"], dilation=case["dilation"], groups=case["groups"],
                     bias=case["bias"], padding_mode=case["padding_mode"])
         shape = (case["c_in"], *case["positions"])
-    model = (One if case["calls"] == 1 else Twice)(layer).to(case["dtype"])
+    model = (One if case["calls"] == 1 else Twice)(layer, case["relu_in"]).to(case["dtype"])
     g = torch.Generator().manual_seed(case["seed"] + 1)
     x = torch.randn(case["m"], *shape, generator=g, dtype=torch.float64).to(case["dtype"])
     return model, x
@@ -180,22 +185,38 @@ def _close(a: torch.Tensor, b: torch.Tensor, scale: float, tol: float) -> bool:
 
 
 def check_layer(model: nn.Module, x: torch.Tensor, reduction: str, seed: int, x_grad: bool = False,
-                in_backward: bool = False) -> None:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*padding='same'.*")
-        _check_layer(model, x, reduction, seed, x_grad, in_backward)
-
-
-def _check_layer(model: nn.Module, x: torch.Tensor, reduction: str, seed: int, x_grad: bool,
-                 in_backward: bool) -> None:
-    """Prepare ``model`` (whose only covered layer is ``model.layer``), capture one batch,
-    and check ``per_sample_grads``, ``gram`` (every strategy), ``jvp`` and ``vjp`` against
-    ``J`` from ``torch.func`` in float64.
+                in_backward: bool = False, compiled: bool = False, backend: str = "inductor") -> None:
+    """Prepare ``model`` (whose only covered layer is ``model.layer``; ``x``: ``[m, ...]``),
+    capture one batch, and check ``per_sample_grads``, ``gram`` (every strategy), ``jvp``
+    and ``vjp`` against ``J`` (``[m, n]``) from ``torch.func`` in float64.
 
     ``x_grad``: the input requires grad (the backward op then also computes the input grad).
     ``in_backward``: the layer's sites are in ``store.jacobian_sites``, so the backward op
     keeps the per-sample gradients ``P`` instead of ``I``/``G``.
+    ``compiled``: capture through ``torch.compile(prepared, backend=backend)``, and check
+    the records against an eager capture of a copy of ``model`` on the same batch.
     """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*padding='same'.*")
+        _check_layer(model, x, reduction, seed, x_grad, in_backward, compiled, backend)
+
+
+def _capture(model: nn.Module, x: torch.Tensor, R: torch.Tensor, reduction: str, x_grad: bool,
+             in_backward: bool, backend: Optional[str]) -> nn.Module:
+    """The prepared ``model`` after one backward of the readout loss on ``x`` (through
+    ``torch.compile`` with ``backend``, unless None)."""
+    prepared = tengrad_fx.prepare(model, example_inputs=(x[:2],), loss_reduction=reduction)
+    if in_backward:
+        info = tengrad_fx.get_info(prepared)
+        info.store.jacobian_sites = set(info.layers[0].sites)
+    fwd = prepared if backend is None else compile_model(prepared, backend)
+    loss = _readout(fwd(x.detach().requires_grad_(x_grad)), R.to(x.dtype))
+    (loss / x.shape[0] if reduction == "mean" else loss).backward()
+    return prepared
+
+
+def _check_layer(model: nn.Module, x: torch.Tensor, reduction: str, seed: int, x_grad: bool,
+                 in_backward: bool, compiled: bool, backend: str) -> None:
     layer = model.layer
     dtype = x.dtype
     tol = TOL[dtype]
@@ -211,12 +232,12 @@ def _check_layer(model: nn.Module, x: torch.Tensor, reduction: str, seed: int, x
     K = J @ J.T
     nJ = J.norm().item()
 
-    prepared = tengrad_fx.prepare(model, example_inputs=(x[:2],), loss_reduction=reduction)
-    if in_backward:
-        info = tengrad_fx.get_info(prepared)
-        info.store.jacobian_sites = set(info.layers[0].sites)
-    loss = _readout(prepared(x.detach().requires_grad_(x_grad)), R.to(dtype))
-    (loss / m if reduction == "mean" else loss).backward()
+    eager = None
+    if compiled:
+        eager = snapshot(_capture(copy.deepcopy(model), x, R, reduction, x_grad, in_backward, None))
+    prepared = _capture(model, x, R, reduction, x_grad, in_backward, backend if compiled else None)
+    if eager is not None:
+        assert_same(snapshot(prepared), eager, RECORD_TOL[dtype])
     layers = tengrad_fx.covered_layers(prepared)
     assert len(layers) == 1
     cl = layers[0]

@@ -7,9 +7,9 @@ by :class:`PlanNet`:
   ``"seq"`` (``[m, T, D]``, Linear layers on sequences);
 * blocks: a covered layer (random groups, stride, dilation, padding and padding mode,
   bias), a norm (BatchNorm in eval mode, GroupNorm, InstanceNorm, LayerNorm), an
-  activation (in-place ReLU / LeakyReLU / Hardtanh / ELU, or tanh / GELU), pooling, and a
-  residual branch ``act(norm(layer(h)) + h)`` (the add in place or not; the branch layer
-  may be called twice, so one layer has two calls);
+  activation (ReLU, in-place ReLU / LeakyReLU / Hardtanh / ELU, or tanh / GELU),
+  pooling, and a residual branch ``act(norm(layer(h)) + h)`` (the add in place or not;
+  the branch layer may be called twice, so one layer has two calls);
 * a head: global average pooling or flatten, an optional hidden Linear, a Linear to the
   classes.
 
@@ -17,7 +17,9 @@ by :class:`PlanNet`:
 weight decay, so the step is ``-u``) on a cross-entropy loss and compares ``u`` with the
 float64 reference: for every covered layer ``(JᵀJ/m + αI)⁻¹ g`` with ``J`` the per-sample
 gradients of an unprepared copy (one sample at a time, :func:`per_sample_grads_loop`),
-``u = g`` for every other parameter.
+``u = g`` for every other parameter. With ``compiled``, the prepared model's forward and
+backward run through ``torch.compile``, and its records must also equal those of an eager
+run of the same model and batch (:data:`~testing.records.RECORD_TOL`).
 """
 from __future__ import annotations
 
@@ -33,8 +35,10 @@ from hypothesis import strategies as st
 import tengrad_fx
 
 from .oracle import explicit_jacobian
+from .records import RECORD_TOL, Snapshot, assert_same, compile_model, snapshot
 
-__all__ = ["model_cases", "PlanNet", "build_model_case", "check_step", "per_sample_grads_loop", "STEP_TOL"]
+__all__ = ["model_cases", "PlanNet", "build_model_case", "check_step", "per_sample_grads_loop", "STEP_TOL",
+           "ACTS", "COMPILE_ACTS"]
 
 STEP_TOL = 1e-8  # relative, per layer, float64
 
@@ -42,11 +46,15 @@ _CONV = {1: nn.Conv1d, 2: nn.Conv2d}
 _BN = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d}
 _IN = {1: nn.InstanceNorm1d, 2: nn.InstanceNorm2d}
 _POOL = {("max", 1): nn.MaxPool1d, ("max", 2): nn.MaxPool2d, ("avg", 1): nn.AvgPool1d, ("avg", 2): nn.AvgPool2d}
-_ACTS = ["relu_", "leaky_", "hardtanh_", "elu_", "tanh", "gelu"]
+ACTS = ("relu", "relu_", "leaky_", "hardtanh_", "elu_", "tanh", "gelu")
+# Weighted to the activations whose backward lets a compiled program reuse a recorded
+# input's memory (a ReLU's output is the next layer's I; its input gradient may go there).
+COMPILE_ACTS = ("relu", "relu", "relu_", "relu_", "leaky_", "hardtanh_", "tanh", "gelu")
 
 
 def _act(name: str) -> nn.Module:
-    return {"relu_": lambda: nn.ReLU(inplace=True), "leaky_": lambda: nn.LeakyReLU(0.1, inplace=True),
+    return {"relu": nn.ReLU, "relu_": lambda: nn.ReLU(inplace=True),
+            "leaky_": lambda: nn.LeakyReLU(0.1, inplace=True),
             "hardtanh_": lambda: nn.Hardtanh(-2.0, 2.0, inplace=True), "elu_": lambda: nn.ELU(inplace=True),
             "tanh": nn.Tanh, "gelu": nn.GELU}[name]()
 
@@ -88,8 +96,14 @@ def _norm(draw: Any, family: str, c: int, size: tuple[int, ...]) -> str:
 
 
 @st.composite
-def model_cases(draw: Any) -> dict[str, Any]:
-    """A random model plan, batch and step options (see the module docstring)."""
+def model_cases(draw: Any, compile_hazards: bool = False) -> dict[str, Any]:
+    """A random model plan, batch and step options (see the module docstring).
+
+    ``compile_hazards``: draw mostly what lets a compiled backward reuse a recorded
+    tensor's memory: ReLU activations (:data:`COMPILE_ACTS`) and residual branches with
+    in-place adds; at most two blocks (a compile costs seconds per layer)."""
+    acts = COMPILE_ACTS if compile_hazards else ACTS
+    often = st.sampled_from([True, True, False]) if compile_hazards else st.booleans()
     family = draw(st.sampled_from(["conv2d", "conv2d", "conv1d", "seq"]))
     nd = 2 if family == "conv2d" else 1
     blocks: list[dict[str, Any]] = []
@@ -99,7 +113,7 @@ def model_cases(draw: Any) -> dict[str, Any]:
         c = draw(st.integers(1, 3))
         size = tuple([draw(st.integers(4, 8 if nd == 2 else 12))] * nd)
     in_channels, in_size = c, size
-    for _ in range(draw(st.integers(1, 3))):
+    for _ in range(draw(st.integers(1, 2 if compile_hazards else 3))):
         if family == "seq":
             h = draw(st.integers(1, 6))
             layer = dict(kind="linear", d_in=c, d_out=h, bias=draw(st.booleans()))
@@ -110,17 +124,17 @@ def model_cases(draw: Any) -> dict[str, Any]:
             if min(size_new) < 1:
                 break
         block: dict[str, Any] = dict(layer=layer, norm=draw(_norm(family, c_new, size_new)),
-                                     act=draw(st.sampled_from(_ACTS)), pool="none", residual=None)
+                                     act=draw(st.sampled_from(acts)), pool="none", residual=None)
         c, size = c_new, size_new
         if family != "seq" and min(size) >= 2:
             block["pool"] = draw(st.sampled_from(["none", "none", "max", "avg"]))
             if block["pool"] != "none":
                 size = tuple(n // 2 for n in size)
-        if draw(st.booleans()):
+        if draw(often):
             rl = (dict(kind="linear", d_in=c, d_out=c, bias=draw(st.booleans())) if family == "seq"
                   else draw(_conv_layer(nd, c, size, same=True)))
-            block["residual"] = dict(layer=rl, norm=draw(_norm(family, c, size)), act=draw(st.sampled_from(_ACTS)),
-                                     inplace_add=draw(st.booleans()), twice=draw(st.booleans()))
+            block["residual"] = dict(layer=rl, norm=draw(_norm(family, c, size)), act=draw(st.sampled_from(acts)),
+                                     inplace_add=draw(often), twice=draw(st.booleans()))
         blocks.append(block)
     features = c * (1 if family == "seq" else int(torch.tensor(size).prod()))
     pool = family == "seq" or features > 96 or draw(st.booleans())
@@ -128,7 +142,7 @@ def model_cases(draw: Any) -> dict[str, Any]:
     return dict(
         family=family, in_channels=in_channels, in_size=in_size, blocks=blocks,
         head=dict(global_pool=pool, features=c if pool else features, hidden=hidden,
-                  hidden_act=draw(st.sampled_from(_ACTS)), classes=draw(st.integers(2, 5))),
+                  hidden_act=draw(st.sampled_from(acts)), classes=draw(st.integers(2, 5))),
         m=draw(st.integers(2, 10)), reduction=draw(st.sampled_from(["mean", "sum"])),
         damping=draw(st.sampled_from([0.05, 0.3, 1.0])),
         update_form=draw(st.sampled_from(["auto", "woodbury"])),
@@ -265,9 +279,29 @@ def _close(got: torch.Tensor, want: torch.Tensor, w: torch.Tensor, tol: float, f
     return bool((got - want).norm() <= tol * want.norm() + 1e-14 * w.norm() + floor)
 
 
-def check_step(case: dict[str, Any]) -> dict[str, int]:
+def _prepare(model: nn.Module, x: torch.Tensor, case: dict[str, Any]) -> tuple[nn.Module, Any]:
+    """``(prepared model, TENGraD)`` with the step options of ``case`` (lr 1, no momentum,
+    weight decay or KL clip); ``x``: an input batch ``[m, ...]``."""
+    prepared = tengrad_fx.prepare(model, example_inputs=(x[:2],), loss_reduction=case["reduction"])
+    opt = tengrad_fx.TENGraD(prepared, lr=1.0, damping=case["damping"], momentum=0.0, weight_decay=0.0,
+                             update_form=case["update_form"], strategy=case["strategy"],
+                             curvature_every=1, kl_clip=None)
+    return prepared, opt
+
+
+def _eager_records(model: nn.Module, x: torch.Tensor, y: torch.Tensor, case: dict[str, Any]) -> Snapshot:
+    """The records of an eager capture of ``model`` (prepared as :func:`check_step` does)
+    on ``x`` (``[m, ...]``), ``y`` (``[m]``)."""
+    prepared, _ = _prepare(model, x, case)
+    F.cross_entropy(prepared(x), y, reduction=case["reduction"]).backward()
+    return snapshot(prepared)
+
+
+def check_step(case: dict[str, Any], compiled: bool = False, backend: str = "inductor") -> dict[str, int]:
     """One TENGraD step on the model of ``case`` against dense block NGD (float64).
 
+    ``compiled``: the forward and backward run through ``torch.compile(prepared,
+    backend=backend)``, and the records are checked against an eager capture of a copy.
     Returns ``{"covered": layers, "fallback": parameters}`` of the prepared model.
     """
     model, x, y = build_model_case(case)
@@ -276,12 +310,13 @@ def check_step(case: dict[str, Any]) -> dict[str, int]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*padding='same'.*")
         psg = per_sample_grads_loop(ref, x, y)
-        prepared = tengrad_fx.prepare(model, example_inputs=(x[:2],), loss_reduction=case["reduction"])
-        opt = tengrad_fx.TENGraD(prepared, lr=1.0, damping=alpha, momentum=0.0, weight_decay=0.0,
-                                 update_form=case["update_form"], strategy=case["strategy"],
-                                 curvature_every=1, kl_clip=None)
+        eager = _eager_records(copy.deepcopy(model), x, y, case) if compiled else None
+        prepared, opt = _prepare(model, x, case)
         prepared.zero_grad()
-        F.cross_entropy(prepared(x), y, reduction=case["reduction"]).backward()
+        fwd = compile_model(prepared, backend) if compiled else prepared
+        F.cross_entropy(fwd(x), y, reduction=case["reduction"]).backward()
+        if eager is not None:
+            assert_same(snapshot(prepared), eager, RECORD_TOL[x.dtype])
         g = {n: p.grad.detach().clone() for n, p in prepared.named_parameters()}
         before = {n: p.detach().clone() for n, p in prepared.named_parameters()}
         opt.step()

@@ -1,4 +1,5 @@
-"""Records of a prepared model's backward, eager or compiled, and their comparison."""
+"""Records of a prepared model's backward, eager or compiled (compared by
+:func:`testing.records.assert_same`), and per-sample gradients against torch.func."""
 from __future__ import annotations
 
 import copy
@@ -8,14 +9,14 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch import Tensor
 
 import tengrad_fx
 from testing.oracle import per_sample_grads_reference
+from testing.records import Snapshot, assert_same, rel, snapshot
 
 from ._models import batch, make
 
-Snapshot = dict[tuple[str, int, str], Tensor]
+__all__ = ["prepare", "backward", "eager_records", "compiled_records", "assert_same", "assert_per_sample"]
 
 
 def prepare(name: str, dtype: torch.dtype = torch.float64, train: bool = True,
@@ -31,19 +32,6 @@ def prepare(name: str, dtype: torch.dtype = torch.float64, train: bool = True,
         store = tengrad_fx.get_info(pm).store
         store.jacobian_sites = set(store.site_names)
     return orig, pm
-
-
-def snapshot(pm: nn.Module) -> Snapshot:
-    """Copies of every record's tensors, keyed by (layer, call, field)."""
-    store = tengrad_fx.get_info(pm).store
-    out: Snapshot = {}
-    for site, recs in store.records.items():
-        for j, r in enumerate(recs):
-            for f in ("I", "G", "P", "Gsum"):
-                t = getattr(r, f)
-                if t is not None:
-                    out[(store.site_names.get(site, str(site)), j, f)] = t.detach().clone()
-    return out
 
 
 def backward(pm: nn.Module, fwd: Any, name: str, m: int, seed: int = 0,
@@ -73,19 +61,6 @@ def compiled_records(name: str, sizes: tuple[int, ...], dtype: torch.dtype = tor
         F.cross_entropy(fwd(x.to(device)), y.to(device)).backward()
         out.append({k: v.cpu() for k, v in snapshot(pm).items()})
     return out
-
-
-def rel(a: Tensor, b: Tensor) -> float:
-    if a.dtype in (torch.int64, torch.int32):
-        return 0.0 if torch.equal(a, b) else float("inf")
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
-
-
-def assert_same(got: Snapshot, want: Snapshot, tol: float) -> None:
-    """Same records (keys, shapes) and every tensor within relative error ``tol``."""
-    assert sorted(got) == sorted(want), f"recorded fields differ: {sorted(set(got) ^ set(want))}"
-    bad = {k: rel(got[k], want[k]) for k in want if got[k].shape != want[k].shape or rel(got[k], want[k]) > tol}
-    assert not bad, f"compiled records differ from eager (relative error > {tol}): {bad}"
 
 
 def assert_per_sample(orig: nn.Module, pm: nn.Module, name: str, m: int, seed: int, tol: float,
