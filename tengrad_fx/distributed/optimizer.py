@@ -349,8 +349,8 @@ class DistributedTENGraD(TENGraD):
         if step is not None:
             chol = {lay.name: grp.chol[i] for grp in self._curv[self._n_gather:] if grp.chol is not None
                     for i, lay in enumerate(grp.layers)}
-            step.exchange(self._owner, chol)
-            out.update(step.finish(damping))
+            step.exchange(self._owner, chol, damping)
+            out.update(step.finish())
         return out
 
     def reuse_cost(self) -> tuple[float, float]:

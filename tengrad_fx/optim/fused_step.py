@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from .. import solve
 from .fused import LayerInput, fused_update
 
 __all__ = ["FusedStep"]
@@ -73,20 +74,20 @@ class FusedStep:
         m = used[0][1]
         if any(cm != m for _, cm in used):
             return None
-        scale = float(m) * (1.0 if loss_reduction == "sum" else 1.0 / m)
+        scale = solve.push_through_scale(m, loss_reduction)
         grads = [torch.cat([p.grad.flatten() for p in params]) for params, _ in used]
         args = (ins, grads, m * damping, scale, damping, push_through, solve_dtype)
         try:
-            us, info = (self.fn or fused_update)(*args)
+            us, ok = (self.fn or fused_update)(*args)
         except Exception as exc:  # compilation failure: eager from now on
             warnings.warn(f"TENGraD(compile=True): torch.compile failed ({type(exc).__name__}: {exc}); "
                           "running the fused update eagerly", RuntimeWarning)
             self.fn = None
-            us, info = fused_update(*args)
+            us, ok = fused_update(*args)
         out: dict[Tensor, Tensor] = {}
         for (params, _), u in zip(used, us):
             off = 0
             for p in params:
                 out[p] = u[off: off + p.numel()].view_as(p).to(p.dtype)
                 off += p.numel()
-        return out, (info == 0).all(), used
+        return out, ok.all(), used

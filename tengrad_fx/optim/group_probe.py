@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import Tensor
 
+from .. import solve
 from ..curvature import conv_stack
 
 if TYPE_CHECKING:
@@ -49,9 +50,7 @@ def probe(grp: "LayerGroup", gw: Tensor, gb: Optional[Tensor], s: float, n_probe
     channels only (:func:`~tengrad_fx.curvature.conv_stack.channel_sums`), at a fraction of
     the full ``Jᵀ1``'s cost; in full for ``"layer"``, for a ``"conv"`` stack with too few
     channels to sample, and for packed groups (small layers only). The test
-    ``‖g − s·Jᵀ1‖ ≤ tol·‖g‖`` over them is one ``sub`` (the scale as its ``alpha``), two
-    norms and a compare."""
-    tol = 1e-4 if gw.dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-9
+    ``‖g − s·Jᵀ1‖ ≤ tol·‖g‖`` over them: :func:`tengrad_fx.solve.push_through_holds`."""
     ks = grp.k * s  # got below is unscaled: J = k·[...]
     got_b: Optional[Tensor] = None
     gen = probe_generator(gw.device)
@@ -85,8 +84,7 @@ def probe(grp: "LayerGroup", gw: Tensor, gb: Optional[Tensor], s: float, n_probe
         got_b = grp.B.sum(1) if grp.has_bias else None
     if got_b is not None and gb is not None:
         got, ref = torch.cat([got, got_b], 1), torch.cat([ref, gb], 1)
-    err = torch.linalg.vector_norm(torch.sub(ref, got, alpha=ks), dim=1)
-    return err <= tol * torch.linalg.vector_norm(ref, dim=1)
+    return solve.push_through_holds(ref, got, ks)
 
 
 def _conv_probe_rows(grp: "LayerGroup", n_probe: int) -> Optional[int]:

@@ -38,7 +38,7 @@ from .resume import restore_curvature, save_curvature
 from .state_check import check_materialization, materialization_meta
 from .skeleton import StepSkeleton
 from ..curvature.layer import KERNELS, choose_strategy, covered_layers
-from ..solve.woodbury import damped_cholesky_ex
+from .. import solve
 from .graphs import StepGraphs
 from .group_build import build_groups, factored_bytes, keeps_jacobian, previous_stacks
 from .group_cost import reuse_cost
@@ -289,7 +289,7 @@ class TENGraD(StepSkeleton):
             if any(grp.m != m for grp in groups):
                 raise RuntimeError("TENGraD: covered layers captured different batch sizes")
             K = self._K[0] if len(self._K) == 1 else torch.cat(self._K)
-            chol, ok = damped_cholesky_ex(K, m * damping, self.solve_dtype)
+            chol, ok = solve.damped_cholesky_ex(K, m * damping, self.solve_dtype)
             ok = ok.all()
             if self.cuda_graph and old_chol is not None and old_ok is not None and old_chol.shape == chol.shape \
                     and old_chol.dtype == chol.dtype:  # in place: static for a captured step (no copy without one)

@@ -41,7 +41,7 @@ from torch import Tensor
 
 from ..curvature import conv_stack
 from ..curvature.layer import CoveredLayer
-from ..solve.woodbury import solve_cholesky
+from .. import solve
 from . import group_probe
 from .group_probe import probe_generator
 
@@ -369,10 +369,8 @@ class LayerGroup:
                 ub = torch.add(gb * beta if beta != 1.0 else gb, Bc.sum(1), alpha=gamma * self.k)
             return uw, ub
         JTw, JTb = self.vjp(c)
-        uw = torch.add(gw * beta if beta != 1.0 else gw, JTw.to(gw.dtype), alpha=gamma)
-        ub = None
-        if gb is not None and JTb is not None:
-            ub = torch.add(gb * beta if beta != 1.0 else gb, JTb.to(gb.dtype), alpha=gamma)
+        uw = solve.woodbury_combine(gw, JTw, beta, gamma)
+        ub = solve.woodbury_combine(gb, JTb, beta, gamma) if gb is not None and JTb is not None else None
         return uw, ub
 
     def probe(self, gw: Tensor, gb: Optional[Tensor], s: float, n_probe: int = 256) -> Tensor:
@@ -395,7 +393,7 @@ def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, da
     giving ``u·g = β‖g‖² + γ·cᵀ(J g)``, so no pass over ``u`` (one read of ``g`` for
     ``‖g‖²``, which, finite, also certifies these gradients finite for the step's check)."""
     m = groups[0].m
-    scale = float(m) * (1.0 if loss_reduction == "sum" else 1.0 / m)
+    scale = solve.push_through_scale(m, loss_reduction)
     grads, rhs, push, jgs, sqs = [], [], [], [], []
     for grp in groups:
         gw, gb = grp.grads()
@@ -407,29 +405,24 @@ def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, da
         if use_pt:
             ok = grp.probe(gw, gb, scale / m)
             push.append(ok)
-            Jg = torch.where(ok.unsqueeze(1), torch.ones_like(Jg), Jg)
+            Jg = solve.push_through_rhs(Jg, ok)
         grads.append((gw, gb))
         rhs.append(Jg)
-    c_all = solve_cholesky(chol, torch.cat(rhs))  # (K + mαI)⁻¹ rhs, [L_total, m]
+    # c = (K + mαI)⁻¹ rhs, [L_total, m]; per layer u = β·g + γ·Jᵀc
+    c_all, beta_all, gamma = solve.woodbury_solve(chol, torch.cat(rhs), damping, torch.cat(push) if use_pt else None,
+                                                  scale, grads[0][0].dtype)
     out: dict[Tensor, Tensor] = {}
     a = 1.0 / damping
     sizes = [len(grp.layers) for grp in groups]
-    betas: list[Union[float, Tensor]] = [a] * len(groups)
-    gamma = -a
-    if use_pt:  # per layer on the device: push-through u = scale·Jᵀc where the probe holds, else Woodbury
-        push_all = torch.cat(push)
-        dev, g_dt = c_all.device, grads[0][0].dtype
-        beta_all = torch.where(push_all, 0.0, torch.full((), a, dtype=g_dt, device=dev))
-        betas = list(beta_all.split(sizes))
-        c_all = c_all * torch.where(push_all, torch.full((), scale, dtype=c_all.dtype, device=dev), -a).unsqueeze(1)
-        gamma = 1.0
+    betas: list[Union[float, Tensor]] = list(beta_all.split(sizes)) if isinstance(beta_all, Tensor) \
+        else [beta_all] * len(groups)
     dots = None
     if dot:  # Σ_l β_l‖g_l‖² + γ·c_l·(J g)_l, in the solve's dtype
         dt = c_all.dtype
         cJg = torch.dot(c_all.reshape(-1), torch.cat(jgs).to(dt).reshape(-1))
         if use_pt:
             sq = torch.cat(sqs).to(dt)
-            dots = (torch.dot(beta_all.to(dt), sq) + cJg, sq.sum())
+            dots = (torch.dot(beta_all.to(dt), sq) + cJg, sq.sum())  # type: ignore[union-attr]
         else:  # one β = 1/α, γ = −1/α: ‖g‖² of all stacks by one _foreach_norm
             norms = torch.stack(torch._foreach_norm([t for gw_gb in grads for t in gw_gb if t is not None])).to(dt)
             gsq = torch.dot(norms, norms)
