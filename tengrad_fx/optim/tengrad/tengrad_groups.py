@@ -13,7 +13,7 @@ the number of ops a step dispatches does not grow with depth. Forms:
   zeros after ``n_w + n_b``; ``Pb`` None), its gradient likewise in ``g [L, W]``. Zero
   columns add nothing to ``K = P Pᵀ`` or ``J g``, and the padded part of ``Jᵀ c`` / ``u``
   is zero and sliced away by :meth:`LayerGroup.split`, so packing is exact
-  (which layers are packed: :mod:`tengrad_fx.optim.group_build`).
+  (which layers are packed: :mod:`tengrad_fx.optim.tengrad.group_build`).
 * ``"IG"`` — Linear layers with one position per sample, by factorization: inputs
   ``A [L, m, f]``, captured output gradients ``B [L, m, o]``, ``J_i = k·vec(B_i A_iᵀ, B_i)``.
   ``J g = k·Σ (A Gwᵀ)⊙B`` or ``k·Σ (B Gw)⊙A`` — the order with the smaller ``[m, min(o, f)]``
@@ -28,7 +28,7 @@ the number of ops a step dispatches does not grow with depth. Forms:
 
 ``k`` is the per-sample scale of the captured ``G`` (``m`` for a mean loss). Gradients of
 a group are stacked the same way: ``gw [L, n_w]``, ``gb [L, n_b]``. The groups of a step
-are built by :func:`tengrad_fx.optim.group_build.build_groups`.
+are built by :func:`tengrad_fx.optim.tengrad.group_build.build_groups`.
 """
 from __future__ import annotations
 
@@ -39,9 +39,9 @@ from typing import Iterator, Literal, Optional, Union
 import torch
 from torch import Tensor
 
-from ..curvature import conv_stack
-from ..curvature.layer import CoveredLayer
-from .. import solve
+from ...curvature import conv_stack
+from ...curvature.layer import CoveredLayer
+from ... import solve
 from . import group_probe
 from .group_probe import probe_generator
 
@@ -375,7 +375,7 @@ class LayerGroup:
 
     def probe(self, gw: Tensor, gb: Optional[Tensor], s: float, n_probe: int = 256) -> Tensor:
         """Is each layer's gradient the captured batch's ``s·Jᵀ1``? ``[L]`` bool, on the
-        device (:func:`tengrad_fx.optim.group_probe.probe`)."""
+        device (:func:`tengrad_fx.optim.tengrad.group_probe.probe`)."""
         return group_probe.probe(self, gw, gb, s, n_probe)
 
 

@@ -21,7 +21,7 @@ step changes nothing and does not advance their schedules.
 
 Mixed precision: the captured records are converted to float32 (and unscaled) once per
 capture before anything reads them; ``torch.amp.GradScaler`` steps go through
-:mod:`tengrad_fx.optim.amp` (``grad_scaler=`` at construction, ``scaler.step(opt)``).
+:mod:`tengrad_fx.optim.step.amp` (``grad_scaler=`` at construction, ``scaler.step(opt)``).
 """
 from __future__ import annotations
 
@@ -31,14 +31,14 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from ..capture.info import PrepareInfo
-from ..capture.prepare import capturing
+from ...capture.info import PrepareInfo
+from ...capture.prepare import capturing
 from .amp import loss_scale, scaler_enabled, scaler_flags, unscale_grads
 from .update import all_finite, apply_momentum_step, finite_flag, kl_clip_factor
 from .checks import check_positive
 from .reduction_check import check_loss_reduction
 from .state_check import META, check_loadable, layout_meta
-from ..curvature.layer import covered_layers
+from ...curvature.layer import covered_layers
 
 __all__ = ["StepSkeleton", "SkipStep", "HostMirror"]
 

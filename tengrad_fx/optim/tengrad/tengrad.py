@@ -29,16 +29,16 @@ from typing import Any, Callable, Literal, Optional
 import torch
 from torch import Tensor
 
-from ..capture.info import get_info
-from ..capture.prepare import capturing
-from .checks import check_choice, check_interval, check_nonneg, check_positive, check_unit
+from ...capture.info import get_info
+from ...capture.prepare import capturing
+from ..step.checks import check_choice, check_interval, check_nonneg, check_positive, check_unit
 from .gauss_newton import gauss_newton_capture
-from .mc import mc_capture
+from ..step.mc import mc_capture
 from .resume import restore_curvature, save_curvature
-from .state_check import check_materialization, materialization_meta
-from .skeleton import StepSkeleton
-from ..curvature.layer import KERNELS, choose_strategy, covered_layers
-from .. import solve
+from ..step.state_check import check_materialization, materialization_meta
+from ..step.skeleton import StepSkeleton
+from ...curvature.layer import KERNELS, choose_strategy, covered_layers
+from ... import solve
 from .graphs import StepGraphs
 from .group_build import build_groups, factored_bytes, keeps_jacobian, previous_stacks
 from .group_cost import reuse_cost
@@ -52,7 +52,7 @@ class TENGraD(StepSkeleton):
     """TENGraD over a model returned by :func:`tengrad_fx.prepare`.
 
     The step reads nothing back from the device once warmed up (see
-    :mod:`tengrad_fx.optim.skeleton`): non-finite values skip it by a masked update,
+    :mod:`tengrad_fx.optim.step.skeleton`): non-finite values skip it by a masked update,
     Cholesky failures are caught by ``cholesky_ex`` with fixed batched jitter retries
     (:func:`tengrad_fx.solve.damped_cholesky_ex`), and the push-through/Woodbury choice
     is made on the device.
@@ -77,7 +77,7 @@ class TENGraD(StepSkeleton):
             from the model's prediction by :meth:`mc_capture`; needs ``mc_loss``) or
             ``"gauss-newton"`` (exact GGN of ``½‖out − y‖²``, for regression with at most
             16 outputs: :meth:`mc_capture` runs one backward per output; see
-            :mod:`tengrad_fx.optim.gauss_newton`).
+            :mod:`tengrad_fx.optim.tengrad.gauss_newton`).
         mc_loss: ``"cross_entropy"`` (categorical sampling) or ``"mse"`` (Gaussian, unit
             variance; MC loss ``½‖out − ŷ‖²`` summed over outputs, mean over the batch).
         kl_clip: KL clipping threshold (``None``: off).
@@ -93,19 +93,19 @@ class TENGraD(StepSkeleton):
             larger than ``I, G`` on a CPU).
         strategy: Gram strategy for all layers: ``"auto"``, ``"factor"``, ``"materialize"``.
         compile: run the whole update (Gram → Cholesky → solve → Jᵀc over all layers,
-            :func:`tengrad_fx.optim.fused.fused_update`) under ``torch.compile``; layers
+            :func:`tengrad_fx.optim.tengrad.fused.fused_update`) under ``torch.compile``; layers
             of equal shapes share one ``vmap``. Falls back to eager, with one warning, if
             compilation fails or a layer has no fused form (conv/sequence by factor).
             A string names the ``torch.compile`` backend (default ``"inductor"``).
         cuda_graph: on CUDA, capture the device part of reuse steps (no new curvature) as a
-            CUDA graph per step kind and replay it (:mod:`tengrad_fx.optim.graphs`); eager
+            CUDA graph per step kind and replay it (:mod:`tengrad_fx.optim.tengrad.graphs`); eager
             with one warning if capture fails; on a CPU the same code runs eagerly.
             Default (None): on when the parameters are on a CUDA device at construction.
         gram_tf32: compute the curvature steps' Grams ``J Jᵀ`` of float32 layers with TF32
             tensor cores on CUDA (``tengrad_groups.tf32_matmuls``; ~1e-3 relative error in
             ``K``, the precision cuDNN's default TF32 convolutions already give ``P``).
         grad_scaler: the loop's ``torch.amp.GradScaler``: step with ``scaler.step(opt)``;
-            autocast and loss scaling in :mod:`tengrad_fx.optim.amp`.
+            autocast and loss scaling in :mod:`tengrad_fx.optim.step.amp`.
     """
 
     NAME = "tengrad"
@@ -193,7 +193,7 @@ class TENGraD(StepSkeleton):
 
     def reuse_cost(self) -> tuple[float, float]:
         """``(flops, bytes)`` of the curvature work of a step without new curvature, from
-        the cached groups (:func:`tengrad_fx.optim.group_cost.reuse_cost`); zeros
+        the cached groups (:func:`tengrad_fx.optim.tengrad.group_cost.reuse_cost`); zeros
         before the first curvature step or on the fused path."""
         groups = [g for g in self._curv if isinstance(g, LayerGroup)]
         return reuse_cost(groups) if groups else (0.0, 0.0)
@@ -253,7 +253,7 @@ class TENGraD(StepSkeleton):
     # ------------------------------------------------------------------ curvature
     def _refresh(self, damping: float) -> None:
         """Grams and Cholesky factors of every covered layer from the store, by groups of
-        equal shape (:mod:`tengrad_fx.optim.tengrad_groups`).
+        equal shape (:mod:`tengrad_fx.optim.tengrad.tengrad_groups`).
 
         Layers the cost model materializes (within ``jacobian_budget_mb``) are marked in
         the store, so later capturing backwards compute their per-sample gradients in
@@ -389,7 +389,7 @@ class TENGraD(StepSkeleton):
 
     def _precondition(self, push_through: bool, damping: float) -> dict[Tensor, Tensor]:
         """``{param: u}`` for every parameter with a gradient of every covered layer
-        (:func:`tengrad_fx.optim.tengrad_groups.precondition_groups` over the cached groups
+        (:func:`tengrad_fx.optim.tengrad.tengrad_groups.precondition_groups` over the cached groups
         and factors; the push-through form on empirical curvature steps, ``push_through``)."""
         groups: list[LayerGroup] = self._curv
         if not groups or self._chol is None:

@@ -1,4 +1,4 @@
-"""Which covered layers share a :class:`~tengrad_fx.optim.tengrad_groups.LayerGroup`.
+"""Which covered layers share a :class:`~tengrad_fx.optim.tengrad.tengrad_groups.LayerGroup`.
 
 :func:`build_groups` puts every trainable covered layer with a record into a group:
 
@@ -44,8 +44,8 @@ from typing import Any, Optional
 
 from torch import Tensor
 
-from ..capture.store import Record
-from ..curvature.layer import CoveredLayer
+from ...capture.store import Record
+from ...curvature.layer import CoveredLayer
 from .tengrad_groups import LayerGroup, pack_views, stack
 
 __all__ = ["build_groups", "factored_bytes", "keeps_jacobian", "previous_stacks", "PACK_MAX_BYTES", "PACK_MAX_RATIO",

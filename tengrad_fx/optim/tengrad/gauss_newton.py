@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..capture.store import CaptureStore, Record
+from ...capture.store import CaptureStore, Record
 
 __all__ = ["MAX_OUTPUTS", "gauss_newton_capture"]
 

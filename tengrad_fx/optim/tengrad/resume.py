@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from ..capture.store import Record
+from ...capture.store import Record
 
 __all__ = ["save_curvature", "restore_curvature"]
 

@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .. import solve
+from ... import solve
 
 __all__ = ["fused_update", "LayerInput"]
 

@@ -1,4 +1,4 @@
-"""The push-through probe of a :class:`~tengrad_fx.optim.tengrad_groups.LayerGroup`: is each
+"""The push-through probe of a :class:`~tengrad_fx.optim.tengrad.tengrad_groups.LayerGroup`: is each
 layer's gradient the captured batch's ``s·Jᵀ1``? (the push-through form is exact only when
 it holds; decided per layer on the device, no host read).
 
@@ -11,18 +11,35 @@ group (small layers only) and all of a ``"layer"``.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
 
-from .. import solve
-from ..curvature import conv_stack
+from ... import solve
+from ...curvature import conv_stack
 
-if TYPE_CHECKING:
-    from .tengrad_groups import LayerGroup
+__all__ = ["probe", "probe_generator", "ProbedGroup", "PROBE_MIN_CHANNELS"]
 
-__all__ = ["probe", "probe_generator", "PROBE_MIN_CHANNELS"]
+
+class ProbedGroup(Protocol):
+    """What the probe reads of a group of ``L`` layers (a
+    :class:`~tengrad_fx.optim.tengrad.tengrad_groups.LayerGroup`)."""
+
+    form: str
+    layers: Sequence[Any]
+    m: int
+    k: float
+    Pw: Optional[Tensor]
+    Pb: Optional[Tensor]
+    A: Optional[Tensor]
+    B: Optional[Tensor]
+    cols: Optional[list[tuple[int, int]]]
+
+    @property
+    def has_bias(self) -> bool: ...
+
+    def vjp(self, c: Tensor) -> tuple[Tensor, Optional[Tensor]]: ...
 
 _PROBE_GENERATORS: dict[str, torch.Generator] = {}
 PROBE_MIN_CHANNELS = 8
@@ -40,7 +57,7 @@ def probe_generator(device: torch.device) -> torch.Generator:
     return _PROBE_GENERATORS[key]
 
 
-def probe(grp: "LayerGroup", gw: Tensor, gb: Optional[Tensor], s: float, n_probe: int = 256) -> Tensor:
+def probe(grp: ProbedGroup, gw: Tensor, gb: Optional[Tensor], s: float, n_probe: int = 256) -> Tensor:
     """Is each layer of ``grp`` (gradients ``gw [L, n_w]``, ``gb [L, n_b]``) the captured
     batch's ``s·Jᵀ1``? ``[L]`` bool, on the device (False after gradient clipping, a loss
     term outside the captured layers or accumulation). Coordinates: ``n_probe`` random
@@ -87,7 +104,7 @@ def probe(grp: "LayerGroup", gw: Tensor, gb: Optional[Tensor], s: float, n_probe
     return solve.push_through_holds(ref, got, ks)
 
 
-def _conv_probe_rows(grp: "LayerGroup", n_probe: int) -> Optional[int]:
+def _conv_probe_rows(grp: ProbedGroup, n_probe: int) -> Optional[int]:
     """Output channels per group the ``"conv"`` probe samples (each holds ``c_in/g·Πk``
     coordinates, in every one of the ``g`` groups): enough for ``n_probe`` coordinates
     and at least :data:`PROBE_MIN_CHANNELS`; None where that is every channel (then the
