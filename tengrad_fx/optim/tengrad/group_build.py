@@ -46,6 +46,7 @@ from torch import Tensor
 
 from ...capture.store import Record
 from ...curvature.layer import CoveredLayer
+from .group_forms import FORMS, ConvStackGroup, FactoredLinearGroup, MaterializedGroup, SingleLayerGroup
 from .tengrad_groups import LayerGroup, pack_views, stack
 
 __all__ = ["build_groups", "factored_bytes", "keeps_jacobian", "previous_stacks", "PACK_MAX_BYTES", "PACK_MAX_RATIO",
@@ -145,15 +146,15 @@ def pack_plan(units: list[list[_Member]]) -> list[list[int]]:
 def _group(key: tuple, members: list[_Member]) -> LayerGroup:
     """The unpacked group of equal-shape ``members`` (``key[0]`` = form)."""
     lays = [mb[0] for mb in members]
-    dim = 1 if key[0] == "conv" else 0  # "conv": the layer axis after the sample axis
+    dim = FORMS[key[0]].layer_axis  # "conv": the layer axis after the sample axis
     X = stack([mb[1] for mb in members], dim)
     Y = stack([mb[2] for mb in members], dim) if members[0][2] is not None else None  # type: ignore[misc]
     m, k = X.shape[1 - dim], members[0][3]
     if key[0] == "P":
-        return LayerGroup("P", lays, m, k, Pw=X, Pb=Y)
+        return MaterializedGroup(lays, m, k, Pw=X, Pb=Y)
     if key[0] == "conv":
-        return LayerGroup("conv", lays, m, k, A=X, B=Y, strategy=key[1])
-    return LayerGroup("IG", lays, m, k, A=X, B=Y)
+        return ConvStackGroup(lays, m, k, A=X, B=Y, strategy=key[1])
+    return FactoredLinearGroup(lays, m, k, A=X, B=Y)
 
 
 def _cols(members: list[_Member]) -> list[tuple[int, int]]:
@@ -166,7 +167,7 @@ def _packed_group(members: list[_Member]) -> LayerGroup:
     cols = _cols(members)
     Pw0 = members[0][1]
     X, views = pack_views([[Pw, Pb] for _, Pw, Pb, _ in members], max(a + b for a, b in cols), Pw0)
-    return LayerGroup("P", [mb[0] for mb in members], Pw0.shape[0], members[0][3], Pw=X, cols=cols, _fill=views)
+    return MaterializedGroup([mb[0] for mb in members], Pw0.shape[0], members[0][3], Pw=X, cols=cols, _fill=views)
 
 
 _Plan = tuple[str, Optional[tuple], list[_Member]]  # ("stack" | "packed", key, members)
@@ -207,7 +208,7 @@ def _match(plan: _Plan, reuse: dict[tuple, LayerGroup], static: bool) -> Optiona
     if kind == "packed":
         ok = S is not None and S.dtype == X.dtype and S.shape[1] == X.shape[0]
     else:
-        dim = 1 if form == "conv" else 0
+        dim = old.layer_axis
         ok = S is not None and S.dtype == X.dtype and tuple(S.shape) == _stack_shape(X, len(members), dim) \
             and (T is None) == (Y is None) \
             and (T is None or (T.dtype == Y.dtype and tuple(T.shape) == _stack_shape(Y, len(members), dim)))
@@ -271,7 +272,7 @@ def build_groups(layers: list[CoveredLayer], strategy: str, budget: Optional[flo
             del I, G, recs
             continue
         del recs
-        single.append(LayerGroup("layer", [layer], m, strategy=how))
+        single.append(SingleLayerGroup([layer], m, strategy=how))
     # "P" keys of one (k, dtypes) -> their packing plan; a plan's group goes where its first key was
     by_kind: dict[Any, list[tuple]] = {}
     for key in keyed:
