@@ -34,7 +34,7 @@ from ...capture.prepare import capturing
 from ..step.checks import check_choice, check_interval, check_nonneg, check_positive, check_unit
 from .gauss_newton import gauss_newton_capture
 from ..step.mc import mc_capture
-from .resume import restore_curvature, save_curvature
+from .resume import restore_records, save_records
 from ..step.state_check import check_materialization, materialization_meta
 from ..step.skeleton import StepSkeleton
 from ...curvature.layer import KERNELS, choose_strategy, covered_layers
@@ -210,16 +210,27 @@ class TENGraD(StepSkeleton):
         that step needs (:mod:`.resume`), so a resumed run continues bit for bit."""
         sd = super().state_dict()
         sd["state"][self.NAME]["jacobian_sites"] = sorted(self._info.store.jacobian_sites)
-        curv = save_curvature(self)
-        if curv is not None:
-            sd["curvature"] = curv
+        if self.curvature_every > 1 and not self._needs_capture(self._sched):  # the next step reuses it
+            sd["curvature"] = {"sched": self._curv_sched, "damping": self._curv_damping,
+                               "records": save_records(self._info.store, self._layers)}
         return sd
 
+    def _restore_curvature(self, curv: dict[str, Any]) -> None:
+        """Put saved records back into the capture store and rebuild the cached curvature
+        from them (as the curvature step that captured them did)."""
+        store = self._info.store
+        restore_records(store, self._layers, curv["records"])
+        self._last_generation = store.generation
+        self._refresh(curv["damping"])
+        self._curv_sched = int(curv["sched"])
+        self._recapture = False
+
     def _layout_meta(self) -> dict[str, Any]:
-        return materialization_meta(self)
+        return materialization_meta(self.strategy, self.jacobian_budget_mb, self._layers,
+                                    self._info.store.jacobian_sites)
 
     def _check_layout_meta(self, meta: dict[str, Any]) -> None:
-        check_materialization(self, meta)
+        check_materialization(meta, self.strategy, self.jacobian_budget_mb, self._layers)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load counters, momentum buffers and the saved curvature records (if any; else
@@ -232,7 +243,7 @@ class TENGraD(StepSkeleton):
         self._curv = []
         self._graphs.clear()
         if curv is not None:
-            restore_curvature(self, curv)
+            self._restore_curvature(curv)
         capturing(self.model, self._needs_capture(self._sched))
 
     def mc_capture(self, outputs: Tensor, targets: Optional[Tensor] = None) -> None:
