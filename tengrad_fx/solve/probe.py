@@ -2,7 +2,7 @@
 
 The push-through form ``(F + αI)⁻¹ g = s·m·Jᵀ(K + mαI)⁻¹1`` is exact only for
 ``g = s·Jᵀ1``. Callers compare ``g`` with ``Jᵀ1`` on some coordinates (chosen by them:
-:mod:`tengrad_fx.optim.tengrad.group_probe`, :mod:`tengrad_fx.distributed.gram_blocks`)
+:mod:`tengrad_fx.optim.tengrad.group_forms`, :mod:`tengrad_fx.distributed.gram_blocks`)
 and decide per layer, on the device, by :func:`push_through_holds`.
 """
 from __future__ import annotations
