@@ -49,7 +49,7 @@ from ...curvature.layer import CoveredLayer
 from .group_forms import FORMS, ConvStackGroup, FactoredLinearGroup, MaterializedGroup, SingleLayerGroup
 from .tengrad_groups import LayerGroup, pack_views, stack
 
-__all__ = ["build_groups", "factored_bytes", "keeps_jacobian", "previous_stacks", "PACK_MAX_BYTES", "PACK_MAX_RATIO",
+__all__ = ["build_groups", "factored_bytes", "keeps_jacobian", "kept_sites", "previous_stacks", "PACK_MAX_BYTES", "PACK_MAX_RATIO",
            "STACK_BYTES"]
 
 PACK_MAX_BYTES = 16 * 2**20
@@ -98,6 +98,20 @@ def keeps_jacobian(p_bytes: int, ig_bytes: int, budget: Optional[float]) -> bool
     default), where ``J`` is no larger than the layer's ``I, G`` (``ig_bytes``), so that
     keeping ``J`` never holds more than keeping the layer factored would."""
     return p_bytes <= (ig_bytes if budget is None else budget)
+
+
+def kept_sites(candidates: list[tuple[CoveredLayer, int, list[tuple[int, ...]]]], sites: set[int],
+               budget: Optional[float]) -> set[int]:
+    """``sites`` plus the call sites of the ``(layer, m, input shapes)`` the cost model
+    materializes (in layer order) that keep ``J`` between steps (:func:`keeps_jacobian`
+    under ``budget`` bytes, shared in that order; None: no bound)."""
+    for layer, m, shapes in candidates:
+        es = layer.weight.element_size()
+        nbytes = m * sum(p.numel() for p in (layer.weight, layer.bias) if p is not None) * es
+        if keeps_jacobian(nbytes, factored_bytes(layer, shapes, es), budget):
+            budget = None if budget is None else budget - nbytes
+            sites.update(layer.spec.sites)
+    return sites
 
 
 def _runs(key: tuple, members: list[_Member]) -> list[list[_Member]]:

@@ -11,7 +11,7 @@ Shapes: :mod:`.tengrad_groups`' module docstring.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -36,7 +36,7 @@ class MaterializedGroup(LayerGroup):
     def stacks(self) -> tuple[Optional[Tensor], Optional[Tensor]]:
         return self.Pw, self.Pb
 
-    def _point_record(self, r, x: Tensor, y: Optional[Tensor]) -> None:  # type: ignore[no-untyped-def]
+    def _point_record(self, r: Any, x: Tensor, y: Optional[Tensor]) -> None:
         if r.P is not None:
             r.P = x
             if y is not None:

@@ -40,7 +40,7 @@ from ..step.skeleton import StepSkeleton
 from ...curvature.layer import KERNELS, choose_strategy, covered_layers
 from ... import solve
 from .graphs import StepGraphs
-from .group_build import build_groups, factored_bytes, keeps_jacobian, previous_stacks
+from .group_build import build_groups, kept_sites, previous_stacks
 from .group_cost import reuse_cost
 from .tengrad_groups import LayerGroup, precondition_groups, tf32_matmuls
 from .fused_step import FusedStep
@@ -429,7 +429,7 @@ class TENGraD(StepSkeleton):
                 S += s_
             if self.strategy == "materialize" or choose_strategy(m, g, S, f, o) == "materialize":
                 candidates.append((layer, m, shapes))
-        self._info.store.jacobian_sites = self._kept_sites(candidates, set())
+        self._info.store.jacobian_sites = kept_sites(candidates, set(), self.jacobian_budget)
 
     def _uncaptured_sites(self) -> set[int]:
         """The materialized sites of layers with no record now: they keep the choice."""
@@ -445,17 +445,4 @@ class TENGraD(StepSkeleton):
     def _mark_jacobian_sites(self) -> None:
         candidates = [(layer, layer.m, [r.in_shape for r in layer.records()]) for layer in self._layers
                       if layer.weight.requires_grad and layer.captured and layer.choose(self.strategy) == "materialize"]
-        self._info.store.jacobian_sites = self._kept_sites(candidates, self._uncaptured_sites())
-
-    def _kept_sites(self, candidates: list[tuple[Any, int, list[tuple[int, ...]]]], sites: set[int]) -> set[int]:
-        """``sites`` plus the call sites of the ``(layer, m, input shapes)`` the cost model
-        materializes (in layer order) that keep ``J`` between steps
-        (:func:`~.group_build.keeps_jacobian` under ``jacobian_budget_mb``)."""
-        budget = self.jacobian_budget
-        for layer, m, shapes in candidates:
-            es = layer.weight.element_size()
-            nbytes = m * sum(p.numel() for p in (layer.weight, layer.bias) if p is not None) * es
-            if keeps_jacobian(nbytes, factored_bytes(layer, shapes, es), budget):
-                budget = None if budget is None else budget - nbytes
-                sites.update(layer.spec.sites)
-        return sites
+        self._info.store.jacobian_sites = kept_sites(candidates, self._uncaptured_sites(), self.jacobian_budget)
