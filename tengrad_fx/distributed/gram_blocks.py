@@ -17,7 +17,7 @@ data-parallel (:class:`GramBlocksStep`)::
     every rank:  u = (g − Jᵀc)/α
 
 On empirical curvature steps the push-through form ``u = Jᵀ(K + MαI)⁻¹1`` is taken where
-the probe holds (as in :func:`tengrad_fx.optim.tengrad_groups.precondition_groups`): the
+the probe holds (as in :func:`tengrad_fx.optim.tengrad.tengrad_groups.precondition_groups`): the
 probe compares ``g`` on a few random coordinates (the same on every rank: a generator
 seeded alike) with ``(1/M)·Σ_a J_aᵀ1`` there, whose per-rank parts travel in the same
 all-gather as ``J_a g``. Every rank sums the gathered parts in rank order, so every rank
@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..curvature.layer import CoveredLayer
-from ..optim.tengrad_groups import LayerGroup
-from ..solve.woodbury import solve_cholesky
+from ..optim.tengrad.tengrad_groups import LayerGroup
+from .. import solve
 from .comm import Bucket, broadcast_buckets, collective, pack, unpack
 
 __all__ = ["GramBlocksStep", "N_PROBE"]
@@ -43,7 +43,7 @@ N_PROBE = 256  # weight coordinates of the push-through probe (plus the whole bi
 
 class GramBlocksStep:
     """One step's ``u`` of the ``gram-blocks`` layers, given as
-    :class:`~tengrad_fx.optim.tengrad_groups.LayerGroup` s over each rank's own records
+    :class:`~tengrad_fx.optim.tengrad.tengrad_groups.LayerGroup` s over each rank's own records
     (the same groups, in the same order, on every rank: one batched ``J g`` / ``Jᵀ c`` per
     group of equal shapes), in three calls so that the caller can work while the
     collectives are in flight:
@@ -104,12 +104,12 @@ class GramBlocksStep:
         self.push: list[Optional[Tensor]] = []
         self._reduce: Any = None
 
-    def exchange(self, owner: dict[str, int], chol: dict[str, Tensor]) -> None:
+    def exchange(self, owner: dict[str, int], chol: dict[str, Tensor], damping: float) -> None:
         """``owner``: layer name -> the rank holding its factor (negative: every rank);
-        ``chol``: the factors ``L`` (``[M, M]``, ``L Lᵀ = K + MαI``) held by this rank."""
+        ``chol``: the factors ``L`` (``[M, M]``, ``L Lᵀ = K + MαI``) held by this rank;
+        ``damping``: ``α``."""
         collective("waiting for J g (gram-blocks)", self._gather.wait)
         m, M, dtype = self.m, self.world * self.m, self.dtype
-        tol = 1e-4 if dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-9
         cs: dict[str, Tensor] = {}
         off = 0
         for grp, (gw, gb), idx, width in zip(self.groups, self.grads, self.idxs, self.widths):
@@ -125,13 +125,12 @@ class GramBlocksStep:
                 ref = gw[:, idx].to(dtype)
                 if gb is not None and width > m + ref.shape[1]:
                     ref = torch.cat([ref, gb.to(dtype)], 1)
-                err = torch.linalg.vector_norm(ref - got / M, dim=1)
-                ok = err <= tol * torch.linalg.vector_norm(ref, dim=1)  # [L]
-                Jg = torch.where(ok.unsqueeze(1), torch.ones_like(Jg), Jg)
+                ok = solve.push_through_holds(ref, got, 1.0 / M)  # [L]
+                Jg = solve.push_through_rhs(Jg, ok)
             self.push.append(ok)
             for i, lay in enumerate(grp.layers):
                 if lay.name in chol:
-                    cs[lay.name] = solve_cholesky(chol[lay.name], Jg[i])
+                    cs[lay.name] = solve.solve_cholesky(chol[lay.name], Jg[i])
         buckets: dict[int, Bucket] = {}
         for grp in self.groups:
             for lay in grp.layers:
@@ -145,10 +144,13 @@ class GramBlocksStep:
         broadcast_buckets(flats, blist, "the owners' c (gram-blocks)")
         for flat, b in zip(flats, blist):
             cs.update(zip(b.keys, unpack(flat, b)))
-        partial, self.shapes = [], []
+        partial, self.shapes, self.coefs = [], [], []
         rows = slice(self.rank * m, (self.rank + 1) * m)
-        for grp in self.groups:
-            C = torch.stack([cs[lay.name][rows] for lay in grp.layers])  # [L, m]
+        for grp, ok, (gw, _) in zip(self.groups, self.push, self.grads):
+            # u = β·g + γ·Jᵀc' per layer (push-through scale 1: mean loss), alike on every rank
+            C, beta, gamma = solve.woodbury_coefficients(torch.stack([cs[lay.name][rows] for lay in grp.layers]),
+                                                         damping, ok, 1.0, gw.dtype)  # C: [L, m]
+            self.coefs.append((beta, gamma))
             w, b = grp.vjp(C.to(_record_dtype(grp.layers[0], dtype)))
             partial += [w.to(dtype).reshape(-1)] + ([b.to(dtype).reshape(-1)] if b is not None else [])
             self.shapes.append((w.shape, b.shape if b is not None else None))
@@ -159,13 +161,13 @@ class GramBlocksStep:
         self._reduce = collective("all_reduce of the Jᵀc partial sums (gram-blocks)",
                                   lambda: dist.all_reduce(self.total, async_op=True))
 
-    def finish(self, damping: float) -> dict[Tensor, Tensor]:
-        """``{param: u}``: ``(g − Jᵀc)/α``, or ``Jᵀc`` where the push-through probe holds."""
+    def finish(self) -> dict[Tensor, Tensor]:
+        """``{param: u}``: ``(g − Jᵀc)/α``, or ``Jᵀc`` where the push-through probe holds
+        (:func:`tengrad_fx.solve.woodbury_coefficients` picked ``c``, ``β`` and ``γ``)."""
         collective("waiting for Jᵀc (gram-blocks)", self._reduce.wait)
         out: dict[Tensor, Tensor] = {}
         off = 0
-        a = 1.0 / damping
-        for grp, (gw, gb), ok, (sw, sb) in zip(self.groups, self.grads, self.push, self.shapes):
+        for grp, (gw, gb), (beta, gamma), (sw, sb) in zip(self.groups, self.grads, self.coefs, self.shapes):
             us: list[Optional[Tensor]] = []
             for g, shape in ((gw, sw), (gb, sb)):
                 if shape is None:
@@ -174,14 +176,7 @@ class GramBlocksStep:
                 k = shape.numel()
                 JTc = self.total[off: off + k].view(shape)
                 off += k
-                if g is None:
-                    us.append(None)
-                    continue
-                JTc = JTc.to(g.dtype)
-                u = (g - JTc) * a
-                if ok is not None:  # push-through where the probe holds (scale 1: mean loss)
-                    u = torch.where(ok.unsqueeze(1), JTc, u)
-                us.append(u)
+                us.append(solve.woodbury_combine(g, JTc, beta, gamma) if g is not None else None)
             out.update(grp.split(us[0], us[1]))  # type: ignore[arg-type]
         return out
 

@@ -93,13 +93,13 @@ from torch.nn.parallel import DistributedDataParallel
 from ..capture.info import get_info
 from ..capture.prepare import capturing
 from ..curvature.layer import CoveredLayer, covered_layers
-from ..optim.mc import mc_capture, sample_targets
-from ..optim.state_check import META
-from ..optim.tengrad import TENGraD
-from ..optim.group_build import build_groups
-from ..optim.group_cost import reuse_cost
-from ..optim.tengrad_groups import precondition_groups, tf32_matmuls
-from ..optim.update import finite_flag
+from ..optim.step.mc import mc_capture, sample_targets
+from ..optim.step.state_check import META
+from ..optim.tengrad.tengrad import TENGraD
+from ..optim.tengrad.group_build import build_groups
+from ..optim.tengrad.group_cost import reuse_cost
+from ..optim.tengrad.tengrad_groups import precondition_groups, tf32_matmuls
+from ..optim.step.update import finite_flag
 from .comm import Bucket, all_ok, all_sum, pack, start_broadcasts, unpack, wait_all
 from .gram_blocks import GramBlocksStep
 from .plan import assign_owners, choose_modes, choose_placement, solve_cost
@@ -349,8 +349,8 @@ class DistributedTENGraD(TENGraD):
         if step is not None:
             chol = {lay.name: grp.chol[i] for grp in self._curv[self._n_gather:] if grp.chol is not None
                     for i, lay in enumerate(grp.layers)}
-            step.exchange(self._owner, chol)
-            out.update(step.finish(damping))
+            step.exchange(self._owner, chol, damping)
+            out.update(step.finish())
         return out
 
     def reuse_cost(self) -> tuple[float, float]:

@@ -1,8 +1,7 @@
-"""Optimizers over a prepared model."""
-from .ekfac import EKFAC
-from .kbfgs import KBFGS
-from .kfac import KFAC
-from .ngd import NGD
+"""Optimizers over a prepared model: :mod:`.tengrad` (TENGraD), :mod:`.baselines` (KFAC,
+EKFAC, KBFGS, NGD), the step they share (:mod:`.step`) and the paper's settings
+(:mod:`.registry`)."""
+from .baselines import EKFAC, KBFGS, KFAC, NGD
 from .registry import OPTIMIZERS, PAPER_DEFAULTS, PAPER_INTERVALS, make_optimizer
 from .tengrad import TENGraD
 

@@ -21,11 +21,8 @@ from typing import Any, Optional
 
 import torch
 
-from ._common import check_nonneg, check_unit
-from .ekfac import EKFAC
-from .kbfgs import KBFGS
-from .kfac import KFAC
-from .ngd import NGD
+from .baselines import EKFAC, KBFGS, KFAC, NGD
+from .step.checks import check_nonneg, check_unit
 from .tengrad import TENGraD
 
 __all__ = ["OPTIMIZERS", "PAPER_DEFAULTS", "PAPER_EPOCHS", "PAPER_INTERVALS", "PAPER_KL_CLIP", "PAPER_LR_SCHEDULES",

@@ -1,4 +1,16 @@
-"""Solve: the damped m×m systems of the Woodbury identity, batched across layers."""
-from .woodbury import CholeskyFailed, damped_cholesky, damped_cholesky_ex, woodbury_apply, woodbury_push_through
+"""Solve: the damped m×m systems of the Woodbury identity, batched across layers.
 
-__all__ = ["damped_cholesky", "damped_cholesky_ex", "woodbury_apply", "woodbury_push_through", "CholeskyFailed"]
+The one home of TENGraD's maths after the Grams: the damped factorization with its
+jitter retries (:func:`damped_cholesky_ex`), the Woodbury / push-through coefficients
+(:func:`woodbury_solve`, :func:`woodbury_coefficients`, :func:`woodbury_combine`) and the
+push-through probe's rule (:func:`push_through_holds`). Callers look these up here at
+call time (``solve.f(...)``).
+"""
+from .probe import probe_tolerance, push_through_holds
+from .woodbury import CholeskyFailed, damped_cholesky, damped_cholesky_ex, push_through_rhs, push_through_scale, \
+    solve_cholesky, woodbury_apply, woodbury_coefficients, woodbury_combine, woodbury_push_through, \
+    woodbury_solve
+
+__all__ = ["damped_cholesky", "damped_cholesky_ex", "solve_cholesky", "woodbury_solve", "woodbury_coefficients",
+           "woodbury_combine", "push_through_rhs", "push_through_scale", "woodbury_apply", "woodbury_push_through",
+           "probe_tolerance", "push_through_holds", "CholeskyFailed"]

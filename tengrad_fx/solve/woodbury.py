@@ -17,13 +17,14 @@ batched Cholesky.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["damped_cholesky", "damped_cholesky_ex", "solve_cholesky", "woodbury_apply",
-           "woodbury_push_through", "CholeskyFailed", "JITTERS", "TRIES_BYTES"]
+__all__ = ["damped_cholesky", "damped_cholesky_ex", "solve_cholesky", "woodbury_solve", "woodbury_coefficients",
+           "woodbury_combine", "push_through_rhs", "push_through_scale", "woodbury_apply", "woodbury_push_through",
+           "CholeskyFailed", "JITTERS", "TRIES_BYTES"]
 
 
 class CholeskyFailed(RuntimeError):
@@ -44,7 +45,12 @@ _CONSTANTS: dict[tuple[int, torch.dtype, torch.device], tuple[Tensor, Tensor]] =
 
 def _eye_and_tries(m: int, like: Tensor) -> tuple[Tensor, Tensor]:
     """``(I [m, m], (0, *JITTERS) [T, 1, 1, 1])`` in ``like``'s dtype and device, made once
-    per ``(m, dtype, device)`` and only ever read (two launches less per factorization)."""
+    per ``(m, dtype, device)`` and only ever read (two launches less per factorization).
+    Under ``torch.compile`` they are made in the graph (constants there): a cache filled
+    while tracing would be guarded on and recompile the caller at its next call."""
+    if torch.compiler.is_compiling():
+        return (torch.eye(m, dtype=like.dtype, device=like.device),
+                torch.tensor(_TRIES, dtype=like.dtype, device=like.device).reshape(-1, 1, 1, 1))
     key = (m, like.dtype, like.device)
     const = _CONSTANTS.get(key)
     if const is None:
@@ -119,9 +125,63 @@ def solve_cholesky(chol: Tensor, rhs: Tensor) -> Tensor:
     return torch.linalg.solve_triangular(chol.mH, y, upper=True).squeeze(-1)
 
 
-def _solve(chol: Tensor, rhs: Tensor) -> Tensor:
-    out = torch.cholesky_solve(rhs.to(chol.dtype).unsqueeze(-1), chol).squeeze(-1)
-    return out.to(rhs.dtype)
+def push_through_scale(m: int, loss_reduction: str) -> float:
+    """``s·m`` of the push-through form: the batch gradient is ``g = s·Jᵀ1`` with ``s = 1/m``
+    for a mean loss and ``1`` for a sum, and ``(F + αI)⁻¹ g = s·m·Jᵀ(K + mαI)⁻¹1``."""
+    return float(m) * (1.0 if loss_reduction == "sum" else 1.0 / m)
+
+
+def push_through_rhs(Jg: Tensor, push: Tensor) -> Tensor:
+    """The right-hand side of :func:`woodbury_solve` per layer: ``1`` where ``push``
+    (``[L]`` bool) holds, ``J g`` (``[L, m]``) elsewhere."""
+    return torch.where(push.unsqueeze(1), torch.ones_like(Jg), Jg)
+
+
+def woodbury_solve(chol: Tensor, rhs: Tensor, damping: float, push: Union[Tensor, bool, None] = None,
+                   scale: float = 1.0, g_dtype: Optional[torch.dtype] = None,
+                   ) -> tuple[Tensor, Union[float, Tensor], float]:
+    """``(c, β, γ)`` with ``(F + αI)⁻¹ g = β·g + γ·Jᵀc`` per layer: ``(K + mαI)⁻¹ rhs`` by
+    :func:`solve_cholesky`, then :func:`woodbury_coefficients`.
+
+    ``chol``: ``[..., m, m]`` factors of ``K + mαI``; ``rhs``: ``[..., m]``, ``J g``
+    (Woodbury) or ``1`` (push-through, :func:`push_through_rhs`)."""
+    return woodbury_coefficients(solve_cholesky(chol, rhs), damping, push, scale, g_dtype)
+
+
+def woodbury_coefficients(c: Tensor, damping: float, push: Union[Tensor, bool, None] = None,
+                          scale: float = 1.0, g_dtype: Optional[torch.dtype] = None,
+                          ) -> tuple[Tensor, Union[float, Tensor], float]:
+    """``(c', β, γ)`` with ``(F + αI)⁻¹ g = β·g + γ·Jᵀc'`` per layer, from the solution
+    ``c = (K + mαI)⁻¹ rhs`` (``[..., m]``; ``c'`` in its dtype). ``push``:
+
+    * None or False — Woodbury (``rhs = J g``): ``c' = c``, ``β = 1/α``, ``γ = −1/α``;
+    * True — push-through (``rhs = 1``): ``c' = scale·c``, ``β = 0``, ``γ = 1``;
+    * ``[...]`` bool — per layer, on the device: ``β`` (in ``g_dtype``) is ``0`` where
+      ``push`` holds, else ``1/α``; ``c'`` is ``scale·c`` there, ``−c/α`` elsewhere;
+      ``γ = 1``.
+    """
+    a = 1.0 / damping
+    if push is None or push is False:
+        return c, a, -a
+    if push is True:
+        return c * scale, 0.0, 1.0
+    dev = c.device
+    beta = torch.where(push, 0.0, torch.full((), a, dtype=g_dtype or c.dtype, device=dev))
+    c = c * torch.where(push, torch.full((), scale, dtype=c.dtype, device=dev), -a).unsqueeze(-1)
+    return c, beta, 1.0
+
+
+def woodbury_combine(g: Tensor, JTc: Tensor, beta: Union[float, Tensor], gamma: float) -> Tensor:
+    """``u = β·g + γ·Jᵀc`` (``g``, ``Jᵀc``: ``[..., n]``; ``β`` a float or one per row,
+    ``[...]``), in ``g``'s dtype; ``β = 0`` (a float) reads no ``g``."""
+    JTc = JTc.to(g.dtype)
+    if isinstance(beta, Tensor):
+        g = g * beta.unsqueeze(-1)
+    elif beta == 0.0:
+        return JTc if gamma == 1.0 else JTc * gamma
+    elif beta != 1.0:
+        g = g * beta
+    return torch.add(g, JTc, alpha=gamma)
 
 
 def woodbury_apply(chol: Tensor, g: Tensor, damping: float,
@@ -130,17 +190,15 @@ def woodbury_apply(chol: Tensor, g: Tensor, damping: float,
 
     ``g``: flat ``[n]``; ``jvp(g) -> J g [m]``; ``vjp(c) -> Jᵀ c [n]``.
     """
-    c = _solve(chol, jvp(g))
-    return (g - vjp(c)) / damping
+    c, beta, gamma = woodbury_solve(chol, jvp(g), damping)
+    return woodbury_combine(g, vjp(c), beta, gamma)
 
 
 def woodbury_push_through(chol: Tensor, scale: float, vjp: Callable[[Tensor], Tensor]) -> Tensor:
     """``(F + αI)⁻¹ g`` for ``g = scale_g · Jᵀ1``: ``scale · Jᵀ (K + mαI)⁻¹ 1``.
 
-    Pass ``scale = scale_g · m``.
+    Pass ``scale = scale_g · m`` (:func:`push_through_scale`).
     """
-    m = chol.shape[-1]
-    ones = torch.ones(m, dtype=chol.dtype, device=chol.device)
-    c = torch.cholesky_solve(ones.unsqueeze(-1), chol).squeeze(-1)
-    return vjp(c) * scale
-
+    ones = torch.ones(chol.shape[-1], dtype=chol.dtype, device=chol.device)
+    c, _, _ = woodbury_solve(chol, ones, 1.0, True, scale)
+    return vjp(c)

@@ -6,10 +6,10 @@ import torch
 import torch.nn as nn
 
 import tengrad_fx
-from tengrad_fx.optim.ekfac import EKFAC
-from tengrad_fx.optim.kbfgs import KBFGS, damped_bfgs_update
-from tengrad_fx.optim.kfac import KFAC
-from tengrad_fx.optim.ngd import NGD
+from tengrad_fx.optim.baselines.ekfac import EKFAC
+from tengrad_fx.optim.baselines.kbfgs import KBFGS, damped_bfgs_update
+from tengrad_fx.optim.baselines.kfac import KFAC
+from tengrad_fx.optim.baselines.ngd import NGD
 from tengrad_fx.optim.registry import OPTIMIZERS, PAPER_DEFAULTS, SGD, make_optimizer
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 import tengrad_fx
-from tengrad_fx.optim.kbfgs import KBFGS, damped_bfgs_update
+from tengrad_fx.optim.baselines.kbfgs import KBFGS, damped_bfgs_update
 
 from ._helpers import batch, cnn, prepared, rel
 

@@ -6,8 +6,8 @@ import copy
 import torch
 
 import tengrad_fx
-from tengrad_fx.optim._common import layer_stats
-from tengrad_fx.optim.kfac import KFAC
+from tengrad_fx.optim.baselines._common import layer_stats
+from tengrad_fx.optim.baselines.kfac import KFAC
 
 from ._helpers import (batch, cnn, explicit_factors, grad_matrix, prepared, reference_io, rel, snapshot,
                        split_matrix, step_delta)

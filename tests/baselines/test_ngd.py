@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import tengrad_fx
 from testing import explicit_jacobian, per_sample_grads_reference
 from tengrad_fx import TENGraD
-from tengrad_fx.optim.ngd import NGD
+from tengrad_fx.optim.baselines.ngd import NGD
 
 from ._helpers import batch, cnn, prepared, rel, snapshot, step_delta
 

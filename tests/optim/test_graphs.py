@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx import TENGraD
-from tengrad_fx.optim.graphs import StepGraphs
+from tengrad_fx.optim.tengrad.graphs import StepGraphs
 
 
 def _run(cuda_graph: bool, **kw):

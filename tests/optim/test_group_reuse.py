@@ -1,5 +1,5 @@
 """A curvature step copies a new capture of the same layers into the last curvature's
-stacks (:func:`tengrad_fx.optim.group_build.build_groups` with ``reuse``): the same
+stacks (:func:`tengrad_fx.optim.tengrad.group_build.build_groups` with ``reuse``): the same
 groups, tensors and views, bit for bit the update of freshly made stacks, and fresh
 stacks wherever the layers, shapes or parameters changed."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx import TENGraD
-from tengrad_fx.optim import tengrad as tengrad_module
+from tengrad_fx.optim.tengrad import tengrad as tengrad_module
 from tools.dispatch import OpCounter
 
 

@@ -1,6 +1,6 @@
 """A loss whose batch reduction does not match ``prepare(..., loss_reduction=...)`` is an
 error on the first curvature step; a loss scaled by a constant warns once
-(:mod:`tengrad_fx.optim.reduction_check`)."""
+(:mod:`tengrad_fx.optim.step.reduction_check`)."""
 from __future__ import annotations
 
 import warnings
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx import TENGraD
-from tengrad_fx.optim.kfac import KFAC
+from tengrad_fx.optim.baselines.kfac import KFAC
 
 
 def _setup(reduction: str, cls: type = TENGraD, **kw):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx.curvature import conv_stack
-from tengrad_fx.optim import group_build, tengrad_groups
+from tengrad_fx.optim.tengrad import group_build, tengrad_groups
 from tools.memory import LiveBytes, kept_tensors, tensor_bytes
 
 M = 32

@@ -1,4 +1,4 @@
-"""Packed ``"P"`` groups (:mod:`tengrad_fx.optim.group_build`): small materialized layers of
+"""Packed ``"P"`` groups (:mod:`tengrad_fx.optim.tengrad.group_build`): small materialized layers of
 different widths (norm layers' ``γ, β``, small convolutions and Linears, with and without a
 bias) share one zero-padded stack, and the update stays exact, the store's records stay
 each layer's own ``P`` / ``Gsum``, and the norm layers cost no kernels over the
@@ -22,7 +22,7 @@ import torch.nn as nn
 
 import tengrad_fx
 from tengrad_fx import TENGraD
-from tengrad_fx.optim.tengrad_groups import pack
+from tengrad_fx.optim.tengrad.tengrad_groups import pack
 from testing.grouped_steps import check_steps_against_dense, float64_batches, step_counts
 from tools.bench import build_model
 

@@ -1,6 +1,6 @@
 """Resume of TENGraD with ``curvature_every = T > 1`` is bit-identical: the state dict
 carries the last curvature step's records when the next step reuses them
-(:mod:`tengrad_fx.optim.resume`), and nothing when it does not."""
+(:mod:`tengrad_fx.optim.tengrad.resume`), and nothing when it does not."""
 from __future__ import annotations
 
 import copy

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx import TENGraD
-from tengrad_fx.optim.kfac import KFAC
-from tengrad_fx.optim.ngd import NGD
+from tengrad_fx.optim.baselines.kfac import KFAC
+from tengrad_fx.optim.baselines.ngd import NGD
 
 
 def _model(width: int = 6, seed: int = 0) -> nn.Module:

@@ -1,4 +1,4 @@
-"""The final update (``optim/update.py``) by both of its paths: aten's fused SGD kernel (CPU
+"""The final update (``optim/step/update.py``) by both of its paths: aten's fused SGD kernel (CPU
 and CUDA, contiguous tensors) and the ``_foreach`` masked form (everything else, e.g. a
 channels-last parameter). Each against the formula on fresh random tensors (float64, and
 float32 where the fused kernel applies ``ν`` itself as ``grad_scale = 1/ν``):
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tengrad_fx.optim import update
+from tengrad_fx.optim.step import update
 from tools.dispatch import SyncCounter
 
 

@@ -1,4 +1,4 @@
-"""``TENGraD(compile=True)``: curvature steps by :func:`~tengrad_fx.optim.fused.fused_update`.
+"""``TENGraD(compile=True)``: curvature steps by :func:`~tengrad_fx.optim.tengrad.fused.fused_update`.
 
 :class:`FusedStep` gathers every covered layer's record in the fused function's input form
 (materialized ``P [m, n]`` or a single-position Linear's ``I [m, f]``, ``G [m, o]``), runs it
@@ -7,7 +7,7 @@ per-layer updates back into ``{param: u}``.
 
 Only curvature steps take this path: the compiled function recomputes the Gram and its
 Cholesky from the records, which is the work of a curvature step. A reuse step (no new
-curvature) runs the modular path (:mod:`tengrad_fx.optim.tengrad_groups`): its first one
+curvature) runs the modular path (:mod:`tengrad_fx.optim.tengrad.tengrad_groups`): its first one
 builds the groups and factors from the same records, the following ones only apply
 ``J g`` / ``Jᵀ c``. So ``compile=True`` never turns a reuse step into a curvature step.
 """
@@ -19,7 +19,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from .._compile import own_code
+from ..._compile import own_code
+from ... import solve
 from .fused import LayerInput, fused_update
 
 __all__ = ["FusedStep"]
@@ -76,20 +77,20 @@ class FusedStep:
         m = used[0][1]
         if any(cm != m for _, cm in used):
             return None
-        scale = float(m) * (1.0 if loss_reduction == "sum" else 1.0 / m)
+        scale = solve.push_through_scale(m, loss_reduction)
         grads = [torch.cat([p.grad.flatten() for p in params]) for params, _ in used]
         args = (ins, grads, m * damping, scale, damping, push_through, solve_dtype)
         try:
-            us, info = (self.fn or fused_update)(*args)
+            us, ok = (self.fn or fused_update)(*args)
         except Exception as exc:  # compilation failure: eager from now on
             warnings.warn(f"TENGraD(compile=True): torch.compile failed ({type(exc).__name__}: {exc}); "
                           "running the fused update eagerly", RuntimeWarning)
             self.fn = None
-            us, info = fused_update(*args)
+            us, ok = fused_update(*args)
         out: dict[Tensor, Tensor] = {}
         for (params, _), u in zip(used, us):
             off = 0
             for p in params:
                 out[p] = u[off: off + p.numel()].view_as(p).to(p.dtype)
                 off += p.numel()
-        return out, (info == 0).all(), used
+        return out, ok.all(), used

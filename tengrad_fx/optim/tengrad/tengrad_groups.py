@@ -3,7 +3,8 @@
 Per covered layer, ``J`` (``[m, n]``, rows = per-sample gradients) enters the update only
 through ``K = J Jᵀ``, ``J g`` and ``Jᵀ c``. Layers of equal shape and form are stacked
 into a :class:`LayerGroup` (``L`` layers), so each of these is one ``bmm`` per group and
-the number of ops a step dispatches does not grow with depth. Forms:
+the number of ops a step dispatches does not grow with depth. Forms (one subclass each,
+:mod:`.group_forms`):
 
 * ``"P"`` — materialized per-sample gradients (made by the backward in place of the
   weight gradient): ``Pw [L, m, n_w]``, ``Pb [L, m, n_b]`` (or None), ``J = k·[Pw, Pb]``.
@@ -13,7 +14,7 @@ the number of ops a step dispatches does not grow with depth. Forms:
   zeros after ``n_w + n_b``; ``Pb`` None), its gradient likewise in ``g [L, W]``. Zero
   columns add nothing to ``K = P Pᵀ`` or ``J g``, and the padded part of ``Jᵀ c`` / ``u``
   is zero and sliced away by :meth:`LayerGroup.split`, so packing is exact
-  (which layers are packed: :mod:`tengrad_fx.optim.group_build`).
+  (which layers are packed: :mod:`tengrad_fx.optim.tengrad.group_build`).
 * ``"IG"`` — Linear layers with one position per sample, by factorization: inputs
   ``A [L, m, f]``, captured output gradients ``B [L, m, o]``, ``J_i = k·vec(B_i A_iᵀ, B_i)``.
   ``J g = k·Σ (A Gwᵀ)⊙B`` or ``k·Σ (B Gw)⊙A`` — the order with the smaller ``[m, min(o, f)]``
@@ -28,26 +29,23 @@ the number of ops a step dispatches does not grow with depth. Forms:
 
 ``k`` is the per-sample scale of the captured ``G`` (``m`` for a mean loss). Gradients of
 a group are stacked the same way: ``gw [L, n_w]``, ``gb [L, n_b]``. The groups of a step
-are built by :func:`tengrad_fx.optim.group_build.build_groups`.
+are built by :func:`tengrad_fx.optim.tengrad.group_build.build_groups`.
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator, Literal, Optional, Union
+from typing import Any, ClassVar, Iterator, Optional, Union
 
 import torch
 from torch import Tensor
 
-from ..curvature import conv_stack
-from ..curvature.layer import CoveredLayer
-from ..solve.woodbury import solve_cholesky
-from . import group_probe
-from .group_probe import probe_generator
+from ... import solve
+from ...curvature.layer import CoveredLayer
+from .group_probe import ProbeTerms
 
-__all__ = ["LayerGroup", "pack", "pack_views", "precondition_groups", "probe_generator", "stack", "tf32_matmuls"]
+__all__ = ["LayerGroup", "pack", "pack_views", "precondition_groups", "scaled_bmm", "stack", "tf32_matmuls"]
 
-Form = Literal["P", "IG", "conv", "layer"]
 @contextlib.contextmanager
 def tf32_matmuls(enabled: bool) -> Iterator[None]:
     """Inside: float32 CUDA matmuls may use TF32 tensor cores (10-bit mantissa inputs,
@@ -75,7 +73,7 @@ def tf32_matmuls(enabled: bool) -> Iterator[None]:
 _ZEROS: dict[tuple[torch.dtype, torch.device], Tensor] = {}
 
 
-def _scaled_bmm(X: Tensor, Y: Tensor, alpha: float) -> Tensor:
+def scaled_bmm(X: Tensor, Y: Tensor, alpha: float) -> Tensor:
     """``alpha·(X @ Y)`` batched, as one GEMM (``beta = 0``: its 0-d input, made once per
     dtype and device, is never read)."""
     if alpha == 1.0:
@@ -125,9 +123,12 @@ def column_views(out: Tensor, widths: list[list[Optional[int]]]) -> list[Tensor]
 
 @dataclass(eq=False)
 class LayerGroup:
-    """``L`` layers of one form and shape (module docstring)."""
+    """``L`` layers of one form and shape (module docstring). A subclass per form
+    (:mod:`.group_forms`) gives :meth:`gram`, :meth:`jvp`, :meth:`vjp` and the probe's
+    coordinates; this class holds the stacks, gradients and what all forms share."""
 
-    form: Form
+    form: ClassVar[str]
+    layer_axis: ClassVar[int] = 0  # the stacks' layer axis ("conv": 1, after the sample axis)
     layers: list[CoveredLayer]
     m: int
     k: float = 1.0
@@ -146,11 +147,11 @@ class LayerGroup:
     @property
     def has_bias(self) -> bool:
         """Whether the group has a bias stack (``Pb``, or ``B``'s bias part); packed: False."""
-        return self.Pb is not None if self.form == "P" else self.layers[0].bias is not None
+        return self.layers[0].bias is not None
 
     def stacks(self) -> tuple[Optional[Tensor], Optional[Tensor]]:
         """The group's pair of stacks: ``(Pw, Pb)`` for ``"P"``, else ``(A, B)``."""
-        return (self.Pw, self.Pb) if self.form == "P" else (self.A, self.B)
+        return self.A, self.B
 
     def refill(self, parts: list[tuple[Tensor, Optional[Tensor]]]) -> None:
         """Copy a new capture's tensors of the same layers (``parts``: per layer ``(X, Y)``
@@ -162,7 +163,7 @@ class LayerGroup:
             assert self._fill is not None
             torch._foreach_copy_(self._fill, [t for pair in parts for t in pair if t is not None])
             return
-        dim = 1 if self.form == "conv" else 0
+        dim = self.layer_axis
         for j, S in enumerate(self.stacks()):
             if S is None:
                 continue
@@ -177,8 +178,6 @@ class LayerGroup:
         stacks (:meth:`_layer_slice`, made once per group), so no second copy of ``P`` (or
         ``I``, ``G``) stays alive. Records whose ``P`` was formed here from ``I, G`` are
         left as they are."""
-        if self.form == "layer":
-            return
         X, Y = self.stacks()
         assert X is not None
         if self._slices is None:
@@ -187,14 +186,11 @@ class LayerGroup:
             recs = lay.records()
             if len(recs) != 1:
                 continue
-            r = recs[0]
-            if self.form == "P":
-                if r.P is not None:
-                    r.P = x
-                    if y is not None:
-                        r.Gsum = y
-            else:
-                r.I, r.G = x, y
+            self._point_record(recs[0], x, y)
+
+    def _point_record(self, r: Any, x: Tensor, y: Optional[Tensor]) -> None:
+        """Point one record at its layer's slices ``(x, y)`` of the stacks."""
+        r.I, r.G = x, y
 
     def _layer_slice(self, X: Tensor, i: int, Y: Optional[Tensor] = None,
                      records: bool = True) -> tuple[Tensor, Optional[Tensor]]:
@@ -205,7 +201,7 @@ class LayerGroup:
         if self.cols is not None:
             n_w, n_b = self.cols[i]
             return X[i, ..., :n_w], (X[i, ..., n_w: n_w + n_b] if n_b else None)
-        if self.form == "conv" and records:
+        if self.layer_axis == 1 and records:
             return X[:, i], (Y[:, i] if Y is not None else None)
         return X[i], (Y[i] if Y is not None else None)
 
@@ -269,81 +265,23 @@ class LayerGroup:
     # ------------------------------------------------------------------ J products
     def gram(self) -> Tensor:
         """``K = J Jᵀ``, ``[L, m, m]``; the scale ``k²`` rides in a GEMM's ``alpha`` (no pass
-        over ``K``), a factored Linear's bias term ``(AAᵀ + 1)⊙BBᵀ`` is one ``addcmul``."""
-        kk = self.k * self.k
-        if self.form == "P":
-            assert self.Pw is not None
-            K = _scaled_bmm(self.Pw, self.Pw.transpose(1, 2), kk)
-            if self.Pb is not None:
-                K = torch.baddbmm(K, self.Pb, self.Pb.transpose(1, 2), alpha=kk)
-            return K
-        if self.form == "IG":
-            assert self.A is not None and self.B is not None
-            AA = torch.bmm(self.A, self.A.transpose(1, 2))
-            BB = _scaled_bmm(self.B, self.B.transpose(1, 2), kk)
-            return torch.addcmul(BB, AA, BB) if self.has_bias else AA * BB
-        if self.form == "conv":
-            assert self.A is not None and self.B is not None
-            K = conv_stack.gram(self.layers[0].spec, self.A, self.B, self.strategy, self.has_bias)
-            return K * kk
-        return self.layers[0].gram(self.strategy).unsqueeze(0)  # type: ignore[arg-type]
+        over ``K``) where the form allows."""
+        raise NotImplementedError
 
     def jvp(self, gw: Tensor, gb: Optional[Tensor]) -> Tensor:
         """``J g``, ``[L, m]``."""
-        if self.form == "P":
-            assert self.Pw is not None
-            # row-vector form gᵀ Pᵀ ([L,1,n]·[L,n,m]): a batched GEMV that reads P once
-            # row-major (the column form P·g is 3–5× slower batched on CPU BLAS)
-            out = torch.baddbmm(self.Pw.new_empty(()), gw.unsqueeze(1), self.Pw.transpose(1, 2), beta=0.0,
-                                alpha=self.k)
-            if self.Pb is not None and gb is not None:
-                out = torch.baddbmm(out, gb.unsqueeze(1), self.Pb.transpose(1, 2), alpha=self.k)
-            return out.squeeze(1)
-        if self.form == "IG":
-            A, B = self.A, self.B
-            assert A is not None and B is not None
-            Gw = gw.view(gw.shape[0], B.shape[2], A.shape[2])  # [L, o, f]
-            if B.shape[2] <= A.shape[2]:
-                out = (torch.bmm(A, Gw.transpose(1, 2)) * B).sum(2)
-            else:
-                out = (torch.bmm(B, Gw) * A).sum(2)
-            if gb is not None:
-                out = out + torch.bmm(B, gb.unsqueeze(2)).squeeze(2)
-            return out * self.k
-        if self.form == "conv":
-            assert self.A is not None and self.B is not None
-            return conv_stack.jvp(self.layers[0].spec, self.A, self.B, gw, gb) * self.k
-        lay = self.layers[0]
-        vb = gb[0].view_as(lay.bias) if gb is not None and lay.bias is not None else None
-        return lay.jvp(gw[0].view_as(lay.weight), vb).unsqueeze(0)
+        raise NotImplementedError
 
     def vjp(self, c: Tensor) -> tuple[Tensor, Optional[Tensor]]:
         """``Jᵀ c`` for ``c [L, m]``: ``(w [L, n_w], b [L, n_b] or None)``."""
-        if self.form == "P":
-            assert self.Pw is not None
-            c = c.to(self.Pw.dtype) * self.k
-            w = torch.bmm(c.unsqueeze(1), self.Pw).squeeze(1)  # cᵀ P, [L, 1, n_w]
-            b = torch.bmm(c.unsqueeze(1), self.Pb).squeeze(1) if self.Pb is not None else None
-            return w, b
-        if self.form == "IG":
-            assert self.A is not None and self.B is not None
-            Bc = self.B * (c.to(self.B.dtype) * self.k).unsqueeze(2)
-            w = torch.bmm(Bc.transpose(1, 2), self.A).flatten(1)
-            return w, (Bc.sum(1) if self.has_bias else None)
-        if self.form == "conv":
-            assert self.A is not None and self.B is not None
-            w, b = conv_stack.vjp(self.layers[0].spec, self.A, self.B, c * self.k)
-            return w, (b if self.has_bias else None)
-        lay = self.layers[0]
-        w, b = lay.vjp(c[0])
-        return w.reshape(1, -1), (b.reshape(1, -1) if b is not None else None)
+        raise NotImplementedError
 
     def woodbury(self, c: Tensor, gw: Tensor, gb: Optional[Tensor], beta: Union[float, Tensor], gamma: float,
                  ) -> tuple[Tensor, Optional[Tensor]]:
         """``u = β·g + γ·Jᵀc`` for ``c [L, m]``: ``(uw [L, n_w], ub [L, n_b] or None)``;
         ``β`` a float or ``[L]`` (one per layer, picked on the device). The Woodbury form
         ``(g − Jᵀc)/α`` is ``β = 1/α, γ = −1/α``; push-through ``s·Jᵀc`` is ``β = 0`` with
-        ``c`` scaled by ``s`` (:func:`precondition_groups` picks per layer).
+        ``c`` scaled by ``s`` (:func:`tengrad_fx.solve.woodbury_coefficients`).
 
         For stacked ``P`` (and a factored Linear's weight) one ``baddbmm`` per parameter
         computes it (a reuse step's whole per-group work after ``J g``)."""
@@ -351,34 +289,34 @@ class LayerGroup:
             bw = beta.unsqueeze(1)
             gw, gb = gw * bw, (gb * bw if gb is not None else None)
             beta = 1.0
-        if self.form == "P":
-            assert self.Pw is not None
-            c3 = c.to(self.Pw.dtype).unsqueeze(1)  # [L, 1, m]: cᵀ P row form, as in jvp
-            uw = torch.baddbmm(gw.unsqueeze(1), c3, self.Pw, beta=beta, alpha=gamma * self.k)
-            ub = None
-            if self.Pb is not None and gb is not None:
-                ub = torch.baddbmm(gb.unsqueeze(1), c3, self.Pb, beta=beta, alpha=gamma * self.k)
-            return uw.squeeze(1), (ub.squeeze(1) if ub is not None else None)
-        if self.form == "IG":
-            assert self.A is not None and self.B is not None
-            Bc = self.B * c.to(self.B.dtype).unsqueeze(2)  # [L, m, o]
-            Gw = gw.view(gw.shape[0], self.B.shape[2], self.A.shape[2])  # [L, o, f]
-            uw = torch.baddbmm(Gw, Bc.transpose(1, 2), self.A, beta=beta, alpha=gamma * self.k).flatten(1)
-            ub = None
-            if gb is not None and self.has_bias:
-                ub = torch.add(gb * beta if beta != 1.0 else gb, Bc.sum(1), alpha=gamma * self.k)
-            return uw, ub
+        return self._woodbury(c, gw, gb, beta, gamma)
+
+    def _woodbury(self, c: Tensor, gw: Tensor, gb: Optional[Tensor], beta: float, gamma: float,
+                  ) -> tuple[Tensor, Optional[Tensor]]:
+        """:meth:`woodbury` with one float ``β``: by :meth:`vjp` (a form may fuse it)."""
         JTw, JTb = self.vjp(c)
-        uw = torch.add(gw * beta if beta != 1.0 else gw, JTw.to(gw.dtype), alpha=gamma)
-        ub = None
-        if gb is not None and JTb is not None:
-            ub = torch.add(gb * beta if beta != 1.0 else gb, JTb.to(gb.dtype), alpha=gamma)
+        uw = solve.woodbury_combine(gw, JTw, beta, gamma)
+        ub = solve.woodbury_combine(gb, JTb, beta, gamma) if gb is not None and JTb is not None else None
         return uw, ub
 
     def probe(self, gw: Tensor, gb: Optional[Tensor], s: float, n_probe: int = 256) -> Tensor:
         """Is each layer's gradient the captured batch's ``s·Jᵀ1``? ``[L]`` bool, on the
-        device (:func:`tengrad_fx.optim.group_probe.probe`)."""
-        return group_probe.probe(self, gw, gb, s, n_probe)
+        device (False after gradient clipping, a loss term outside the captured layers or
+        accumulation): the form's coordinates (:mod:`.group_probe`) and the bias, by
+        :func:`tengrad_fx.solve.push_through_holds`."""
+        got, ref, got_b, ks = self._probe_terms(gw, s, n_probe)
+        if got_b is not None and gb is not None:
+            got, ref = torch.cat([got, got_b], 1), torch.cat([ref, gb], 1)
+        return solve.push_through_holds(ref, got, ks)
+
+    def _probe_terms(self, gw: Tensor, s: float, n_probe: int) -> ProbeTerms:
+        """The probed coordinates of the form (:data:`.group_probe.ProbeTerms`)."""
+        raise NotImplementedError
+
+    def _full_probe_terms(self, gw: Tensor, s: float) -> ProbeTerms:
+        """Every coordinate: the whole ``Jᵀ1`` by :meth:`vjp` (scaled already)."""
+        got, got_b = self.vjp(torch.ones(gw.shape[0], self.m, dtype=gw.dtype, device=gw.device))
+        return got, gw, got_b, s
 
 
 def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, damping: float, loss_reduction: str,
@@ -395,7 +333,7 @@ def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, da
     giving ``u·g = β‖g‖² + γ·cᵀ(J g)``, so no pass over ``u`` (one read of ``g`` for
     ``‖g‖²``, which, finite, also certifies these gradients finite for the step's check)."""
     m = groups[0].m
-    scale = float(m) * (1.0 if loss_reduction == "sum" else 1.0 / m)
+    scale = solve.push_through_scale(m, loss_reduction)
     grads, rhs, push, jgs, sqs = [], [], [], [], []
     for grp in groups:
         gw, gb = grp.grads()
@@ -407,29 +345,24 @@ def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, da
         if use_pt:
             ok = grp.probe(gw, gb, scale / m)
             push.append(ok)
-            Jg = torch.where(ok.unsqueeze(1), torch.ones_like(Jg), Jg)
+            Jg = solve.push_through_rhs(Jg, ok)
         grads.append((gw, gb))
         rhs.append(Jg)
-    c_all = solve_cholesky(chol, torch.cat(rhs))  # (K + mαI)⁻¹ rhs, [L_total, m]
+    # c = (K + mαI)⁻¹ rhs, [L_total, m]; per layer u = β·g + γ·Jᵀc
+    c_all, beta_all, gamma = solve.woodbury_solve(chol, torch.cat(rhs), damping, torch.cat(push) if use_pt else None,
+                                                  scale, grads[0][0].dtype)
     out: dict[Tensor, Tensor] = {}
     a = 1.0 / damping
     sizes = [len(grp.layers) for grp in groups]
-    betas: list[Union[float, Tensor]] = [a] * len(groups)
-    gamma = -a
-    if use_pt:  # per layer on the device: push-through u = scale·Jᵀc where the probe holds, else Woodbury
-        push_all = torch.cat(push)
-        dev, g_dt = c_all.device, grads[0][0].dtype
-        beta_all = torch.where(push_all, 0.0, torch.full((), a, dtype=g_dt, device=dev))
-        betas = list(beta_all.split(sizes))
-        c_all = c_all * torch.where(push_all, torch.full((), scale, dtype=c_all.dtype, device=dev), -a).unsqueeze(1)
-        gamma = 1.0
+    betas: list[Union[float, Tensor]] = list(beta_all.split(sizes)) if isinstance(beta_all, Tensor) \
+        else [beta_all] * len(groups)
     dots = None
     if dot:  # Σ_l β_l‖g_l‖² + γ·c_l·(J g)_l, in the solve's dtype
         dt = c_all.dtype
         cJg = torch.dot(c_all.reshape(-1), torch.cat(jgs).to(dt).reshape(-1))
         if use_pt:
             sq = torch.cat(sqs).to(dt)
-            dots = (torch.dot(beta_all.to(dt), sq) + cJg, sq.sum())
+            dots = (torch.dot(beta_all.to(dt), sq) + cJg, sq.sum())  # type: ignore[union-attr]
         else:  # one β = 1/α, γ = −1/α: ‖g‖² of all stacks by one _foreach_norm
             norms = torch.stack(torch._foreach_norm([t for gw_gb in grads for t in gw_gb if t is not None])).to(dt)
             gsq = torch.dot(norms, norms)

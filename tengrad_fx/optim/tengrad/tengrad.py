@@ -29,18 +29,18 @@ from typing import Any, Callable, Literal, Optional
 import torch
 from torch import Tensor
 
-from ..capture.info import get_info
-from ..capture.prepare import capturing
-from .checks import check_choice, check_interval, check_nonneg, check_positive, check_unit
+from ...capture.info import get_info
+from ...capture.prepare import capturing
+from ..step.checks import check_choice, check_interval, check_nonneg, check_positive, check_unit
 from .gauss_newton import gauss_newton_capture
-from .mc import mc_capture
-from .resume import restore_curvature, save_curvature
-from .state_check import check_materialization, materialization_meta
-from .skeleton import StepSkeleton
-from ..curvature.layer import KERNELS, choose_strategy, covered_layers
-from ..solve.woodbury import damped_cholesky_ex
+from ..step.mc import mc_capture
+from .resume import restore_records, save_records
+from ..step.state_check import check_materialization, materialization_meta
+from ..step.skeleton import StepSkeleton
+from ...curvature.layer import KERNELS, choose_strategy, covered_layers
+from ... import solve
 from .graphs import StepGraphs
-from .group_build import build_groups, factored_bytes, keeps_jacobian, previous_stacks
+from .group_build import build_groups, kept_sites, previous_stacks
 from .group_cost import reuse_cost
 from .tengrad_groups import LayerGroup, precondition_groups, tf32_matmuls
 from .fused_step import FusedStep
@@ -52,7 +52,7 @@ class TENGraD(StepSkeleton):
     """TENGraD over a model returned by :func:`tengrad_fx.prepare`.
 
     The step reads nothing back from the device once warmed up (see
-    :mod:`tengrad_fx.optim.skeleton`): non-finite values skip it by a masked update,
+    :mod:`tengrad_fx.optim.step.skeleton`): non-finite values skip it by a masked update,
     Cholesky failures are caught by ``cholesky_ex`` with fixed batched jitter retries
     (:func:`tengrad_fx.solve.damped_cholesky_ex`), and the push-through/Woodbury choice
     is made on the device.
@@ -77,7 +77,7 @@ class TENGraD(StepSkeleton):
             from the model's prediction by :meth:`mc_capture`; needs ``mc_loss``) or
             ``"gauss-newton"`` (exact GGN of ``½‖out − y‖²``, for regression with at most
             16 outputs: :meth:`mc_capture` runs one backward per output; see
-            :mod:`tengrad_fx.optim.gauss_newton`).
+            :mod:`tengrad_fx.optim.tengrad.gauss_newton`).
         mc_loss: ``"cross_entropy"`` (categorical sampling) or ``"mse"`` (Gaussian, unit
             variance; MC loss ``½‖out − ŷ‖²`` summed over outputs, mean over the batch).
         kl_clip: KL clipping threshold (``None``: off).
@@ -93,19 +93,19 @@ class TENGraD(StepSkeleton):
             larger than ``I, G`` on a CPU).
         strategy: Gram strategy for all layers: ``"auto"``, ``"factor"``, ``"materialize"``.
         compile: run the whole update (Gram → Cholesky → solve → Jᵀc over all layers,
-            :func:`tengrad_fx.optim.fused.fused_update`) under ``torch.compile``; layers
+            :func:`tengrad_fx.optim.tengrad.fused.fused_update`) under ``torch.compile``; layers
             of equal shapes share one ``vmap``. Falls back to eager, with one warning, if
             compilation fails or a layer has no fused form (conv/sequence by factor).
             A string (or callable) names the ``torch.compile`` backend (default ``"inductor"``).
         cuda_graph: on CUDA, capture the device part of reuse steps (no new curvature) as a
-            CUDA graph per step kind and replay it (:mod:`tengrad_fx.optim.graphs`); eager
+            CUDA graph per step kind and replay it (:mod:`tengrad_fx.optim.tengrad.graphs`); eager
             with one warning if capture fails; on a CPU the same code runs eagerly.
             Default (None): on when the parameters are on a CUDA device at construction.
         gram_tf32: compute the curvature steps' Grams ``J Jᵀ`` of float32 layers with TF32
             tensor cores on CUDA (``tengrad_groups.tf32_matmuls``; ~1e-3 relative error in
             ``K``, the precision cuDNN's default TF32 convolutions already give ``P``).
         grad_scaler: the loop's ``torch.amp.GradScaler``: step with ``scaler.step(opt)``;
-            autocast and loss scaling in :mod:`tengrad_fx.optim.amp`.
+            autocast and loss scaling in :mod:`tengrad_fx.optim.step.amp`.
     """
 
     NAME = "tengrad"
@@ -193,7 +193,7 @@ class TENGraD(StepSkeleton):
 
     def reuse_cost(self) -> tuple[float, float]:
         """``(flops, bytes)`` of the curvature work of a step without new curvature, from
-        the cached groups (:func:`tengrad_fx.optim.group_cost.reuse_cost`); zeros
+        the cached groups (:func:`tengrad_fx.optim.tengrad.group_cost.reuse_cost`); zeros
         before the first curvature step or on the fused path."""
         groups = [g for g in self._curv if isinstance(g, LayerGroup)]
         return reuse_cost(groups) if groups else (0.0, 0.0)
@@ -210,16 +210,27 @@ class TENGraD(StepSkeleton):
         that step needs (:mod:`.resume`), so a resumed run continues bit for bit."""
         sd = super().state_dict()
         sd["state"][self.NAME]["jacobian_sites"] = sorted(self._info.store.jacobian_sites)
-        curv = save_curvature(self)
-        if curv is not None:
-            sd["curvature"] = curv
+        if self.curvature_every > 1 and not self._needs_capture(self._sched):  # the next step reuses it
+            sd["curvature"] = {"sched": self._curv_sched, "damping": self._curv_damping,
+                               "records": save_records(self._info.store, self._layers)}
         return sd
 
+    def _restore_curvature(self, curv: dict[str, Any]) -> None:
+        """Put saved records back into the capture store and rebuild the cached curvature
+        from them (as the curvature step that captured them did)."""
+        store = self._info.store
+        restore_records(store, self._layers, curv["records"])
+        self._last_generation = store.generation
+        self._refresh(curv["damping"])
+        self._curv_sched = int(curv["sched"])
+        self._recapture = False
+
     def _layout_meta(self) -> dict[str, Any]:
-        return materialization_meta(self)
+        return materialization_meta(self.strategy, self.jacobian_budget_mb, self._layers,
+                                    self._info.store.jacobian_sites)
 
     def _check_layout_meta(self, meta: dict[str, Any]) -> None:
-        check_materialization(self, meta)
+        check_materialization(meta, self.strategy, self.jacobian_budget_mb, self._layers)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load counters, momentum buffers and the saved curvature records (if any; else
@@ -232,7 +243,7 @@ class TENGraD(StepSkeleton):
         self._curv = []
         self._graphs.clear()
         if curv is not None:
-            restore_curvature(self, curv)
+            self._restore_curvature(curv)
         capturing(self.model, self._needs_capture(self._sched))
 
     def mc_capture(self, outputs: Tensor, targets: Optional[Tensor] = None) -> None:
@@ -253,7 +264,7 @@ class TENGraD(StepSkeleton):
     # ------------------------------------------------------------------ curvature
     def _refresh(self, damping: float) -> None:
         """Grams and Cholesky factors of every covered layer from the store, by groups of
-        equal shape (:mod:`tengrad_fx.optim.tengrad_groups`).
+        equal shape (:mod:`tengrad_fx.optim.tengrad.tengrad_groups`).
 
         Layers the cost model materializes (within ``jacobian_budget_mb``) are marked in
         the store, so later capturing backwards compute their per-sample gradients in
@@ -289,7 +300,7 @@ class TENGraD(StepSkeleton):
             if any(grp.m != m for grp in groups):
                 raise RuntimeError("TENGraD: covered layers captured different batch sizes")
             K = self._K[0] if len(self._K) == 1 else torch.cat(self._K)
-            chol, ok = damped_cholesky_ex(K, m * damping, self.solve_dtype)
+            chol, ok = solve.damped_cholesky_ex(K, m * damping, self.solve_dtype)
             ok = ok.all()
             if self.cuda_graph and old_chol is not None and old_ok is not None and old_chol.shape == chol.shape \
                     and old_chol.dtype == chol.dtype:  # in place: static for a captured step (no copy without one)
@@ -389,7 +400,7 @@ class TENGraD(StepSkeleton):
 
     def _precondition(self, push_through: bool, damping: float) -> dict[Tensor, Tensor]:
         """``{param: u}`` for every parameter with a gradient of every covered layer
-        (:func:`tengrad_fx.optim.tengrad_groups.precondition_groups` over the cached groups
+        (:func:`tengrad_fx.optim.tengrad.tengrad_groups.precondition_groups` over the cached groups
         and factors; the push-through form on empirical curvature steps, ``push_through``)."""
         groups: list[LayerGroup] = self._curv
         if not groups or self._chol is None:
@@ -418,7 +429,7 @@ class TENGraD(StepSkeleton):
                 S += s_
             if self.strategy == "materialize" or choose_strategy(m, g, S, f, o) == "materialize":
                 candidates.append((layer, m, shapes))
-        self._info.store.jacobian_sites = self._kept_sites(candidates, set())
+        self._info.store.jacobian_sites = kept_sites(candidates, set(), self.jacobian_budget)
 
     def _uncaptured_sites(self) -> set[int]:
         """The materialized sites of layers with no record now: they keep the choice."""
@@ -434,17 +445,4 @@ class TENGraD(StepSkeleton):
     def _mark_jacobian_sites(self) -> None:
         candidates = [(layer, layer.m, [r.in_shape for r in layer.records()]) for layer in self._layers
                       if layer.weight.requires_grad and layer.captured and layer.choose(self.strategy) == "materialize"]
-        self._info.store.jacobian_sites = self._kept_sites(candidates, self._uncaptured_sites())
-
-    def _kept_sites(self, candidates: list[tuple[Any, int, list[tuple[int, ...]]]], sites: set[int]) -> set[int]:
-        """``sites`` plus the call sites of the ``(layer, m, input shapes)`` the cost model
-        materializes (in layer order) that keep ``J`` between steps
-        (:func:`~.group_build.keeps_jacobian` under ``jacobian_budget_mb``)."""
-        budget = self.jacobian_budget
-        for layer, m, shapes in candidates:
-            es = layer.weight.element_size()
-            nbytes = m * sum(p.numel() for p in (layer.weight, layer.bias) if p is not None) * es
-            if keeps_jacobian(nbytes, factored_bytes(layer, shapes, es), budget):
-                budget = None if budget is None else budget - nbytes
-                sites.update(layer.spec.sites)
-        return sites
+        self._info.store.jacobian_sites = kept_sites(candidates, self._uncaptured_sites(), self.jacobian_budget)

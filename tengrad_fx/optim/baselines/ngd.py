@@ -30,7 +30,7 @@ class NGD(CurvatureOptimizer):
         model: the prepared model.
         lr: learning rate (``>= 0``).
         damping: ``α > 0``.
-        momentum, weight_decay, kl_clip: as :class:`~.tengrad.TENGraD`.
+        momentum, weight_decay, kl_clip: as :class:`~tengrad_fx.optim.tengrad.TENGraD`.
         curvature_every: rebuild ``F`` every ``curvature_every`` steps.
         fisher, mc_loss: ``"empirical"`` / ``"mc"`` (see :meth:`mc_capture`).
         max_params: largest layer ``n`` accepted (``F`` takes ``n²`` numbers).

@@ -96,7 +96,7 @@ class KFAC(CurvatureOptimizer):
         mc_loss: ``"cross_entropy"`` or ``"mse"`` (MC target distribution).
         factor_dtype: dtype of factors and eigendecompositions (default: the parameters').
         grad_scaler: the loop's ``torch.amp.GradScaler`` (step with ``scaler.step(opt)``;
-            the records are unscaled with it, :mod:`tengrad_fx.optim.amp`). Every baseline
+            the records are unscaled with it, :mod:`tengrad_fx.optim.step.amp`). Every baseline
             takes it.
     """
 

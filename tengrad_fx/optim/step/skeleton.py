@@ -21,7 +21,7 @@ step changes nothing and does not advance their schedules.
 
 Mixed precision: the captured records are converted to float32 (and unscaled) once per
 capture before anything reads them; ``torch.amp.GradScaler`` steps go through
-:mod:`tengrad_fx.optim.amp` (``grad_scaler=`` at construction, ``scaler.step(opt)``).
+:mod:`tengrad_fx.optim.step.amp` (``grad_scaler=`` at construction, ``scaler.step(opt)``).
 """
 from __future__ import annotations
 
@@ -31,14 +31,14 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from ..capture.info import PrepareInfo
-from ..capture.prepare import capturing
+from ...capture.info import PrepareInfo
+from ...capture.prepare import capturing
 from .amp import loss_scale, scaler_enabled, scaler_flags, unscale_grads
 from .update import all_finite, apply_momentum_step, finite_flag, kl_clip_factor
 from .checks import check_positive
 from .reduction_check import check_loss_reduction
-from .state_check import META, check_loadable, layout_meta
-from ..curvature.layer import covered_layers
+from .state_check import META, NamedParams, check_loadable, layout_meta, named_params
+from ...curvature.layer import covered_layers
 
 __all__ = ["StepSkeleton", "SkipStep", "HostMirror"]
 
@@ -237,8 +237,11 @@ class StepSkeleton(torch.optim.Optimizer):
         """torch's state dict plus ``"tengrad_fx"``: who saved it (:mod:`.state_check`)."""
         self._sync_counters()
         sd = super().state_dict()
-        sd[META] = layout_meta(self)
+        sd[META] = layout_meta(type(self).__name__, self._named_params(), self._layout_meta())
         return sd
+
+    def _named_params(self) -> NamedParams:
+        return named_params(self.model, self.param_groups[0]["params"])
 
     def _layout_meta(self) -> dict[str, Any]:
         """More entries of ``state_dict()["tengrad_fx"]`` that a loader must match."""
@@ -250,7 +253,10 @@ class StepSkeleton(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Refuse (``ValueError``, nothing loaded) a state dict of another optimizer kind,
         parameter layout or materialization (:func:`.state_check.check_loadable`), then load."""
-        check_loadable(self, state_dict)
+        meta = check_loadable(type(self).__name__, self.NAME, self._named_params(), len(self.param_groups),
+                              state_dict)
+        if meta is not None:
+            self._check_layout_meta(meta)
         state_dict = {k: v for k, v in state_dict.items() if k != META}
         super().load_state_dict(state_dict)
         self._dev_counts = None

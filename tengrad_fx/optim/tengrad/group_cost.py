@@ -1,4 +1,4 @@
-"""What a reuse step costs over the groups of :mod:`tengrad_fx.optim.tengrad_groups`: the
+"""What a reuse step costs over the groups of :mod:`tengrad_fx.optim.tengrad.tengrad_groups`: the
 flops and bytes of its curvature work (``J g``, the two triangular solves, ``Jᵀ c``), which
 ``tools.bench`` prints beside the measured time."""
 from __future__ import annotations

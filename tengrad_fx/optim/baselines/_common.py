@@ -28,14 +28,14 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor
 
-from ..capture.info import PrepareInfo, get_info
-from ..capture.norm import NORM_KINDS
-from ..capture.prepare import capturing
-from .checks import check_choice, check_interval, check_nonneg, check_positive, check_unit
-from .mc import mc_capture
-from .skeleton import SkipStep, StepSkeleton
-from ..curvature.layer import KERNELS, CoveredLayer, covered_layers
-from ..curvature.tensors import DEFAULT_BLOCK_BYTES
+from ...capture.info import PrepareInfo, get_info
+from ...capture.norm import NORM_KINDS
+from ...capture.prepare import capturing
+from ..step.checks import check_choice, check_interval, check_nonneg, check_positive, check_unit
+from ..step.mc import mc_capture
+from ..step.skeleton import SkipStep, StepSkeleton
+from ...curvature.layer import KERNELS, CoveredLayer, covered_layers
+from ...curvature.tensors import DEFAULT_BLOCK_BYTES
 
 __all__ = ["Block", "Stats", "CurvatureOptimizer", "SkipStep", "layer_stats",
            "per_sample_grad_chunks", "check_positive", "check_nonneg", "check_interval",
@@ -208,7 +208,7 @@ def per_sample_grad_chunks(block: Block, dtype: Optional[torch.dtype] = None) ->
 # --------------------------------------------------------------------------- base optimizer
 class CurvatureOptimizer(StepSkeleton):
     """Common part of the baselines: one param group over ``model.parameters()``, the
-    shared step of :mod:`tengrad_fx.optim.skeleton` (host-read skips: a non-finite
+    shared step of :mod:`tengrad_fx.optim.step.skeleton` (host-read skips: a non-finite
     gradient or update skips the step before any statistic is updated).
 
     On statistics steps (:meth:`_needs_capture`) :meth:`_update_curvature`; then ``u`` per

@@ -18,14 +18,19 @@ stored. Views are saved as compact copies, never with a larger underlying storag
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from ..capture.store import Record
+from ...capture.store import CaptureStore, Record
+from ...curvature.layer import CoveredLayer
 
-__all__ = ["save_curvature", "restore_curvature"]
+__all__ = ["save_records", "restore_records"]
+
+Records = dict[str, list[list[dict[str, Any]]]]
+"""Layer name -> per call site -> per record ``{"I", "G", "P", "Gsum": tensor or None,
+"in_shape": [...]}``."""
 
 _FIELDS = ("I", "G", "P", "Gsum")
 
@@ -39,33 +44,30 @@ def _compact(t: Optional[Tensor]) -> Optional[Tensor]:
     return t
 
 
-def save_curvature(opt: Any) -> Optional[dict[str, Any]]:
-    """The ``"curvature"`` entry of TENGraD ``opt``'s state dict, or None when the next
-    step takes new curvature anyway."""
-    if opt.curvature_every == 1 or opt._needs_capture(opt._sched):
-        return None
-    store = opt._info.store
-    records: dict[str, list[list[dict[str, Any]]]] = {}
-    for layer in opt._layers:
+def save_records(store: CaptureStore, layers: Sequence[CoveredLayer]) -> Records:
+    """The records of ``layers`` in ``store`` (compact copies where a view would save a
+    larger storage): ``state_dict()["curvature"]["records"]``."""
+    records: Records = {}
+    for layer in layers:
         per_site = [store.records.get(site, []) for site in layer.spec.sites]
         if not any(per_site):
             continue
         records[layer.name] = [[{**{k: _compact(getattr(r, k)) for k in _FIELDS}, "in_shape": list(r.in_shape)}
                                 for r in recs] for recs in per_site]
-    return {"sched": opt._curv_sched, "damping": opt._curv_damping, "records": records}
+    return records
 
 
-def restore_curvature(opt: Any, curv: dict[str, Any]) -> None:
-    """Put saved records back into ``opt``'s capture store and rebuild the cached
-    curvature from them (as the curvature step that captured them did)."""
-    store = opt._info.store
-    by_name = {layer.name: layer for layer in opt._layers}
-    unknown = sorted(set(curv["records"]) - set(by_name))
+def restore_records(store: CaptureStore, layers: Sequence[CoveredLayer], records: Records) -> None:
+    """Put saved ``records`` of ``layers`` back into ``store`` (on each layer's device),
+    as the backward of the curvature step that captured them left them; ``ValueError``
+    for records of layers this model does not cover, or with another number of calls."""
+    by_name = {layer.name: layer for layer in layers}
+    unknown = sorted(set(records) - set(by_name))
     if unknown:
         raise ValueError(f"TENGraD.load_state_dict: curvature records of layers {unknown}, which are not "
                          "covered layers of this model")
     store.records = {}
-    for name, per_site in curv["records"].items():
+    for name, per_site in records.items():
         layer = by_name[name]
         dev = layer.weight.device
         if len(per_site) != len(layer.spec.sites):
@@ -77,7 +79,3 @@ def restore_curvature(opt: Any, curv: dict[str, Any]) -> None:
                        in_shape=tuple(r["in_shape"])) for r in recs]
     store._complete = True  # the next capturing forward releases them, as after a backward
     store.mark_finalized()  # saved after the step's finalize: float32, unscaled
-    opt._last_generation = store.generation
-    opt._refresh(curv["damping"])
-    opt._curv_sched = int(curv["sched"])
-    opt._recapture = False

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..capture.store import CaptureStore
+from ...capture.store import CaptureStore
 
 __all__ = ["mc_capture", "sample_targets", "second_backward"]
 

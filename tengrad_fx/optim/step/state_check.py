@@ -16,25 +16,29 @@ so nothing is half-loaded. State dicts written before this record existed (no
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Sequence
 
-import torch
+from torch import nn
 
-__all__ = ["META", "layout_meta", "check_loadable", "materialization_meta", "check_materialization"]
+from ...curvature.layer import CoveredLayer
+
+__all__ = ["META", "named_params", "layout_meta", "check_loadable", "materialization_meta", "check_materialization"]
 
 META = "tengrad_fx"
 
-
-def _named_params(opt: Any) -> list[tuple[str, torch.nn.Parameter]]:
-    names = {id(p): n for n, p in opt.model.named_parameters()}
-    return [(names.get(id(p), f"#{i}"), p) for i, p in enumerate(opt.param_groups[0]["params"])]
+NamedParams = list[tuple[str, nn.Parameter]]
 
 
-def layout_meta(opt: Any) -> dict[str, Any]:
-    """The ``"tengrad_fx"`` entry of ``opt.state_dict()``."""
-    return {"optimizer": type(opt).__name__,
-            "params": [[n, list(p.shape)] for n, p in _named_params(opt)],
-            **opt._layout_meta()}
+def named_params(model: nn.Module, params: Sequence[nn.Parameter]) -> NamedParams:
+    """``(name in model, parameter)`` of an optimizer's ``params`` (``#i`` where unnamed)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [(names.get(id(p), f"#{i}"), p) for i, p in enumerate(params)]
+
+
+def layout_meta(optimizer: str, params: NamedParams, extra: dict[str, Any]) -> dict[str, Any]:
+    """The ``"tengrad_fx"`` entry of a state dict: the ``optimizer`` class name, the
+    parameter layout and the optimizer's ``extra`` entries."""
+    return {"optimizer": optimizer, "params": [[n, list(p.shape)] for n, p in params], **extra}
 
 
 def _kind_hint(sd: dict[str, Any]) -> str:
@@ -42,27 +46,30 @@ def _kind_hint(sd: dict[str, Any]) -> str:
     return f" (its param group has the options {keys})" if keys else ""
 
 
-def check_loadable(opt: Any, sd: dict[str, Any]) -> None:
-    """Raise ``ValueError`` if ``sd`` was not saved by an optimizer like ``opt`` (module docstring)."""
-    cls = type(opt).__name__
+def check_loadable(cls: str, counters: str, params: NamedParams, n_groups: int,
+                   sd: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """Raise ``ValueError`` if ``sd`` was not saved by an optimizer of class ``cls`` (its
+    counters under ``sd["state"][counters]``) over ``params`` in ``n_groups`` param groups
+    (module docstring); else the saved ``"tengrad_fx"`` entry (None: written before it
+    existed), whose optimizer-specific entries the caller checks."""
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise ValueError(f"{cls}.load_state_dict: expected an optimizer state_dict (a dict with 'state' and "
                          f"'param_groups'), got {type(sd).__name__}")
     meta = sd.get(META)
     if meta is None:
-        if opt.NAME not in sd["state"]:
+        if counters not in sd["state"]:
             raise ValueError(f"{cls}.load_state_dict: this state_dict was not saved by {cls} (it has no "
-                             f"'{opt.NAME}' counters){_kind_hint(sd)}. Load it into the optimizer that saved "
+                             f"'{counters}' counters){_kind_hint(sd)}. Load it into the optimizer that saved "
                              f"it, or start {cls} without loading")
-        return  # written before the layout record existed
+        return None  # written before the layout record existed
     if meta.get("optimizer") != cls:
         raise ValueError(f"{cls}.load_state_dict: this state_dict was saved by {meta.get('optimizer')}, not "
                          f"{cls}. Build a {meta.get('optimizer')} to load it, or start {cls} without loading")
-    if len(sd["param_groups"]) != len(opt.param_groups):
+    if len(sd["param_groups"]) != n_groups:
         raise ValueError(f"{cls}.load_state_dict: the state_dict has {len(sd['param_groups'])} param groups, "
-                         f"this optimizer {len(opt.param_groups)}")
+                         f"this optimizer {n_groups}")
     saved = [(n, list(s)) for n, s in meta["params"]]
-    mine = [(n, list(p.shape)) for n, p in _named_params(opt)]
+    mine = [(n, list(p.shape)) for n, p in params]
     if saved != mine:
         if len(saved) != len(mine):
             what = f"{len(saved)} parameters were saved, this optimizer has {len(mine)}"
@@ -72,24 +79,27 @@ def check_loadable(opt: Any, sd: dict[str, Any]) -> None:
                     f"{mine[i][0]!r} {tuple(mine[i][1])} here")
         raise ValueError(f"{cls}.load_state_dict: the parameter layout differs ({what}). Load it into an "
                          "optimizer over the same model with the same parameters trainable (requires_grad)")
-    opt._check_layout_meta(meta)
+    return meta
 
 
-def materialization_meta(opt: Any) -> dict[str, Any]:
-    """TENGraD's materialization choices (they decide how the backward computes gradients)."""
-    sites = opt._info.store.jacobian_sites
-    return {"strategy": opt.strategy, "jacobian_budget_mb": opt.jacobian_budget_mb,
-            "materialized": sorted(lay.name for lay in opt._layers if set(lay.spec.sites) & sites)}
+def materialization_meta(strategy: str, jacobian_budget_mb: Optional[float], layers: Sequence[CoveredLayer],
+                         sites: set[int]) -> dict[str, Any]:
+    """TENGraD's materialization choices (they decide how the backward computes gradients):
+    its options and the covered ``layers`` with a call site in ``sites`` (materialized)."""
+    return {"strategy": strategy, "jacobian_budget_mb": jacobian_budget_mb,
+            "materialized": sorted(lay.name for lay in layers if set(lay.spec.sites) & sites)}
 
 
-def check_materialization(opt: Any, meta: dict[str, Any]) -> None:
-    """``ValueError`` if TENGraD ``opt`` cannot continue the saved materialization choices."""
-    mine = {"strategy": opt.strategy, "jacobian_budget_mb": opt.jacobian_budget_mb}
+def check_materialization(meta: dict[str, Any], strategy: str, jacobian_budget_mb: Optional[float],
+                          layers: Sequence[CoveredLayer]) -> None:
+    """``ValueError`` if TENGraD with these options and covered ``layers`` cannot continue
+    the saved materialization choices ``meta``."""
+    mine = {"strategy": strategy, "jacobian_budget_mb": jacobian_budget_mb}
     diff = [f"{k}={meta.get(k)!r} in the state_dict, {v!r} here" for k, v in mine.items() if meta.get(k) != v]
     if diff:
         raise ValueError("TENGraD.load_state_dict: other materialization choices (" + "; ".join(diff) +
                          "). Build TENGraD with the same strategy and jacobian_budget_mb as the run that saved it")
-    unknown = sorted(set(meta.get("materialized", [])) - {lay.name for lay in opt._layers})
+    unknown = sorted(set(meta.get("materialized", [])) - {lay.name for lay in layers})
     if unknown:
         raise ValueError(f"TENGraD.load_state_dict: the state_dict materializes layers {unknown}, which are "
                          "not covered layers of this model (another model, or prepared differently)")

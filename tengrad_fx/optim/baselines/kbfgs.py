@@ -41,7 +41,7 @@ from typing import Callable, Literal, Optional
 import torch
 from torch import Tensor
 
-from ..capture.prepare import capturing
+from ...capture.prepare import capturing
 from ._common import (Block, CurvatureOptimizer, SkipStep, check_choice, check_interval, check_unit,
                       layer_stats, running)
 

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..curvature.layer import CoveredLayer
+from ...curvature.layer import CoveredLayer
 
 __all__ = ["cross_entropy_scale", "check_loss_reduction"]
 

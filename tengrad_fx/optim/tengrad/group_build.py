@@ -1,4 +1,4 @@
-"""Which covered layers share a :class:`~tengrad_fx.optim.tengrad_groups.LayerGroup`.
+"""Which covered layers share a :class:`~tengrad_fx.optim.tengrad.tengrad_groups.LayerGroup`.
 
 :func:`build_groups` puts every trainable covered layer with a record into a group:
 
@@ -44,11 +44,12 @@ from typing import Any, Optional
 
 from torch import Tensor
 
-from ..capture.store import Record
-from ..curvature.layer import CoveredLayer
+from ...capture.store import Record
+from ...curvature.layer import CoveredLayer
+from .group_forms import FORMS, ConvStackGroup, FactoredLinearGroup, MaterializedGroup, SingleLayerGroup
 from .tengrad_groups import LayerGroup, pack_views, stack
 
-__all__ = ["build_groups", "factored_bytes", "keeps_jacobian", "previous_stacks", "PACK_MAX_BYTES", "PACK_MAX_RATIO",
+__all__ = ["build_groups", "factored_bytes", "keeps_jacobian", "kept_sites", "previous_stacks", "PACK_MAX_BYTES", "PACK_MAX_RATIO",
            "STACK_BYTES"]
 
 PACK_MAX_BYTES = 16 * 2**20
@@ -99,6 +100,20 @@ def keeps_jacobian(p_bytes: int, ig_bytes: int, budget: Optional[float]) -> bool
     return p_bytes <= (ig_bytes if budget is None else budget)
 
 
+def kept_sites(candidates: list[tuple[CoveredLayer, int, list[tuple[int, ...]]]], sites: set[int],
+               budget: Optional[float]) -> set[int]:
+    """``sites`` plus the call sites of the ``(layer, m, input shapes)`` the cost model
+    materializes (in layer order) that keep ``J`` between steps (:func:`keeps_jacobian`
+    under ``budget`` bytes, shared in that order; None: no bound)."""
+    for layer, m, shapes in candidates:
+        es = layer.weight.element_size()
+        nbytes = m * sum(p.numel() for p in (layer.weight, layer.bias) if p is not None) * es
+        if keeps_jacobian(nbytes, factored_bytes(layer, shapes, es), budget):
+            budget = None if budget is None else budget - nbytes
+            sites.update(layer.spec.sites)
+    return sites
+
+
 def _runs(key: tuple, members: list[_Member]) -> list[list[_Member]]:
     """Equal-shape ``members`` in runs whose stack is at most :data:`STACK_BYTES` (one
     member at least): each run is one group."""
@@ -145,15 +160,15 @@ def pack_plan(units: list[list[_Member]]) -> list[list[int]]:
 def _group(key: tuple, members: list[_Member]) -> LayerGroup:
     """The unpacked group of equal-shape ``members`` (``key[0]`` = form)."""
     lays = [mb[0] for mb in members]
-    dim = 1 if key[0] == "conv" else 0  # "conv": the layer axis after the sample axis
+    dim = FORMS[key[0]].layer_axis  # "conv": the layer axis after the sample axis
     X = stack([mb[1] for mb in members], dim)
     Y = stack([mb[2] for mb in members], dim) if members[0][2] is not None else None  # type: ignore[misc]
     m, k = X.shape[1 - dim], members[0][3]
     if key[0] == "P":
-        return LayerGroup("P", lays, m, k, Pw=X, Pb=Y)
+        return MaterializedGroup(lays, m, k, Pw=X, Pb=Y)
     if key[0] == "conv":
-        return LayerGroup("conv", lays, m, k, A=X, B=Y, strategy=key[1])
-    return LayerGroup("IG", lays, m, k, A=X, B=Y)
+        return ConvStackGroup(lays, m, k, A=X, B=Y, strategy=key[1])
+    return FactoredLinearGroup(lays, m, k, A=X, B=Y)
 
 
 def _cols(members: list[_Member]) -> list[tuple[int, int]]:
@@ -166,7 +181,7 @@ def _packed_group(members: list[_Member]) -> LayerGroup:
     cols = _cols(members)
     Pw0 = members[0][1]
     X, views = pack_views([[Pw, Pb] for _, Pw, Pb, _ in members], max(a + b for a, b in cols), Pw0)
-    return LayerGroup("P", [mb[0] for mb in members], Pw0.shape[0], members[0][3], Pw=X, cols=cols, _fill=views)
+    return MaterializedGroup([mb[0] for mb in members], Pw0.shape[0], members[0][3], Pw=X, cols=cols, _fill=views)
 
 
 _Plan = tuple[str, Optional[tuple], list[_Member]]  # ("stack" | "packed", key, members)
@@ -207,7 +222,7 @@ def _match(plan: _Plan, reuse: dict[tuple, LayerGroup], static: bool) -> Optiona
     if kind == "packed":
         ok = S is not None and S.dtype == X.dtype and S.shape[1] == X.shape[0]
     else:
-        dim = 1 if form == "conv" else 0
+        dim = old.layer_axis
         ok = S is not None and S.dtype == X.dtype and tuple(S.shape) == _stack_shape(X, len(members), dim) \
             and (T is None) == (Y is None) \
             and (T is None or (T.dtype == Y.dtype and tuple(T.shape) == _stack_shape(Y, len(members), dim)))
@@ -271,7 +286,7 @@ def build_groups(layers: list[CoveredLayer], strategy: str, budget: Optional[flo
             del I, G, recs
             continue
         del recs
-        single.append(LayerGroup("layer", [layer], m, strategy=how))
+        single.append(SingleLayerGroup([layer], m, strategy=how))
     # "P" keys of one (k, dtypes) -> their packing plan; a plan's group goes where its first key was
     by_kind: dict[Any, list[tuple]] = {}
     for key in keyed:

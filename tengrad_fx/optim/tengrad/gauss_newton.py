@@ -26,8 +26,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..capture.store import CaptureStore, Record
-from .mc import second_backward
+from ...capture.store import CaptureStore, Record
+from ..step.mc import second_backward
 
 __all__ = ["MAX_OUTPUTS", "gauss_newton_capture"]
 
@@ -64,7 +64,7 @@ def gauss_newton_capture(store: CaptureStore, outputs: Tensor, weights: list[Ten
             captured ``G`` by ``m`` (of the stacked record: ``m·k``) for ``"mean"``.
         max_outputs: largest ``k`` allowed.
         loss_scale: a GradScaler's scale: each backward's output is multiplied by it, so
-            the records carry the training backward's scale (:mod:`.amp`).
+            the records carry the training backward's scale (:mod:`tengrad_fx.optim.step.amp`).
 
     Raises:
         ValueError: ``k > max_outputs`` (use ``fisher="mc"``), or ``outputs`` without a graph.

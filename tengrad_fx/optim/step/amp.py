@@ -29,7 +29,7 @@ them on the host). The step then
   bits, the schedule does not advance, the next step captures again;
 * on a TENGraD step that reuses curvature reads nothing: an overflow leaves a non-finite
   gradient (``found_inf`` is computed from these very gradients), which masks the update
-  on the device as any non-finite step does (``tengrad_fx.optim.skeleton``);
+  on the device as any non-finite step does (``tengrad_fx.optim.step.skeleton``);
 * converts the records to float32 divided by the scaler's current scale (the scale of
   the backward that recorded them: ``scaler.update()`` runs after the step), once per
   capture (:meth:`~tengrad_fx.capture.store.CaptureStore.finalize`).

@@ -1,0 +1,5 @@
+"""TENGraD and its internals: layer groups, their build and cost model, the push-through
+probe, the fused (compilable) curvature step, CUDA graphs and the curvature's resume."""
+from .tengrad import TENGraD
+
+__all__ = ["TENGraD"]
