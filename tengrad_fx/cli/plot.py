@@ -1,13 +1,13 @@
-"""Training curves of ``tools.train`` runs: the paper's Figs. 1, 3, 4 with error bands.
+"""Training curves of ``tengrad_fx.cli.train`` runs: the paper's Figs. 1, 3, 4 with error bands.
 
-    python -m tools.plot RUN_DIR... --out PATH.png [--group-by optimizer] [--title T]
+    python -m tengrad_fx.cli.plot RUN_DIR... --out PATH.png [--group-by optimizer] [--title T]
 
 A ``RUN_DIR`` is one run directory or any folder holding several (e.g. a sweep
 directory). The figure is 2×2: training loss (top) and test accuracy (bottom) against
 epochs (left) and against wall-clock *training* time (right; evaluation excluded).
 Runs are grouped by the ``--group-by`` config keys (comma-separated; default
 ``optimizer``; ``config`` = every config key except the seed and bookkeeping keys, see
-``tools._runs.IGNORED_KEYS``). Each group is drawn as the mean over its runs (seeds) with
+``tengrad_fx.cli._runs.IGNORED_KEYS``). Each group is drawn as the mean over its runs (seeds) with
 a ± one-standard-deviation band (sample std); on the time axis a point sits at the seeds'
 mean training time of that epoch/step. PNG and SVG are written with the same stem.
 
@@ -20,9 +20,9 @@ import argparse
 import os
 from typing import Optional, Sequence
 
-import matplotlib
+from ..utils.optional import require
 
-matplotlib.use("Agg")
+require("matplotlib", "plot", "tengrad_fx.cli.plot (the training curves)").use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from ._runs import Run, band, find_runs, frac, group_runs  # noqa: E402
@@ -149,7 +149,7 @@ def plot_runs(run_dirs: list[str], out_path: str, group_by: Optional[Sequence[st
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[str]:
-    ap = argparse.ArgumentParser(prog="python -m tools.plot", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m tengrad_fx.cli.plot", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories or folders of them")
     ap.add_argument("--out", required=True, help="output path (.png); an .svg with the same stem is written too")
