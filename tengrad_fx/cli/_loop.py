@@ -153,7 +153,7 @@ def _skipped_by_optimizer(opt: torch.optim.Optimizer) -> int:
 
 
 def _progress(total: int, desc: str, disable: bool, leave: bool = True) -> Any:
-    tqdm = require("tqdm.auto", "cli", "the training CLI's progress bars").tqdm
+    tqdm = require("tqdm.auto", "cli", "the training CLI (progress bars)").tqdm
     return tqdm(total=total, desc=desc, disable=disable, dynamic_ncols=True, leave=leave, file=sys.stderr)
 
 
