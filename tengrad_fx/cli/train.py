@@ -6,10 +6,10 @@
     tengrad-train --out runs/x --resume  # continue from runs/x/checkpoint.pt
 
 (the console script; also ``python -m tengrad_fx.cli.train``, or ``python -m tools.train``
-from the repository). Cost on a 2-core CPU: a 3C1F
-step at batch 128 is ~250 GFLOP for TENGraD (~180 for SGD); measured ~12 s (SGD ~8.5 s)
-with the machine shared by other jobs, so one Fashion-MNIST epoch (469 steps, plus ~3 min
-to evaluate 10k test images) takes over an hour there. Use ``--subset N`` /
+from the repository). Cost on a 2-core CPU: a 3C1F step at batch 128 is ~250 GFLOP for
+TENGraD (~180 for SGD); measured ~12 s (SGD ~8.5 s) with the machine shared by other
+jobs, so one Fashion-MNIST epoch (469 steps, plus ~3 min to evaluate 10k test images)
+takes over an hour there. Use ``--subset N`` /
 ``--max-steps N`` for smoke runs and ``--device cuda`` for real ones.
 
 Hyperparameters: the paper's by default
