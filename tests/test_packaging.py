@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import ast
 import configparser
-import email
+import email.message
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,7 +30,7 @@ REPO_ONLY = ("tools", "testing", "zoo")
 """Top-level names that exist only in a checkout (``zoo`` is installed as ``tengrad_fx.zoo``)."""
 OPTIONAL = ("timm", "torchvision", "tqdm", "matplotlib")
 KNOWN_CYCLES = [
-    # TYPE_CHECKING import of LayerGroup back into tengrad_groups; goes with the optim/ split.
+    # group_probe imports tengrad_groups.LayerGroup for its annotations (under TYPE_CHECKING)
     {"tengrad_fx.optim.group_probe", "tengrad_fx.optim.tengrad_groups"},
 ]
 
@@ -93,16 +94,34 @@ def test_console_scripts_point_into_tengrad_fx(wheel: zipfile.ZipFile) -> None:
         assert func in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, (script, target)
 
 
+def _requirements(meta: email.message.Message) -> dict[str, set[str]]:
+    """``{extra ("" for the core): names of the distributions it brings}``, an extra that
+    names ``tengrad-fx[other]`` expanded to the other extra's."""
+    direct: dict[str, set[str]] = {}
+    for req in meta.get_all("Requires-Dist") or []:
+        name, extras = re.match(r"([A-Za-z0-9._-]+)(?:\[([^]]*)\])?", req).groups()  # type: ignore[union-attr]
+        name = name.lower().replace("_", "-")
+        marker = re.search(r'extra\s*==\s*"([^"]+)"', req)
+        entries = {f"[{e.strip()}]" for e in extras.split(",")} if name == "tengrad-fx" else {name}
+        direct.setdefault(marker.group(1) if marker else "", set()).update(entries)
+
+    def expand(extra: str) -> set[str]:
+        out = set()
+        for entry in direct.get(extra, set()):
+            out |= expand(entry[1:-1]) if entry.startswith("[") else {entry}
+        return out
+
+    return {extra: expand(extra) for extra in direct}
+
+
 def test_core_requirements_are_torch_and_numpy(wheel: zipfile.ZipFile) -> None:
-    meta = email.message_from_string(_dist_info(wheel, "METADATA"))
-    reqs = meta.get_all("Requires-Dist") or []
-    core = {r.split(";")[0].split("[")[0].split("<")[0].split(">")[0].split("=")[0].strip().lower()
-            for r in reqs if "extra ==" not in r}
-    assert core == {"torch", "numpy"}, reqs
-    assert set(meta.get_all("Provides-Extra") or []) >= {"zoo", "cli", "plot", "test"}
-    plot = " ".join(r for r in reqs if 'extra == "plot"' in r or 'extra == "cli"' in r)
-    for dep in ("matplotlib", "tqdm", "torchvision"):  # what tengrad-reproduce uses
-        assert dep in plot, (dep, reqs)
+    """The core needs torch and numpy only; ``plot`` (the README's install for
+    ``tengrad-reproduce``) brings what the programs use; ``test`` what the tests use."""
+    reqs = _requirements(email.message_from_string(_dist_info(wheel, "METADATA")))
+    assert reqs[""] == {"torch", "numpy"}, reqs
+    assert reqs["zoo"] >= {"timm", "torchvision"} and reqs["cli"] >= {"tqdm", "torchvision"}, reqs
+    assert reqs["plot"] >= reqs["cli"] | {"matplotlib"}, reqs
+    assert reqs["test"] >= reqs["zoo"] | reqs["plot"] | {"pytest", "hypothesis", "setuptools"}, reqs
 
 
 def test_installed_code_and_tests_do_not_import_repository_only_packages() -> None:
