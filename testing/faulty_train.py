@@ -1,7 +1,7 @@
-"""``tools.train`` in a child process that a fault-injection test can ``kill -9`` at a
+"""``tengrad_fx.cli.train`` in a child process that a fault-injection test can ``kill -9`` at a
 chosen moment, on a tiny CNN and synthetic Fashion-MNIST-shaped data.
 
-    FAULT_PAUSE=checkpoint:2 python -m testing.faulty_train [tools.train arguments]
+    FAULT_PAUSE=checkpoint:2 python -m testing.faulty_train [tengrad_fx.cli.train arguments]
 
 ``FAULT_PAUSE="<phase>:<n>"`` makes the process stop at the ``n``-th (1-based) occurrence
 of ``phase`` in this process, print ``PAUSED <phase> <n>`` on stdout and sleep until it
@@ -13,7 +13,7 @@ is killed:
   the temporary file;
 * ``eval``: at the start of an evaluation (end of an epoch).
 
-Without ``FAULT_PAUSE`` it is a plain run (``tools.train.run``) of the tiny CNN.
+Without ``FAULT_PAUSE`` it is a plain run (``tengrad_fx.cli.train.run``) of the tiny CNN.
 """
 from __future__ import annotations
 
@@ -61,10 +61,10 @@ def _pause(phase: str) -> None:
 
 
 def install(fault: str) -> None:
-    """Patch ``tools.train`` / ``tools._loop``: the tiny CNN, and the pause of ``fault``
+    """Patch ``tengrad_fx.cli.train`` / ``tengrad_fx.cli._loop``: the tiny CNN, and the pause of ``fault``
     (``"<phase>:<n>"`` or ``""``)."""
-    from tools import _loop
-    from tools import train as T
+    from tengrad_fx.cli import _loop
+    from tengrad_fx.cli import train as T
 
     T.build_model = tiny_cnn
     phase, _, n = fault.partition(":")
@@ -117,7 +117,7 @@ def install(fault: str) -> None:
 
 def main() -> None:
     install(os.environ.get("FAULT_PAUSE", ""))
-    from tools import train as T
+    from tengrad_fx.cli import train as T
 
     T.run(sys.argv[1:])
 

@@ -84,8 +84,8 @@ def check_steps_against_dense(model: nn.Module, template: nn.Module, opt: Any, b
 def step_counts(model: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor,
                 steps: int = 4) -> dict[str, tuple[int, int, int]]:
     """``{step kind: (kernels, all aten ops, host syncs)}`` of the last of ``steps`` steps of
-    each kind (``"curvature"``/``"reuse"``) on the batch ``x, y`` (``tools.dispatch``)."""
-    from tools.dispatch import OpCounter, SyncCounter
+    each kind (``"curvature"``/``"reuse"``) on the batch ``x, y`` (``tengrad_fx.utils.dispatch``)."""
+    from tengrad_fx.utils.dispatch import OpCounter, SyncCounter
 
     out: dict[str, tuple[int, int, int]] = {}
     for _ in range(steps):

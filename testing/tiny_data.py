@@ -27,6 +27,6 @@ def write_fashion_mnist(d: Path, n_train: int = 64, n_test: int = 32, seed: int 
 
 
 def tiny_cnn(name: str, dataset: Any) -> nn.Module:
-    """Stands in for ``tools.train.build_model`` (whatever the model's name)."""
+    """Stands in for ``tengrad_fx.cli.train.build_model`` (whatever the model's name)."""
     return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(4), nn.Flatten(),
                          nn.Linear(8 * 7 * 7, 32), nn.ReLU(), nn.Linear(32, 10))

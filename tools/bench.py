@@ -59,7 +59,10 @@ import torch.nn.functional as F
 import tengrad_fx
 from tengrad_fx.capture.per_sample_conv import per_sample_conv_method
 from tengrad_fx.optim.registry import make_optimizer
+from tengrad_fx.zoo.bench_models import MODEL_NAMES, build_model
 from tools import step_facts
+from tools.capture_bench import main_capture
+from tools.dist_bench import report_distributed, run_distributed
 
 # name -> (constructor of an optimizer over (prepared or plain) model, needs prepare).
 # All with the paper's Fashion-MNIST lr / wd / damping (tengrad_fx.optim.registry); the
@@ -110,26 +113,6 @@ BASELINES = "kfac-T1,kfac,ekfac-T1,ekfac,kbfgs-T1,kbfgs"
 
 
 PAPER_ROWS = "sgd,tengrad,tengrad-mc,tengrad-mc-T100"
-ZOO_MODELS = ("wrn-28-4", "densenet-19", "mobilenetv2")
-MODEL_NAMES = ("3c1f", "small", "tiny", "3c1f-bn", "small-bn", "tiny-bn", *ZOO_MODELS)
-
-
-def build_model(name: str) -> tuple[nn.Module, tuple[int, ...]]:
-    """``(model, input shape)``. ``3c1f``: the paper's model (Conv 1→128→128→128,
-    MaxPool 3, Linear 10368→500→10); ``small``/``tiny``: the same with 32/8 channels;
-    ``-bn``: a BatchNorm2d after each conv and a BatchNorm1d after the first Linear;
-    ``wrn-28-4``, ``densenet-19``, ``mobilenetv2``: the zoo's CIFAR models (3×32×32)."""
-    if name in ZOO_MODELS:
-        from zoo.registry import get_model
-        return get_model(name, num_classes=10), (3, 32, 32)
-    c = {"3c1f": 128, "small": 32, "tiny": 8}[name.removesuffix("-bn")]
-    bn = name.endswith("-bn")
-    norm2 = (lambda: nn.BatchNorm2d(c)) if bn else nn.Identity  # noqa: E731
-    return nn.Sequential(
-        nn.Conv2d(1, c, 3, padding=1), norm2(), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1), norm2(), nn.ReLU(),
-        nn.Conv2d(c, c, 3, padding=1), norm2(), nn.ReLU(), nn.MaxPool2d(3), nn.Flatten(),
-        nn.Linear(9 * 9 * c, 500), nn.BatchNorm1d(500) if bn else nn.Identity(), nn.ReLU(), nn.Linear(500, 10),
-    ), (1, 28, 28)
 
 
 def method_list(spec: str) -> list[str]:
@@ -322,8 +305,6 @@ def main(argv: list[str] | None = None) -> None:
     args.threads = args.threads or (1 if tiny else 2)
     torch.set_num_threads(args.threads)
     if args.distributed:
-        from tools.dist_bench import report_distributed, run_distributed  # noqa: PLC0415
-
         ranks = run_distributed(args.distributed, args.model, args.m, args.steps, args.warmup, args.threads,
                                 args.bandwidth, args.flop_rate)
         print(report_distributed(ranks, args.distributed, args.model, args.m))
@@ -332,8 +313,6 @@ def main(argv: list[str] | None = None) -> None:
                 json.dump(ranks, f, indent=2)
         return
     if args.capture:
-        from tools.capture_bench import main_capture  # noqa: PLC0415
-
         _, sync, base, batches = setup(args)
         res = main_capture(args, base, batches, sync)
         if args.json:

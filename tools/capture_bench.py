@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx.capture import eager
-from tools.dispatch import OpCounter
+from tengrad_fx.utils.dispatch import OpCounter
 
 __all__ = ["run_capture", "report_capture", "per_call", "launch_bound", "report_launch_bound", "ROWS"]
 

@@ -6,7 +6,7 @@ interleaved in one process, and their ratio.
 
 Both models start from the same weights and see the same batches; each round runs one step
 of each (CUDA-synchronized), so machine noise hits both alike. The compilation is done
-before timing (``tools._compile_warmup``) and printed apart. With ``--T 3`` the rounds hold
+before timing (``tengrad_fx.cli._compile_warmup``) and printed apart. With ``--T 3`` the rounds hold
 curvature steps (capture on) and reuse steps (capture off); the medians of each kind and of
 the whole step are printed as ``compiled / eager``.
 """
@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 
 import tengrad_fx
-from tools._compile_warmup import warm_up
-from tools.bench import build_model, steady_malloc
+from tengrad_fx.cli._compile_warmup import warm_up
+from tengrad_fx.zoo.bench_models import build_model
+from tools.bench import steady_malloc
 
 
 def _step(fwd: Any, opt: Any, x: torch.Tensor, y: torch.Tensor, sync: bool) -> float:

@@ -43,6 +43,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import tengrad_fx
+from tengrad_fx.distributed import DistributedTENGraD
+from tengrad_fx.distributed.plan import assign_owners, choose_modes, solve_cost
+from tengrad_fx.distributed.records import record_bytes
+from tengrad_fx.zoo.bench_models import build_model
+from testing.spawn import run_ranks
 
 __all__ = ["run_distributed", "report_distributed"]
 
@@ -54,10 +62,6 @@ PER_LAYER = {"dist-tengrad": ("gather", "curvature"), "dist-tengrad-T20": ("gath
 
 def _build(method: str, base: torch.nn.Module, example: torch.Tensor) -> tuple[Any, Any, Any]:
     """``(forward module, optimizer, prepared model or None)``."""
-    import tengrad_fx  # noqa: PLC0415
-    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
-    from tengrad_fx.distributed import DistributedTENGraD  # noqa: PLC0415
-
     model = copy.deepcopy(base)
     if method == "ddp-sgd":
         ddp = DDP(model)
@@ -75,10 +79,6 @@ def _build(method: str, base: torch.nn.Module, example: torch.Tensor) -> tuple[A
 
 def _local_error(base: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
     """``‖u_local − u_global‖ / ‖u_global‖`` of one first step from ``base`` (float64)."""
-    import tengrad_fx  # noqa: PLC0415
-    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
-    from tengrad_fx.distributed import DistributedTENGraD  # noqa: PLC0415
-
     deltas = []
     for mode in ("gather", "local"):
         net = tengrad_fx.prepare(copy.deepcopy(base).double(), example_inputs=(x[:2].double(),))
@@ -94,9 +94,6 @@ def _local_error(base: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> flo
 
 def _auto_modes(opt: Any, world: int, m: int, bandwidth: float, flop_rate: float) -> dict[str, str]:
     """The mode ``mode="auto"`` picks per layer (the cost model on the captured shapes)."""
-    from tengrad_fx.distributed.plan import assign_owners, choose_modes, solve_cost  # noqa: PLC0415
-    from tengrad_fx.distributed.records import record_bytes  # noqa: PLC0415
-
     lays = [lay for lay in opt._all_layers if lay.captured]
     M = world * m
     owners = assign_owners([solve_cost(M, lay.dims()) for lay in lays], world)
@@ -109,8 +106,6 @@ def _auto_modes(opt: Any, world: int, m: int, bandwidth: float, flop_rate: float
 
 def _rank_main(rank: int, world: int, model_name: str, m: int, steps: int, warmup: int,
                bandwidth: float = 50e9, flop_rate: float = 50e12) -> dict[str, Any]:
-    from tools.bench import build_model  # noqa: PLC0415
-
     torch.manual_seed(0)
     base, shape = build_model(model_name)
     g = torch.Generator().manual_seed(100 + rank)
@@ -154,8 +149,6 @@ def _rank_main(rank: int, world: int, model_name: str, m: int, steps: int, warmu
 def run_distributed(world: int, model: str = "tiny", m: int = 32, steps: int = 6, warmup: int = 2,
                     threads: int = 1, bandwidth: float = 50e9, flop_rate: float = 50e12) -> list[dict[str, Any]]:
     """Every rank's results (:func:`_rank_main`) from ``world`` spawned gloo ranks."""
-    from tools._spawn import run_ranks  # noqa: PLC0415
-
     with tempfile.TemporaryDirectory() as d:
         return run_ranks(_rank_main, world, Path(d), model, m, steps, warmup, bandwidth, flop_rate, timeout=3600.0,
                          pg_timeout=600.0, threads=threads)

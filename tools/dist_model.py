@@ -44,6 +44,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+import tengrad_fx
+from tengrad_fx.curvature.layer import choose_strategy
+from tengrad_fx.distributed.plan import assign_owners, choose_modes, choose_placement, solve_cost, step_flops
+from tengrad_fx.zoo import get_model
+from tengrad_fx.zoo.bench_models import build_model
+
 __all__ = ["layer_shapes", "model_table", "main"]
 
 GRAM_MEMORY_LIMIT = 8 * 2**30
@@ -56,20 +62,14 @@ def _build(name: str) -> tuple[torch.nn.Module, tuple[int, ...], int]:
 
         return timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=1000), (3, 224, 224), 1000
     if name == "3c1f":
-        from tools.bench import build_model  # noqa: PLC0415
-
         model, shape = build_model("3c1f")
         return model, shape, 10
-    from zoo.registry import get_model  # noqa: PLC0415
-
     return get_model(name, num_classes=10), (3, 32, 32), 10
 
 
 def layer_shapes(name: str) -> list[dict[str, Any]]:
     """Per covered layer: ``name``, ``n``, ``r`` (record elements per sample), ``dims``,
     ``p_ok`` (a Linear or convolution called once: its ``P`` may be sent instead)."""
-    import tengrad_fx  # noqa: PLC0415
-
     model, shape, classes = _build(name)
     x = torch.randn(2, *shape)
     net = tengrad_fx.prepare(model, example_inputs=(x,))
@@ -89,10 +89,6 @@ def layer_shapes(name: str) -> list[dict[str, Any]]:
 def model_table(layers: list[dict[str, Any]], worlds: list[int], m: int, T: int,
                 bandwidth: float, flop_rate: float) -> list[dict[str, Any]]:
     """One row per world size (module docstring)."""
-    from tengrad_fx.curvature.layer import choose_strategy  # noqa: PLC0415
-    from tengrad_fx.distributed.plan import (  # noqa: PLC0415
-        assign_owners, choose_modes, choose_placement, solve_cost, step_flops)
-
     N = sum(lay["n"] for lay in layers)
     rows = []
     for W in worlds:

@@ -4,9 +4,9 @@ transposed-convolution decoder).
 Run: ``python -m tools.gram_bench [--model 3c1f|decoder] [--m 128] [--threads 2] [--repeats 3]
 [--max-gflop 2000] [--json out.json]``.
 
-Prepares 3C1F (``zoo.get_model('3c1f')`` when ``zoo`` is importable, else the same
-network defined here) or :func:`decoder_local` (three ``ConvTranspose2d``, 4×4 → 32×32),
-runs one capturing forward/backward on a random batch of ``m`` inputs, then times ``layer.gram(strategy)`` for both strategies on every covered
+Prepares 3C1F (``tengrad_fx.zoo.get_model('3c1f')``) or :func:`decoder_local` (three
+``ConvTranspose2d``, 4×4 → 32×32), runs one capturing forward/backward on a random batch
+of ``m`` inputs, then times ``layer.gram(strategy)`` for both strategies on every covered
 layer (median of ``--repeats``). A strategy whose cost-model estimate
 (:func:`tengrad_fx.curvature.gram_flops`) exceeds ``--max-gflop`` is skipped, not run.
 Also times a plain forward+backward (capture off) and a capturing one for reference.
@@ -25,19 +25,9 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx.curvature import gram_flops
+from tengrad_fx.zoo import get_model
 
 STRATEGIES = ("factor", "materialize")
-
-
-def c3f1_local(num_classes: int = 10) -> nn.Module:
-    """The paper's 3C1F (same layer stack as ``zoo.models.C3F1``)."""
-    return nn.Sequential(
-        nn.Conv2d(1, 128, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(128, 128, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(128, 128, 3, padding=1), nn.ReLU(),
-        nn.MaxPool2d(3), nn.Flatten(),
-        nn.Linear(128 * 9 * 9, 500), nn.ReLU(), nn.Linear(500, num_classes),
-    )
 
 
 def decoder_local(num_classes: int = 10) -> nn.Module:
@@ -54,14 +44,10 @@ MODELS: dict[str, tuple[int, ...]] = {"3c1f": (1, 28, 28), "decoder": (256, 4, 4
 
 
 def build_model(name: str = "3c1f") -> tuple[nn.Module, str]:
+    """``(model, description)``: the zoo's 3C1F or :func:`decoder_local`."""
     if name == "decoder":
         return decoder_local(), "transposed-conv decoder"
-    try:
-        from zoo import get_model
-
-        return get_model("3c1f"), "zoo.get_model('3c1f')"
-    except Exception as exc:  # zoo missing or broken: same network, defined here
-        return c3f1_local(), f"local 3C1F (zoo unavailable: {type(exc).__name__})"
+    return get_model("3c1f"), "tengrad_fx.zoo.get_model('3c1f')"
 
 
 def median_ms(fn: Callable[[], Any], repeats: int) -> float:

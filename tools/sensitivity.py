@@ -23,9 +23,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ._runs import mean_std  # noqa: E402
-from .plot import save_figure  # noqa: E402
-from .sweep import read_results, write_results  # noqa: E402
+from tengrad_fx.cli._runs import mean_std  # noqa: E402
+from tengrad_fx.cli.plot import save_figure  # noqa: E402
+from tools.sweep import read_results, write_results  # noqa: E402
 
 __all__ = ["sensitivity_grid", "plot_sensitivity", "main"]
 

@@ -2,7 +2,7 @@
 
 * :func:`ops_table`: per method and step kind (curvature / reuse), the aten ops of one
   ``opt.step()`` (all, and the kernel-launching non-view ones) and its host syncs, counted
-  by ``tools.dispatch`` — the same counts on any machine.
+  by ``tengrad_fx.utils.dispatch`` — the same counts on any machine.
 * :func:`profile` writes a ``torch.profiler`` Chrome trace per method (a few steps each)
   and returns the top kernels by device time (CPU time without a GPU) and the syncs.
 """
@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from tools.dispatch import OpCounter, SyncCounter
+from tengrad_fx.utils.dispatch import OpCounter, SyncCounter
 
 __all__ = ["ops_table", "profile"]
 

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 import tengrad_fx
 from tengrad_fx.curvature.layer import KERNELS, CoveredLayer
 from tengrad_fx.solve.woodbury import damped_cholesky, woodbury_apply
+from tengrad_fx.zoo import get_model
 
 __all__ = ["StructureResult", "small_cnn", "load_batch", "slice_indices", "exact_inverse",
            "tengrad_inverse", "kfac_factors", "kfac_inverse", "block_structure", "plot_structure", "main"]
@@ -218,9 +219,7 @@ def _build(model_name: str, seed: int) -> nn.Module:
     torch.manual_seed(seed)
     if model_name == "small":
         return small_cnn()
-    import zoo
-
-    return zoo.get_model(model_name)
+    return get_model(model_name)
 
 
 def block_structure(model: str | nn.Module = "small", layer: Optional[str] = None, slice_size: int = 64,
@@ -258,12 +257,9 @@ def block_structure(model: str | nn.Module = "small", layer: Optional[str] = Non
 
 def plot_structure(res: StructureResult, out_path: str, title: Optional[str] = None) -> list[str]:
     """1×3 heatmaps (exact, TENGraD, K-FAC) as PNG + SVG; returns the paths."""
-    import matplotlib
+    from tengrad_fx.cli.plot import save_figure  # matplotlib (Agg), only where a figure is drawn
 
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from .plot import save_figure
 
     d = res.distances()
     mats = [("exact NGD  (F+αI)⁻¹", res.exact, None), ("TENGraD (Woodbury)", res.tengrad, d["tengrad"]),

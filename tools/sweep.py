@@ -1,6 +1,6 @@
 """Grid search over the paper's hyperparameter grids, resumable, and its Table-2 summary.
 
-Run a sweep (every grid point × seed is one ``python -m tools.train`` subprocess)::
+Run a sweep (every grid point × seed is one ``python -m tengrad_fx.cli.train`` subprocess)::
 
     python -m tools.sweep --optimizer tengrad --model 3c1f --dataset fashion-mnist \\
         --lr 0.001,0.003 --weight-decay 0.001 --damping 0.1 --seeds 0,1 --epochs 1 \\
@@ -16,7 +16,7 @@ Grids (comma-separated; the defaults are the paper's): ``--lr`` 0.001,0.003,0.01
 0.01,0.03,0.1,0.2,0.3 (not used for ``sgd``). Seeds default to ``0``.
 
 Layout of ``DIR``: ``runs/<optimizer>-lr<lr>-wd<wd>[-d<damping>]-s<seed>/`` (one run
-directory each, see ``tools/_runs.py``), ``logs/<same name>.log`` (the run's stdout and
+directory each, see ``tengrad_fx/cli/_runs.py``), ``logs/<same name>.log`` (the run's stdout and
 stderr), ``sweep.json`` (the last invocation's arguments) and ``results.csv``.
 
 Resumable and parallel-safe: a point whose ``summary.json`` exists is skipped; a point
@@ -49,7 +49,7 @@ import sys
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from ._runs import Run, atomic_write_text, config_key, find_runs, frac, mean_std, time_to_target
+from tengrad_fx.cli._runs import Run, atomic_write_text, config_key, find_runs, frac, mean_std, time_to_target
 
 __all__ = ["PAPER_GRID", "DAMPED", "CSV_COLUMNS", "GridPoint", "grid_points", "point_name", "train_command",
            "run_train", "run_sweep", "results_rows", "write_results", "read_results", "summarize",
@@ -102,9 +102,9 @@ def _train_has_flag(flag: str) -> bool:
 
 def train_command(args: argparse.Namespace, point: GridPoint, seed: int, out: str,
                   threads: Optional[int] = None) -> list[str]:
-    """The ``python -m tools.train`` command line of one grid point and seed."""
+    """The ``python -m tengrad_fx.cli.train`` command line of one grid point and seed."""
     lr, wd, d = point
-    cmd = [sys.executable, "-m", "tools.train", "--model", args.model, "--dataset", args.dataset,
+    cmd = [sys.executable, "-m", "tengrad_fx.cli.train", "--model", args.model, "--dataset", args.dataset,
            "--optimizer", args.optimizer, "--epochs", str(args.epochs), "--lr", repr(lr),
            "--weight-decay", repr(wd), "--seed", str(seed), "--out", out, "--no-progress"]
     if d is not None:
@@ -114,7 +114,7 @@ def train_command(args: argparse.Namespace, point: GridPoint, seed: int, out: st
         if val is not None:
             cmd += [flag, str(val)]
     if _train_has_flag("--no-plot") and "--plot" not in args.extra:
-        cmd.append("--no-plot")  # the per-run curves cost seconds per run; tools.plot draws them later
+        cmd.append("--no-plot")  # the per-run curves cost seconds per run; tengrad_fx.cli.plot draws them later
     return cmd + [a for a in args.extra if a != "--plot"]
 
 

@@ -43,6 +43,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..utils.optional import require
+
 __all__ = [
     "CIFAR10_MEAN",
     "CIFAR10_STD",
@@ -173,8 +175,7 @@ def _load_fashion_mnist(split: str, data_dir: Path | None, download: bool) -> tu
             return read_idx(found[0]), read_idx(found[1])
     root = data_dir if data_dir is not None else DEFAULT_DOWNLOAD_DIR
     if download:
-        import torchvision
-
+        torchvision = require("torchvision", "zoo", "downloading Fashion-MNIST")
         torchvision.datasets.FashionMNIST(str(root), train=split == "train", download=True)
         found = _find_fmnist(root / "FashionMNIST" / "raw", split)
         if found is None:
@@ -261,8 +262,7 @@ def _load_cifar(name: str, split: str, data_dir: Path | None, download: bool) ->
             return _read_cifar(directory, files, label_key)
     root = data_dir if data_dir is not None else DEFAULT_DOWNLOAD_DIR
     if download:
-        import torchvision
-
+        torchvision = require("torchvision", "zoo", f"downloading {spec.pretty}")
         cls = torchvision.datasets.CIFAR10 if name == "cifar10" else torchvision.datasets.CIFAR100
         cls(str(root), train=split == "train", download=True)
         return _read_cifar(root / folder, files, label_key)

@@ -26,6 +26,7 @@ from typing import Any
 
 from torch import nn
 
+from ..utils.optional import require
 from .models import C3F1, DenseNetBC, MobileNetV2, WideResNet
 
 __all__ = ["PAPER_MODELS", "PARAM_COUNTS", "get_model", "model_names"]
@@ -102,15 +103,13 @@ def get_model(name: str, num_classes: int = 10, in_chans: int | None = None, **k
     """
     key = name.strip()
     if key.startswith("timm:"):
-        import timm
-
+        timm = require("timm", "zoo", f"model {key!r}")
         if not timm.is_model(key[5:]):
             raise ValueError(f"unknown timm model {key[5:]!r} (see timm.list_models())")
         chans = 3 if in_chans is None else in_chans
         return timm.create_model(key[5:], pretrained=False, num_classes=num_classes, in_chans=chans, **kwargs)
     if key.startswith("torchvision:"):
-        import torchvision
-
+        torchvision = require("torchvision", "zoo", f"model {key!r}")
         if key[12:] not in torchvision.models.list_models():
             raise ValueError(f"unknown torchvision model {key[12:]!r} (see torchvision.models.list_models())")
         chans = 3 if in_chans is None else in_chans

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import tengrad_fx
-from zoo.registry import get_model
+from tengrad_fx.zoo.registry import get_model
 
 from ._check import assert_same, snapshot
 

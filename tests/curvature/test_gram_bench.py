@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import json
 
-from tools import gram_bench
+from testing.repo_tools import tool
+
+gram_bench = tool("gram_bench")
 
 
 def test_gram_bench_small(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]

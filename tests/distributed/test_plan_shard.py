@@ -78,7 +78,7 @@ def test_mode_times_and_choose_modes() -> None:
 
 def test_mode_and_placement_are_checked() -> None:
     import torch.distributed as dist
-    from tools._spawn import free_port
+    from testing.spawn import free_port
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         net = tengrad_fx.prepare(torch.nn.Linear(3, 2))

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 import tengrad_fx
 from tengrad_fx import TENGraD
 from tengrad_fx.optim.tengrad import tengrad as tengrad_module
-from tools.dispatch import OpCounter
+from tengrad_fx.utils.dispatch import OpCounter
 
 
 def _net() -> nn.Module:

@@ -1,6 +1,6 @@
 """What TENGraD keeps between steps and its transient during ``opt.step()``, in tensor bytes.
 
-Machine-independent (``tools.memory``: unique storages; live storages op by op). Model: a
+Machine-independent (``tengrad_fx.utils.memory``: unique storages; live storages op by op). Model: a
 small convnet whose layers fall on both sides of the default rule
 (``group_build.keeps_jacobian``): the 3-channel and 8-channel convolutions at 16×16 have
 ``J`` smaller than their ``I, G`` (kept as stacked ``P``), the 32-channel ones at 8×8 and the
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import tengrad_fx
 from tengrad_fx.curvature import conv_stack
 from tengrad_fx.optim.tengrad import group_build, tengrad_groups
-from tools.memory import LiveBytes, kept_tensors, tensor_bytes
+from tengrad_fx.utils.memory import LiveBytes, kept_tensors, tensor_bytes
 
 M = 32
 

@@ -1,6 +1,6 @@
 """Operations a TENGraD step dispatches do not grow with depth.
 
-Counted with ``tools.dispatch.OpCounter`` around ``opt.step()`` (warmed up). ``kernels``
+Counted with ``tengrad_fx.utils.dispatch.OpCounter`` around ``opt.step()`` (warmed up). ``kernels``
 are the non-view aten ops (the ones that launch device work). Models: WRN-28-1 against
 its shallow equivalent WRN-10-1, which has the same layer shapes (groups) with one block
 per stage instead of four (28 covered layers against 10, 25 BatchNorms against 7).
@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 
 import tengrad_fx
+from tengrad_fx.utils.dispatch import OpCounter
+from tengrad_fx.zoo.models.wrn import WideResNet
 from testing.grouped_steps import step_counts
-from tools.dispatch import OpCounter
-from zoo.models.wrn import WideResNet
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """A warmed-up TENGraD step reads nothing back from the device (0 host syncs).
 
-Counted with ``tools.dispatch.SyncCounter`` (a TorchDispatchMode) around ``opt.step()``:
+Counted with ``tengrad_fx.utils.dispatch.SyncCounter`` (a TorchDispatchMode) around ``opt.step()``:
 scalar reads (``_local_scalar_dense``: ``.item()``, ``bool``, ``float``), ``is_nonzero``,
 ``equal``, ``tolist``, host-checked linalg errors, data-dependent shapes (``nonzero``,
 boolean-mask indexing) and blocking device→CPU copies. On this CPU machine none of them
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx import TENGraD
-from tools.dispatch import SyncCounter
+from tengrad_fx.utils.dispatch import SyncCounter
 
 
 def _model() -> nn.Module:

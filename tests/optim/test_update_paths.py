@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tengrad_fx.optim.step import update
-from tools.dispatch import SyncCounter
+from tengrad_fx.utils.dispatch import SyncCounter
 
 
 def _tensors(seed: int, channels_last: bool, dtype: torch.dtype = torch.float64,

@@ -185,7 +185,7 @@ def test_float32_operands_with_float64_factor() -> None:
 def test_cholesky_ex_dispatches_a_fixed_handful_of_ops() -> None:
     """Every try is one batched ``cholesky_ex``: the kernels dispatched do not grow with the
     batch (the loop over tries was 41 kernels, 4 of them ``cholesky_ex``; now 17)."""
-    from tools.dispatch import OpCounter
+    from tengrad_fx.utils.dispatch import OpCounter
 
     counts = []
     for B in (1, 9):

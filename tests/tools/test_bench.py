@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tools import bench
+from testing.repo_tools import tool
+
+bench = tool("bench")
 
 
 def test_bench_tiny_paper_rows_with_ops(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import math
 
-from tools import bench
-from tools.capture_bench import ROWS
+from testing.repo_tools import tool
+
+bench = tool("bench")
+ROWS = tool("capture_bench").ROWS
 
 
 def test_capture_rows_and_op_counts(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 
-from tools import compile_bench
+from testing.repo_tools import tool
+
+compile_bench = tool("compile_bench")
 
 
 def test_compile_bench_reports_both_step_kinds() -> None:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from tools.dist_bench import METHODS, report_distributed, run_distributed
-from tools.dist_model import model_table
+from testing.repo_tools import tool
+
+METHODS, report_distributed, run_distributed = (getattr(tool("dist_bench"), n)
+                                                for n in ("METHODS", "report_distributed", "run_distributed"))
+model_table = tool("dist_model").model_table
 
 
 def test_distributed_bench_reports_every_method() -> None:

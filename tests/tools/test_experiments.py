@@ -1,8 +1,8 @@
 """Experiment tools: plot, structure, sweep (+ summarize, resumability), sensitivity.
 
-Run directories are fabricated here (the ``tools.train`` contract: config.json,
+Run directories are fabricated here (the ``tengrad_fx.cli.train`` contract: config.json,
 steps.jsonl, epochs.jsonl, summary.json); one integration test runs the real training CLI
-through ``tools.sweep`` and is skipped while ``tools/train.py`` does not exist.
+through ``tools.sweep``.
 """
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from tools import _runs, plot, sensitivity, structure, sweep  # noqa: E402
+from tengrad_fx.cli import _runs, plot  # noqa: E402
+from testing.repo_tools import REPO, tool  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sensitivity, structure, sweep = (tool(n) for n in ("sensitivity", "structure", "sweep"))
 
 
 def make_run(path, optimizer="tengrad", lr=0.003, weight_decay=0.001, damping=0.1, seed=0,
@@ -190,7 +191,7 @@ def test_sweep_resumes_and_skips_finished_points(tmp_path):
         def val(flag):
             return cmd[cmd.index(flag) + 1]
 
-        assert cmd[1:3] == ["-m", "tools.train"] and val("--fisher") == "mc" and val("--max-steps") == "2"
+        assert cmd[1:3] == ["-m", "tengrad_fx.cli.train"] and val("--fisher") == "mc" and val("--max-steps") == "2"
         make_run(val("--out"), lr=float(val("--lr")), seed=int(val("--seed")))
         return 0
 
@@ -248,8 +249,6 @@ def test_sensitivity_heatmap(tmp_path):
 
 
 def test_sweep_runs_the_training_cli(tmp_path):
-    if not os.path.exists(os.path.join(REPO, "tools", "train.py")):
-        pytest.skip("tools/train.py (the training CLI) does not exist yet")
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "tools.sweep", "--optimizer", "sgd", "--model", "3c1f",
            "--dataset", "fashion-mnist", "--lr", "0.001,0.003", "--weight-decay", "0.001", "--seeds", "0",

@@ -1,6 +1,6 @@
-"""Killed runs and damaged checkpoints of ``tools.train``.
+"""Killed runs and damaged checkpoints of ``tengrad_fx.cli.train``.
 
-A child process (``python -m testing.faulty_train``: ``tools.train`` on a tiny CNN and
+A child process (``python -m testing.faulty_train``: ``tengrad_fx.cli.train`` on a tiny CNN and
 synthetic data) is ``kill -9``-ed at chosen moments -- inside an optimizer step, halfway
 through writing a checkpoint, at the start of an evaluation -- then run again with
 ``--resume`` until it finishes. Its final parameters and its ``steps.jsonl`` /
@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from testing.faulty_train import tiny_cnn, write_fake_fmnist
-from tools import train as T
-from tools._checkpoint import PREVIOUS
+from tengrad_fx.cli import train as T
+from tengrad_fx.cli._checkpoint import PREVIOUS
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMES = ("train_time", "eval_time")
@@ -35,7 +35,7 @@ EPOCHS = 3  # 64 images, batch 16: 4 steps per epoch, 12 steps
 
 @pytest.fixture(autouse=True)
 def _restore_threads():  # type: ignore[no-untyped-def]
-    n = torch.get_num_threads()  # tools.train sets --threads for the whole process
+    n = torch.get_num_threads()  # tengrad_fx.cli.train sets --threads for the whole process
     yield
     torch.set_num_threads(n)
 

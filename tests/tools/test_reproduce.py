@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from testing.tiny_data import tiny_cnn
-from tools import reproduce as R
-from tools import train as T
+from tengrad_fx.cli import reproduce as R
+from tengrad_fx.cli import train as T
 
 
 def test_fmnist_end_to_end(data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

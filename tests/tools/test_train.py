@@ -1,6 +1,6 @@
-"""The training CLI ``tools.train``: short runs, logs, atomic checkpoints, bit-identical resume.
+"""The training CLI ``tengrad_fx.cli.train``: short runs, logs, atomic checkpoints, bit-identical resume.
 
-Runs go in-process through :func:`tools.train.run` on a tiny synthetic Fashion-MNIST
+Runs go in-process through :func:`tengrad_fx.cli.train.run` on a tiny synthetic Fashion-MNIST
 (IDX files written to a temporary ``--data-dir``), ``--subset 32``, batch 16. SGD and
 TENGraD run the real 3C1F; tests of the CLI's plumbing (logs, errors, checkpoint files) and
 the registry optimizers run a tiny CNN patched in for ``build_model`` (K-FAC's first
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-import zoo
-from tools import train as T
+from tengrad_fx import zoo
+from tengrad_fx.cli import train as T
 
 from testing.tiny_data import tiny_cnn as _tiny_cnn
 
@@ -116,7 +116,7 @@ def test_logs_have_documented_columns(data_dir: Path, tmp_path: Path, tiny: None
         assert key in cfg, key
     assert cfg["lr_schedule"] == "const" and cfg["steps_per_epoch"] == 2 and cfg["n_train"] == 32
     try:
-        import tools.plot  # noqa: F401
+        import tengrad_fx.cli.plot  # noqa: F401
     except ImportError:
         return
     assert (out / "curves.png").stat().st_size > 0

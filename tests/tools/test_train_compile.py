@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from tools import train as T
+from tengrad_fx.cli import train as T
 
 from testing.tiny_data import tiny_cnn
 

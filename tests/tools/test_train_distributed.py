@@ -1,8 +1,8 @@
-"""``tools.train --distributed`` on 2 gloo ranks (spawned; what ``torchrun`` would start),
+"""``tengrad_fx.cli.train --distributed`` on 2 gloo ranks (spawned; what ``torchrun`` would start),
 tiny CNN, float32: the run equals the single-process run on the same global batches,
 only rank 0 writes, and its checkpoint resumes on the same world size (2 ranks) and on
 another one (1 process, without ``--distributed``). The same spawn runs
-``tools.reproduce --distributed`` (sgd and tengrad, 2 global batches of 128) twice: the
+``tengrad_fx.cli.reproduce --distributed`` (sgd and tengrad, 2 global batches of 128) twice: the
 second call reuses the finished runs on every rank."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from testing.distributed import run_ranks
 from testing.tiny_data import tiny_cnn, write_fashion_mnist
-from tools import train as T
+from tengrad_fx.cli import train as T
 
 BASE = ["--subset", "32", "--batch-size", "16", "--epochs", "2", "--no-progress", "--no-plot",
         "--fisher", "empirical", "--curvature-every", "1", "--kl-clip", "0", "--lr", "0.05", "--damping", "0.1"]
@@ -28,7 +28,7 @@ def _reproduce_args(data_dir: str, out: str) -> list[str]:
 
 def _cli_runs(rank: int, world: int, data_dir: str, runs: list[list[str]], rep_data: str,
               rep_out: str) -> list[dict[str, Any]]:
-    from tools import reproduce as R
+    from tengrad_fx.cli import reproduce as R
     T.build_model = tiny_cnn  # type: ignore[assignment]
     for extra in runs:
         T.run(["--data-dir", data_dir, *BASE, "--distributed", *extra])
@@ -77,7 +77,7 @@ def test_distributed_cli_matches_single_process_and_resumes(spawned: dict[str, A
 
 
 def test_distributed_refuses_bad_setups(data_dir: Path, tmp_path: Path) -> None:
-    from tools._dist import check_distributed
+    from tengrad_fx.cli._dist import check_distributed
     cfg = {"optimizer": "kfac", "compile": False, "batch_size": 16}
     assert "tengrad or sgd" in check_distributed(cfg, 2)
     assert "multiple of the world size" in check_distributed({**cfg, "optimizer": "tengrad", "batch_size": 15}, 2)
@@ -87,8 +87,8 @@ def test_distributed_refuses_bad_setups(data_dir: Path, tmp_path: Path) -> None:
 
 
 def test_reproduce_distributed(spawned: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``tools.reproduce --distributed`` on 2 ranks: rank 0 alone reports and writes; the
-    runs are 2-rank ``tools.train --distributed`` runs; DDP-SGD equals single-process SGD
+    """``tengrad_fx.cli.reproduce --distributed`` on 2 ranks: rank 0 alone reports and writes; the
+    runs are 2-rank ``tengrad_fx.cli.train --distributed`` runs; DDP-SGD equals single-process SGD
     on the same global batches; a second call reuses both runs on every rank."""
     rep = spawned["rep"]
     (first, second, info), (first1, second1, _) = spawned["ranks"]
@@ -105,7 +105,7 @@ def test_reproduce_distributed(spawned: dict[str, Any], tmp_path: Path, monkeypa
     assert (rep / "tengrad-s0" / "steps.jsonl").read_text() == info["steps_after_first"]
     assert second["rows"]["tengrad"]["acc"] == first["rows"]["tengrad"]["acc"] and second1["rows"] == {}
     # DDP-SGD on 2 ranks == SGD in one process on the same global batches
-    from tools import reproduce as R
+    from tengrad_fx.cli import reproduce as R
     monkeypatch.setattr(T, "build_model", tiny_cnn)
     single = tmp_path / "single"
     R.reproduce([*_reproduce_args(str(spawned["rep_data"]), str(single)), "--methods", "sgd"])
@@ -113,7 +113,7 @@ def test_reproduce_distributed(spawned: dict[str, Any], tmp_path: Path, monkeypa
 
 
 def test_reproduce_distributed_refuses_other_methods(capsys: pytest.CaptureFixture[str]) -> None:
-    from tools import reproduce as R
+    from tengrad_fx.cli import reproduce as R
     with pytest.raises(SystemExit):
         R.reproduce(["fmnist", "--distributed", "--methods", "kfac"])
     assert "no distributed mode" in capsys.readouterr().err

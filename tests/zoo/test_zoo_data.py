@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-import zoo.data as zd
-from zoo import ArrayDataset, augment_batch, batches, get_dataset, num_batches, subset
+import tengrad_fx.zoo.data as zd
+from tengrad_fx.zoo import ArrayDataset, augment_batch, batches, get_dataset, num_batches, subset
 
 # --------------------------------------------------------------------------- helpers
 

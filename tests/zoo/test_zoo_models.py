@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from zoo import PARAM_COUNTS, get_model
-from zoo.models.densenet import Bottleneck, Transition
-from zoo.models.mobilenetv2 import InvertedResidual
-from zoo.models.wrn import WideBasicBlock
+from tengrad_fx.zoo import PARAM_COUNTS, get_model
+from tengrad_fx.zoo.models.densenet import Bottleneck, Transition
+from tengrad_fx.zoo.models.mobilenetv2 import InvertedResidual
+from tengrad_fx.zoo.models.wrn import WideBasicBlock
 
 PAPER = ["3c1f", "wrn-28-4", "densenet-19", "mobilenetv2"]
 

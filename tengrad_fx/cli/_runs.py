@@ -1,5 +1,5 @@
-"""Reading the run directories written by ``python -m tools.train --out DIR`` (shared by
-``tools.plot``, ``tools.sweep`` and ``tools.sensitivity``).
+"""Reading the run directories written by ``python -m tengrad_fx.cli.train --out DIR`` (shared by
+``tengrad_fx.cli.plot``, ``tools.sweep`` and ``tools.sensitivity``).
 
 A run directory holds (the agreed contract):
 
@@ -92,7 +92,7 @@ def load_run(path: str) -> Run:
     """Load one run directory; raises ``FileNotFoundError`` if it has no ``config.json``."""
     cfg = _read_json(os.path.join(path, "config.json"))
     if cfg is None:
-        raise FileNotFoundError(f"{path}: no config.json — not a run directory of tools.train")
+        raise FileNotFoundError(f"{path}: no config.json — not a run directory of tengrad_fx.cli.train")
     return Run(
         path=path,
         config=cfg,

@@ -1,10 +1,10 @@
-"""``--distributed`` for ``tools.train``: the process group, this rank's device, its part
+"""``--distributed`` for ``tengrad_fx.cli.train``: the process group, this rank's device, its part
 of each global batch, and which rank writes.
 
 Launch (one process per rank; ``torchrun`` sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``, ``MASTER_PORT``)::
 
-    torchrun --nproc_per_node=N -m tools.train --distributed [--batch-size B] ...
+    torchrun --nproc_per_node=N -m tengrad_fx.cli.train --distributed [--batch-size B] ...
 
 * ``--batch-size`` is the GLOBAL batch ``B``; it must be a multiple of the world size
   ``W``, and each rank trains on ``B / W`` rows of every global batch: every rank draws
@@ -44,7 +44,7 @@ class DistRun:
         if not dist.is_initialized():
             if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
                 raise ValueError("--distributed: RANK/WORLD_SIZE are not set; launch with "
-                                 "torchrun --nproc_per_node=N -m tools.train --distributed ...")
+                                 "torchrun --nproc_per_node=N -m tengrad_fx.cli.train --distributed ...")
             use_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
             dist.init_process_group("nccl" if use_cuda else "gloo")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()

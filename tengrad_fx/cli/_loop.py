@@ -1,5 +1,5 @@
-"""The training loop of ``tools.train``: data order, steps, evaluation, logs, atomic
-checkpoints and bit-identical resume. ``tools.train`` parses and resolves the arguments
+"""The training loop of ``tengrad_fx.cli.train``: data order, steps, evaluation, logs, atomic
+checkpoints and bit-identical resume. ``tengrad_fx.cli.train`` parses and resolves the arguments
 and builds the model and optimizer; :func:`train` runs them.
 
 Files written to ``--out`` (default ``runs/<model>-<dataset>-<optimizer>-s<seed>``)
@@ -40,21 +40,21 @@ Files written to ``--out`` (default ``runs/<model>-<dataset>-<optimizer>-s<seed>
 ``checkpoint.pt``, ``checkpoint.prev.pt``
     after every epoch (and when ``--max-steps`` stops a run), written atomically (a
     temporary file in ``--out``, then ``os.replace``; the former one is kept as
-    ``checkpoint.prev.pt``, see ``tools._checkpoint``): model and optimizer state dicts,
+    ``checkpoint.prev.pt``, see ``tengrad_fx.cli._checkpoint``): model and optimizer state dicts,
     ``epoch``/``step``/``batch_in_epoch``, the torch RNG states, the data generator's
     state at the start of the current epoch, running epoch sums, timings, skip counts,
     the config (TENGraD's state dict carries which layers its backward materializes).
     ``--resume`` restores all of it and continues with the identical trajectory: on CPU
     the parameters are bit-identical to an uninterrupted run, for any
     ``--curvature-every`` (TENGraD's state dict carries the curvature records the next
-    reuse steps need, ``tengrad_fx.optim.resume``). The jsonl logs are cut back to the checkpoint's
+    reuse steps need, ``tengrad_fx.optim.tengrad.resume``). The jsonl logs are cut back to the checkpoint's
     step and appended to, so a run killed at any moment (``kill -9``) and resumed has
     the logs and parameters of an uninterrupted one. A truncated or corrupt
     ``checkpoint.pt`` is reported on stderr, moved to ``checkpoint.pt.corrupt``, and the
     run resumes from ``checkpoint.prev.pt``; if no checkpoint loads, ``--resume`` stops
     with an error naming the files.
 ``coverage.txt`` (prepared models) -- :func:`tengrad_fx.report` of the model.
-``curves.png`` / ``curves.svg`` -- ``tools.plot.plot_runs`` of this run (unless ``--no-plot``).
+``curves.png`` / ``curves.svg`` -- ``tengrad_fx.cli.plot.plot_runs`` of this run (unless ``--no-plot``).
 
 Non-finite losses: the step's update is skipped (no backward, parameters unchanged) and
 counted; optimizers with ``counters["skipped"]`` (TENGraD) also skip non-finite gradients
@@ -74,9 +74,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tools._compile_warmup import warm_up
-from tools._checkpoint import (CHECKPOINT, CheckpointError, load_for_resume, remove_stale, save_checkpoint,
-                               save_rotating)
+from .. import zoo
+from ..utils.optional import require
+from ._checkpoint import (CHECKPOINT, CheckpointError, load_for_resume, remove_stale, save_checkpoint,
+                          save_rotating)
+from ._compile_warmup import warm_up
 
 __all__ = ["CHECKPOINT", "EVAL_BATCH", "TRAJECTORY_KEYS", "evaluate", "save_checkpoint", "train"]
 
@@ -93,8 +95,6 @@ Setup = Callable[[Any], "tuple[nn.Module, torch.optim.Optimizer, Optional[str], 
 def evaluate(model: nn.Module, dataset: Any, batch_size: int = EVAL_BATCH,
              progress: bool = False) -> tuple[float, float]:
     """(mean cross-entropy, accuracy) over ``dataset`` under ``torch.no_grad`` in eval mode."""
-    import zoo  # noqa: PLC0415
-
     was_training = model.training
     model.eval()
     loss_sum, correct, n = 0.0, 0, 0
@@ -155,8 +155,7 @@ def _skipped_by_optimizer(opt: torch.optim.Optimizer) -> int:
 
 
 def _progress(total: int, desc: str, disable: bool, leave: bool = True) -> Any:
-    from tqdm.auto import tqdm  # noqa: PLC0415
-
+    tqdm = require("tqdm.auto", "cli", "the training CLI (progress bars)").tqdm
     return tqdm(total=total, desc=desc, disable=disable, dynamic_ncols=True, leave=leave, file=sys.stderr)
 
 
@@ -167,18 +166,16 @@ def _skip_batches(it: Iterator[Any], k: int) -> None:
 
 def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], float],
           error: Callable[[str], NoReturn], dist: Any = None) -> dict[str, Any]:
-    """Train as configured by ``cfg`` (``tools.train.resolve_config``), write the logs and
+    """Train as configured by ``cfg`` (``tengrad_fx.cli.train.resolve_config``), write the logs and
     checkpoints described in the module docstring; returns the summary dict.
 
     ``setup(train_ds)`` builds ``(model, optimizer, coverage report or None, extra
     config.json entries)`` for the training set (already on ``cfg["device"]``);
     ``lr_factor(schedule, epoch)`` is the lr multiplier of a 0-based epoch; ``error(msg)``
     reports a usage error and does not return (argparse's ``parser.error``).
-    ``dist``: a :class:`tools._dist.DistRun` for ``--distributed`` (see there: this rank's
+    ``dist``: a :class:`tengrad_fx.cli._dist.DistRun` for ``--distributed`` (see there: this rank's
     block of each global batch, DDP, rank-0-only writes), else None.
     """
-    import zoo  # noqa: PLC0415
-
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
     device = torch.device(dist.device if dist is not None else cfg["device"])
@@ -438,7 +435,7 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
     plot_msg = ""
     if not cfg["no_plot"]:
         try:
-            from tools.plot import plot_runs  # noqa: PLC0415
+            from .plot import plot_runs  # noqa: PLC0415
 
             plot_runs([str(out)], str(out / "curves.png"))
             plot_msg = f", plot {out / 'curves.png'}"

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-import tengrad_fx
+from ..capture import capturing, get_info
 
 __all__ = ["warm_up"]
 
@@ -24,7 +24,7 @@ __all__ = ["warm_up"]
 def _kinds(model: torch.nn.Module) -> list[Any]:
     """Capture on and off for a prepared model, the model as it is otherwise."""
     try:
-        tengrad_fx.get_info(model)
+        get_info(model)
     except ValueError:
         return [None]
     return [True, False]
@@ -39,7 +39,7 @@ def warm_up(forward: Callable[[torch.Tensor], torch.Tensor], model: torch.nn.Mod
     grads = {p: p.grad for p in params.values()}
     rng = torch.get_rng_state()
     kinds = _kinds(model)
-    store = tengrad_fx.get_info(model).store if kinds != [None] else None
+    store = get_info(model).store if kinds != [None] else None
     generation = store.generation if store is not None else 0
     t0 = time.perf_counter()
     try:
@@ -47,7 +47,7 @@ def warm_up(forward: Callable[[torch.Tensor], torch.Tensor], model: torch.nn.Mod
             p.grad = None
         for on in kinds:
             for m in sizes:
-                with tengrad_fx.capturing(model, on) if on is not None else contextlib.nullcontext():
+                with capturing(model, on) if on is not None else contextlib.nullcontext():
                     F.cross_entropy(forward(xb[:m]), yb[:m]).backward()
         if xb.is_cuda:
             torch.cuda.synchronize(xb.device)

@@ -1,4 +1,4 @@
-"""Checkpoint files of ``tools.train``: atomic writes, the last two kept, a truncated or
+"""Checkpoint files of ``tengrad_fx.cli.train``: atomic writes, the last two kept, a truncated or
 corrupt one detected on ``--resume`` and the previous good one used.
 
 Files in ``--out``:
@@ -82,7 +82,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is truncated or corrupt ({type(exc).__name__}: {exc})") from exc
     if not isinstance(ckpt, dict) or any(k not in ckpt for k in REQUIRED_KEYS):
         missing = [k for k in REQUIRED_KEYS if not isinstance(ckpt, dict) or k not in ckpt]
-        raise CheckpointError(f"{path} is not a tools.train checkpoint (missing {missing})")
+        raise CheckpointError(f"{path} is not a tengrad_fx.cli.train checkpoint (missing {missing})")
     return ckpt
 
 
