@@ -11,7 +11,8 @@ from torch import Tensor
 class Activations(nn.Module):
     """Linear layers, each input coming right after an activation or in-place op and each
     output going right into one: ReLU, ReLU(inplace), LeakyReLU, GELU, SiLU, Hardswish,
-    Sigmoid, ReLU6, an in-place residual ``+=``, ``x.relu_()``, dropout. ``[m, 6] -> [m, 3]``."""
+    Sigmoid, ReLU6, an in-place residual ``+=``, ``x.relu_()``, dropout, and a Linear on a
+    folded batch (each sample's features as two rows). ``[m, 6] -> [m, 3]``."""
 
     def __init__(self, d: int = 12) -> None:
         super().__init__()
@@ -20,6 +21,7 @@ class Activations(nn.Module):
         self.acts = nn.ModuleList([nn.ReLU(), nn.ReLU(inplace=True), nn.LeakyReLU(0.1), nn.GELU(), nn.SiLU(),
                                    nn.Hardswish(), nn.Sigmoid(), nn.ReLU6()])
         self.drop = nn.Dropout(0.25)
+        self.fold = nn.Linear(d // 2, d // 2)
         self.head = nn.Linear(d, 3)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -29,6 +31,7 @@ class Activations(nn.Module):
         r = self.lin[8](h)
         r += h  # in-place residual add on a covered layer's output
         h = self.lin[9](r.relu_())
+        h = F.gelu(self.fold(h.reshape(-1, h.shape[1] // 2))).reshape(h.shape)  # rows [2m, d/2]
         return self.head(self.drop(h).relu_())
 
 
@@ -62,8 +65,10 @@ class Convs(nn.Module):
 
 
 class Tokens(nn.Module):
-    """Embedding, LayerNorm, multi-head attention (its projections), RMSNorm, a folded
-    Linear (rows ``[m·L, d]``) and Linear layers with ReLU/GELU. ``[m, L] int -> [m, 5]``."""
+    """Embedding, LayerNorm, multi-head attention (its projections), RMSNorm, a Linear on
+    the flattened tokens (``[m·L, d]``: integer inputs cannot be perturbed, so ``prepare``
+    leaves it to the fallback, the folded batch is covered in :class:`Activations`) and
+    Linear layers with ReLU/GELU. ``[m, L] int -> [m, 5]``."""
 
     def __init__(self, vocab: int = 13, d: int = 8) -> None:
         super().__init__()
