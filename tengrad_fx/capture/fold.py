@@ -18,7 +18,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from . import ops
-from .inputs import map_tensors, resize_batch
+from .inputs import map_tensors, resize_batch, run_call
 
 __all__ = ["FOLDABLE", "fold_keep", "find_folds"]
 
@@ -85,7 +85,8 @@ def _cuda_devices() -> list[int]:
 def find_folds(prepared: nn.Module, example_inputs: Sequence[Any], modes: Sequence[bool], key: int,
                pending: dict[int, tuple[int, int]]) -> dict[int, Union[tuple[int, int], str]]:
     """``site -> (A, C)`` or the reason it is not a folded batch, for ``pending``
-    (``site -> (keep, rows at batch 2)``). Buffers are the caller's to restore."""
+    (``site -> (keep, rows at batch 2)``); ``example_inputs``: ``[args, kwargs]``
+    (:func:`.inputs.as_call`). Buffers are the caller's to restore."""
     base = resize_batch(example_inputs, 3)
     subs = [(m, m.training) for m in prepared.modules() if m is not prepared]
     out: dict[int, Union[tuple[int, int], str]] = {}
@@ -104,7 +105,7 @@ def find_folds(prepared: nn.Module, example_inputs: Sequence[Any], modes: Sequen
                 ops.PROBE, ops.PROBE_INPUTS = {}, {}
                 with torch.no_grad(), torch.random.fork_rng(devices=_cuda_devices()):
                     torch.manual_seed(0)  # (CPU and CUDA generators; restored on exit)
-                    prepared(*inputs)
+                    run_call(prepared, inputs)
                 runs.append(ops.PROBE_INPUTS)
             for site, (keep, rows2) in pending.items():
                 if (key, site) in runs[0] and site not in out:

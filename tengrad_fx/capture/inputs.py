@@ -12,7 +12,29 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["tensor_leaves", "map_tensors", "leading_dim", "resize_batch"]
+__all__ = ["tensor_leaves", "map_tensors", "leading_dim", "resize_batch", "as_call", "run_call"]
+
+Call = list  # [args: tuple, kwargs: dict]: one forward call's inputs, itself a pytree
+
+
+def as_call(example_inputs: Any) -> Call:
+    """``[args, kwargs]`` of ``model(*args, **kwargs)`` from ``example_inputs`` given as the
+    model is called: a tuple/list of positional inputs, a dict of keyword inputs (e.g. a
+    Hugging Face batch), or ``(args, kwargs)`` (a tuple/list and a dict); anything else is
+    the one positional input."""
+    if isinstance(example_inputs, dict):
+        return [(), dict(example_inputs)]
+    if (isinstance(example_inputs, (tuple, list)) and len(example_inputs) == 2
+            and isinstance(example_inputs[0], (tuple, list)) and isinstance(example_inputs[1], dict)):
+        return [tuple(example_inputs[0]), dict(example_inputs[1])]
+    if isinstance(example_inputs, (tuple, list)):
+        return [tuple(example_inputs), {}]
+    return [(example_inputs,), {}]
+
+
+def run_call(model: Callable[..., Any], call: Call) -> Any:
+    """``model(*args, **kwargs)`` of a :func:`as_call` call."""
+    return model(*call[0], **call[1])
 
 
 def tensor_leaves(tree: Any) -> list[torch.Tensor]:

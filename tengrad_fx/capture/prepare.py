@@ -11,7 +11,7 @@ from . import attention, embedding, functional, norm, ops, params
 from .._compile import keep_saved_tensors
 from .plain import compiled_forward, drop_dead_attributes, install_forward, plain_graph
 from .info import ATTR, PrepareInfo, get_info
-from .inputs import leading_dim
+from .inputs import as_call, leading_dim
 from .match import LayerSpec, conv_call_args, match_module, pad_same_input
 from .norm import NORM_KINDS
 from .sharing import OURS, drop_layer, note_functional_uses
@@ -39,8 +39,11 @@ def prepare(
 
     Args:
         model: any ``nn.Module`` (timm and torchvision models included).
-        example_inputs: positional inputs of one forward call, batch first; each may be
-            a tensor or nested tuples/lists/dicts/namedtuples/dataclasses of them. With
+        example_inputs: the inputs of one forward call, batch first, as the model is
+            called: a tuple of positional inputs (or one tensor), a dict of keyword inputs
+            (``model(**batch)``, e.g. a Hugging Face batch), or ``(args, kwargs)``; each
+            input may be a tensor or nested tuples/lists/dicts/namedtuples/dataclasses of
+            them. With
             them, each layer's sample dimension is verified by running the graph at batch
             sizes 2 and 3: the batch is the leading dim of the first tensor leaf, and every
             tensor leaf with that leading dim is resized (the others, and non-tensor
@@ -65,8 +68,8 @@ def prepare(
         raise ValueError("model is already prepared")
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-    if example_inputs is not None and not isinstance(example_inputs, (tuple, list)):
-        example_inputs = (example_inputs,)
+    if example_inputs is not None:
+        example_inputs = as_call(example_inputs)
 
     fallback: dict[str, str] = {}
     candidates: dict[str, nn.Module] = {}

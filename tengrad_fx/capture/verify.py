@@ -16,7 +16,7 @@ import torch.nn as nn
 from . import ops
 from .fold import FOLDABLE, find_folds, fold_keep
 from .info import PrepareInfo
-from .inputs import resize_batch
+from .inputs import resize_batch, run_call
 from .rows import FOLDS
 from .sharing import drop_layer
 
@@ -24,7 +24,8 @@ __all__ = ["verify_samples"]
 
 
 def verify_samples(prepared: nn.Module, info: PrepareInfo, example_inputs: Sequence[Any]) -> None:
-    """Run at batch 2 and 3 (no grad, buffers restored); drop layers whose input isn't per sample."""
+    """Run at batch 2 and 3 (no grad, buffers restored); drop layers whose input isn't per
+    sample. ``example_inputs``: ``[args, kwargs]`` (:func:`.inputs.as_call`)."""
     saved = {n: b.detach().clone() for n, b in prepared.named_buffers()}
     shapes: dict[int, dict[tuple[int, int], tuple[int, ...]]] = {}
     was_training = prepared.training
@@ -35,7 +36,7 @@ def verify_samples(prepared: nn.Module, info: PrepareInfo, example_inputs: Seque
             with torch.no_grad():
                 for mode in modes:
                     prepared.train(mode)
-                    prepared(*resize_batch(example_inputs, n))
+                    run_call(prepared, resize_batch(example_inputs, n))
             shapes[n] = ops.PROBE
     except Exception as exc:
         raise RuntimeError(
