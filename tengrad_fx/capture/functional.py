@@ -131,7 +131,8 @@ def rewrite_functional_layers(graph: fx.Graph, model: nn.Module, layers: dict[st
                 new = graph.call_function(ops.linear, (x, w, b), kw)
             else:
                 kw.update(pre_pad=spec.pre_pad, pad_mode=spec.pad_mode)
-                new = graph.call_function(ops.conv, (x, w, b, spec.stride, spec.padding, spec.dilation, spec.groups), kw)
+                new = graph.call_function(ops.conv, (x, w, b, spec.stride, spec.padding, spec.dilation, spec.groups),
+                                          kw)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
     graph.lint()

@@ -194,7 +194,8 @@ def _conv_forward(
 ) -> Tensor:
     """``aten.convolution``, ``[m, c_out, *spatial_out]``; starts a new capture."""
     lookup(key).begin()
-    return _not_a_view(torch.convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups))
+    return _not_a_view(torch.convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding,
+                                         groups))
 
 
 def _conv_backward_amp(

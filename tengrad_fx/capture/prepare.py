@@ -82,7 +82,8 @@ def prepare(
     for name in attention.functional_children(model):  # F.linear on its weight inside the attention
         if candidates.pop(name, None) is not None:
             for pn, _ in model.get_submodule(name).named_parameters(prefix=name, recurse=False):
-                fallback[pn] = "attention out-projection called functionally (covered only via an fx-rewritten attention call)"
+                fallback[pn] = ("attention out-projection called functionally "
+                                "(covered only via an fx-rewritten attention call)")
     if not candidates:
         why = "".join(sorted({f"; {r}" for r in fallback.values()}))
         raise ValueError(
@@ -367,7 +368,8 @@ def _classify_params(model: nn.Module, info: PrepareInfo) -> None:
             owner = owner_of.get(pn)
             kind, _ = match_module(owner) if owner is not None else (None, "")
             if kind is not None:
-                info.fallback[pn] = "module not called as a layer in the traced graph (inside a leaf module or used functionally)"
+                info.fallback[pn] = ("module not called as a layer in the traced graph "
+                                     "(inside a leaf module or used functionally)")
             else:
                 info.fallback[pn] = f"{type(owner).__name__ if owner is not None else '?'}: no capture kernel"
     # fallback layers' calls still run the capture op: make them record nothing

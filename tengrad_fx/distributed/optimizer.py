@@ -146,7 +146,8 @@ class DistributedTENGraD(TENGraD):
             raise RuntimeError("DistributedTENGraD: call torch.distributed.init_process_group(...) first "
                                "(e.g. run under torchrun)")
         if mode not in ("gather", "gram-blocks", "auto", "local"):
-            raise ValueError(f"DistributedTENGraD: mode must be 'gather', 'gram-blocks', 'auto' or 'local', got {mode!r}")
+            raise ValueError("DistributedTENGraD: mode must be 'gather', 'gram-blocks', 'auto' or 'local', "
+                             f"got {mode!r}")
         if placement not in ("auto", "owner", "replicate"):
             raise ValueError(f"DistributedTENGraD: placement must be 'auto', 'owner' or 'replicate', got {placement!r}")
         for opt in ("compile", "cuda_graph"):

@@ -23,7 +23,8 @@ def second_backward(loss: Tensor, inputs: list[Tensor]) -> None:
         raise RuntimeError(
             "tengrad_fx: the MC/Gauss-Newton Fisher backpropagates twice through the model, which this "
             "torch.compile-d backward refuses (its saved tensors are donated). tengrad_fx.prepare() turns "
-            "donation off; leave torch._functorch.config.donated_buffer False when compiling a prepared model.") from exc
+            "donation off; leave torch._functorch.config.donated_buffer False when compiling a prepared model."
+        ) from exc
 
 
 @torch.no_grad()

@@ -49,8 +49,8 @@ from ...curvature.layer import CoveredLayer
 from .group_forms import FORMS, ConvStackGroup, FactoredLinearGroup, MaterializedGroup, SingleLayerGroup
 from .tengrad_groups import LayerGroup, pack_views, stack
 
-__all__ = ["build_groups", "factored_bytes", "keeps_jacobian", "kept_sites", "previous_stacks", "PACK_MAX_BYTES", "PACK_MAX_RATIO",
-           "STACK_BYTES"]
+__all__ = ["build_groups", "factored_bytes", "keeps_jacobian", "kept_sites", "previous_stacks", "PACK_MAX_BYTES",
+           "PACK_MAX_RATIO", "STACK_BYTES"]
 
 PACK_MAX_BYTES = 16 * 2**20
 PACK_MAX_RATIO = 4.0
