@@ -226,7 +226,7 @@ def _rewrite(graph: fx.Graph, candidates: dict[str, nn.Module], layers: dict[str
             with graph.inserting_before(node):
                 w = graph.get_attr(f"{name}.weight" if name else "weight")
                 w.meta[OURS] = True
-                new = graph.call_function(embedding.embedding, (x_arg, w, mod.padding_idx),
+                new = graph.call_function(embedding.embedding, (x_arg, w, mod.padding_idx),  # type: ignore[arg-type]
                                           dict(key=key, site=site, batch=batch_node, name=name))
             node.replace_all_uses_with(new)
             graph.erase_node(node)
@@ -246,10 +246,10 @@ def _rewrite(graph: fx.Graph, candidates: dict[str, nn.Module], layers: dict[str
                     op: Any = spec.output_padding
                     if out_size is not None:  # computed at run time, as torch does
                         op = graph.call_function(_transposed_output_padding, (
-                            x_arg, out_size, spec.stride, spec.padding, tuple(mod.kernel_size), spec.dilation))
+                            x_arg, out_size, spec.stride, spec.padding, tuple(mod.kernel_size), spec.dilation))  # type: ignore[arg-type]
                     kw.update(transposed=True, output_padding=op)
                 if spec.dynamic_same:
-                    x_arg = graph.call_function(pad_same_input, (x_arg, tuple(mod.weight.shape[2:]),
+                    x_arg = graph.call_function(pad_same_input, (x_arg, tuple(mod.weight.shape[2:]),  # type: ignore[index]
                                                                  spec.stride, spec.dilation))
                 new = graph.call_function(
                     ops.conv,

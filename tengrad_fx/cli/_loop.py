@@ -295,7 +295,7 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
     def do_eval() -> tuple[float, float]:
         nonlocal eval_time
         t0 = time.perf_counter()
-        loss, acc = evaluate(forward_eval, test_ds, progress=show)
+        loss, acc = evaluate(forward_eval, test_ds, progress=show)  # type: ignore[arg-type]
         eval_time += time.perf_counter() - t0
         return loss, acc
 

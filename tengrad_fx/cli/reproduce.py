@@ -113,7 +113,7 @@ def row_stats(run_dirs: Sequence[str], target_acc: float) -> dict[str, Any]:
     tops, t_tops, t_tgts, totals = [], [], [], []
     for r in runs:
         totals.append(float(r.summary["train_time"]))  # type: ignore[index]
-        best = max(r.epochs, key=lambda e: frac(e["test_acc"]))
+        best = max(r.epochs, key=lambda e: frac(e["test_acc"]))  # type: ignore[arg-type, return-value]
         tops.append(100.0 * frac(best["test_acc"]))  # type: ignore[operator]
         t_tops.append(float(best["train_time"]))
         t = time_to_target(r, target_acc)

@@ -280,7 +280,7 @@ class DistributedTENGraD(TENGraD):
         if self.mode == "auto":
             ns = [sum(p.numel() for p in (layers[i].weight, layers[i].bias) if p is not None) for i in live]
             recs = [record_bytes(layers[i], M, self.strategy) for i in live]
-            modes = choose_modes(M, ns, [layers[i].dims() for i in live], owners, self.world, self.bandwidth,
+            modes = choose_modes(M, ns, [layers[i].dims() for i in live], owners, self.world, self.bandwidth,  # type: ignore[assignment]
                                  self.flop_rate, recs, self.curvature_every)
         keep = set()
         store = self._info.store

@@ -122,7 +122,7 @@ class NGD(CurvatureOptimizer):
             if i not in self._chol or any(p.grad is None for p in b.params):
                 continue
             L = self._chol[i]
-            g = torch.cat([p.grad.flatten() for p in b.params]).to(L.dtype)
+            g = torch.cat([p.grad.flatten() for p in b.params]).to(L.dtype)  # type: ignore[union-attr]
             u = torch.cholesky_solve(g.unsqueeze(1), L).squeeze(1)
             off = 0
             for p in b.params:
