@@ -40,7 +40,7 @@ def keep_saved_tensors() -> None:
     it (by an earlier process) could be loaded again: these compiles get a cache key of
     their own (``torch.compiler.config.cache_key_tag``; where there is none, no graph cache).
     """
-    from torch._functorch import config  # noqa: PLC0415
+    from torch._functorch import config
 
     if getattr(config, "donated_buffer", False):
         config.donated_buffer = False

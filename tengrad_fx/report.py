@@ -122,7 +122,7 @@ def report(model: nn.Module, m: int = 128) -> Report:
             rows.append((pname, "covered", detail))
         else:
             rows.append((pname, "fallback", info.fallback.get(pname, "not covered")))
-    how = {"fx": "torch.fx graph", "fx-dual": "torch.fx graphs (train/eval differ)",
+    how = {"fx": "torch.fx graph", "fx-dual": "torch.fx graphs (train/eval differ)",  # type: ignore[assignment]
            "surgery": f"module surgery (fx failed: {info.trace_error})"}[info.method]
     check = "verified at batch 2 and 3" if info.verified else "checked at run time"
     header = f"tengrad_fx.prepare: {len(info.layers)} layers via {how}; sample dim {check}"

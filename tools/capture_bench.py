@@ -157,7 +157,7 @@ def per_call(repeat: int = 7, number: int = 50) -> dict[str, dict[str, float]]:
             was, eager.FORCE_CUSTOM_OPS = eager.FORCE_CUSTOM_OPS, force
             try:
                 def call() -> None:
-                    model(x).sum().backward()
+                    model(x).sum().backward()  # noqa: B023
                 for _ in range(5):
                     call()
                 res[name] = min(timeit.repeat(call, number=number, repeat=repeat)) / number

@@ -30,7 +30,8 @@ per-sample gradients), ``n`` = parameters, ``(g, S, f, o)`` the Gram cost dims. 
 the ranks send them instead of ``I``, ``G`` (:func:`tengrad_fx.distributed.records.sends_per_sample`:
 a Linear or convolution called once, ``n < r``, and the owner materializes at ``M``);
 ``I,G MB`` is the same with every layer's records sent as ``I``, ``G``. The table reports, per
-world size, the totals per rank (maximum over ranks, owners by the greedy assignment of :mod:`tengrad_fx.distributed.plan`), the per-layer mode and the placement that
+world size, the totals per rank (maximum over ranks, owners by the greedy assignment of
+:mod:`tengrad_fx.distributed.plan`), the per-layer mode and the placement that
 the ``placement="auto"`` rule of :func:`tengrad_fx.distributed.plan.choose_placement`
 picks at the stated bandwidth and flop rate, and whether the global Gram is affordable
 (every owner's Gram memory ≤ 8 GiB and curvature-step flops ≤ 100 TFLOP, i.e. about 2 s
@@ -58,7 +59,7 @@ CURVATURE_FLOP_LIMIT = 100e12
 
 def _build(name: str) -> tuple[torch.nn.Module, tuple[int, ...], int]:
     if name == "vit-b16":
-        import timm  # noqa: PLC0415
+        import timm
 
         return timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=1000), (3, 224, 224), 1000
     if name == "3c1f":
@@ -163,8 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'W':>5s} {'M':>7s} {'DDP MB':>8s} {'curv MB':>9s} {'I,G MB':>9s} {'reuse MB':>9s} {'local MB':>9s} "
           f"{'owner TFLOP':>12s} {'step GFLOP':>11s} {'Gram GiB':>9s} {'blocks':>11s} {'replicated':>11s} global Gram")
     for r in rows:
-        print(f"{r['W']:5d} {r['M']:7d} {r['ddp_MB']:8.1f} {r['curv_MB']:9.1f} {r['curvIG_MB']:9.1f} {r['reuse_MB']:9.1f} "
-              f"{r['local_MB']:9.1f} {r['owner_TFLOP']:12.3f} {r['step_GFLOP']:11.1f} {r['gram_GiB']:9.3f} "
+        print(f"{r['W']:5d} {r['M']:7d} {r['ddp_MB']:8.1f} {r['curv_MB']:9.1f} {r['curvIG_MB']:9.1f} "
+              f"{r['reuse_MB']:9.1f} {r['local_MB']:9.1f} {r['owner_TFLOP']:12.3f} {r['step_GFLOP']:11.1f} "
+              f"{r['gram_GiB']:9.3f} "
               f"{r['blocks']:>5d}/{r['layers']:<5d} {r['replicated']:>5d}/{r['layers']:<5d} "
               f"{'affordable' if r['affordable'] else 'NOT affordable: local'}")
     if args.layers:

@@ -97,10 +97,10 @@ def run(m: int = 128, threads: int = 2, repeats: int = 3, max_gflop: float = 200
             grams[s] = layer.gram(s)  # kept for the agreement check
             first = (time.perf_counter() - t0) * 1e3
             if est[s] < 1e9:  # cheap: the first call was a warm-up
-                row["ms"][s] = median_ms(lambda: layer.gram(s), repeats)
+                row["ms"][s] = median_ms(lambda: layer.gram(s), repeats)  # noqa: B023
             else:  # seconds per call: first-call overhead is noise, count it
                 row["ms"][s] = statistics.median(
-                    [first] + [median_ms(lambda: layer.gram(s), 1) for _ in range(repeats - 1)])
+                    [first] + [median_ms(lambda: layer.gram(s), 1) for _ in range(repeats - 1)])  # noqa: B023
         if len(grams) == 2:
             Kf, Km = grams["factor"].double(), grams["materialize"].double()
             row["rel_diff"] = ((Kf - Km).norm() / Km.norm()).item()

@@ -20,12 +20,12 @@ from typing import Any, Optional, Sequence
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from tengrad_fx.cli._runs import mean_std  # noqa: E402
-from tengrad_fx.cli.plot import save_figure  # noqa: E402
-from tools.sweep import read_results, write_results  # noqa: E402
+from tengrad_fx.cli._runs import mean_std
+from tengrad_fx.cli.plot import save_figure
+from tools.sweep import read_results, write_results
 
 __all__ = ["sensitivity_grid", "plot_sensitivity", "main"]
 

@@ -56,7 +56,7 @@ def profile(runners: list[Any], batch: tuple[torch.Tensor, torch.Tensor], sync: 
         def counted_step(opt_step: Callable[[], Any]) -> Any:
             with SyncCounter() as sc:
                 out = opt_step()
-            syncs[0] += sc.count
+            syncs[0] += sc.count  # noqa: B023
             return out
 
         with tprofile(activities=acts) as prof:

@@ -286,7 +286,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
     ap.add_argument("--layer", default=None, help="covered layer name (default: the last Linear)")
     ap.add_argument("--slice", type=int, default=64, dest="slice_size", help="number of coordinates (default 64)")
     ap.add_argument("--rows", type=int, default=None,
-                    help="take the first ROWS output rows × first ceil(slice/ROWS) inputs instead of a prefix of vec(W)")
+                    help="take the first ROWS output rows × first ceil(slice/ROWS) inputs "
+                         "instead of a prefix of vec(W)")
     ap.add_argument("--damping", type=float, default=0.1)
     ap.add_argument("--m", type=int, default=64, help="batch size (default 64)")
     ap.add_argument("--seed", type=int, default=0)
@@ -298,7 +299,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, float]:
     d = res.distances()
     paths = plot_structure(res, a.out)
     print(f"layer {res.layer}: n={res.n}, slice={res.idx.numel()}, m={res.m} ({res.data}), α={res.damping}")
-    print(f"relative Frobenius distance to exact (F+αI)⁻¹ on the slice: TENGraD {d['tengrad']:.3e}   K-FAC {d['kfac']:.3e}")
+    print("relative Frobenius distance to exact (F+αI)⁻¹ on the slice: "
+          f"TENGraD {d['tengrad']:.3e}   K-FAC {d['kfac']:.3e}")
     for p in paths:
         print(p)
     return d

@@ -21,7 +21,7 @@ def build_model(name: str) -> tuple[nn.Module, tuple[int, ...]]:
         return get_model(name, num_classes=10), (3, 32, 32)
     c = {"3c1f": 128, "small": 32, "tiny": 8}[name.removesuffix("-bn")]
     bn = name.endswith("-bn")
-    norm2 = (lambda: nn.BatchNorm2d(c)) if bn else nn.Identity  # noqa: E731
+    norm2 = (lambda: nn.BatchNorm2d(c)) if bn else nn.Identity
     return nn.Sequential(
         nn.Conv2d(1, c, 3, padding=1), norm2(), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1), norm2(), nn.ReLU(),
         nn.Conv2d(c, c, 3, padding=1), norm2(), nn.ReLU(), nn.MaxPool2d(3), nn.Flatten(),

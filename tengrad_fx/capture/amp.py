@@ -86,7 +86,7 @@ def autocast_off(t: Tensor) -> ContextManager[None]:
     """A context with autocast disabled on ``t``'s device (a no-op when it is off)."""
     if autocast_dtype(t) is None:
         return _NO_CONTEXT
-    return torch.autocast(t.device.type, enabled=False)  # type: ignore[return-value]
+    return torch.autocast(t.device.type, enabled=False)
 
 
 def as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:

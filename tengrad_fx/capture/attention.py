@@ -68,7 +68,7 @@ def _layer_parts(name: str, mod: nn.MultiheadAttention) -> list[tuple[str, str, 
         if mod.in_proj_bias is not None:
             parts.append((f"{p}in_proj_bias", "param", ParamHolder(mod.in_proj_bias)))
     if mod.bias_k is not None:
-        parts += [(f"{p}bias_k", "param", ParamHolder(mod.bias_k)), (f"{p}bias_v", "param", ParamHolder(mod.bias_v))]
+        parts += [(f"{p}bias_k", "param", ParamHolder(mod.bias_k)), (f"{p}bias_v", "param", ParamHolder(mod.bias_v))]  # type: ignore[arg-type]
     parts.append((f"{p}out_proj", "linear", mod.out_proj))
     return parts
 
@@ -86,7 +86,7 @@ def rewrite_attention(graph: fx.Graph, model: nn.Module, layers: dict[str, Layer
             continue
         name = str(node.target)
         sites = []
-        for lname, kind, holder in _layer_parts(name, mod):
+        for lname, kind, holder in _layer_parts(name, mod):  # type: ignore[arg-type]
             spec = layers.get(lname)
             if spec is None:
                 spec = layers[lname] = LayerSpec(name=lname, kind=kind, module=holder)  # type: ignore[arg-type]

@@ -91,4 +91,5 @@ def _function(name: str, forward: Callable[..., Any], setup: Setup, backward: Ca
         return formula(backward, ctx, *grads)
 
     # named after the op: its grad_fn reads ``tengrad_fx_<name>Backward``
-    return type(f"tengrad_fx_{name}", (torch.autograd.Function,), {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
+    return type(f"tengrad_fx_{name}", (torch.autograd.Function,),
+                {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})

@@ -63,7 +63,7 @@ def _only_use(attr: Any, call: fx.Node) -> bool:
 
 def _match(node: fx.Node, model: nn.Module) -> Optional[tuple[str, nn.Module, str]]:
     """``(module name, module, kind)`` when ``node`` is its module's base-layer call."""
-    nd = _CONV.get(node.target) if node.target in _CONV else None  # type: ignore[call-overload]
+    nd = _CONV.get(node.target) if node.target in _CONV else None
     if node.op != "call_function" or (node.target not in _LINEAR and nd is None):
         return None
     w, b = _arg(node, 1, "weight", None), _arg(node, 2, "bias", None)
@@ -94,7 +94,7 @@ def _conv_spec_args(node: fx.Node, mod: nn.Module, nd: int) -> dict[str, Any]:
     def tup(v: Any) -> Any:
         return tuple(v) if isinstance(v, (tuple, list)) else (v,) * nd if isinstance(v, int) else v
 
-    call = SimpleNamespace(weight=mod.weight, kernel_size=tuple(mod.weight.shape[2:]),
+    call = SimpleNamespace(weight=mod.weight, kernel_size=tuple(mod.weight.shape[2:]),  # type: ignore[index]
                            stride=tup(_arg(node, 3, "stride", 1)), padding=tup(_arg(node, 4, "padding", 0)),
                            dilation=tup(_arg(node, 5, "dilation", 1)), groups=_arg(node, 6, "groups", 1),
                            padding_mode="zeros")
@@ -131,7 +131,8 @@ def rewrite_functional_layers(graph: fx.Graph, model: nn.Module, layers: dict[st
                 new = graph.call_function(ops.linear, (x, w, b), kw)
             else:
                 kw.update(pre_pad=spec.pre_pad, pad_mode=spec.pad_mode)
-                new = graph.call_function(ops.conv, (x, w, b, spec.stride, spec.padding, spec.dilation, spec.groups), kw)
+                new = graph.call_function(ops.conv, (x, w, b, spec.stride, spec.padding, spec.dilation, spec.groups),
+                                          kw)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
     graph.lint()

@@ -103,7 +103,7 @@ class Watched:
     """One recorded tensor and its fingerprint at record time."""
 
     site: int
-    sig: tuple  # type: ignore[type-arg]  # the record's (site, shapes)
+    sig: tuple  # the record's (site, shapes)
     name: str
     tensor: Tensor
     fingerprint: Tensor
@@ -117,7 +117,7 @@ def fingerprint(t: Tensor) -> Tensor:
     return torch.stack((v.sum(), v.abs().sum(), (v * w).sum()))
 
 
-def watch(rec: Any, site: int, sig: tuple) -> list[Watched]:  # type: ignore[type-arg]
+def watch(rec: Any, site: int, sig: tuple) -> list[Watched]:
     """Fingerprints of ``rec``'s tensors (``sig``: the record's site and shapes)."""
     return [Watched(site, sig, name, t, fingerprint(t)) for name in _FIELDS
             if (t := getattr(rec, name)) is not None and t.numel()]

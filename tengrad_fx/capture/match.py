@@ -105,17 +105,17 @@ def match_module(mod: nn.Module) -> tuple[Optional[Kind], str]:
     for base, kind in _BASES.items():
         if isinstance(mod, base):
             cls = type(mod)
-            if cls.forward is not base.forward and cls not in _exact_subclasses() | _dynamic_same():
+            if cls.forward is not base.forward and cls not in _exact_subclasses() | _dynamic_same():  # type: ignore[attr-defined]
                 return None, f"{cls.__name__} overrides {base.__name__}.forward (not provably exact)"
             if kind != "linear" and bool(getattr(mod, "transposed", False)) != kind.startswith("conv_transpose"):
                 return None, "convolution with a non-standard 'transposed' flag"
             if not isinstance(mod.weight, nn.Parameter):
                 return None, "weight is not a Parameter"
             return kind, ""
-    kind, why = match_norm(mod)
+    kind, why = match_norm(mod)  # type: ignore[assignment]
     if kind is not None or why:
-        return kind, why  # type: ignore[return-value]
-    return match_embedding(mod)  # type: ignore[return-value]
+        return kind, why
+    return match_embedding(mod)
 
 
 def conv_call_args(mod: nn.Module) -> dict[str, Any]:
@@ -127,14 +127,14 @@ def conv_call_args(mod: nn.Module) -> dict[str, Any]:
     for a transposed convolution (zeros padding only, as in torch) also
     ``transposed=True`` and ``output_padding``.
     """
-    nd = mod.weight.dim() - 2
+    nd = mod.weight.dim() - 2  # type: ignore[operator]
     if getattr(mod, "transposed", False):
-        return dict(stride=tuple(mod.stride), padding=tuple(int(p) for p in mod.padding),
-                    dilation=tuple(mod.dilation), groups=mod.groups, pre_pad=None, pad_mode="constant",
-                    transposed=True, output_padding=tuple(mod.output_padding))
-    k = tuple(mod.kernel_size)
-    dil = tuple(mod.dilation)
-    stride = tuple(mod.stride)
+        return dict(stride=tuple(mod.stride), padding=tuple(int(p) for p in mod.padding),  # type: ignore[arg-type, union-attr]
+                    dilation=tuple(mod.dilation), groups=mod.groups, pre_pad=None, pad_mode="constant",  # type: ignore[arg-type]
+                    transposed=True, output_padding=tuple(mod.output_padding))  # type: ignore[arg-type]
+    k = tuple(mod.kernel_size)  # type: ignore[arg-type]
+    dil = tuple(mod.dilation)  # type: ignore[arg-type]
+    stride = tuple(mod.stride)  # type: ignore[arg-type]
     pad = mod.padding
     if pad == "valid":
         lr = [(0, 0)] * nd
@@ -145,10 +145,10 @@ def conv_call_args(mod: nn.Module) -> dict[str, Any]:
             left = total // 2
             lr.append((left, total - left))
     else:
-        lr = [(int(p), int(p)) for p in pad]
+        lr = [(int(p), int(p)) for p in pad]  # type: ignore[union-attr]
     mode = mod.padding_mode
     if mode != "zeros":
-        f_mode = {"reflect": "reflect", "replicate": "replicate", "circular": "circular"}.get(mode)
+        f_mode = {"reflect": "reflect", "replicate": "replicate", "circular": "circular"}.get(mode)  # type: ignore[call-overload]
         if f_mode is None:
             raise ValueError(f"unsupported padding_mode {mode!r}")
         pre = tuple(v for l, r in reversed(lr) for v in (l, r))

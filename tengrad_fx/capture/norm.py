@@ -25,7 +25,7 @@ constants. In eval mode every per-sample gradient is exactly ``∂ℓ_i/∂θ``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch.nn as nn
 import torch.nn.functional as F
@@ -58,7 +58,7 @@ class NormEntry:
 
 
 # --------------------------------------------------------------------------- forward per class
-def _batch_norm(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:
+def _batch_norm(mod: Any, x: Tensor, key: int, site: int) -> Tensor:
     """``nn.modules.batchnorm._BatchNorm.forward`` through the capture op (same
     statistics, same running-buffer updates)."""
     if hasattr(mod, "_check_input_dim"):
@@ -79,30 +79,30 @@ def _batch_norm(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:
                                rv if use_buffers else None, bn_training, eaf, mod.eps, key, site)
 
 
-def _layer_norm(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:
+def _layer_norm(mod: Any, x: Tensor, key: int, site: int) -> Tensor:
     return norm_ops.layer_norm(x, mod.normalized_shape, mod.weight, mod.bias, mod.eps, key, site)
 
 
-def _layer_norm2d(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:
+def _layer_norm2d(mod: Any, x: Tensor, key: int, site: int) -> Tensor:
     y = norm_ops.layer_norm(x.permute(0, 2, 3, 1), mod.normalized_shape, mod.weight, mod.bias,
                             mod.eps, key, site)
     return y.permute(0, 3, 1, 2)
 
 
-def _group_norm(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:
+def _group_norm(mod: Any, x: Tensor, key: int, site: int) -> Tensor:
     return norm_ops.group_norm(x, mod.num_groups, mod.weight, mod.bias, mod.eps, key, site)
 
 
-def _rms_norm(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:
+def _rms_norm(mod: Any, x: Tensor, key: int, site: int) -> Tensor:
     """``F.rms_norm`` computes ``x̂ ⊙ γ`` in float32 for a low-precision ``x`` and casts
     the product to ``x``'s dtype (after autocast's cast of ``aten::rms_norm``, :mod:`.amp`);
     the same here, so the output matches bit for bit."""
-    (x,) = cast_like_aten("aten::rms_norm", x)
+    (x,) = cast_like_aten("aten::rms_norm", x)  # type: ignore[assignment]
     xhat = F.rms_norm(acc(x), mod.normalized_shape, None, mod.eps)
     return as_dtype(norm_ops.affine(xhat, mod.weight, None, False, key, site), x.dtype)
 
 
-def _timm_rms_norm(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:
+def _timm_rms_norm(mod: Any, x: Tensor, key: int, site: int) -> Tensor:
     """The function timm's ``RmsNorm.forward`` calls: torch's ``F.rms_norm`` where torch
     has one, else timm's composite (``x̂ ⊙ γ`` by type promotion)."""
     from timm.layers import norm as timm_norm
@@ -113,14 +113,14 @@ def _timm_rms_norm(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:
     return norm_ops.affine(xhat, mod.weight, None, False, key, site)
 
 
-def _timm_rms_norm2d(mod: nn.Module, x: Tensor, key: int, site: int) -> Tensor:
+def _timm_rms_norm2d(mod: Any, x: Tensor, key: int, site: int) -> Tensor:
     from timm.layers import norm as timm_norm
 
     xhat = timm_norm.rms_norm2d(x, list(mod.normalized_shape), None, mod.eps)
     return norm_ops.affine(xhat, mod.weight, None, True, key, site)
 
 
-def _drop_act(mod: nn.Module, y: Tensor) -> Tensor:
+def _drop_act(mod: Any, y: Tensor) -> Tensor:
     return mod.act(mod.drop(y))
 
 
@@ -174,7 +174,7 @@ def _find_entry(mod_cls: type) -> Optional[NormEntry]:
     for cls in mod_cls.__mro__:
         entry = table.get(cls)
         if entry is not None:
-            return entry if mod_cls.forward is cls.forward or _is_capturing(mod_cls) else None
+            return entry if mod_cls.forward is cls.forward or _is_capturing(mod_cls) else None  # type: ignore[attr-defined]
     return None
 
 
@@ -217,11 +217,11 @@ def norm(x: Tensor, mod: nn.Module, key: int, site: int, batch: Optional[int] = 
     assert entry is not None, f"{type(mod).__name__} is not a captured norm layer"
     if ops.PROBE is not None:
         ops.probe(key, site, x)
-    if not ops._active(key, x, mod.weight):
-        return entry.cls.forward(mod, x)
+    if not ops._active(key, x, mod.weight):  # type: ignore[arg-type]
+        return entry.cls.forward(mod, x)  # type: ignore[attr-defined]
     fold = FOLDS.get((key, site)) if FOLDS else None
     if fold is not None:  # a folded batch (trailing kinds only, see fold.FOLDABLE)
-        keep = len(mod.normalized_shape)
+        keep = len(mod.normalized_shape)  # type: ignore[arg-type]
         y = entry.run(mod, fold_rows(x, fold, keep, name), key, site)
         y = unfold_rows(y, fold, x.shape[:x.dim() - keep])
     else:

@@ -194,7 +194,8 @@ def _conv_forward(
 ) -> Tensor:
     """``aten.convolution``, ``[m, c_out, *spatial_out]``; starts a new capture."""
     lookup(key).begin()
-    return _not_a_view(torch.convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups))
+    return _not_a_view(torch.convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding,
+                                         groups))
 
 
 def _conv_backward_amp(
@@ -208,7 +209,7 @@ def _conv_backward_amp(
                               has_bias, need_input, key, site)
 
 
-def _conv_backward(grad: Tensor, x: Tensor, weight: Tensor, conf: tuple, has_bias: bool,  # type: ignore[type-arg]
+def _conv_backward(grad: Tensor, x: Tensor, weight: Tensor, conf: tuple, has_bias: bool,
                    need_input: bool, key: int, site: int) -> tuple[Tensor, Tensor, Tensor]:
     store = lookup(key)
     stride, padding, dilation, transposed, output_padding, groups = conf
@@ -238,7 +239,7 @@ def _zero_param_grads(grad: Tensor, weight: Tensor, has_bias: bool) -> tuple[Ten
     return grad.new_zeros(weight.shape), (grad.new_zeros(grad.shape[1]) if has_bias else grad.new_empty(0))
 
 
-def _conv_input_grad(grad: Tensor, x: Tensor, weight: Tensor, conf: tuple) -> Tensor:  # type: ignore[type-arg]
+def _conv_input_grad(grad: Tensor, x: Tensor, weight: Tensor, conf: tuple) -> Tensor:
     return _convolution_backward(grad, x, weight, None, *conf, [True, False, False])[0]
 
 

@@ -191,15 +191,15 @@ def rewrite_params(graph: fx.Graph, model: nn.Module, skip: set[int], layers: di
             kw = dict(key=key, site=site, batch=batch_node, name=name)
             if u.target == "expand":
                 with graph.inserting_before(u):
-                    new = graph.call_function(expanded, tuple(u.args), kw)
+                    new = graph.call_function(expanded, tuple(u.args), kw)  # type: ignore[arg-type]
                 u.replace_all_uses_with(new)
                 graph.erase_node(u)
                 continue
             src = next(a for a in u.args if _reaches(a, node))
             other = u.args[1] if u.args[0] is src else u.args[0]
             with graph.inserting_before(u):
-                new = graph.call_function(batched, (src, other), kw)
-            u.replace_input_with(src, new)
+                new = graph.call_function(batched, (src, other), kw)  # type: ignore[arg-type]
+            u.replace_input_with(src, new)  # type: ignore[arg-type]
         node.meta[mark] = True
     graph.lint()
 

@@ -77,7 +77,7 @@ def layer_forward(layer: nn.Module, *args: Any, **kwargs: Any) -> Any:
 def compiled_forward(gm: fx.GraphModule, graph: fx.Graph) -> Forward:
     """The generated ``forward(self, ...)`` of ``graph``, to be called with ``self = gm``
     (every name it reads, ``gm`` has)."""
-    return type(fx.GraphModule(gm, graph)).forward  # type: ignore[no-any-return]
+    return type(fx.GraphModule(gm, graph)).forward
 
 
 def install_forward(gm: fx.GraphModule, key: int, eval_forward: Optional[Forward],
@@ -97,4 +97,4 @@ def install_forward(gm: fx.GraphModule, key: int, eval_forward: Optional[Forward
             return (train_forward if self.training else eval_forward)(self, *args, **kwargs)
         return (plain if self.training else plain_eval)(self, *args, **kwargs)
 
-    cls.forward = own_code(forward)  # type: ignore[method-assign]  # its guards name this model's key
+    cls.forward = own_code(forward)  # its guards name this model's key

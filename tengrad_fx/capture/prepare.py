@@ -85,7 +85,8 @@ def prepare(
     for name in attention.functional_children(model):  # F.linear on its weight inside the attention
         if candidates.pop(name, None) is not None:
             for pn, _ in model.get_submodule(name).named_parameters(prefix=name, recurse=False):
-                fallback[pn] = "attention out-projection called functionally (covered only via an fx-rewritten attention call)"
+                fallback[pn] = ("attention out-projection called functionally "
+                                "(covered only via an fx-rewritten attention call)")
     if not candidates:
         why = "".join(sorted({f"; {r}" for r in fallback.values()}))
         raise ValueError(
@@ -228,7 +229,7 @@ def _rewrite(graph: fx.Graph, candidates: dict[str, nn.Module], layers: dict[str
             with graph.inserting_before(node):
                 w = graph.get_attr(f"{name}.weight" if name else "weight")
                 w.meta[OURS] = True
-                new = graph.call_function(embedding.embedding, (x_arg, w, mod.padding_idx),
+                new = graph.call_function(embedding.embedding, (x_arg, w, mod.padding_idx),  # type: ignore[arg-type]
                                           dict(key=key, site=site, batch=batch_node, name=name))
             node.replace_all_uses_with(new)
             graph.erase_node(node)
@@ -248,10 +249,10 @@ def _rewrite(graph: fx.Graph, candidates: dict[str, nn.Module], layers: dict[str
                     op: Any = spec.output_padding
                     if out_size is not None:  # computed at run time, as torch does
                         op = graph.call_function(_transposed_output_padding, (
-                            x_arg, out_size, spec.stride, spec.padding, tuple(mod.kernel_size), spec.dilation))
+                            x_arg, out_size, spec.stride, spec.padding, tuple(mod.kernel_size), spec.dilation))  # type: ignore[arg-type]
                     kw.update(transposed=True, output_padding=op)
                 if spec.dynamic_same:
-                    x_arg = graph.call_function(pad_same_input, (x_arg, tuple(mod.weight.shape[2:]),
+                    x_arg = graph.call_function(pad_same_input, (x_arg, tuple(mod.weight.shape[2:]),  # type: ignore[index]
                                                                  spec.stride, spec.dilation))
                 new = graph.call_function(
                     ops.conv,
@@ -370,7 +371,8 @@ def _classify_params(model: nn.Module, info: PrepareInfo) -> None:
             owner = owner_of.get(pn)
             kind, _ = match_module(owner) if owner is not None else (None, "")
             if kind is not None:
-                info.fallback[pn] = "module not called as a layer in the traced graph (inside a leaf module or used functionally)"
+                info.fallback[pn] = ("module not called as a layer in the traced graph "
+                                     "(inside a leaf module or used functionally)")
             else:
                 info.fallback[pn] = f"{type(owner).__name__ if owner is not None else '?'}: no capture kernel"
     # fallback layers' calls still run the capture op: make them record nothing

@@ -110,7 +110,7 @@ class CaptureStore:
     _finalized: int = 0  # the generation finalize() last converted
     site_names: dict[int, str] = field(default_factory=dict)  # site -> layer name (for errors)
     _watched: list[kept.Watched] = field(default_factory=list)  # fingerprinted, not yet verified
-    _verified: set[tuple] = field(default_factory=set)  # type: ignore[type-arg]  # (site, shapes) checked
+    _verified: set[tuple] = field(default_factory=set)  # (site, shapes) checked
 
     def __post_init__(self) -> None:
         _STORES[self.key] = self

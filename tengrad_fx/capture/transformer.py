@@ -86,7 +86,7 @@ def traced_forward(m: nn.Module) -> Optional[Callable[..., Any]]:
     is traceable), or None to keep ``m`` as torch.fx decides."""
     for table, train_only in ((_TRAIN_ONLY, True), (_ALWAYS, False), (_timm_substitutes(), False)):
         for cls, fn in table.items():
-            if isinstance(m, cls) and type(m).forward is cls.forward and (m.training or not train_only):
+            if isinstance(m, cls) and type(m).forward is cls.forward and (m.training or not train_only):  # type: ignore[attr-defined]
                 return m.forward if fn is None else partial(fn, m)
     return None
 
@@ -128,12 +128,12 @@ def _mobilevit_block(m: nn.Module, x: Any) -> Any:
     its convs, transformer blocks and norm are traced (the transformer's rows are the folded
     batch ``[B·P, N, C]``; prepare's fold probe finds them)."""
     shortcut = x
-    x = m.conv_1x1(m.conv_kxk(x))
-    x, shape = _mobilevit_unfold(x, tuple(m.patch_size), m.patch_area)
-    x = m.norm(m.transformer(x))
-    x = m.conv_proj(_mobilevit_fold(x, shape, tuple(m.patch_size), m.patch_area))
+    x = m.conv_1x1(m.conv_kxk(x))  # type: ignore[operator]
+    x, shape = _mobilevit_unfold(x, tuple(m.patch_size), m.patch_area)  # type: ignore[arg-type]
+    x = m.norm(m.transformer(x))  # type: ignore[operator]
+    x = m.conv_proj(_mobilevit_fold(x, shape, tuple(m.patch_size), m.patch_area))  # type: ignore[arg-type, operator]
     if m.conv_fusion is not None:
-        x = m.conv_fusion(torch.cat((shortcut, x), dim=1))
+        x = m.conv_fusion(torch.cat((shortcut, x), dim=1))  # type: ignore[operator]
     return x
 
 

@@ -65,7 +65,7 @@ class DistRun:
         return xb[self.rank * b:(self.rank + 1) * b], yb[self.rank * b:(self.rank + 1) * b]
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: PLC0415
+        from torch.nn.parallel import DistributedDataParallel as DDP
 
         return DDP(model, device_ids=[torch.device(self.device).index] if self.device.startswith("cuda") else None)
 

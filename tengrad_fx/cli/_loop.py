@@ -295,7 +295,7 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
     def do_eval() -> tuple[float, float]:
         nonlocal eval_time
         t0 = time.perf_counter()
-        loss, acc = evaluate(forward_eval, test_ds, progress=show)
+        loss, acc = evaluate(forward_eval, test_ds, progress=show)  # type: ignore[arg-type]
         eval_time += time.perf_counter() - t0
         return loss, acc
 
@@ -422,7 +422,8 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
         "samples_per_s": (samples / train_time) if train_time > 0 else None,
         "optimizer": cfg["optimizer"], "model": cfg["model"], "dataset": cfg["dataset"],
         "skipped_steps": skipped_loss + skipped_opt, "skipped_nonfinite_loss": skipped_loss,
-        "compile_time": compile_time, "skipped_by_optimizer": skipped_opt, "kl_clipped_steps": int(getattr(opt, "kl_clipped_steps", 0)),
+        "compile_time": compile_time, "skipped_by_optimizer": skipped_opt,
+        "kl_clipped_steps": int(getattr(opt, "kl_clipped_steps", 0)),
         "stopped_by_max_steps": stopped, "resumed_at_steps": resumed_at,
         "out": str(out), "torch": torch.__version__,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -435,7 +436,7 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
     plot_msg = ""
     if not cfg["no_plot"]:
         try:
-            from .plot import plot_runs  # noqa: PLC0415
+            from .plot import plot_runs
 
             plot_runs([str(out)], str(out / "curves.png"))
             plot_msg = f", plot {out / 'curves.png'}"

@@ -139,7 +139,8 @@ def mean_std(values: Sequence[float]) -> tuple[float, float]:
     return mu, math.sqrt(sum((v - mu) ** 2 for v in vals) / (n - 1))
 
 
-def band(xs: Sequence[Sequence[float]], ys: Sequence[Sequence[float]]):
+def band(xs: Sequence[Sequence[float]],
+         ys: Sequence[Sequence[float]]) -> tuple[list[float], list[float], list[float]]:
     """Mean ± std band of several runs' curves (one per seed), aligned by index.
 
     Curves are cut to the shortest one (index ``k`` is the same epoch / step of every

@@ -113,7 +113,7 @@ def row_stats(run_dirs: Sequence[str], target_acc: float) -> dict[str, Any]:
     tops, t_tops, t_tgts, totals = [], [], [], []
     for r in runs:
         totals.append(float(r.summary["train_time"]))  # type: ignore[index]
-        best = max(r.epochs, key=lambda e: frac(e["test_acc"]))
+        best = max(r.epochs, key=lambda e: frac(e["test_acc"]))  # type: ignore[arg-type, return-value]
         tops.append(100.0 * frac(best["test_acc"]))  # type: ignore[operator]
         t_tops.append(float(best["train_time"]))
         t = time_to_target(r, target_acc)
@@ -174,7 +174,7 @@ def reproduce(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     drun = None
     if args.distributed:
-        from ._dist import DistRun  # noqa: PLC0415
+        from ._dist import DistRun
 
         try:
             drun = DistRun(device)
@@ -258,7 +258,7 @@ def _reproduce(args: argparse.Namespace, dataset: str, model: str, methods: list
     _write_curves_csv(os.path.join(out, "curves.csv"), out, methods, args.seeds)
     plot_note = "no plot (install matplotlib: pip install -e '.[plot]')"
     try:
-        from .plot import plot_runs  # noqa: PLC0415
+        from .plot import plot_runs
 
         all_runs = [d for m in methods for d in _runs_of(out, m, args.seeds)]
         plot_note = " and ".join(plot_runs(all_runs, os.path.join(out, "curves.png"),
@@ -269,8 +269,9 @@ def _reproduce(args: argparse.Namespace, dataset: str, model: str, methods: list
     best = max(rows, key=lambda m: rows[m]["acc"][0])
     per_method = "; ".join(f"{m} {rows[m]['acc'][0]:.2f}% top test accuracy (paper {paper[m][1]:.2f}%) after "
                            f"{rows[m]['train_time'][0]:.0f} s of training" for m in methods)
-    summary = (f"Summary: {per_method} ({best} best) on {model} / {dataset}, "
-               f"{'scaled down: ' + str(epochs) + ' epoch(s) on ' + str(subset or 'all') + ' training images' if scaled else 'paper protocol'}, "
+    protocol = (f"scaled down: {epochs} epoch(s) on {subset or 'all'} training images" if scaled
+                else "paper protocol")
+    summary = (f"Summary: {per_method} ({best} best) on {model} / {dataset}, {protocol}, "
                f"{device}; {wall:.0f} s of wall-clock for this command's training and evaluation. Curves: {plot_note}; "
                f"per-epoch numbers: {os.path.join(out, 'curves.csv')}; the row: {os.path.join(out, 'table.csv')}; "
                f"each run's logs (config.json, steps.jsonl, epochs.jsonl, summary.json, checkpoint.pt) in "

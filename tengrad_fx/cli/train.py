@@ -297,7 +297,7 @@ def build_optimizer(cfg: dict[str, Any], model: nn.Module) -> torch.optim.Optimi
     ``--distributed``, TENGraD is :class:`tengrad_fx.distributed.DistributedTENGraD` (MC
     seed: ``--seed``; ``mode``: ``--dist-mode``)."""
     if cfg.get("distributed") and cfg["optimizer"] == "tengrad":
-        from ..distributed import DistributedTENGraD  # noqa: PLC0415
+        from ..distributed import DistributedTENGraD
 
         return DistributedTENGraD(model, seed=cfg["seed"], mode=cfg.get("dist_mode") or "auto",
                                   **optimizer_kwargs(cfg))
@@ -324,7 +324,7 @@ def run(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         parser.error(str(exc))
     drun = None
     if cfg["distributed"]:
-        from ._dist import DistRun, check_distributed  # noqa: PLC0415
+        from ._dist import DistRun, check_distributed
 
         try:
             drun = DistRun(args.device)
@@ -342,7 +342,7 @@ def run(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
         coverage = None
         if cfg["optimizer"] != "sgd":
-            import tengrad_fx  # noqa: PLC0415
+            import tengrad_fx
 
             model = tengrad_fx.prepare(model, example_inputs=(train_ds.x[:2],))
             coverage = str(tengrad_fx.report(model, m=cfg["batch_size"]))

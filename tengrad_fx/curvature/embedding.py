@@ -29,7 +29,7 @@ def _flat(spec: LayerSpec, I: Tensor, G: Tensor) -> tuple[Tensor, Tensor]:
     idx, g = I.reshape(m, -1), G.reshape(m, -1, D)
     pad = spec.module.padding_idx
     if pad is not None:
-        g = g * (idx != pad).unsqueeze(-1).to(g.dtype)
+        g = g * (idx != pad).unsqueeze(-1).to(g.dtype)  # type: ignore[attr-defined]
     return idx, g
 
 

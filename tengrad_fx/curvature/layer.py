@@ -175,7 +175,7 @@ class CoveredLayer:
             else:
                 w, b = self._kernel.per_sample_grads(self.spec, r.I, r.G)
             dW = w.reshape(m, -1) if dW is None else dW + w.reshape(m, -1)
-            db = b.reshape(m, -1) if db is None else db + b.reshape(m, -1)
+            db = b.reshape(m, -1) if db is None else db + b.reshape(m, -1)  # type: ignore[union-attr]
         assert dW is not None and db is not None
         k = self._scale()
         dW = (dW * k).reshape(m, *self.weight.shape)
@@ -220,7 +220,7 @@ class CoveredLayer:
             if r.P is not None:
                 o = r.P @ v_w.reshape(-1)
                 if v_b is not None:
-                    o = o + r.Gsum @ v_b
+                    o = o + r.Gsum @ v_b  # type: ignore[operator]
             else:
                 o = self._kernel.jvp(self.spec, r.I, r.G, v_w, v_b)
             out = o if out is None else out + o
@@ -234,7 +234,7 @@ class CoveredLayer:
         gW = gb = None
         for r in self.records():
             if r.P is not None:
-                w, b = r.P.T @ c, r.Gsum.T @ c
+                w, b = r.P.T @ c, r.Gsum.T @ c  # type: ignore[union-attr]
             else:
                 w, b = self._kernel.vjp(self.spec, r.I, r.G, c)
             gW = w.reshape(-1) if gW is None else gW + w.reshape(-1)

@@ -119,10 +119,10 @@ def gather_buckets(buckets: list[Bucket], local: dict[int, Tensor]) -> dict[int,
             recv[i] = None
         if replicate:
             works.append(collective("all_gather of curvature records",
-                                    lambda p=parts, t=mine: dist.all_gather(p, t, async_op=True)))
+                                    lambda p=parts, t=mine: dist.all_gather(p, t, async_op=True)))  # type: ignore[misc]
         else:
-            works.append(collective("gather of curvature records to their owner",
-                                    lambda p=parts, t=mine, r=b.rank: dist.gather(t, p, dst=r, async_op=True)))
+            works.append(collective("gather of curvature records to their owner",  # type: ignore[arg-type]
+                                    lambda p=parts, t=mine, r=b.rank: dist.gather(t, p, dst=r, async_op=True)))  # type: ignore[misc]
     for w in works:
         collective("waiting for the curvature records", w.wait)
     return recv
@@ -136,7 +136,7 @@ def all_sum(flat: Tensor) -> None:
 def start_broadcasts(flats: list[Tensor], buckets: list[Bucket], what: str = "preconditioned gradients") -> list[Any]:
     """Start broadcasting each ``flats[i]`` in place from ``buckets[i].rank`` (async, all
     in flight at once); :func:`wait_all` the returned handles before reading ``flats``."""
-    return [collective(f"broadcast of {what}", lambda t=t, r=b.rank: dist.broadcast(t, src=r, async_op=True))
+    return [collective(f"broadcast of {what}", lambda t=t, r=b.rank: dist.broadcast(t, src=r, async_op=True))  # type: ignore[misc]
             for t, b in zip(flats, buckets)]
 
 

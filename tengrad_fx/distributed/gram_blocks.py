@@ -151,10 +151,10 @@ class GramBlocksStep:
             C, beta, gamma = solve.woodbury_coefficients(torch.stack([cs[lay.name][rows] for lay in grp.layers]),
                                                          damping, ok, 1.0, gw.dtype)  # C: [L, m]
             self.coefs.append((beta, gamma))
-            w, b = grp.vjp(C.to(_record_dtype(grp.layers[0], dtype)))
-            partial += [w.to(dtype).reshape(-1)] + ([b.to(dtype).reshape(-1)] if b is not None else [])
-            self.shapes.append((w.shape, b.shape if b is not None else None))
-            n = w.shape[1] + (b.shape[1] if b is not None else 0)
+            w, b = grp.vjp(C.to(_record_dtype(grp.layers[0], dtype)))  # type: ignore[assignment]
+            partial += [w.to(dtype).reshape(-1)] + ([b.to(dtype).reshape(-1)] if b is not None else [])  # type: ignore[attr-defined]
+            self.shapes.append((w.shape, b.shape if b is not None else None))  # type: ignore[attr-defined]
+            n = w.shape[1] + (b.shape[1] if b is not None else 0)  # type: ignore[attr-defined]
             for lay in grp.layers:
                 self.count(lay.name, int(2 * (self.world - 1) / self.world * n * self.es))  # ring all-reduce
         self.total = torch.cat(partial)

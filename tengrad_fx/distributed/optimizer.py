@@ -146,7 +146,8 @@ class DistributedTENGraD(TENGraD):
             raise RuntimeError("DistributedTENGraD: call torch.distributed.init_process_group(...) first "
                                "(e.g. run under torchrun)")
         if mode not in ("gather", "gram-blocks", "auto", "local"):
-            raise ValueError(f"DistributedTENGraD: mode must be 'gather', 'gram-blocks', 'auto' or 'local', got {mode!r}")
+            raise ValueError("DistributedTENGraD: mode must be 'gather', 'gram-blocks', 'auto' or 'local', "
+                             f"got {mode!r}")
         if placement not in ("auto", "owner", "replicate"):
             raise ValueError(f"DistributedTENGraD: placement must be 'auto', 'owner' or 'replicate', got {placement!r}")
         for opt in ("compile", "cuda_graph"):
@@ -279,7 +280,7 @@ class DistributedTENGraD(TENGraD):
         if self.mode == "auto":
             ns = [sum(p.numel() for p in (layers[i].weight, layers[i].bias) if p is not None) for i in live]
             recs = [record_bytes(layers[i], M, self.strategy) for i in live]
-            modes = choose_modes(M, ns, [layers[i].dims() for i in live], owners, self.world, self.bandwidth,
+            modes = choose_modes(M, ns, [layers[i].dims() for i in live], owners, self.world, self.bandwidth,  # type: ignore[assignment]
                                  self.flop_rate, recs, self.curvature_every)
         keep = set()
         store = self._info.store

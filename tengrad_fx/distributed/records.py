@@ -71,7 +71,7 @@ def sends_per_sample(layer: CoveredLayer, M: int, strategy: str) -> bool:
         return False
     r = recs[0]
     n = sum(p.numel() for p in (layer.weight, layer.bias) if p is not None)
-    if n * r.m >= r.I.numel() + r.G.numel():
+    if n * r.m >= r.I.numel() + r.G.numel():  # type: ignore[union-attr]
         return False
     return strategy == "materialize" or choose_strategy(M, *layer.dims()) == "materialize"
 

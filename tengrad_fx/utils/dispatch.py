@@ -70,7 +70,7 @@ class SyncCounter(TorchDispatchMode):
             counter.ops["Tensor.tolist"] += 1
             return real(t)
 
-        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+        torch.Tensor.tolist = tolist  # type: ignore[assignment, method-assign]
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:

@@ -39,7 +39,8 @@ def kept_tensors(opt: Any) -> list[torch.Tensor]:
     and momentum: its layer groups' stacks, Grams, factors and the store's records."""
     out: list[torch.Tensor] = []
     for grp in getattr(opt, "_curv", []):
-        out += [t for t in (getattr(grp, n, None) for n in ("Pw", "Pb", "A", "B", "chol")) if isinstance(t, torch.Tensor)]
+        out += [t for t in (getattr(grp, n, None) for n in ("Pw", "Pb", "A", "B", "chol"))
+                if isinstance(t, torch.Tensor)]
     out += [t for t in getattr(opt, "_K", []) or [] if isinstance(t, torch.Tensor)]
     out += [t for t in (getattr(opt, "_chol", None), getattr(opt, "_chol_ok", None)) if t is not None]
     store = opt._info.store

@@ -83,11 +83,12 @@ def _single(kind: str) -> tuple[nn.Module, torch.Tensor]:
 
 
 KINDS = ["linear", "conv2d", "conv2d_reflect", "conv_groups", "conv_transpose2d", "conv1d", "batchnorm",
-         "layernorm", "groupnorm", "rmsnorm", "timm_rmsnorm", "timm_layernorm2d", "timm_rmsnorm2d", "token", "embedding",
-         "mha_packed", "mha_separate"]
+         "layernorm", "groupnorm", "rmsnorm", "timm_rmsnorm", "timm_layernorm2d", "timm_rmsnorm2d", "token",
+         "embedding", "mha_packed", "mha_separate"]
 
 
-def _run(mod: nn.Module, x: torch.Tensor, low: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
+def _run(mod: nn.Module, x: torch.Tensor,
+         low: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor | None]:
     """Output, parameter gradients and input gradient of ``sum(out²)`` (backward outside
     autocast, as a training loop does), the input given in bf16 when ``low``."""
     for p in mod.parameters():

@@ -7,7 +7,6 @@ A power-of-two loss scale makes scaling and unscaling exact, so a scaled run mus
 the unscaled run bit for bit."""
 from __future__ import annotations
 
-import copy
 from typing import Any, Optional
 
 import pytest
@@ -164,7 +163,8 @@ def _check_skip_on_curvature_step(device: str, dtype: torch.dtype) -> None:
     ref_pm, ref_opt = _setup("tengrad", device, scaler_ref)
     for b in batches:
         _step(ref_pm, ref_opt, b, scaler_ref, device, dtype)
-    _assert_same({k: p.detach() for k, p in pm.named_parameters()}, {k: p.detach() for k, p in ref_pm.named_parameters()},
+    _assert_same({k: p.detach() for k, p in pm.named_parameters()},
+                 {k: p.detach() for k, p in ref_pm.named_parameters()},
                  exact=dtype != torch.float16, across_runs=True)
 
 

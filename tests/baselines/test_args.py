@@ -56,7 +56,7 @@ def test_damped_bfgs_bad_args():
 
 def test_registry(model):
     assert set(OPTIMIZERS) == {"tengrad", "kfac", "ekfac", "kbfgs", "ngd", "sgd"}
-    for method, rows in PAPER_DEFAULTS.items():  # values: tests/optim/test_paper_defaults.py
+    for _method, rows in PAPER_DEFAULTS.items():  # values: tests/optim/test_paper_defaults.py
         assert set(rows) == {"fashion-mnist", "cifar10", "cifar100"}
     opt = make_optimizer("kbfgs", model, dataset="fashion-mnist")
     assert isinstance(opt, KBFGS) and opt.TCov == 20 and opt.TInv == 100

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from testing import per_sample_grads_reference
 from tengrad_fx.optim.baselines.ekfac import EKFAC, projected_second_moment
 
-from ._helpers import batch, cnn, explicit_factors, grad_matrix, prepared, reference_io, rel, snapshot, split_matrix, step_delta
+from ._helpers import (batch, cnn, explicit_factors, grad_matrix, prepared, reference_io, rel, snapshot, split_matrix,
+                       step_delta)
 
 
 def _dense_ekfac(io, grads, psg, damping):

@@ -36,7 +36,8 @@ def test_powell_damping_keeps_inverse_positive_definite():
     H = torch.eye(5, dtype=torch.float64).expand(3, 5, 5).clone()  # batched over 3 groups
     for _ in range(60):
         s = torch.randn(3, 5, generator=g, dtype=torch.float64)
-        y = -s * torch.rand(3, 1, generator=g, dtype=torch.float64) + 0.01 * torch.randn(3, 5, generator=g, dtype=torch.float64)
+        y = (-s * torch.rand(3, 1, generator=g, dtype=torch.float64)
+             + 0.01 * torch.randn(3, 5, generator=g, dtype=torch.float64))
         assert bool(((s * y).sum(-1) < 0).all())  # adversarial: negative curvature pairs
         Hy = (H @ y.unsqueeze(-1)).squeeze(-1)
         Hn, st, yt = damped_bfgs_update(H, s, y, powell=0.2, lm=0.0)

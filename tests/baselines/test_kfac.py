@@ -29,7 +29,7 @@ def test_factors_match_unfold_formulas_and_kfac_pytorch_product():
         _loss_backward(model, x, y)
         io, _ = reference_io(snapshot(template, model), x, y)
         assert [b.layer.name for b in opt.blocks] == [str(i) for i in io]
-        for blk, (i, (inp, gout, mod)) in zip(opt.blocks, io.items()):
+        for blk, (_i, (inp, gout, mod)) in zip(opt.blocks, io.items()):
             st = layer_stats(blk)
             A, G, Aw, Gw = explicit_factors(mod, inp, gout)
             assert st.A.shape == A.shape and st.G.shape == G.shape
@@ -88,7 +88,7 @@ def test_running_averages_and_inverse_schedule():
                 assert torch.equal(e[0], eig_before[i])
             # the update uses step-0's eigenbasis of step-0's factors
             want = {}
-            for bi, (i, (inp, g, mod)) in enumerate(io.items()):
+            for _bi, (i, (_inp, _g, mod)) in enumerate(io.items()):
                 A0, G0 = seen[0][i]
                 gm = grad_matrix(mod, grads, str(i))
                 us = [torch.linalg.solve(torch.kron(G0[k], A0[k]) + 0.1 * torch.eye(A0.shape[1] * G0.shape[1],
@@ -188,13 +188,15 @@ def test_linear_on_sequences_positions_and_repeated_calls():
     opt = KFAC(model, lr=1.0, momentum=0.0, stat_decay=0.0, kl_clip=None, damping=0.01)
     _loss_backward(model, x, y)
     # reference: explicit forward with retained outputs
-    h1 = ref.a(x); h1.retain_grad()
+    h1 = ref.a(x)
+    h1.retain_grad()
     t1 = torch.tanh(h1)
-    h2 = ref.a(t1); h2.retain_grad()
+    h2 = ref.a(t1)
+    h2.retain_grad()
     t2 = torch.tanh(h2)
-    h3 = ref.b(t2); h3.retain_grad()
+    h3 = ref.b(t2)
+    h3.retain_grad()
     torch.nn.functional.cross_entropy(h3.mean(1), y).backward()
-    m = x.shape[0]
     A1, G1 = [], []
     for inp, out in ((x, h1), (t1, h2)):
         A, G, _, _ = explicit_factors(ref.a, inp.detach(), out.grad)

@@ -56,7 +56,8 @@ def test_tengrad_step_equals_ngd_step(m):
         F.cross_entropy(model(x), y).backward()
         deltas.append(step_delta(model, opt))
     for name in deltas[0]:
-        assert (deltas[0][name] - deltas[1][name]).abs().max().item() <= 1e-8 * max(1.0, deltas[0][name].abs().max().item()), name
+        scale = max(1.0, deltas[0][name].abs().max().item())
+        assert (deltas[0][name] - deltas[1][name]).abs().max().item() <= 1e-8 * scale, name
         assert rel(deltas[1][name], deltas[0][name]) < 1e-8, name
 
 
@@ -74,7 +75,7 @@ def test_mc_fisher_and_reuse():
     _, model = prepared(net, x)
     opt = NGD(model, lr=0.1, damping=0.1, fisher="mc", curvature_every=2)
     store = tengrad_fx.get_info(model).store
-    for it in range(4):
+    for _it in range(4):
         model.zero_grad()
         out = model(x)
         loss = F.cross_entropy(out, y)
@@ -105,5 +106,6 @@ def test_reused_fisher_with_new_damping():
     for _, names in _layers(model).items():
         J = explicit_jacobian(psg, names[0], names[1] if len(names) > 1 else None)
         m, n = J.shape
-        want = torch.linalg.solve(J.T @ J / m + 0.2 * torch.eye(n, dtype=J.dtype), torch.cat([g[k].flatten() for k in names]))
+        want = torch.linalg.solve(J.T @ J / m + 0.2 * torch.eye(n, dtype=J.dtype),
+                                  torch.cat([g[k].flatten() for k in names]))
         assert rel(torch.cat([u[k].flatten() for k in names]), want) < 1e-10, names

@@ -94,7 +94,8 @@ def test_runs_on_timm_model(name, timm_model):
                     p.requires_grad_(False)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
-    opt = make_optimizer(name, model, lr=0.01, damping=0.1, **({"TCov": 1} if name in FAST and "TCov" in FAST[name] else {}))
+    opt = make_optimizer(name, model, lr=0.01, damping=0.1,
+                         **({"TCov": 1} if name in FAST and "TCov" in FAST[name] else {}))
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no skipped step
         for _ in range(2):

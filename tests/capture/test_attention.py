@@ -186,7 +186,8 @@ class _Unbatched(nn.Module):
 def test_attention_fallback_reasons() -> None:
     x = torch.randn(2, 5, 3)
     fb = tengrad_fx.get_info(tengrad_fx.prepare(_Unbatched(), example_inputs=(x,))).fallback
-    assert "does not index samples" in fb["attn.in_proj_weight"] and "does not index samples" in fb["attn.out_proj.weight"]
+    assert "does not index samples" in fb["attn.in_proj_weight"]
+    assert "does not index samples" in fb["attn.out_proj.weight"]
     fb = tengrad_fx.get_info(tengrad_fx.prepare(_Unbatched(_MyAttention), example_inputs=(x,))).fallback
     assert "_MyAttention" in fb["attn.in_proj_weight"] and "called functionally" in fb["attn.out_proj.weight"]
 

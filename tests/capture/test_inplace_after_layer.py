@@ -31,7 +31,8 @@ class AddInPlace(nn.Module):
 CASES = {
     "linear-seq + relu_": (lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True)), (5, 3, 4)),
     "conv1d + relu_": (lambda: nn.Sequential(nn.Conv1d(2, 3, 3), nn.ReLU(inplace=True)), (5, 2, 7)),
-    "conv1d + leaky_": (lambda: nn.Sequential(nn.Conv1d(2, 4, 2, stride=2, groups=2), nn.LeakyReLU(0.1, inplace=True)), (5, 2, 8)),
+    "conv1d + leaky_": (lambda: nn.Sequential(nn.Conv1d(2, 4, 2, stride=2, groups=2), nn.LeakyReLU(0.1, inplace=True)),
+                        (5, 2, 8)),
     "linear-seq += x": (lambda: AddInPlace(nn.Linear(4, 4)), (5, 3, 4)),
     "conv1d += x": (lambda: AddInPlace(nn.Conv1d(2, 2, 3, padding=1)), (5, 2, 6)),
 }

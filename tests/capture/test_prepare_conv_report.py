@@ -79,7 +79,7 @@ def test_conv_per_sample_grads_every_padding(case: str) -> None:
     # batch gradient identical to the unprepared model's
     orig.zero_grad()
     sq_loss(orig(x), y).backward()
-    for (k, p), q in zip(prepared.named_parameters(), orig.parameters()):
+    for (_k, p), q in zip(prepared.named_parameters(), orig.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
 
 

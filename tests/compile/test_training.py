@@ -13,7 +13,8 @@ import tengrad_fx
 def _cnn(dtype: torch.dtype) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(inplace=True),
+        nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(inplace=True),
         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4 * 3 * 3, 12), nn.ReLU(), nn.Linear(12, 5),
     ).to(dtype)
 

@@ -47,7 +47,7 @@ def build(kind: str, C: int, S: int, groups: int, affine: bool, bias: bool) -> t
     h = max(1, int(round(S ** 0.5)))
     if kind in ("gn", "timm_gn"):
         h = max(2, h)  # torch refuses a group of one value in train mode (as the probe runs)
-    conv = lambda k=1: nn.Conv2d(2, C * k, 3, padding=1)  # noqa: E731
+    conv = lambda k=1: nn.Conv2d(2, C * k, 3, padding=1)
     if kind == "bn1d":
         return _Net(nn.Linear(3, C), nn.BatchNorm1d(C, affine=affine), C), (3,)
     if kind == "bn1d_seq":  # [m, C, L]
@@ -69,7 +69,8 @@ def build(kind: str, C: int, S: int, groups: int, affine: bool, bias: bool) -> t
     if kind == "timm_ln":
         return _Net(nn.Linear(3, C), tl.LayerNorm(C, affine=affine), S * C), (S, 3)
     if kind == "timm_gn":
-        return _Net(conv(groups), tl.GroupNorm(num_channels=C * groups, num_groups=groups, affine=affine), C * groups * h * h), (2, h, h)
+        return _Net(conv(groups), tl.GroupNorm(num_channels=C * groups, num_groups=groups, affine=affine),
+                    C * groups * h * h), (2, h, h)
     if kind == "timm_rms":
         return _Net(nn.Linear(3, C), tl.RmsNorm(C, affine=affine), S * C), (S, 3)
     if kind == "timm_rms2d":

@@ -256,10 +256,10 @@ def test_layer_dims_and_auto_choice() -> None:
 def test_gram_before_capture_raises() -> None:
     prepared, x = _prepared()
     for layer in tengrad_fx.covered_layers(prepared):
-        for call in (lambda: layer.gram(), lambda: layer.gram("factor"), lambda: layer.gram("materialize"),
-                     layer.per_sample_grads, lambda: layer.m,
-                     lambda: layer.vjp(torch.ones(4, dtype=D)),
-                     lambda: layer.jvp(torch.zeros_like(layer.weight))):
+        for call in (lambda: layer.gram(), lambda: layer.gram("factor"), lambda: layer.gram("materialize"),  # noqa: B023
+                     layer.per_sample_grads, lambda: layer.m,  # noqa: B023
+                     lambda: layer.vjp(torch.ones(4, dtype=D)),  # noqa: B023
+                     lambda: layer.jvp(torch.zeros_like(layer.weight))):  # noqa: B023
             with pytest.raises(RuntimeError, match=f"'{layer.name}'"):
                 call()
     with torch.no_grad():  # no capture without grad either

@@ -1,7 +1,6 @@
 """The fused update (eager and torch.compile-d) and a compiled training loop equal eager."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

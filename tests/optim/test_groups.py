@@ -3,8 +3,9 @@
 A float64 model with two equal 3→3 convolutions and two equal 6→6 Linears, so groups
 hold two layers (``P`` groups under materialization, ``IG`` groups for factored
 Linears, ``conv`` groups for factored convolutions and for convolutions materialized
-beyond ``jacobian_budget_mb``: ``"materialize-nobudget"``, a budget of 0). ``curvature_every=2`` on batches of 8 (curvature), 5 (reuse, a smaller last
-batch) and 8 (curvature): each step's update equals ``solve(JᵀJ/m + αI, g)`` per layer,
+beyond ``jacobian_budget_mb``: ``"materialize-nobudget"``, a budget of 0). ``curvature_every=2`` on batches
+of 8 (curvature), 5 (reuse, a smaller last batch) and 8 (curvature): each step's update equals
+``solve(JᵀJ/m + αI, g)`` per layer,
 ``J`` from ``torch.func`` per-sample gradients at the last curvature step's parameters
 and batch (sampled labels for the MC Fisher), ``g`` the current full-batch gradient.
 """

@@ -105,8 +105,9 @@ def test_step_transient_is_one_layers_jacobian_and_vectors(T: int, monkeypatch) 
     (this capture's records; on reuse steps the cached stacks) by at most one layer's
     per-sample gradients made by the Gram of a ``"conv"`` stack (with aten's weight-shaped
     placeholder of the same size: 2·J), parameter-sized vectors (g, u, the update),
-    Grams, and the packed group of the small layers (made new, ``group_build``). T=1: the last curvature's stacks are freed before the new ones are made (they
-    were alive until the end of the step: 1.8 MB over the bound here)."""
+    Grams, and the packed group of the small layers (made new, ``group_build``). T=1: the last curvature's
+    stacks are freed before the new ones are made (they were alive until the end of the step: 1.8 MB over
+    the bound here)."""
     monkeypatch.setattr(conv_stack, "STACK_BLOCK_FLOOR", 0)  # its rule at these small sizes
     pm, opt, x, y, sizes = _setup(T=T)
     params = sum(p.numel() * 4 for p in pm.parameters())

@@ -131,7 +131,7 @@ def test_momentum_weight_decay_kl_clip_and_closure() -> None:
 
         def closure() -> torch.Tensor:
             opt.zero_grad()
-            loss = F.cross_entropy(model(x), y)
+            loss = F.cross_entropy(model(x), y)  # noqa: B023
             loss.backward()
             return loss
 
@@ -170,7 +170,8 @@ def test_solve_dtype_float64_for_float32_model() -> None:
     x, y = batch("mlp", 8, 4)
     ref_model = snapshot(template, model).double()
     forward_backward(model, opt, x.float(), y)
-    ref = dense_u(ref_model, x, y, F.cross_entropy, full_grad(ref_model, x, y, F.cross_entropy), 0.05, layer_params(model))
+    ref = dense_u(ref_model, x, y, F.cross_entropy, full_grad(ref_model, x, y, F.cross_entropy), 0.05,
+                  layer_params(model))
     delta = step_delta(model, opt)
     assert all(d.dtype == torch.float32 for d in delta.values())
     assert_matches({k: v.double() for k, v in delta.items()}, ref, tol=1e-4)

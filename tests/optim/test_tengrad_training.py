@@ -235,7 +235,8 @@ def test_short_fashion_mnist_run() -> None:
         model = net()
         if name == "tengrad":
             model = tengrad_fx.prepare(model, example_inputs=(x[:2],))
-            opt: torch.optim.Optimizer = TENGraD(model, lr=0.01, damping=0.1, weight_decay=1e-3, curvature_every=1, kl_clip=None)
+            opt: torch.optim.Optimizer = TENGraD(model, lr=0.01, damping=0.1, weight_decay=1e-3, curvature_every=1,
+                                                 kl_clip=None)
         else:
             opt = torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9, weight_decay=1e-3)
         g = torch.Generator().manual_seed(1)

@@ -64,7 +64,8 @@ def _setup(**kw):
     template = copy.deepcopy(net)
     model = tengrad_fx.prepare(net, example_inputs=(_pos(0)[0][:2],))
     assert tengrad_fx.get_info(model).method == "surgery"
-    return template, model, TENGraD(model, lr=1.0, damping=0.1, momentum=0.0, **{"curvature_every": 1, "kl_clip": None, **kw})
+    return template, model, TENGraD(model, lr=1.0, damping=0.1, momentum=0.0,
+                                    **{"curvature_every": 1, "kl_clip": None, **kw})
 
 
 def _pos(seed: int):

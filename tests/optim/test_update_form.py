@@ -37,7 +37,8 @@ def test_modified_gradient_uses_woodbury(modify: Callable[[nn.Module, torch.Tens
     params = {}
     for form in ("auto", "woodbury"):
         pm = tengrad_fx.prepare(copy.deepcopy(_net()), example_inputs=(x[:2],))
-        opt = tengrad_fx.TENGraD(pm, lr=1.0, damping=0.1, momentum=0.0, update_form=form, curvature_every=1, kl_clip=None)
+        opt = tengrad_fx.TENGraD(pm, lr=1.0, damping=0.1, momentum=0.0, update_form=form, curvature_every=1,
+                                 kl_clip=None)
         for _ in range(2):
             opt.zero_grad()
             modify(pm, F.cross_entropy(pm(x), y))

@@ -28,7 +28,7 @@ def test_bench_tiny_paper_rows_with_ops(tmp_path, capsys) -> None:  # type: igno
     assert abs(t100["ratio_to_sgd"] - amortized / rows["sgd"]["total"]) < 1e-9
     kinds = {(r["method"], r["kind"]): r for r in res["ops"]}
     assert ("tengrad-mc-T100", "reuse") in kinds and ("tengrad", "curvature") in kinds
-    for (meth, _), r in kinds.items():
+    for (_meth, _), r in kinds.items():
         assert r["syncs"] == 0, r
         assert r["kernels"] <= r["ops"]
     assert kinds[("tengrad-mc-T100", "reuse")]["kernels"] < kinds[("tengrad-mc", "curvature")]["kernels"]

@@ -17,8 +17,8 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from tengrad_fx.cli import _runs, plot  # noqa: E402
-from testing.repo_tools import REPO, tool  # noqa: E402
+from tengrad_fx.cli import _runs, plot
+from testing.repo_tools import REPO, tool
 
 sensitivity, structure, sweep = (tool(n) for n in ("sensitivity", "structure", "sweep"))
 
@@ -72,7 +72,8 @@ def test_band_mean_and_sample_std():
     assert sd == pytest.approx([math.sqrt(0.02), math.sqrt(0.02)])  # ddof=1
     assert _runs.mean_std([3.0]) == (3.0, 0.0)
     m, s = _runs.mean_std([1.0, 2.0, 4.0])
-    assert m == pytest.approx(7 / 3) and s == pytest.approx(math.sqrt(((1 - 7 / 3) ** 2 + (2 - 7 / 3) ** 2 + (4 - 7 / 3) ** 2) / 2))
+    assert m == pytest.approx(7 / 3)
+    assert s == pytest.approx(math.sqrt(((1 - 7 / 3) ** 2 + (2 - 7 / 3) ** 2 + (4 - 7 / 3) ** 2) / 2))
 
 
 def test_plot_runs_two_seeds(tmp_path):
@@ -179,7 +180,8 @@ def test_sweep_resumes_and_skips_finished_points(tmp_path):
     out = tmp_path / "sw"
     args = sweep.parse_sweep_args(["--optimizer", "tengrad", "--lr", "0.001,0.003", "--weight-decay", "0.001",
                                    "--damping", "0.1", "--seeds", "0,1", "--epochs", "1", "--subset", "64",
-                                   "--max-steps", "2", "--target-acc", "0.5", "--out", str(out), "--", "--fisher", "mc"])
+                                   "--max-steps", "2", "--target-acc", "0.5", "--out", str(out),
+                                   "--", "--fisher", "mc"])
     assert args.extra == ["--fisher", "mc"]
     done = sweep.point_name("tengrad", (0.001, 0.001, 0.1), 1)
     make_run(out / "runs" / done, lr=0.001, seed=1)
@@ -252,7 +254,8 @@ def test_sweep_runs_the_training_cli(tmp_path):
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-m", "tools.sweep", "--optimizer", "sgd", "--model", "3c1f",
            "--dataset", "fashion-mnist", "--lr", "0.001,0.003", "--weight-decay", "0.001", "--seeds", "0",
-           "--epochs", "1", "--subset", "128", "--max-steps", "2", "--batch-size", "16", "--jobs", "2", "--out", str(out)]
+           "--epochs", "1", "--subset", "128", "--max-steps", "2", "--batch-size", "16", "--jobs", "2",
+           "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     logs = "".join(open(os.path.join(out, "logs", f)).read()[-2000:] for f in os.listdir(out / "logs")) \
         if (out / "logs").exists() else ""

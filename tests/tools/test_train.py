@@ -28,8 +28,8 @@ STEP_KEYS = {"step", "epoch", "loss", "acc", "lr", "train_time", "skipped"}
 EPOCH_KEYS = {"epoch", "step", "train_loss", "train_acc", "test_loss", "test_acc", "lr", "train_time", "eval_time"}
 SUMMARY_KEYS = {"test_acc", "test_loss", "train_loss", "train_acc", "train_time", "eval_time", "epochs", "steps",
                 "samples_per_s", "optimizer", "model", "dataset", "skipped_steps", "skipped_nonfinite_loss",
-                "skipped_by_optimizer", "compile_time", "kl_clipped_steps", "stopped_by_max_steps", "resumed_at_steps", "out", "torch", "device_name",
-                "threads"}
+                "skipped_by_optimizer", "compile_time", "kl_clipped_steps", "stopped_by_max_steps", "resumed_at_steps",
+                "out", "torch", "device_name", "threads"}
 
 
 def _run(out: Path, data_dir: Path, *extra: str, plot: bool = False) -> dict[str, Any]:

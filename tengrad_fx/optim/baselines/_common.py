@@ -77,7 +77,7 @@ class Block:
     def grad_matrix(self) -> Tensor:
         """The parameters' ``.grad`` in matrix form."""
         w, *b = self.params
-        return self.matrix(w.grad, b[0].grad if b else None)
+        return self.matrix(w.grad, b[0].grad if b else None)  # type: ignore[arg-type]
 
     def weight_matrix(self) -> Tensor:
         w, *b = self.params
@@ -151,14 +151,14 @@ def _chunks(block: Block, dtype: torch.dtype,
     m = recs[0].m
     k = float(m) if layer._info.loss_reduction == "mean" else 1.0
     kern = KERNELS[layer.kind]
-    S_tot = sum(kern.dims(layer.spec, tuple(r.I.shape))[1] for r in recs)
+    S_tot = sum(kern.dims(layer.spec, tuple(r.I.shape))[1] for r in recs)  # type: ignore[union-attr]
     per_sample = (S_tot * block.g * (block.fb + block.o) + extra) * torch.finfo(dtype).bits // 8
     c = max(1, min(m, DEFAULT_BLOCK_BYTES // max(1, per_sample)))
     for i0 in range(0, m, c):
         i1 = min(m, i0 + c)
         parts = []
         for r in recs:
-            A, B = kern.layout(layer.spec, r.I[i0:i1].to(dtype), r.G[i0:i1].to(dtype))
+            A, B = kern.layout(layer.spec, r.I[i0:i1].to(dtype), r.G[i0:i1].to(dtype))  # type: ignore[index]
             if block.has_bias:
                 A = torch.cat([A, A.new_ones(*A.shape[:-1], 1)], -1)
             parts.append((A, B * k))
@@ -270,10 +270,10 @@ class CurvatureOptimizer(StepSkeleton):
         if stats_step:  # a gradient but no record (capture was off for it): u = g, counted
             self._add_uncaptured(sum(1 for b in self.blocks if self._has_grad(b) and not b.layer.captured))
         self._update_curvature(step, stats_step)
-        return self._precondition(damping)
+        return self._precondition(damping)  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ public
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         """torch's state dict plus ``"curvature"``: copies of the running factors /
         inverses (attributes named in ``CURVATURE``), so a resumed run continues exactly."""
         sd = super().state_dict()
@@ -300,7 +300,7 @@ class CurvatureOptimizer(StepSkeleton):
         take no statistics."""
         if self.fisher != "mc" or not self._needs_capture(self._sched):
             return
-        mc_capture(self._info.store, outputs, self.mc_loss, [b.params[0] for b in self.blocks], self._loss_scale())
+        mc_capture(self._info.store, outputs, self.mc_loss, [b.params[0] for b in self.blocks], self._loss_scale())  # type: ignore[arg-type]
         self._mc_done = True
 
     def _live_blocks(self) -> list[Block]:

@@ -58,7 +58,7 @@ class EKFAC(KFAC):
     ``TScal``: re-estimate the eigenbasis scalings every ``TScal`` steps."""
 
     NAME = "ekfac"
-    CURVATURE = ("factors", "eig", "scales")
+    CURVATURE = ("factors", "eig", "scales")  # type: ignore[assignment]
 
     def __init__(
         self,

@@ -81,7 +81,7 @@ def damped_bfgs_update(H: Tensor, s: Tensor, y: Tensor, powell: float = 0.2,
     Hy_t = (H @ y_t.unsqueeze(-1)).squeeze(-1)
     yHy_t = (y_t * Hy_t).sum(-1, keepdim=True)
     r = rho.unsqueeze(-1)
-    outer = lambda a, b: a.unsqueeze(-1) * b.unsqueeze(-2)  # noqa: E731
+    outer = lambda a, b: a.unsqueeze(-1) * b.unsqueeze(-2)
     Hn = H - r * (outer(s_t, Hy_t) + outer(Hy_t, s_t)) + (r * r * yHy_t.unsqueeze(-1) + r) * outer(s_t, s_t)
     Hn = 0.5 * (Hn + Hn.transpose(-1, -2))
     return Hn, s_t, y_t

@@ -9,7 +9,8 @@ per-sample gradients ``J`` (``[m, n]``, :meth:`CoveredLayer.jacobian`)::
 ``O(n²m + n³)`` instead. Layers with ``n > max_params`` are refused at construction
 (``ValueError`` naming the layer and ``n``). ``F`` is rebuilt every ``curvature_every``
 steps (capture is switched off on the other steps). Only the Cholesky factor of
-``F + αI`` is stored; it is refactorized if ``damping`` changes. ``fisher="mc"`` builds ``J`` from :meth:`mc_capture`'s sampled targets.
+``F + αI`` is stored; it is refactorized if ``damping`` changes. ``fisher="mc"`` builds ``J``
+from :meth:`mc_capture`'s sampled targets.
 """
 from __future__ import annotations
 
@@ -121,7 +122,7 @@ class NGD(CurvatureOptimizer):
             if i not in self._chol or any(p.grad is None for p in b.params):
                 continue
             L = self._chol[i]
-            g = torch.cat([p.grad.flatten() for p in b.params]).to(L.dtype)
+            g = torch.cat([p.grad.flatten() for p in b.params]).to(L.dtype)  # type: ignore[union-attr]
             u = torch.cholesky_solve(g.unsqueeze(1), L).squeeze(1)
             off = 0
             for p in b.params:

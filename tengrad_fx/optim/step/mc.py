@@ -1,7 +1,7 @@
 """MC ("true") Fisher: sampled targets and one backward that records ``G`` only."""
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +12,7 @@ from ...capture.store import CaptureStore
 __all__ = ["mc_capture", "sample_targets", "second_backward"]
 
 
-def second_backward(loss: Tensor, inputs: list[Tensor]) -> None:
+def second_backward(loss: Tensor, inputs: Sequence[Tensor]) -> None:
     """``torch.autograd.grad(loss, inputs, retain_graph=True)``, with a clear error where a
     compiled backward refuses to keep its graph (:func:`tengrad_fx._compile.keep_saved_tensors`)."""
     try:
@@ -23,7 +23,8 @@ def second_backward(loss: Tensor, inputs: list[Tensor]) -> None:
         raise RuntimeError(
             "tengrad_fx: the MC/Gauss-Newton Fisher backpropagates twice through the model, which this "
             "torch.compile-d backward refuses (its saved tensors are donated). tengrad_fx.prepare() turns "
-            "donation off; leave torch._functorch.config.donated_buffer False when compiling a prepared model.") from exc
+            "donation off; leave torch._functorch.config.donated_buffer False when compiling a prepared model."
+        ) from exc
 
 
 @torch.no_grad()
@@ -41,7 +42,7 @@ def sample_targets(outputs: Tensor, mc_loss: Literal["cross_entropy", "mse"],
 
 
 def mc_capture(store: CaptureStore, outputs: Tensor, mc_loss: Literal["cross_entropy", "mse"],
-               weights: list[Tensor], target: Optional[Tensor] = None,
+               weights: Sequence[Tensor], target: Optional[Tensor] = None,
                loss_scale: Optional[Tensor] = None) -> None:
     """Sample targets from ``outputs`` (:func:`sample_targets`; or use ``target``, e.g.
     labels sampled elsewhere), and backpropagate the sampled loss (mean over the batch)

@@ -26,6 +26,7 @@ capture before anything reads them; ``torch.amp.GradScaler`` steps go through
 from __future__ import annotations
 
 import warnings
+from collections import defaultdict
 from typing import Any, Callable, Optional
 
 import torch
@@ -113,6 +114,10 @@ class StepSkeleton(torch.optim.Optimizer):
     SYNC_FREE = False
     EMPTY_STEP_SKIPS = False  # a step without any gradient counts as skipped
     _step_supports_amp_scaling = True  # GradScaler.step hands over grad_scale/found_inf (.amp)
+    # set by the subclasses' __init__; ``state`` holds the counters under ``NAME`` besides per-parameter state
+    fisher: str
+    kl_clip: Optional[float]
+    state: defaultdict[Any, Any]
 
     def _init_skeleton(self, model: torch.nn.Module, info: PrepareInfo, grad_scaler: Any = None) -> None:
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
@@ -233,7 +238,7 @@ class StepSkeleton(torch.optim.Optimizer):
                           "Further skips are counted in opt.counters['skipped'].", RuntimeWarning)
             self._warned_skip = True
 
-    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+    def state_dict(self) -> dict[str, Any]:
         """torch's state dict plus ``"tengrad_fx"``: who saved it (:mod:`.state_check`)."""
         self._sync_counters()
         sd = super().state_dict()

@@ -54,7 +54,7 @@ def kl_clip_factor(updates: dict[Tensor, Tensor], lr: float, kl_clip: Optional[f
         return None
     if ug is None:
         us = list(updates.values())
-        prods = torch._foreach_mul(us, [p.grad.to(u.dtype) for p, u in updates.items()])
+        prods = torch._foreach_mul(us, [p.grad.to(u.dtype) for p, u in updates.items()])  # type: ignore[misc, union-attr]
         ug = torch.cat([t.reshape(-1) for t in prods]).sum()
     # 1/ν = max(1, sqrt(lr²·max(Σ u·g, 0) / kl_clip)): ν = 1 where Σ u·g ≤ 0
     return (ug.clamp(min=0.0) * (lr * lr / kl_clip)).sqrt().clamp(min=1.0).reciprocal()
@@ -162,7 +162,7 @@ def apply_momentum_step(state: dict[Any, Any], params: list[Tensor], updates: di
     ps = [p for p in params if p.grad is not None]
     if not ps:
         return None
-    ds = [updates[p] if p in updates else p.grad for p in ps]
+    ds: list[Tensor] = [updates[p] if p in updates else p.grad for p in ps]  # type: ignore[misc]  # ps: grads set
     read: Optional[bool] = None
     if ok is not None and momentum and any("momentum_buffer" not in state[p] for p in ps):
         read = bool(ok)  # warm-up only: buffers are created from a taken step
@@ -174,10 +174,10 @@ def apply_momentum_step(state: dict[Any, Any], params: list[Tensor], updates: di
     if fused and pre and all(ds[i].dtype == torch.float32 and not _shares_grad(ps[i], ds[i]) for i in pre):
         # ν inside the kernel: grad_scale = 1/ν (float32 only), the updates overwritten with ν·u
         _fused_momentum_step(state, ps, ds, lr, momentum, weight_decay, ok,
-                             nu.to(torch.float32).reciprocal(), frozenset(pre))
+                             nu.to(torch.float32).reciprocal(), frozenset(pre))  # type: ignore[union-attr]
         return read
     if pre:  # ν·u for the preconditioned updates (new tensors: updates stay as given)
-        for i, d in zip(pre, torch._foreach_mul([ds[i] for i in pre], nu)):
+        for i, d in zip(pre, torch._foreach_mul([ds[i] for i in pre], nu)):  # type: ignore[arg-type]
             ds[i] = d
     if fused:
         _fused_momentum_step(state, ps, ds, lr, momentum, weight_decay, ok)
@@ -185,7 +185,7 @@ def apply_momentum_step(state: dict[Any, Any], params: list[Tensor], updates: di
     if ok is not None:
         ds = _sanitized(ds, ok)
     if weight_decay:
-        ds = torch._foreach_add(ds, ps, alpha=weight_decay)
+        ds = torch._foreach_add(ds, ps, alpha=weight_decay)  # type: ignore[assignment]
     if momentum:
         bufs, old_bufs, old_ds = [], [], []
         for p, d in zip(ps, ds):

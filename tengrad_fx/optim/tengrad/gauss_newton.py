@@ -21,7 +21,7 @@ sampled backward, same expectation).
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -37,7 +37,7 @@ MAX_OUTPUTS = 16
 def _cat(ts: list[Tensor | None], scale: float) -> Tensor | None:
     if ts[0] is None:
         return None
-    return torch.cat([t * scale for t in ts], 0)  # type: ignore[operator]
+    return torch.cat([t * scale for t in ts], 0)  # type: ignore[misc, operator]
 
 
 def _stack_records(per_output: list[Record], g_scale: float) -> Record:
@@ -51,7 +51,7 @@ def _stack_records(per_output: list[Record], g_scale: float) -> Record:
     return rec
 
 
-def gauss_newton_capture(store: CaptureStore, outputs: Tensor, weights: list[Tensor],
+def gauss_newton_capture(store: CaptureStore, outputs: Tensor, weights: Sequence[Tensor],
                          loss_reduction: str, max_outputs: int = MAX_OUTPUTS,
                          loss_scale: Optional[Tensor] = None) -> None:
     """Record the GGN of ``½‖outputs − y‖²`` (see the module docstring) in ``store``.

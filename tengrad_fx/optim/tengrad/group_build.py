@@ -49,8 +49,8 @@ from ...curvature.layer import CoveredLayer
 from .group_forms import FORMS, ConvStackGroup, FactoredLinearGroup, MaterializedGroup, SingleLayerGroup
 from .tengrad_groups import LayerGroup, pack_views, stack
 
-__all__ = ["build_groups", "factored_bytes", "keeps_jacobian", "kept_sites", "previous_stacks", "PACK_MAX_BYTES", "PACK_MAX_RATIO",
-           "STACK_BYTES"]
+__all__ = ["build_groups", "factored_bytes", "keeps_jacobian", "kept_sites", "previous_stacks", "PACK_MAX_BYTES",
+           "PACK_MAX_RATIO", "STACK_BYTES"]
 
 PACK_MAX_BYTES = 16 * 2**20
 PACK_MAX_RATIO = 4.0
@@ -71,7 +71,7 @@ def _materialized(layer: CoveredLayer, recs: list[Record], has_bias: bool,
     (``recs``: the layer's records, ``k``: its scale)."""
     if len(recs) == 1 and recs[0].P is not None:
         r = recs[0]
-        return r.P, (r.Gsum if has_bias else None), k
+        return r.P, (r.Gsum if has_bias else None), k  # type: ignore[return-value]
     dW, db = layer.per_sample_grads()  # already scaled
     return dW.flatten(1), (db.flatten(1) if db is not None else None), 1.0
 
@@ -225,7 +225,7 @@ def _match(plan: _Plan, reuse: dict[tuple, LayerGroup], static: bool) -> Optiona
         dim = old.layer_axis
         ok = S is not None and S.dtype == X.dtype and tuple(S.shape) == _stack_shape(X, len(members), dim) \
             and (T is None) == (Y is None) \
-            and (T is None or (T.dtype == Y.dtype and tuple(T.shape) == _stack_shape(Y, len(members), dim)))
+            and (T is None or (T.dtype == Y.dtype and tuple(T.shape) == _stack_shape(Y, len(members), dim)))  # type: ignore[arg-type, union-attr]
     return old if ok else None
 
 
@@ -273,14 +273,14 @@ def build_groups(layers: list[CoveredLayer], strategy: str, budget: Optional[flo
         elif layer.kind == "linear" and len(recs) == 1 and recs[0].I is not None and recs[0].I.dim() == 2:
             I, G = recs[0].I, recs[0].G
             assert G is not None
-            key = ("IG", I.shape[1], G.shape[1], bias is not None, k, I.dtype)
+            key = ("IG", I.shape[1], G.shape[1], bias is not None, k, I.dtype)  # type: ignore[assignment]
             keyed.setdefault(key, []).append((layer, I, G, k))
             del I, G, recs
             continue
         if _stackable_conv(layer, recs):  # factored, or materialized beyond the budget
-            I, G, spec = recs[0].I, recs[0].G, layer.spec
+            I, G, spec = recs[0].I, recs[0].G, layer.spec  # type: ignore[assignment]
             assert I is not None and G is not None
-            key = ("conv", how, tuple(weight.shape), spec.stride, spec.padding, spec.dilation, spec.groups,
+            key = ("conv", how, tuple(weight.shape), spec.stride, spec.padding, spec.dilation, spec.groups,  # type: ignore[assignment]
                    tuple(I.shape), tuple(G.shape), bias is not None, k, I.dtype)
             keyed.setdefault(key, []).append((layer, I, G, k))
             del I, G, recs
@@ -300,25 +300,25 @@ def build_groups(layers: list[CoveredLayer], strategy: str, budget: Optional[flo
     plans: list[_Plan] = []
     done: set[tuple] = set()
     for key in list(keyed):
-        plan = plan_of.get(key, [key])
+        plan = plan_of.get(key, [key])  # type: ignore[assignment]
         if key in done:
             continue
-        done.update(plan)
+        done.update(plan)  # type: ignore[arg-type]
         if len(plan) == 1:
             plans.extend(("stack", key, run) for run in _runs(key, keyed.pop(key)))
         else:
-            plans.append(("packed", None, [mb for k2 in plan for mb in keyed.pop(k2)]))
+            plans.append(("packed", None, [mb for k2 in plan for mb in keyed.pop(k2)]))  # type: ignore[call-overload]
     olds = [_match(p, reuse, static) for p in plans] if reuse else [None] * len(plans)
     if reuse:
         reuse.clear()  # the groups not refilled are released before any new stack is made
     groups: list[LayerGroup] = []
     while plans:  # each plan's members are released once it is stacked
-        (kind, key, members), old = plans.pop(0), olds.pop(0)
+        (kind, key, members), old = plans.pop(0), olds.pop(0)  # type: ignore[assignment]
         if old is not None:
             old.refill([(mb[1], mb[2]) for mb in members])
             grp = old
         else:
-            grp = _packed_group(members) if kind == "packed" else _group(key, members)  # type: ignore[arg-type]
+            grp = _packed_group(members) if kind == "packed" else _group(key, members)
         grp.point_records()
         groups.append(grp)
         del grp, old, members

@@ -375,15 +375,15 @@ class TENGraD(StepSkeleton):
         src, dst = [], []
         for p in params:
             buf = self._gbuf.get(p)
-            if buf is None or buf.shape != p.grad.shape or buf.dtype != p.grad.dtype:
-                buf = self._gbuf[p] = torch.empty_like(p.grad)
+            if buf is None or buf.shape != p.grad.shape or buf.dtype != p.grad.dtype:  # type: ignore[union-attr]
+                buf = self._gbuf[p] = torch.empty_like(p.grad)  # type: ignore[arg-type]
                 self._graph_version += 1
             if p.grad is not buf:
                 src.append(p.grad)
                 dst.append(buf)
                 p.grad = buf
         if dst:
-            torch._foreach_copy_(dst, src)
+            torch._foreach_copy_(dst, src)  # type: ignore[arg-type]
 
     def _device_flags(self) -> Optional[Tensor]:
         return self._step_flag

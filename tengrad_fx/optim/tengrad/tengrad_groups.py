@@ -245,7 +245,7 @@ class LayerGroup:
             widths = [[p.numel() if p is not None else None for p in pair] for pair in pairs]
             self._gpack = (buf, column_views(buf, widths))
         buf, views = self._gpack
-        torch._foreach_copy_(views, [p.grad.reshape(-1) for pair in pairs for p in pair if p is not None])
+        torch._foreach_copy_(views, [p.grad.reshape(-1) for pair in pairs for p in pair if p is not None])  # type: ignore[union-attr]
         return buf
 
     def sqnorms(self, gw: Tensor, gb: Optional[Tensor]) -> Tensor:
