@@ -42,12 +42,12 @@ def rel(a: Tensor, b: Tensor, floor: float = 0.0) -> float:
 
 def _floor(snap: Snapshot, key: tuple[str, int, str]) -> float:
     """The scale below which ``snap[key]`` is rounding noise: for ``Gsum`` (a sum of ``G``
-    over positions, which may cancel, e.g. before an instance norm) the norm of its
-    record's ``G`` or ``P``; 0 for the other fields."""
+    over positions, which may cancel, e.g. before an instance norm, and keep the rounding
+    of its terms) 100 times the norm of its record's ``G`` or ``P``; 0 for the other fields."""
     if key[2] != "Gsum":
         return 0.0
-    return max((snap[(*key[:2], f)].double().norm().item() for f in ("G", "P") if (*key[:2], f) in snap),
-               default=0.0)
+    return 100.0 * max((snap[(*key[:2], f)].double().norm().item() for f in ("G", "P") if (*key[:2], f) in snap),
+                       default=0.0)
 
 
 def assert_same(got: Snapshot, want: Snapshot, tol: float) -> None:
