@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU session (< 8 min on an H100/H200), most wanted first: the GPU-only tests,
+# One prepared GPU run (< 8 min on an H100/H200), most wanted first: the GPU-only tests,
 # the bench on the four paper models (SGD in the same process, interleaved,
 # CUDA-synchronized; the default CUDA-graph reuse step beside the eager one), the norm-layer
 # cost (3c1f-bn, all parameters vs Linear/Conv only), the capture mechanism's per-call cost
@@ -19,21 +19,25 @@ step device
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } 2>&1 | tee -a "$L"
 step "GPU tests"
 timeout 150 $PY -m pytest -q -p no:cacheprovider -rfs tests/optim/test_cuda.py tests/optim/test_syncs.py \
-  tests/optim/test_graphs.py $(grep -rl "cuda.is_available" tests --include='test_*.py' | grep -v optim/test_cuda.py) \
+  tests/optim/test_graphs.py $(grep -rl "cuda.is_available" tests --include='test_*.py' | grep -v "optim/test_cuda.py\|tests/compile/") \
   2>&1 | tail -40 | tee -a "$L"
+step "compile on CUDA: records of compiled models equal eager (Triton code), compiled vs eager steps"
+timeout 150 $PY -m pytest -q -p no:cacheprovider -rfs tests/compile/test_records.py -k cuda 2>&1 | tail -15 | tee -a "$L"
+timeout 120 $PY -m tools.compile_bench --device cuda --model 3c1f --m 128 --T 3 --steps 12 \
+  --json "$OUT/compile-3c1f.json" 2>&1 | grep -v Warn | tee -a "$L"
 ROWS=sgd,tengrad,tengrad-mc,tengrad-mc-T100,tengrad-mc-T100-eager
 for model in 3c1f wrn-28-4 densenet-19 mobilenetv2; do
   step "bench $model"
   timeout 100 $PY -m tools.bench --device cuda --model "$model" --m 128 --methods $ROWS \
     --steps 15 --warmup 5 --json "$OUT/bench-$model.json" 2>&1 | grep -v Warn | tee -a "$L"
 done
-step "bench 3c1f-bn: norm layers preconditioned vs Linear/Conv only (issue 10: <= 5 % at T=1 and T=100)"
+step "bench 3c1f-bn: norm layers preconditioned vs Linear/Conv only (target: <= 5 % at T=1 and T=100)"
 timeout 60 $PY -m tools.bench --device cuda --model 3c1f-bn --m 128 --steps 15 --warmup 5 \
   --methods sgd,tengrad,tengrad-linconv,tengrad-mc,tengrad-mc-T100,tengrad-mc-T100-linconv 2>&1 | grep -v Warn | tee -a "$L"
 step "capture per-call cost, launch-bound deep narrow model (capture off / on, us per covered call)"
 timeout 60 $PY -m tools.capture_bench --device cuda 2>&1 | grep -v Warn | tee -a "$L"
 for model in wrn-28-4 mobilenetv2; do
-  step "peak memory $model (each method alone, x SGD; issue 8: <= 1.3x)"
+  step "peak memory $model (each method alone, x SGD; target: <= 1.3x)"
   timeout 120 $PY -m tools.bench --device cuda --model "$model" --m 128 --methods sgd,tengrad-mc,tengrad-mc-T100 \
     --steps 4 --warmup 2 --memory 2>&1 | grep -v Warn | tee -a "$L"
 done
