@@ -20,20 +20,22 @@ output until the next capturing forward or :func:`release`.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["WANTED", "attach", "maybe_attach", "release", "want_output"]
+__all__ = ["WANTED", "attach", "maybe_attach", "muted", "release", "want_output"]
 
 # key -> an optimizer wants the output of capturing forwards (a plain dict of bools, read
 # by the prepared forward: torch.compile guards on it, as on ops.ENABLED)
 WANTED: dict[int, bool] = {}
 _CALLBACKS: dict[int, "weakref.WeakMethod[Callable[[Tensor], None]]"] = {}
 _PENDING: dict[int, list[Tensor]] = {}
+_MUTED: set[int] = set()
 
 
 def want_output(key: int, callback: Optional[Callable[[Tensor], None]]) -> None:
@@ -69,7 +71,7 @@ def _fire(key: int, cell: list[Tensor], grad: Tensor) -> None:
     out = cell.pop()
     if _PENDING.get(key) is cell:
         del _PENDING[key]
-    ref = _CALLBACKS.get(key)
+    ref = None if key in _MUTED else _CALLBACKS.get(key)
     callback = ref() if ref is not None else None
     if callback is not None:
         with torch.enable_grad():
@@ -87,6 +89,19 @@ def attach(key: int, out: Any) -> Any:
     _PENDING[key] = cell
     t.register_hook(lambda grad: _fire(key, cell, grad))
     return out
+
+
+@contextlib.contextmanager
+def muted(key: int) -> Iterator[None]:
+    """Within the block the hooks of ``key`` fire without calling the optimizer (forwards
+    and backwards that are not training steps: a compile warm-up); the forwards attach as
+    in training, so they run (and compile) the same code."""
+    _MUTED.add(key)
+    try:
+        yield
+    finally:
+        _MUTED.discard(key)
+        release(key)
 
 
 def maybe_attach(key: int, out: Any) -> Any:

@@ -61,11 +61,13 @@ def sample_targets(outputs: Tensor, mc_loss: Literal["cross_entropy", "mse"],
     of the sample: their label is ``-100`` (``F.cross_entropy``'s ``ignore_index``) and
     their logits are not read (a uniform draw stands in, so padding with non-finite logits
     samples too). Every position is drawn in one ``multinomial`` (no data-dependent shape,
-    no host sync); the labels of the kept positions are those of the unmasked draw."""
+    no host sync); the labels of the kept positions are those of the unmasked draw. Rows
+    with non-finite logits are drawn uniformly too (their loss stays non-finite: the
+    optimizers skip such a step on the device)."""
     if mc_loss == "cross_entropy":
         probs = torch.softmax(outputs.detach().float(), dim=-1)
-        if mask is not None:
-            probs = torch.where(mask.unsqueeze(-1), probs, 1.0)
+        keep = probs.isfinite().all(-1) if mask is None else mask & probs.isfinite().all(-1)
+        probs = torch.where(keep.unsqueeze(-1), probs, 1.0)
         flat = probs.reshape(-1, probs.shape[-1])
         target = torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
         return target if mask is None else target.masked_fill(~mask, -100)

@@ -139,6 +139,7 @@ class StepSkeleton(torch.optim.Optimizer):
         self._frozen = FrozenWatch(model, type(self).__name__)
         self._reduction_checked = False
         self._kl_clipped: Optional[Tensor] = None  # device count of steps with KL-clip factor ν < 1
+        self._last_ok: Optional[Tensor] = None  # device bool: the last step's update was applied
 
     # ------------------------------------------------------------------ subclass hooks
     def _needs_capture(self, step: int) -> bool:
@@ -229,6 +230,14 @@ class StepSkeleton(torch.optim.Optimizer):
         """Count ``n`` layer-steps given ``u = g`` for lack of a record (host count)."""
         if n:
             self.state[self.NAME]["uncaptured"] = self.state[self.NAME].get("uncaptured", 0) + n
+
+    @property
+    def step_applied(self) -> Optional[Tensor]:
+        """Device ``bool`` scalar: the last ``step()`` applied its update (False: skipped),
+        without a host read; None before the first step and after a step without gradients.
+        A replayed CUDA graph returns the same (static) tensor each step: combine or copy it
+        before the next step."""
+        return self._last_ok
 
     @property
     def kl_clipped_steps(self) -> int:
@@ -325,6 +334,7 @@ class StepSkeleton(torch.optim.Optimizer):
         k = self._sched
         stats_step = self._needs_capture(k)
         mc_step, self._mc.done = self._mc.done, False
+        self._last_ok = None
         release(self._info.store.key)
         if stats_step and self.fisher != "empirical" and not mc_step:
             raise RuntimeError(f"{type(self).__name__}(fisher={self.fisher!r}): no sampled backward ran on this "
@@ -348,6 +358,7 @@ class StepSkeleton(torch.optim.Optimizer):
             ok = self._run_device(stats_step, lambda: self._device_step(k, stats_step, mc_step, group))
         except SkipStep as exc:
             return self._skip(str(exc), loss)
+        self._last_ok = ok
         if self.SYNC_FREE:
             self._after_flags(stats_step, ok)
             assert self._mirror is not None and self._dev_counts is not None
@@ -416,6 +427,7 @@ class StepSkeleton(torch.optim.Optimizer):
     def _skip(self, why: str, loss: Optional[Tensor]) -> Optional[Tensor]:
         """A skip known on the host: nothing changes, the schedule does not advance."""
         self.state[self.NAME]["skipped"] += 1
+        self._last_ok = torch.zeros((), dtype=torch.bool, device=self.param_groups[0]["params"][0].device)
         self._warn_skip(why)
         capturing(self.model, self._needs_capture(self._sched))
         return loss
