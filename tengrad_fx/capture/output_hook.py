@@ -28,7 +28,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["WANTED", "attach", "maybe_attach", "muted", "release", "want_output"]
+__all__ = ["WANTED", "attach", "graph_breaks_allowed", "maybe_attach", "muted", "release", "want_output",
+           "wants_output"]
 
 # key -> an optimizer wants the output of capturing forwards (a plain dict of bools, read
 # by the prepared forward: torch.compile guards on it, as on ops.ENABLED)
@@ -104,6 +105,25 @@ def muted(key: int) -> Iterator[None]:
         release(key)
 
 
+@torch._dynamo.assume_constant_result  # evaluated while dynamo traces
+def graph_breaks_allowed() -> bool:
+    """Under ``torch.compile``: may the traced code break the graph (False with
+    ``fullgraph=True``: :func:`attach`'s graph break would be an error, so a compiled
+    ``fullgraph`` forward attaches nothing and ``mc_capture`` is called by hand)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        return not (tx.one_graph or getattr(tx, "error_on_graph_break", False))
+    except Exception:  # another torch: attach nothing rather than fail the compile
+        return False
+
+
+def wants_output(key: int) -> bool:
+    """Should this forward of the model with capture ``key`` hand its output to :func:`attach`?"""
+    return WANTED.get(key, False) and (not torch.compiler.is_compiling() or graph_breaks_allowed())
+
+
 def maybe_attach(key: int, out: Any) -> Any:
     """:func:`attach` when an optimizer wants this model's output (read per forward)."""
-    return attach(key, out) if WANTED.get(key, False) else out
+    return attach(key, out) if wants_output(key) else out

@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from .._compile import own_code
 from . import ops
-from .output_hook import WANTED, attach
+from .output_hook import WANTED, attach, graph_breaks_allowed
 from .attention import is_exact_mha
 
 __all__ = ["plain_graph", "install_forward", "drop_dead_attributes", "layer_forward"]
@@ -98,7 +98,9 @@ def install_forward(gm: fx.GraphModule, key: int, eval_forward: Optional[Forward
     def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         if (enabled.get(key, False) and torch.is_grad_enabled()) or ops.PROBE is not None:
             out = (train_forward if self.training else eval_forward)(self, *args, **kwargs)
-            return attach(key, out) if wanted.get(key, False) else out
+            if wanted.get(key, False) and (not torch.compiler.is_compiling() or graph_breaks_allowed()):
+                return attach(key, out)
+            return out
         return (plain if self.training else plain_eval)(self, *args, **kwargs)
 
     cls.forward = own_code(forward)  # its guards name this model's key

@@ -318,3 +318,22 @@ def test_compiled_model_implicit_equals_explicit() -> None:
         assert opt.counters["step"] == 3
         params.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*params))
+
+
+def test_fullgraph_compiled_model_takes_the_explicit_call() -> None:
+    """``fullgraph=True`` forbids the hook's graph break: nothing is attached, the explicit
+    call works as before, and a curvature step without it raises."""
+    torch._dynamo.reset()
+    x, y = batch("mlp", 8, 14)
+    _, model, opt = setup("mlp", fisher="mc", curvature_every=2, lr=0.1)
+    compiled = torch.compile(model, fullgraph=True)
+    for t in range(4):
+        _mc_step(compiled, opt, x, y, explicit=True, seed=t)
+        opt.step()
+    assert opt.counters["step"] == 4  # the next step takes curvature
+    out = compiled(x)
+    assert out._backward_hooks is None
+    opt.zero_grad()
+    F.cross_entropy(out, y).backward()
+    with pytest.raises(RuntimeError, match="mc_capture"):
+        opt.step()
