@@ -41,7 +41,8 @@ updates but trains markedly worse on 3C1F / Fashion-MNIST (docs/paper.md).
 Optimizers are built by ``tengrad_fx.optim.registry.make_optimizer`` with every value
 explicit. SGD gets the plain model; every other optimizer the model
 prepared by :func:`tengrad_fx.prepare`; if the optimizer has ``mc_capture`` (MC Fisher)
-it is called on the logits before ``loss.backward()``. ``--subset N`` trains on
+it is called on the logits before ``loss.backward()`` (also needed under
+``torch.compile(fullgraph=True)``). ``--subset N`` trains on
 ``zoo.subset(train, N)`` (a fixed shuffle, seed 0, so every ``--seed`` sees the same
 samples) and evaluates on ``zoo.subset(test, N)`` (``--test-subset M``: on M test
 samples instead, 0 = the whole test set).
