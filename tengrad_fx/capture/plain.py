@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from .._compile import own_code
 from . import ops
+from .output_hook import WANTED, attach, graph_breaks_allowed
 from .attention import is_exact_mha
 
 __all__ = ["plain_graph", "install_forward", "drop_dead_attributes", "layer_forward"]
@@ -84,17 +85,22 @@ def install_forward(gm: fx.GraphModule, key: int, eval_forward: Optional[Forward
                     plain: Optional[Forward], plain_eval: Optional[Forward]) -> None:
     """Make ``gm`` run: its own graph (train mode, or always without an eval graph) or
     ``eval_forward`` (eval mode) when capturing; ``plain`` / ``plain_eval`` (train / eval
-    mode; None: the capturing one) when capture is off or grad disabled (module docstring)."""
+    mode; None: the capturing one) when capture is off or grad disabled (module docstring).
+    A capturing forward hands its output to :func:`.output_hook.attach` when an optimizer
+    asked for it (MC/Gauss-Newton Fisher: its sampled backward runs first)."""
     cls = type(gm)  # GraphModule gives each instance its own class
     train_forward = cls.forward
     eval_forward = eval_forward or train_forward
     plain, plain_eval = plain or train_forward, plain_eval or eval_forward
-    enabled = ops.ENABLED  # (never rebound)
+    enabled, wanted = ops.ENABLED, WANTED  # (never rebound)
 
     @functools.wraps(train_forward)
     def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         if (enabled.get(key, False) and torch.is_grad_enabled()) or ops.PROBE is not None:
-            return (train_forward if self.training else eval_forward)(self, *args, **kwargs)
+            out = (train_forward if self.training else eval_forward)(self, *args, **kwargs)
+            if wanted.get(key, False) and (not torch.compiler.is_compiling() or graph_breaks_allowed()):
+                return attach(key, out)
+            return out
         return (plain if self.training else plain_eval)(self, *args, **kwargs)
 
     cls.forward = own_code(forward)  # its guards name this model's key

@@ -34,8 +34,9 @@ def prepare(
 
     The returned module computes the same outputs and parameter gradients, holds the
     *same* Parameter objects under the same ``state_dict`` keys, and carries a
-    :class:`PrepareInfo` (see :func:`tengrad_fx.report`). No hooks are registered: the
-    capture is the rewritten graph.
+    :class:`PrepareInfo` (see :func:`tengrad_fx.report`). No module or parameter hooks are
+    registered: the capture is the rewritten graph (an MC/Gauss-Newton optimizer has its
+    capturing forwards put a one-shot hook on their output, :mod:`.output_hook`).
 
     Args:
         model: any ``nn.Module`` (timm and torchvision models included).

@@ -1,14 +1,17 @@
 """The module-surgery fallback: when torch.fx cannot trace a model, covered modules'
-classes are swapped for capturing subclasses (in place; needs ``example_inputs``)."""
+classes are swapped for capturing subclasses (in place; needs ``example_inputs``); the root's
+class for one that hands its output to :func:`.output_hook.maybe_attach` on capturing forwards."""
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from . import embedding, norm, ops
 from .match import LayerSpec, conv_call_args, match_module, pad_same_input
 from .norm import NORM_KINDS
+from .output_hook import maybe_attach
 from .sharing import note_tied, param_owners
 from .store import CaptureStore
 
@@ -28,6 +31,8 @@ def prepare_surgery(model: nn.Module, candidates: dict[str, nn.Module]) -> tuple
         mod.__class__ = _capturing_class(type(mod))
         mod.__dict__["_tengrad_call"] = (store.key, spec)
         layers.append(spec)
+    model.__class__ = _output_class(type(model))
+    model.__dict__["_tengrad_output_key"] = store.key
     model.__dict__["_tengrad_store"] = store
     note_tied(model, {spec.name: spec for spec in layers}, param_owners(layers))
     return model, layers
@@ -40,7 +45,7 @@ def _capturing_forward(self, input, output_size=None):  # type: ignore[no-untype
     x = input
     key, spec = self.__dict__["_tengrad_call"]
     if not spec.sites:  # dropped to the fallback (tied, or input not per sample): plain layer
-        return super(type(self), self).forward(x, *([output_size] if output_size is not None else []))
+        return self._tengrad_base.forward(self, x, *([output_size] if output_size is not None else []))
     if spec.kind in NORM_KINDS:
         return norm.norm(x, self, key, spec.sites[0], name=spec.name)
     if spec.kind == "embedding":
@@ -62,5 +67,24 @@ def _capturing_class(cls: type) -> type:
     if cls not in _CAPTURING:
         _CAPTURING[cls] = type(cls.__name__, (cls,), {"forward": _capturing_forward,
                                                       "__module__": cls.__module__,
-                                                      "_tengrad_capturing": True})
+                                                      "_tengrad_capturing": True, "_tengrad_base": cls})
     return _CAPTURING[cls]
+
+
+_OUTPUT: dict[type, type] = {}
+
+
+def _output_forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+    out = self._tengrad_root_forward(*args, **kwargs)
+    key = self.__dict__["_tengrad_output_key"]
+    if ops.ENABLED.get(key, False) and torch.is_grad_enabled():
+        out = maybe_attach(key, out)
+    return out
+
+
+def _output_class(cls: type[nn.Module]) -> type:
+    """``cls`` whose forward passes its output to :func:`.output_hook.maybe_attach`."""
+    if cls not in _OUTPUT:
+        _OUTPUT[cls] = type(cls.__name__, (cls,), {"forward": _output_forward, "_tengrad_root_forward": cls.forward,
+                                                   "__module__": cls.__module__})
+    return _OUTPUT[cls]

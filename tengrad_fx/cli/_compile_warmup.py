@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..capture import capturing, get_info
+from ..capture.output_hook import muted
 
 __all__ = ["warm_up"]
 
@@ -42,13 +43,15 @@ def warm_up(forward: Callable[[torch.Tensor], torch.Tensor], model: torch.nn.Mod
     store = get_info(model).store if kinds != [None] else None
     generation = store.generation if store is not None else 0
     t0 = time.perf_counter()
+    mute = muted(store.key) if store is not None else contextlib.nullcontext()
     try:
         for p in grads:
             p.grad = None
-        for on in kinds:
-            for m in sizes:
-                with capturing(model, on) if on is not None else contextlib.nullcontext():
-                    F.cross_entropy(forward(xb[:m]), yb[:m]).backward()
+        with mute:  # an optimizer's output hook (MC Fisher) attaches, but runs nothing
+            for on in kinds:
+                for m in sizes:
+                    with capturing(model, on) if on is not None else contextlib.nullcontext():
+                        F.cross_entropy(forward(xb[:m]), yb[:m]).backward()
         if xb.is_cuda:
             torch.cuda.synchronize(xb.device)
     finally:

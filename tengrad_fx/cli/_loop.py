@@ -8,12 +8,14 @@ Files written to ``--out`` (default ``runs/<model>-<dataset>-<optimizer>-s<seed>
     every resolved argument (defaults filled in) plus ``n_params``, ``steps_per_epoch``,
     ``n_train``, ``n_test``, ``optimizer_kwargs`` (what the optimizer was built with,
     e.g. K-FAC's ``TCov``/``TInv``); nothing that differs between repeats of one experiment.
-``steps.jsonl`` -- one JSON object per training step:
+``steps.jsonl`` -- one JSON object per training step, written at log points (every
+``--log-every`` steps, before an evaluation, at the end of an epoch or run; see below):
     ``step`` (1-based, global), ``epoch`` (1-based epoch the step belongs to),
     ``loss`` (training loss of the batch, before the update), ``acc`` (training accuracy
     of the batch, before the update), ``lr`` (learning rate used), ``train_time``
     (cumulative training wall-clock seconds, evaluation and checkpointing excluded;
-    with ``--compile`` the compilation is done before the first step and not counted),
+    with ``--compile`` the compilation is done before the first step and not counted;
+    between log points the host's clock when the step was queued, exact at log points),
     ``skipped`` (true if the update was skipped: non-finite loss, or the optimizer
     skipped it).
 ``epochs.jsonl`` -- one JSON object per evaluation at the end of an epoch:
@@ -56,9 +58,18 @@ Files written to ``--out`` (default ``runs/<model>-<dataset>-<optimizer>-s<seed>
 ``coverage.txt`` (prepared models) -- :func:`tengrad_fx.report` of the model.
 ``curves.png`` / ``curves.svg`` -- ``tengrad_fx.cli.plot.plot_runs`` of this run (unless ``--no-plot``).
 
-Non-finite losses: the step's update is skipped (no backward, parameters unchanged) and
-counted; optimizers with ``counters["skipped"]`` (TENGraD) also skip non-finite gradients
-and failed factorizations themselves; both counts go to ``summary.json``.
+Host syncs: a step reads nothing from the device. Its loss, correct-prediction count and
+skip flag stay on the device (``_logs.StepBuffer``) and are read with one sync per log
+point, which writes the interval's per-step lines and updates the epoch sums.
+
+Non-finite losses: the step's update is skipped (parameters unchanged) and counted. With
+an optimizer that skips on the device (``SYNC_FREE``: TENGraD) the step runs with the
+loss multiplied by ``1`` (finite) or ``nan`` (every gradient non-finite: the optimizer's
+masked update skips it, ``opt.step_applied`` is False); other optimizers (SGD, the
+K-FAC family, ``--distributed``) read the loss on the host before the backward (one sync
+per step) and skip the backward. TENGraD also skips non-finite gradients and failed
+factorizations; ``summary.json`` counts those (``skipped_by_optimizer``) apart from the
+non-finite losses.
 """
 from __future__ import annotations
 
@@ -79,6 +90,7 @@ from ..utils.optional import require
 from ._checkpoint import (CHECKPOINT, CheckpointError, load_for_resume, remove_stale, save_checkpoint,
                           save_rotating)
 from ._compile_warmup import warm_up
+from ._logs import JsonlLog, StepBuffer, skipped_by_optimizer, truncate_jsonl
 
 __all__ = ["CHECKPOINT", "EVAL_BATCH", "TRAJECTORY_KEYS", "evaluate", "save_checkpoint", "train"]
 
@@ -111,47 +123,6 @@ def evaluate(model: nn.Module, dataset: Any, batch_size: int = EVAL_BATCH,
         bar.close()
         model.train(was_training)
     return loss_sum / max(n, 1), correct / max(n, 1)
-
-
-def _truncate_jsonl(path: Path, keep: Callable[[dict[str, Any]], bool]) -> None:
-    """Keep only the lines of a jsonl log that satisfy ``keep`` (used on resume)."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a half-written last line of a killed run
-        if keep(rec):
-            kept.append(line)
-    path.write_text("".join(f"{line}\n" for line in kept))
-
-
-class _JsonlLog:
-    """Appends JSON lines to ``path`` (nothing at all when ``active`` is False: ranks > 0)."""
-
-    def __init__(self, path: Path, active: bool = True):
-        self.path = path
-        self._f = open(path, "a") if active else None
-
-    def write(self, rec: dict[str, Any]) -> None:
-        if self._f is not None:
-            self._f.write(json.dumps(rec) + "\n")
-            self._f.flush()
-
-    def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-
-
-def _skipped_by_optimizer(opt: torch.optim.Optimizer) -> int:
-    counters = getattr(opt, "counters", None)
-    if isinstance(counters, dict):
-        return int(counters.get("skipped", 0))
-    return 0
 
 
 def _progress(total: int, desc: str, disable: bool, leave: bool = True) -> Any:
@@ -244,7 +215,7 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
             torch.cuda.set_rng_state(ckpt["rng"]["cuda"], device)
         last_step = step
         for name in ("steps.jsonl", "evals.jsonl", "epochs.jsonl") if main else ():
-            _truncate_jsonl(out / name, lambda r: r.get("step", 0) <= last_step)
+            truncate_jsonl(out / name, lambda r: r.get("step", 0) <= last_step)
         with contextlib.suppress(FileNotFoundError):
             if main:
                 (out / "summary.json").unlink()  # the run is unfinished again until the new summary
@@ -266,8 +237,8 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
     if coverage is not None and main:
         (out / "coverage.txt").write_text(coverage + "\n")
 
-    steps_log, epochs_log = _JsonlLog(out / "steps.jsonl", main), _JsonlLog(out / "epochs.jsonl", main)
-    evals_log = _JsonlLog(out / "evals.jsonl", main) if cfg["eval_every"] else None
+    steps_log, epochs_log = JsonlLog(out / "steps.jsonl", main), JsonlLog(out / "epochs.jsonl", main)
+    evals_log = JsonlLog(out / "evals.jsonl", main) if cfg["eval_every"] else None
     show = not cfg["no_progress"] and sys.stderr.isatty() and main
     last_eval: Optional[dict[str, Any]] = None
     max_steps = cfg["max_steps"]
@@ -308,6 +279,34 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
         if main:
             print(f"--compile: compiled in {compile_time:.1f}s (not counted in train_time)", flush=True)
     session_samples, session_t0 = 0, train_time
+    buffer = StepBuffer()
+    device_skips = dist is None and bool(getattr(opt, "SYNC_FREE", False))  # the optimizer skips on the device
+    bar: Any = None
+
+    def flush() -> None:
+        """Read the buffered steps (one host sync), update the epoch sums, write steps.jsonl."""
+        nonlocal train_time, skipped_loss, ep_loss_sum, ep_loss_n, ep_correct, ep_count, samples, session_samples
+        t0 = time.perf_counter()
+        recs = buffer.flush()
+        train_time += time.perf_counter() - t0  # the device finishing the interval's steps
+        for rec in recs:
+            bs, correct = rec.pop("bs"), rec.pop("correct")
+            if math.isfinite(rec["loss"]):
+                ep_loss_sum += rec["loss"] * bs
+                ep_loss_n += bs
+            else:
+                skipped_loss += 1
+            ep_correct += correct
+            ep_count += bs
+            samples += bs
+            session_samples += bs
+        if recs:
+            recs[-1]["train_time"] = train_time
+        for rec in recs:
+            steps_log.write(rec)
+        if recs and bar is not None:
+            bar.set_postfix(loss=f"{ep_loss_sum / max(ep_loss_n, 1):.4f}", acc=f"{ep_correct / max(ep_count, 1):.3f}",
+                            samples_s=f"{session_samples / max(train_time - session_t0, 1e-9):.0f}", refresh=False)
     model.train()
     try:
         while epoch < cfg["epochs"] and not (max_steps is not None and step >= max_steps):
@@ -332,47 +331,42 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
                     xb, yb = dist.local(xb, yb)
                 out_logits = forward(xb)
                 loss = F.cross_entropy(out_logits, yb)
+                correct: Any = (out_logits.detach().argmax(-1) == yb).sum()
+                loss_v: Any = loss.detach()
                 if dist is not None:  # the global batch's (every rank takes the same decision)
-                    loss_v, correct = dist.global_stats(loss, (out_logits.detach().argmax(-1) == yb).sum())
-                else:
-                    loss_v = float(loss.detach())
-                before = _skipped_by_optimizer(opt)
+                    loss_v, correct = dist.global_stats(loss, correct)
+                run_step = device_skips or math.isfinite(loss_v if dist is not None else float(loss_v))
+                before = 0 if device_skips else skipped_by_optimizer(opt)
                 opt.zero_grad(set_to_none=True)
-                if math.isfinite(loss_v):
+                skipped: Any = True
+                if run_step:
                     if hasattr(opt, "mc_capture"):
                         opt.mc_capture(out_logits)
+                    if device_skips:  # a non-finite loss makes every gradient NaN: the step skips on the device
+                        loss = loss * torch.where(loss_v.isfinite(), 1.0, math.nan)
                     loss.backward()
                     opt.step()
-                    skipped = _skipped_by_optimizer(opt) > before
-                else:
-                    skipped_loss += 1
-                    skipped = True
-                if dist is None:
-                    correct = int((out_logits.detach().argmax(-1) == yb).sum())
+                    applied = getattr(opt, "step_applied", None)
+                    skipped = (~applied if applied is not None else False) if device_skips else \
+                        skipped_by_optimizer(opt) > before
                 train_time += time.perf_counter() - t0
                 del out_logits, loss
                 bs = int(yb.shape[0]) * (1 if dist is None else dist.world)
                 step += 1
                 batch_in_epoch += 1
-                if math.isfinite(loss_v):
-                    ep_loss_sum += loss_v * bs
-                    ep_loss_n += bs
-                ep_correct += correct
-                ep_count += bs
-                samples += bs
-                steps_log.write({"step": step, "epoch": epoch + 1, "loss": loss_v, "acc": correct / bs, "lr": lr,
-                                 "train_time": train_time, "skipped": skipped})
-                session_samples += bs
-                bar.set_postfix(loss=f"{ep_loss_sum / max(ep_loss_n, 1):.4f}",
-                                acc=f"{ep_correct / max(ep_count, 1):.3f}",
-                                samples_s=f"{session_samples / max(train_time - session_t0, 1e-9):.0f}", refresh=False)
+                buffer.add({"step": step, "epoch": epoch + 1, "lr": lr, "train_time": train_time, "bs": bs},
+                           loss_v, correct, skipped)
                 bar.update(1)
+                if len(buffer) >= cfg["log_every"]:
+                    flush()
                 if evals_log is not None and step % cfg["eval_every"] == 0:
+                    flush()
                     test_loss, test_acc = do_eval()
                     last_eval = {"step": step, "epoch": epoch + batch_in_epoch / steps_per_epoch,
                                  "test_loss": test_loss, "test_acc": test_acc, "train_time": train_time,
                                  "eval_time": eval_time}
                     evals_log.write(last_eval)
+            flush()
             bar.close()
             complete = batch_in_epoch >= steps_per_epoch
             if not complete and batch_in_epoch == 0:
@@ -412,7 +406,7 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
         if prev:
             last_eval.setdefault("train_loss", prev[-1]["train_loss"])
             last_eval.setdefault("train_acc", prev[-1]["train_acc"])
-    skipped_opt = _skipped_by_optimizer(opt)
+    skipped_opt = skipped_by_optimizer(opt) - (skipped_loss if device_skips else 0)  # those skipped it too
     stopped = max_steps is not None and step >= max_steps and epoch < cfg["epochs"]
     summary = {
         "test_acc": last_eval["test_acc"], "test_loss": last_eval["test_loss"],

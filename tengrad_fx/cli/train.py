@@ -41,7 +41,8 @@ updates but trains markedly worse on 3C1F / Fashion-MNIST (docs/paper.md).
 Optimizers are built by ``tengrad_fx.optim.registry.make_optimizer`` with every value
 explicit. SGD gets the plain model; every other optimizer the model
 prepared by :func:`tengrad_fx.prepare`; if the optimizer has ``mc_capture`` (MC Fisher)
-it is called on the logits before ``loss.backward()``. ``--subset N`` trains on
+it is called on the logits before ``loss.backward()`` (also needed under
+``torch.compile(fullgraph=True)``). ``--subset N`` trains on
 ``zoo.subset(train, N)`` (a fixed shuffle, seed 0, so every ``--seed`` sees the same
 samples) and evaluates on ``zoo.subset(test, N)`` (``--test-subset M``: on M test
 samples instead, 0 = the whole test set).
@@ -141,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--download", action="store_true", help="allow a torchvision download of the dataset")
     p.add_argument("--eval-every", type=int, default=0, metavar="STEPS",
                    help="also evaluate every STEPS steps (evals.jsonl); 0 = only at the end of each epoch")
+    p.add_argument("--log-every", type=int, default=50, metavar="STEPS",
+                   help="read the loss, accuracy and skips from the device and write steps.jsonl every STEPS "
+                        "steps (also before evaluations and at the end of each epoch)")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (0 = leave torch's default)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar (it is also off when stderr is no TTY)")
     p.add_argument("--no-plot", action="store_true", help="do not draw OUT/curves.png at the end")
@@ -253,6 +257,7 @@ def resolve_config(args: argparse.Namespace) -> dict[str, Any]:
         (args.test_subset is None or args.test_subset >= 0, f"--test-subset must be >= 0, got {args.test_subset}"),
         (args.max_steps is None or args.max_steps >= 1, f"--max-steps must be >= 1, got {args.max_steps}"),
         (args.eval_every >= 0, f"--eval-every must be >= 0, got {args.eval_every}"),
+        (args.log_every >= 1, f"--log-every must be >= 1, got {args.log_every}"),
         (args.threads >= 0, f"--threads must be >= 0, got {args.threads}"),
     ]
     for ok, msg in checks:

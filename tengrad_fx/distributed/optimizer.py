@@ -93,7 +93,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..capture.info import get_info
 from ..capture.prepare import capturing
 from ..curvature.layer import CoveredLayer, covered_layers
-from ..optim.step.mc import mc_capture, sample_targets
+from ..optim.step.mc import check_mask, mc_capture, sample_targets
 from ..optim.step.state_check import META
 from ..optim.tengrad.tengrad import TENGraD
 from ..optim.tengrad.group_build import build_groups
@@ -209,17 +209,15 @@ class DistributedTENGraD(TENGraD):
             self._generators[key] = torch.Generator(device=device).manual_seed(seed)
         return self._generators[key]
 
-    def mc_capture(self, outputs: Tensor, targets: Optional[Tensor] = None) -> None:
+    def _mc_backward(self, outputs: Tensor, targets: Optional[Tensor], mask: Optional[Tensor]) -> None:
         """As :meth:`TENGraD.mc_capture`, labels sampled with this rank's generator
         (kept in ``last_mc_targets``) unless ``targets`` are given."""
-        if self.fisher == "empirical" or not self._is_curvature_step():
-            return
+        mask = check_mask(outputs, mask, self.mc_loss)
         if targets is None:
-            targets = sample_targets(outputs, self.mc_loss, self._generator(outputs.device))
+            targets = sample_targets(outputs, self.mc_loss, self._generator(outputs.device), mask)
         self.last_mc_targets = targets
         weights = [layer.weight for layer in self._all_layers if layer.weight.requires_grad]
-        mc_capture(self._info.store, outputs, self.mc_loss, weights, targets, self._loss_scale())
-        self._mc_done = True
+        mc_capture(self._info.store, outputs, self.mc_loss, weights, targets, self._loss_scale(), mask)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -10,7 +10,7 @@ settings (:func:`paper_settings`):
   ``weight_decay``, ``damping``; momentum 0.9;
 * ``PAPER_INTERVALS``: TENGraD's curvature every 100 steps; K-FAC / EK-FAC / KBFGS
   statistics every 20 steps (EK-FAC rescaling every 20), inversion every 100;
-* ``PAPER_OPTIONS``: MC Fisher (one sampled label per example, ``opt.mc_capture(out)``)
+* ``PAPER_OPTIONS``: MC Fisher (one sampled label per example, drawn by the optimizer)
   for TENGraD, K-FAC, EK-FAC, and KL clip 0.01 for all four (the authors' code).
 
 ``overrides`` win.

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 import tengrad_fx
 from tengrad_fx import TENGraD
+from tengrad_fx.capture.output_hook import want_output
 from testing import output_jacobians_reference
 
 DAMPING = 0.05
@@ -110,6 +111,7 @@ def test_gauss_newton_k_above_16_points_to_mc() -> None:
 def test_gauss_newton_without_capture_call_raises() -> None:
     model = tengrad_fx.prepare(mlp(), example_inputs=(torch.randn(2, 6),))
     opt = TENGraD(model, lr=0.1, damping=0.1, fisher="gauss-newton")
+    want_output(tengrad_fx.get_info(model).store.key, None)  # no output hook: no implicit capture
     _loss(model(torch.randn(5, 6)), torch.randn(5, 3), "mean").backward()
     with pytest.raises(RuntimeError, match="gauss-newton.*mc_capture"):
         opt.step()

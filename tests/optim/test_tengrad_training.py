@@ -118,8 +118,13 @@ def test_unprepared_model_rejected() -> None:
         TENGraD(mlp(), lr=0.1, damping=0.1)
 
 
-def test_mc_without_mc_capture_raises() -> None:
+def test_mc_without_sampled_backward_raises() -> None:
+    """Without the output hook (here switched off) and without ``mc_capture``, no sampled
+    backward runs: the curvature step refuses."""
+    from tengrad_fx.capture.output_hook import want_output
+
     _, model, opt = setup("mlp", fisher="mc")
+    want_output(tengrad_fx.get_info(model).store.key, None)
     x, y = batch("mlp", 8, 70)
     forward_backward(model, opt, x, y)
     with pytest.raises(RuntimeError, match="mc_capture"):

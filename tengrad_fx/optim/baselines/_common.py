@@ -243,6 +243,7 @@ class CurvatureOptimizer(StepSkeleton):
         self.blocks = make_blocks(covered_layers(model), self.KRONECKER)
         self._seen_generation = -1
         info.store.jacobian_sites = set()  # these optimizers read I and G
+        self._watch_output()
         capturing(model, True)
 
     # ------------------------------------------------------------------ hooks for subclasses
@@ -294,14 +295,10 @@ class CurvatureOptimizer(StepSkeleton):
                     setattr(self, k, _to_device(copy.deepcopy(v), dev))
         capturing(self.model, self._needs_capture(self._sched))
 
-    def mc_capture(self, outputs: Tensor) -> None:
-        """MC Fisher: before ``loss.backward()``, sample targets from ``outputs`` and run one
-        backward that records ``G`` only. No-op for ``fisher="empirical"`` or on steps that
-        take no statistics."""
-        if self.fisher != "mc" or not self._needs_capture(self._sched):
-            return
-        mc_capture(self._info.store, outputs, self.mc_loss, [b.params[0] for b in self.blocks], self._loss_scale())  # type: ignore[arg-type]
-        self._mc_done = True
+    def _mc_backward(self, outputs: Tensor, targets: Optional[Tensor], mask: Optional[Tensor]) -> None:
+        """:meth:`mc_capture`'s backward of sampled targets (records ``G`` only)."""
+        mc_capture(self._info.store, outputs, self.mc_loss, [b.params[0] for b in self.blocks],  # type: ignore[arg-type]
+                   targets, self._loss_scale(), mask)
 
     def _live_blocks(self) -> list[Block]:
         """Blocks with a gradient and a record this step (a layer the forward did not call,

@@ -92,7 +92,8 @@ class KFAC(CurvatureOptimizer):
         weight_decay: ``λ_wd >= 0``: ``d = ν·u + λ_wd·w``.
         TCov: factor statistics every ``TCov`` steps (capture on only then).
         TInv: eigendecompositions every ``TInv`` steps.
-        fisher: ``"empirical"`` or ``"mc"`` (call :meth:`mc_capture` before backward).
+        fisher: ``"empirical"`` or ``"mc"`` (the sampled backward runs when the training backward
+            reaches the model's output, or at :meth:`mc_capture` before it).
         mc_loss: ``"cross_entropy"`` or ``"mse"`` (MC target distribution).
         factor_dtype: dtype of factors and eigendecompositions (default: the parameters').
         grad_scaler: the loop's ``torch.amp.GradScaler`` (step with ``scaler.step(opt)``;

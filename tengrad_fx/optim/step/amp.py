@@ -11,8 +11,7 @@ the scaler: build it with ``grad_scaler=scaler`` and step with ``scaler.step(opt
     with torch.autocast("cuda", torch.float16):
         loss = F.cross_entropy(model(x), y)
     opt.zero_grad()
-    opt.mc_capture(out)            # fisher="mc" only: its backward is scaled by s too
-    scaler.scale(loss).backward()
+    scaler.scale(loss).backward()  # fisher="mc": its sampled backward is scaled by s too
     scaler.unscale_(opt)           # optional (gradient clipping etc.)
     scaler.step(opt)
     scaler.update()

@@ -1,6 +1,7 @@
 """MC ("true") Fisher: sampled targets and one backward that records ``G`` only."""
 from __future__ import annotations
 
+import weakref
 from typing import Literal, Optional, Sequence
 
 import torch
@@ -9,7 +10,7 @@ from torch import Tensor
 
 from ...capture.store import CaptureStore
 
-__all__ = ["mc_capture", "sample_targets", "second_backward"]
+__all__ = ["MCState", "check_mask", "mc_capture", "sample_targets", "sampled_loss", "second_backward"]
 
 
 def second_backward(loss: Tensor, inputs: Sequence[Tensor]) -> None:
@@ -27,37 +28,86 @@ def second_backward(loss: Tensor, inputs: Sequence[Tensor]) -> None:
         ) from exc
 
 
+class MCState:
+    """Whether this step's sampled backward has run (``done``), and the optimizer it belongs
+    to (``owner``, a weak reference). One object, shared by the optimizer and any copy of
+    its ``__dict__`` (Lightning's ``LightningOptimizer`` is such a copy): a copy's
+    ``mc_capture`` is handed to the owner, and the flag the step reads is the same."""
+
+    def __init__(self, owner: object):
+        self.owner = weakref.ref(owner)
+        self.done = False
+
+
+def check_mask(outputs: Tensor, mask: Optional[Tensor], mc_loss: str) -> Optional[Tensor]:
+    """``mask`` as a bool tensor ``[m, *]`` of the positions of ``outputs`` (``[m, *, c]``)
+    that count (True), or None; raises ``ValueError`` for a shape that does not fit."""
+    if mask is None:
+        return None
+    lead = outputs.shape[:-1] if mc_loss == "cross_entropy" else outputs.shape[:mask.dim()]
+    if tuple(mask.shape) != tuple(lead):
+        raise ValueError(f"mc_capture: mask of shape {tuple(mask.shape)} does not fit outputs of shape "
+                         f"{tuple(outputs.shape)} (expected {tuple(lead)}: one entry per sampled position)")
+    return mask.to(device=outputs.device, dtype=torch.bool)
+
+
 @torch.no_grad()
 def sample_targets(outputs: Tensor, mc_loss: Literal["cross_entropy", "mse"],
-                   generator: Optional[torch.Generator] = None) -> Tensor:
+                   generator: Optional[torch.Generator] = None, mask: Optional[Tensor] = None) -> Tensor:
     """Targets sampled from the model's prediction: ``[m, *]`` class indices from the
     softmax of ``outputs`` (``[m, *, classes]`` logits) for ``cross_entropy``, or
-    ``outputs + N(0, 1)`` for ``mse``; ``generator``: None for the global RNG."""
+    ``outputs + N(0, 1)`` for ``mse``; ``generator``: None for the global RNG.
+    ``mask`` (bool ``[m, *]``, cross-entropy): the positions where it is False are left out
+    of the sample: their label is ``-100`` (``F.cross_entropy``'s ``ignore_index``) and
+    their logits are not read (a uniform draw stands in, so padding with non-finite logits
+    samples too). Every position is drawn in one ``multinomial`` (no data-dependent shape,
+    no host sync); the labels of the kept positions are those of the unmasked draw. Rows
+    with non-finite logits are drawn uniformly too (their loss stays non-finite: the
+    optimizers skip such a step on the device)."""
     if mc_loss == "cross_entropy":
         probs = torch.softmax(outputs.detach().float(), dim=-1)
+        keep = probs.isfinite().all(-1) if mask is None else mask & probs.isfinite().all(-1)
+        probs = torch.where(keep.unsqueeze(-1), probs, 1.0)
         flat = probs.reshape(-1, probs.shape[-1])
-        return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+        target = torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+        return target if mask is None else target.masked_fill(~mask, -100)
     noise = torch.randn(outputs.shape, dtype=outputs.dtype, device=outputs.device, generator=generator)
     return outputs.detach() + noise
 
 
+def sampled_loss(outputs: Tensor, target: Tensor, mc_loss: Literal["cross_entropy", "mse"],
+                 mask: Optional[Tensor] = None) -> Tensor:
+    """The loss of the sampled ``target``: cross-entropy, the mean over the positions
+    whose label is not ``-100`` (all, without a mask); MSE ``½‖out − t‖²`` summed over the
+    outputs (those where ``mask``, bool ``[m, *]``, is True), mean over the batch ``m``."""
+    if mc_loss == "cross_entropy":
+        return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), target.reshape(-1))
+    sq = (outputs - target).pow(2)
+    if mask is not None:
+        sq = torch.where(mask.reshape(*mask.shape, *([1] * (sq.dim() - mask.dim()))), sq, 0.0)
+    return 0.5 * sq.reshape(outputs.shape[0], -1).sum(1).mean()
+
+
 def mc_capture(store: CaptureStore, outputs: Tensor, mc_loss: Literal["cross_entropy", "mse"],
                weights: Sequence[Tensor], target: Optional[Tensor] = None,
-               loss_scale: Optional[Tensor] = None) -> None:
+               loss_scale: Optional[Tensor] = None, mask: Optional[Tensor] = None) -> None:
     """Sample targets from ``outputs`` (:func:`sample_targets`; or use ``target``, e.g.
-    labels sampled elsewhere), and backpropagate the sampled loss (mean over the batch)
+    labels sampled elsewhere), and backpropagate the sampled loss (:func:`sampled_loss`)
     through the graph with the store in G-only mode: the covered layers record ``G`` (and,
     where chosen, per-sample gradients) but compute no parameter gradients. Afterwards the
     store stops recording, so the real ``loss.backward()`` does not overwrite the MC ``G``.
     ``loss_scale``: a GradScaler's scale, multiplied into the sampled loss so that these
     records carry the same scale as the training backward's (:mod:`.amp`).
+    ``mask``: bool ``[m, *]`` (``outputs`` ``[m, *, c]``), the positions that count (e.g.
+    ``attention_mask.bool()`` or ``labels != -100``); the others are not sampled and add
+    nothing to the sampled loss (:func:`check_mask`).
     """
+    mask = check_mask(outputs, mask, mc_loss)
     if target is None:
-        target = sample_targets(outputs, mc_loss)
-    if mc_loss == "cross_entropy":
-        loss = F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), target.reshape(-1))
-    else:
-        loss = 0.5 * (outputs - target).pow(2).reshape(outputs.shape[0], -1).sum(1).mean()
+        target = sample_targets(outputs, mc_loss, mask=mask)
+    elif mask is not None and mc_loss == "cross_entropy":
+        target = target.masked_fill(~mask, -100)
+    loss = sampled_loss(outputs, target, mc_loss, mask)
     if loss_scale is not None:
         loss = loss * loss_scale
     store.grad_only = True

@@ -33,10 +33,12 @@ import torch
 from torch import Tensor
 
 from ...capture.info import PrepareInfo
+from ...capture.output_hook import release, want_output
 from ...capture.prepare import capturing
 from .amp import loss_scale, scaler_enabled, scaler_flags, unscale_grads
 from .update import all_finite, apply_momentum_step, finite_flag, kl_clip_factor
 from .checks import check_positive
+from .mc import MCState
 from .reduction_check import check_loss_reduction
 from .state_check import META, NamedParams, check_loadable, layout_meta, named_params
 from ...curvature.layer import covered_layers
@@ -131,12 +133,13 @@ class StepSkeleton(torch.optim.Optimizer):
         self._dev_counts: Optional[Tensor] = None  # [step, skipped] not yet added to the host counts
         self._mirror: Optional[HostMirror] = None
         self._seen_skips = 0  # skips already seen on the host through the mirror
-        self._mc_done = False
+        self._mc = MCState(self)  # shared with copies of this optimizer's __dict__ (wrappers)
         self._warned_skip = False
         self.timings: dict[str, float] = {}
         self._frozen = FrozenWatch(model, type(self).__name__)
         self._reduction_checked = False
         self._kl_clipped: Optional[Tensor] = None  # device count of steps with KL-clip factor ν < 1
+        self._last_ok: Optional[Tensor] = None  # device bool: the last step's update was applied
 
     # ------------------------------------------------------------------ subclass hooks
     def _needs_capture(self, step: int) -> bool:
@@ -172,6 +175,46 @@ class StepSkeleton(torch.optim.Optimizer):
     def _after_flags(self, stats_step: bool, ok: Tensor) -> None:
         """Called with this step's device flag (TENGraD: remember a failed curvature step)."""
 
+    def _mc_backward(self, outputs: Tensor, targets: Optional[Tensor], mask: Optional[Tensor]) -> None:
+        """The sampled backward(s) of :meth:`mc_capture` (records ``G`` only)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ MC / Gauss-Newton Fisher
+    def mc_capture(self, outputs: Tensor, targets: Optional[Tensor] = None, mask: Optional[Tensor] = None) -> None:
+        """MC Fisher (``fisher="mc"``; ``"gauss-newton"``: one backward per output): sample
+        labels from ``outputs`` (``[m, *, c]``; or take ``targets``, ``[m, *]``, sampled by
+        the caller) and run one backward of their loss that records ``G`` only (no
+        parameter gradients), before ``loss.backward()``.
+
+        Optional: without this call the optimizer runs the same backward itself when the
+        training backward reaches the prepared model's output (:mod:`tengrad_fx.capture.output_hook`;
+        the output must be a tensor or a mapping with ``"logits"``), with identical results.
+        Call it to pass ``targets`` or ``mask`` (bool ``[m, *]``: the positions that count,
+        e.g. ``labels != -100`` or ``attention_mask.bool()``; the others are neither sampled
+        nor in the sampled loss), or when the loss is not a function of the model's output.
+        No-op for the empirical Fisher, on steps that take no curvature/statistics, and
+        once this step's sampled backward has run. Called on a copy of the optimizer (a
+        wrapper that copies its ``__dict__``, as Lightning's does), it runs on the original.
+        """
+        owner = self._mc.owner()
+        if owner is not None and owner is not self:
+            return owner.mc_capture(outputs, targets, mask)  # type: ignore[attr-defined]
+        if self.fisher == "empirical" or self._mc.done or not self._needs_capture(self._sched):
+            return None
+        release(self._info.store.key)  # the output hook: its backward is this one
+        self._mc_backward(outputs, targets, mask)
+        self._mc.done = True
+        return None
+
+    def _output_backward(self, outputs: Tensor) -> None:
+        """The hook on the model's output (:mod:`tengrad_fx.capture.output_hook`)."""
+        self.mc_capture(outputs)
+
+    def _watch_output(self) -> None:
+        """With an MC/Gauss-Newton Fisher, have capturing forwards hand their output to
+        :meth:`_output_backward` (call after ``self.fisher`` is set)."""
+        want_output(self._info.store.key, None if self.fisher == "empirical" else self._output_backward)
+
     # ------------------------------------------------------------------ counters
     @property
     def counters(self) -> dict[str, int]:
@@ -187,6 +230,14 @@ class StepSkeleton(torch.optim.Optimizer):
         """Count ``n`` layer-steps given ``u = g`` for lack of a record (host count)."""
         if n:
             self.state[self.NAME]["uncaptured"] = self.state[self.NAME].get("uncaptured", 0) + n
+
+    @property
+    def step_applied(self) -> Optional[Tensor]:
+        """Device ``bool`` scalar: the last ``step()`` applied its update (False: skipped),
+        without a host read; None before the first step and after a step without gradients.
+        A replayed CUDA graph returns the same (static) tensor each step: combine or copy it
+        before the next step."""
+        return self._last_ok
 
     @property
     def kl_clipped_steps(self) -> int:
@@ -282,10 +333,14 @@ class StepSkeleton(torch.optim.Optimizer):
         self._frozen.check()
         k = self._sched
         stats_step = self._needs_capture(k)
-        mc_step, self._mc_done = self._mc_done, False
+        mc_step, self._mc.done = self._mc.done, False
+        self._last_ok = None
+        release(self._info.store.key)
         if stats_step and self.fisher != "empirical" and not mc_step:
-            raise RuntimeError(f"{type(self).__name__}(fisher={self.fisher!r}): call opt.mc_capture(outputs) "
-                               "before loss.backward() on statistics/curvature steps")
+            raise RuntimeError(f"{type(self).__name__}(fisher={self.fisher!r}): no sampled backward ran on this "
+                               "statistics/curvature step: the training backward did not pass through the model's "
+                               "output (a tensor, or a mapping with 'logits'); call opt.mc_capture(outputs) before "
+                               "loss.backward()")
         grads = [p.grad for p in group["params"] if p.grad is not None]
         if not grads:  # nothing to do, like torch's own optimizers
             return self._skip("no gradient", loss) if self.EMPTY_STEP_SKIPS else loss
@@ -303,6 +358,7 @@ class StepSkeleton(torch.optim.Optimizer):
             ok = self._run_device(stats_step, lambda: self._device_step(k, stats_step, mc_step, group))
         except SkipStep as exc:
             return self._skip(str(exc), loss)
+        self._last_ok = ok
         if self.SYNC_FREE:
             self._after_flags(stats_step, ok)
             assert self._mirror is not None and self._dev_counts is not None
@@ -371,6 +427,7 @@ class StepSkeleton(torch.optim.Optimizer):
     def _skip(self, why: str, loss: Optional[Tensor]) -> Optional[Tensor]:
         """A skip known on the host: nothing changes, the schedule does not advance."""
         self.state[self.NAME]["skipped"] += 1
+        self._last_ok = torch.zeros((), dtype=torch.bool, device=self.param_groups[0]["params"][0].device)
         self._warn_skip(why)
         capturing(self.model, self._needs_capture(self._sched))
         return loss

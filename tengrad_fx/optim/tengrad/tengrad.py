@@ -10,15 +10,17 @@ and, on a curvature step with the empirical Fisher (``g`` is the same batch's gr
 parameters use ``u = g``): ``d = ν·u + λw``, ``buf = μ·buf + d``, ``w ← w − lr·buf`` with
 the KL clip ``ν = min(1, sqrt(kl_clip / (lr²·Σ u·g)))`` when ``kl_clip`` is set.
 
-Training loops::
+Training loop (every ``fisher``)::
 
-    # empirical Fisher                         # MC ("true") Fisher: one more line
-    out = model(x)                             out = model(x)
-    loss = F.cross_entropy(out, y)             loss = F.cross_entropy(out, y)
-    opt.zero_grad()                            opt.zero_grad()
-    loss.backward()                            opt.mc_capture(out)
-    opt.step()                                 loss.backward()
-                                               opt.step()
+    out = model(x)
+    loss = F.cross_entropy(out, y)
+    opt.zero_grad()
+    loss.backward()        # MC / Gauss-Newton: the sampled backward runs first (curvature steps)
+    opt.step()
+
+``opt.mc_capture(out)`` before ``loss.backward()`` runs that backward explicitly (the same
+bits; needed for ``targets=``, a padding ``mask=``, or a loss that is not a function of
+the output tensor): :meth:`~tengrad_fx.optim.step.skeleton.StepSkeleton.mc_capture`.
 """
 from __future__ import annotations
 
@@ -58,11 +60,11 @@ class TENGraD(StepSkeleton):
     is made on the device.
 
     Library defaults (no dataset named): the paper's curvature period ``T = 100`` and KL
-    clip 0.01, with the empirical Fisher, which needs no change to an SGD loop. Chosen from
+    clip 0.01, with the empirical Fisher (no extra backward). Chosen from
     measurements on 3C1F / Fashion-MNIST (docs/paper.md, "Fisher ablation"): the
     empirical Fisher at ``T = 1`` without a clip trains markedly worse (90.1 % vs 93.1 % in
-    10 epochs); the paper's MC Fisher adds 0.2 % there (``fisher="mc"`` and one
-    ``opt.mc_capture(out)`` line). For exact per-step updates pass ``curvature_every=1,
+    10 epochs); the paper's MC Fisher adds 0.2 % there (``fisher="mc"``, an extra
+    backward on curvature steps). For exact per-step updates pass ``curvature_every=1,
     kl_clip=None``.
 
     Args:
@@ -74,7 +76,8 @@ class TENGraD(StepSkeleton):
             ``J``) of the last curvature step are reused and capture is switched off,
             so those forwards cost what SGD's cost.
         fisher: ``"empirical"`` (G from the training loss), ``"mc"`` (labels sampled
-            from the model's prediction by :meth:`mc_capture`; needs ``mc_loss``) or
+            from the model's prediction, :meth:`mc_capture`, run by the optimizer itself
+            when the backward reaches the model's output; needs ``mc_loss``) or
             ``"gauss-newton"`` (exact GGN of ``½‖out − y‖²``, for regression with at most
             16 outputs: :meth:`mc_capture` runs one backward per output; see
             :mod:`tengrad_fx.optim.tengrad.gauss_newton`).
@@ -182,6 +185,7 @@ class TENGraD(StepSkeleton):
         self._warned_accum = False
         self._last_generation = info.store.generation
         self._gram_seconds = 0.0
+        self._watch_output()
         capturing(model, True)
 
     # ------------------------------------------------------------------ schedule
@@ -246,20 +250,18 @@ class TENGraD(StepSkeleton):
             self._restore_curvature(curv)
         capturing(self.model, self._needs_capture(self._sched))
 
-    def mc_capture(self, outputs: Tensor, targets: Optional[Tensor] = None) -> None:
-        """MC Fisher: before ``loss.backward()``, sample labels from ``outputs`` (or take
-        ``targets`` sampled by the caller) and run one backward that records ``G`` only (no
-        parameter gradients); ``fisher="gauss-newton"``: one such backward per output (exact
-        GGN). No-op for the empirical Fisher or on steps that reuse curvature."""
-        if self.fisher == "empirical" or not self._is_curvature_step():
-            return
+    def _mc_backward(self, outputs: Tensor, targets: Optional[Tensor], mask: Optional[Tensor]) -> None:
+        """:meth:`mc_capture`'s backward: one of sampled labels (``fisher="mc"``), or one per
+        output (``"gauss-newton"``: the exact GGN; no ``targets``/``mask`` there)."""
         weights = [layer.weight for layer in self._layers if layer.weight.requires_grad]
         if self.fisher == "gauss-newton":
+            if mask is not None or targets is not None:
+                raise ValueError("mc_capture: targets and mask are for fisher='mc' "
+                                 "(the Gauss-Newton Fisher samples nothing)")
             gauss_newton_capture(self._info.store, outputs, weights, self._info.loss_reduction,
                                  loss_scale=self._loss_scale())
         else:
-            mc_capture(self._info.store, outputs, self.mc_loss, weights, targets, self._loss_scale())
-        self._mc_done = True
+            mc_capture(self._info.store, outputs, self.mc_loss, weights, targets, self._loss_scale(), mask)
 
     # ------------------------------------------------------------------ curvature
     def _refresh(self, damping: float) -> None:
