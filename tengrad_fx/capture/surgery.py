@@ -86,5 +86,6 @@ def _output_class(cls: type[nn.Module]) -> type:
     """``cls`` whose forward passes its output to :func:`.output_hook.maybe_attach`."""
     if cls not in _OUTPUT:
         _OUTPUT[cls] = type(cls.__name__, (cls,), {"forward": _output_forward, "_tengrad_root_forward": cls.forward,
-                                                   "__module__": cls.__module__})
+                                                   "__module__": cls.__module__,  # a covered root stays one:
+                                                   "_tengrad_capturing": cls.__dict__.get("_tengrad_capturing", False)})
     return _OUTPUT[cls]
