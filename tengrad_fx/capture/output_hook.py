@@ -1,19 +1,20 @@
-"""A one-shot hook on a prepared model's output: the optimizer's own backward first.
+"""A one-shot site on a prepared model's output: the optimizer's own backward first.
 
 An optimizer with an MC ("true") or Gauss-Newton Fisher needs one backward of a loss of
 *sampled* labels through the graph of the batch before the training backward (it records
 ``G``; :func:`tengrad_fx.optim.step.mc.mc_capture`). With :func:`want_output` set for a
 model, every capturing forward (capture on, grad enabled: curvature/statistics steps
 only, so a reuse step pays nothing) calls :func:`attach` on its output ``out``
-(``[m, *]``; a mapping's ``"logits"``), which registers a tensor hook on it. When the
-user's ``loss.backward()`` reaches ``out`` — before anything below ``out`` has run — the
-hook calls the optimizer's callback with ``out``; the callback runs its sampled-loss
+(``[m, *]``; a mapping's ``"logits"``), which routes it through an identity autograd
+function (the output site; no hook). When the user's ``loss.backward()`` reaches the
+output — before anything below it has run — the site's backward calls the optimizer's
+callback with ``out``; the callback runs its sampled-loss
 backward (``retain_graph=True``, re-entrant in the engine) and switches recording off,
 then the training backward goes on unchanged. The result is bit for bit that of calling
 ``opt.mc_capture(out)`` before ``loss.backward()``: the same ``out``, the same RNG state
 (nothing else draws between the forward and the backward of a plain loop), the same ops.
 
-The hook fires once (its cell is emptied before the callback, so the callback's own
+The site fires once (its cell is emptied before the callback, so the callback's own
 backward through ``out`` does not re-enter it). Only the output of the latest capturing
 forward is held (:data:`_PENDING`); a forward that is never backpropagated keeps its
 output until the next capturing forward or :func:`release`.
@@ -52,7 +53,7 @@ def want_output(key: int, callback: Optional[Callable[[Tensor], None]]) -> None:
 
 
 def release(key: int) -> None:
-    """Forget the output held for ``key`` (its hook then does nothing)."""
+    """Forget the output held for ``key`` (its site then does nothing)."""
     cell = _PENDING.pop(key, None)
     if cell is not None:
         cell.clear()
@@ -79,22 +80,44 @@ def _fire(key: int, cell: list[Tensor], grad: Tensor) -> None:
             callback(out)
 
 
-@torch._dynamo.disable  # a tensor hook is registered eagerly (a graph break)
+class _OutputSite(torch.autograd.Function):
+    """Identity on the output ``[m, *]``; its backward first hands the output to the
+    optimizer's callback (:func:`_fire`), then passes the gradient on unchanged. Part of
+    the autograd graph, as the capture ops are: no hook."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, key: int, cell: list[Tensor]) -> Tensor:
+        ctx.key, ctx.cell = key, cell
+        # an alias without a view relation, as the capture ops return (in-place ops on the
+        # output stay allowed)
+        return torch.ops.aten._unsafe_view.default(t, t.shape) if t.is_contiguous() else t.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        _fire(ctx.key, ctx.cell, grad)
+        return grad, None, None
+
+
+@torch._dynamo.disable  # the output site runs eagerly (a graph break)
 def attach(key: int, out: Any) -> Any:
-    """Register the one-shot hook on ``out`` (module docstring); returns ``out``."""
+    """Route ``out`` (a tensor, or a mapping's ``"logits"``) through the one-shot output
+    site (module docstring); returns the output to hand on."""
     t = _output_tensor(out)
     if t is None or not t.requires_grad:
         return out
     release(key)
     cell = [t]
     _PENDING[key] = cell
-    t.register_hook(lambda grad: _fire(key, cell, grad))
+    routed = _OutputSite.apply(t, key, cell)
+    if isinstance(out, Tensor):
+        return routed
+    out["logits"] = routed
     return out
 
 
 @contextlib.contextmanager
 def muted(key: int) -> Iterator[None]:
-    """Within the block the hooks of ``key`` fire without calling the optimizer (forwards
+    """Within the block the output sites of ``key`` fire without calling the optimizer (forwards
     and backwards that are not training steps: a compile warm-up); the forwards attach as
     in training, so they run (and compile) the same code."""
     _MUTED.add(key)

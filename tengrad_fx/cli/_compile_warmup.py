@@ -47,7 +47,7 @@ def warm_up(forward: Callable[[torch.Tensor], torch.Tensor], model: torch.nn.Mod
     try:
         for p in grads:
             p.grad = None
-        with mute:  # an optimizer's output hook (MC Fisher) attaches, but runs nothing
+        with mute:  # an optimizer's output site (MC Fisher) is attached, but runs nothing
             for on in kinds:
                 for m in sizes:
                     with capturing(model, on) if on is not None else contextlib.nullcontext():

@@ -201,7 +201,7 @@ class StepSkeleton(torch.optim.Optimizer):
             return owner.mc_capture(outputs, targets, mask)  # type: ignore[attr-defined]
         if self.fisher == "empirical" or self._mc.done or not self._needs_capture(self._sched):
             return None
-        release(self._info.store.key)  # the output hook: its backward is this one
+        release(self._info.store.key)  # the output site: its backward is this one
         self._mc_backward(outputs, targets, mask)
         self._mc.done = True
         return None
