@@ -30,6 +30,8 @@ from typing import Any, Callable, Literal, Optional
 import torch
 from torch import Tensor
 
+from .inputs import tensor_leaves
+
 __all__ = ["CHECK", "kept_apart", "copy_aliased", "verify", "RecordOverwritten"]
 
 # When the recorded tensors of a custom-op capture are fingerprinted (module docstring).
@@ -59,18 +61,10 @@ def kept_apart(body: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             _PENDING = outer
         if recorded:
-            copy_aliased(recorded, _tensors(args) + _tensors(out))
+            copy_aliased(recorded, tensor_leaves((args, out)))
         return out
 
     return run
-
-
-def _tensors(xs: Any) -> list[Tensor]:
-    if isinstance(xs, Tensor):
-        return [xs]
-    if isinstance(xs, (tuple, list)):
-        return [t for x in xs for t in _tensors(x)]
-    return []
 
 
 def note(store: Any, site: int, rec: Any) -> None:

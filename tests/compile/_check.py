@@ -35,10 +35,11 @@ def prepare(name: str, dtype: torch.dtype = torch.float64, train: bool = True,
 
 
 def backward(pm: nn.Module, fwd: Any, name: str, m: int, seed: int = 0,
-             dtype: torch.dtype = torch.float64) -> Snapshot:
+             dtype: torch.dtype = torch.float64, device: str = "cpu") -> Snapshot:
+    """The records of one backward through ``fwd`` on ``device``, on the CPU."""
     x, y = batch(name, m, seed, dtype)
-    F.cross_entropy(fwd(x), y).backward()
-    return snapshot(pm)
+    F.cross_entropy(fwd(x.to(device)), y.to(device)).backward()
+    return {k: v.cpu() for k, v in snapshot(pm).items()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,12 +56,7 @@ def compiled_records(name: str, sizes: tuple[int, ...], dtype: torch.dtype = tor
     _, pm = prepare(name, dtype, train, jacobian)
     pm.to(device)
     fwd = torch.compile(pm, **compile_kw)
-    out = []
-    for i, m in enumerate(sizes):
-        x, y = batch(name, m, i, dtype)
-        F.cross_entropy(fwd(x.to(device)), y.to(device)).backward()
-        out.append({k: v.cpu() for k, v in snapshot(pm).items()})
-    return out
+    return [backward(pm, fwd, name, m, i, dtype, device) for i, m in enumerate(sizes)]
 
 
 def assert_per_sample(orig: nn.Module, pm: nn.Module, name: str, m: int, seed: int, tol: float,
