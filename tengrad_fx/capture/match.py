@@ -3,21 +3,25 @@
 A module is *covered* when its forward is exactly ``F.linear`` / ``ConvNd`` /
 ``ConvTransposeNd`` on its own ``weight`` and ``bias``: ``nn.Linear``, ``nn.Conv1d/2d/3d``,
 ``nn.ConvTranspose1d/2d/3d`` and subclasses that do not override ``forward`` (plus a short
-allowlist of known-exact subclasses), or a norm layer with affine parameters (:mod:`.norm`:
-BatchNorm, LayerNorm, GroupNorm, RMSNorm and timm's variants). Everything else
-is left alone and its parameters fall back to SGD-momentum, with a reason.
+allowlist of known-exact subclasses), Hugging Face's ``Conv1D`` (a Linear with its weight
+stored transposed, ``[d_in, d_out]``), or a norm layer with affine parameters (:mod:`.norm`:
+BatchNorm, LayerNorm, GroupNorm, RMSNorm, timm's variants and RMSNorm-shaped modules
+recognised by a probe). Everything else is left alone and its parameters fall back to
+SGD-momentum, with a reason.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+import sys
+
 import torch.nn as nn
 
 from .embedding import match_embedding
 from .norm import match_norm
 
-__all__ = ["LayerSpec", "match_module", "conv_call_args"]
+__all__ = ["LayerSpec", "match_module", "conv_call_args", "spec_args", "is_transposed_linear"]
 
 Kind = Literal["linear", "conv1d", "conv2d", "conv3d",
                "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
@@ -58,6 +62,34 @@ def _dynamic_same() -> set[type]:
         return set()
 
 
+def _hf_conv1d() -> Optional[type]:
+    """Hugging Face's ``transformers.pytorch_utils.Conv1D`` if transformers is loaded (a
+    model holding one has loaded it; the library never imports transformers itself)."""
+    mod = sys.modules.get("transformers.pytorch_utils")
+    cls = getattr(mod, "Conv1D", None) if mod is not None else None
+    return cls if isinstance(cls, type) else None
+
+
+def is_transposed_linear(mod: nn.Module) -> bool:
+    """Whether ``mod`` is a Hugging Face ``Conv1D`` (``y = x @ W + b``, ``W [d_in, d_out]``),
+    subclasses included (:func:`match_module` checks their ``forward``)."""
+    cls = _hf_conv1d()
+    return cls is not None and isinstance(mod, cls)
+
+
+def _match_transposed_linear(mod: nn.Module) -> tuple[Optional[Kind], str]:
+    cls = _hf_conv1d()
+    assert cls is not None
+    if type(mod).forward is not cls.forward and not type(mod).__dict__.get("_tengrad_capturing", False):  # type: ignore[attr-defined]
+        return None, f"{type(mod).__name__} overrides Conv1D.forward (not provably exact)"
+    w, b = getattr(mod, "weight", None), getattr(mod, "bias", None)
+    if not isinstance(w, nn.Parameter) or w.dim() != 2 or not (b is None or isinstance(b, nn.Parameter)):
+        return None, "Conv1D weight or bias is not a Parameter of the expected shape"
+    if b is not None and tuple(b.shape) != (w.shape[1],):
+        return None, "Conv1D bias shape does not match its weight [d_in, d_out]"
+    return "linear", ""
+
+
 def pad_same_input(x: Any, kernel: tuple[int, ...], stride: tuple[int, ...],
                    dilation: tuple[int, ...]) -> Any:
     """``x [m, c, h, w]`` padded as timm's ``Conv2dSame`` pads it (asymmetric TF 'SAME')."""
@@ -85,7 +117,7 @@ class LayerSpec:
     groups: int = 1
     pre_pad: Optional[tuple[int, ...]] = None
     pad_mode: str = "constant"
-    transposed: bool = False  # ConvTransposeNd: weight [c_in, c_out/g, *k]
+    transposed: bool = False  # ConvTransposeNd: weight [c_in, c_out/g, *k]; linear: weight [d_in, d_out]
     output_padding: tuple[int, ...] = ()
     dynamic_same: bool = False  # pad_same_input() before the conv (timm Conv2dSame)
     # probed shapes of the (padded) inputs, per site, at the probe's batch size
@@ -112,10 +144,23 @@ def match_module(mod: nn.Module) -> tuple[Optional[Kind], str]:
             if not isinstance(mod.weight, nn.Parameter):
                 return None, "weight is not a Parameter"
             return kind, ""
+    if is_transposed_linear(mod):
+        return _match_transposed_linear(mod)
     kind, why = match_norm(mod)  # type: ignore[assignment]
     if kind is not None or why:
         return kind, why
     return match_embedding(mod)
+
+
+def spec_args(mod: nn.Module, kind: str) -> dict[str, Any]:
+    """The :class:`LayerSpec` fields a covered module of ``kind`` needs beyond its name:
+    :func:`conv_call_args` for convolutions, ``transposed=True`` for a Hugging Face
+    ``Conv1D`` (a Linear whose weight is ``[d_in, d_out]``), none for the other kinds."""
+    if kind.startswith("conv"):
+        return conv_call_args(mod)
+    if kind == "linear" and is_transposed_linear(mod):
+        return dict(transposed=True)
+    return {}
 
 
 def conv_call_args(mod: nn.Module) -> dict[str, Any]:

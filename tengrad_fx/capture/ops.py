@@ -111,14 +111,18 @@ def _linear_backward(grad: Tensor, x: Tensor, weight: Tensor, has_bias: bool, ne
         gx = grad.matmul(weight) if need_input else grad.new_empty(0)
         if store.wants_jacobian(site):  # per-sample gradients, accumulated and kept in fp32
             m, o = x.shape[0], weight.shape[0]
-            gs = acc(grad).reshape(m, -1, o)
-            P = torch.bmm(gs.transpose(1, 2), acc(x).reshape(m, -1, x.shape[-1])).reshape(m, -1)
+            gs, xs = acc(grad).reshape(m, -1, o), acc(x).reshape(m, -1, x.shape[-1])
+            # P in the parameter's layout: [m, d_out·d_in], or [m, d_in·d_out] for a weight
+            # stored as [d_in, d_out] (given here as its transpose ``weight``)
+            transposed = site in store.transposed_sites
+            P = (torch.bmm(xs.transpose(1, 2), gs) if transposed else torch.bmm(gs.transpose(1, 2), xs)).reshape(m, -1)
             gsum = gs.sum(1)
             store.record(site, Record(None, None, P, gsum, tuple(x.shape)))
             if store.grad_only:
                 return gx, grad.new_zeros(weight.shape), grad.new_zeros(o if has_bias else 0)
             gb = as_dtype(gsum.sum(0), grad.dtype) if has_bias else grad.new_empty(0)
-            return gx, as_dtype(P.sum(0).view(weight.shape), weight.dtype), gb
+            gw = P.sum(0).view(weight.shape[1], o).t() if transposed else P.sum(0).view(weight.shape)
+            return gx, as_dtype(gw, weight.dtype), gb
         store.record(site, Record(x, grad))
         if store.grad_only:  # MC-Fisher pass: G only, no parameter gradients
             return gx, grad.new_zeros(weight.shape), grad.new_zeros(weight.shape[0] if has_bias else 0)
@@ -160,13 +164,17 @@ def _(grad, x, weight, has_bias, need_input, key, site):  # type: ignore[no-unty
 
 def linear(
     x: Tensor, weight: Tensor, bias: Optional[Tensor], key: int, site: int,
-    batch: Optional[int] = None, name: str = "",
+    batch: Optional[int] = None, name: str = "", transposed: bool = False,
 ) -> Tensor:
     """``F.linear(x, weight, bias)`` that records ``(x, dL/dy)`` when capture is on.
 
-    x: ``[m, *, d_in]``; weight: ``[d_out, d_in]``; returns ``[m, *, d_out]``. Under
-    ``torch.autocast`` the arguments are cast as for ``aten::linear`` (:mod:`.amp`).
+    x: ``[m, *, d_in]``; weight: ``[d_out, d_in]`` (``transposed``: ``[d_in, d_out]``, as
+    Hugging Face's ``Conv1D`` stores it, ``y = x @ weight + bias``); returns ``[m, *, d_out]``.
+    The records are a Linear's either way. Under ``torch.autocast`` the arguments are cast
+    as for ``aten::linear`` (:mod:`.amp`).
     """
+    if transposed:
+        weight = weight.t()
     x, weight, bias = cast_lower(x, weight, bias)  # type: ignore[assignment]
     if PROBE is not None:
         probe(key, site, x)

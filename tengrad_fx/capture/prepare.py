@@ -12,7 +12,7 @@ from .._compile import keep_saved_tensors
 from .plain import compiled_forward, drop_dead_attributes, install_forward, plain_graph
 from .info import ATTR, PrepareInfo, get_info
 from .inputs import as_call, leading_dim
-from .match import LayerSpec, conv_call_args, match_module, pad_same_input
+from .match import LayerSpec, match_module, pad_same_input, spec_args
 from .norm import NORM_KINDS
 from .sharing import OURS, drop_layer, note_functional_uses
 from .store import CaptureStore
@@ -119,6 +119,8 @@ def prepare(
     if example_inputs is not None:
         verify_samples(prepared, info, example_inputs)
     info.store.site_names = {site: spec.name for spec in info.layers for site in spec.sites}
+    info.store.transposed_sites = frozenset(site for spec in info.layers if spec.kind == "linear" and spec.transposed
+                                            for site in spec.sites)
     _classify_params(model, info)
     return prepared
 
@@ -209,10 +211,7 @@ def _rewrite(graph: fx.Graph, candidates: dict[str, nn.Module], layers: dict[str
         spec = layers.get(name)
         if spec is None:
             kind, _ = match_module(mod)
-            spec = LayerSpec(name=name, kind=kind, module=mod)  # type: ignore[arg-type]
-            if kind != "linear" and kind not in NORM_KINDS and kind != "embedding":
-                for k, v in conv_call_args(mod).items():
-                    setattr(spec, k, v)
+            spec = LayerSpec(name=name, kind=kind, module=mod, **spec_args(mod, kind))  # type: ignore[arg-type]
             layers[name] = spec
         site = next_site[0]
         next_site[0] += 1
@@ -243,6 +242,8 @@ def _rewrite(graph: fx.Graph, candidates: dict[str, nn.Module], layers: dict[str
                     n.meta[OURS] = True  # not a use outside the layer call
             kw: dict[str, Any] = dict(key=key, site=site, batch=batch_node, name=name)
             if spec.kind == "linear":
+                if spec.transposed:  # Hugging Face Conv1D: weight [d_in, d_out]
+                    kw.update(transposed=True)
                 new = graph.call_function(ops.linear, (x_arg, w, b), kw)
             else:
                 kw.update(pre_pad=spec.pre_pad, pad_mode=spec.pad_mode)

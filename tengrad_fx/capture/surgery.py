@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from . import embedding, norm, ops
-from .match import LayerSpec, conv_call_args, match_module, pad_same_input
+from .match import LayerSpec, match_module, pad_same_input, spec_args
 from .norm import NORM_KINDS
 from .output_hook import maybe_attach
 from .sharing import note_tied, param_owners
@@ -24,10 +24,7 @@ def prepare_surgery(model: nn.Module, candidates: dict[str, nn.Module]) -> tuple
     layers = []
     for site, (name, mod) in enumerate(candidates.items()):
         kind, _ = match_module(mod)
-        spec = LayerSpec(name=name, kind=kind, module=mod, sites=[site])  # type: ignore[arg-type]
-        if kind != "linear" and kind not in NORM_KINDS and kind != "embedding":
-            for k, v in conv_call_args(mod).items():
-                setattr(spec, k, v)
+        spec = LayerSpec(name=name, kind=kind, module=mod, sites=[site], **spec_args(mod, kind))  # type: ignore[arg-type]
         mod.__class__ = _capturing_class(type(mod))
         mod.__dict__["_tengrad_call"] = (store.key, spec)
         layers.append(spec)
@@ -51,7 +48,7 @@ def _capturing_forward(self, input, output_size=None):  # type: ignore[no-untype
     if spec.kind == "embedding":
         return embedding.embedding(x, self.weight, self.padding_idx, key, spec.sites[0], name=spec.name)
     if spec.kind == "linear":
-        return ops.linear(x, self.weight, self.bias, key, spec.sites[0], name=spec.name)
+        return ops.linear(x, self.weight, self.bias, key, spec.sites[0], name=spec.name, transposed=spec.transposed)
     extra: dict[str, Any] = {}
     if spec.transposed:  # ConvTransposeNd.forward(input, output_size=None)
         nd = self.weight.dim() - 2

@@ -14,7 +14,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .functional import traceable_override
-from .match import _BASES, match_module
+from .match import _BASES, is_transposed_linear, match_module
 from .norm import is_norm_leaf
 from .transformer import traced_forward
 
@@ -40,8 +40,8 @@ class _Tracer(fx.Tracer):
         if isinstance(m, tuple(_BASES)):  # covered or not, a Linear/Conv stays one node, unless
             # its own forward overrides the base one and traces (timm's "notrace" ones do not)
             return bool(self._leaf_types and isinstance(m, self._leaf_types)) or not traceable_override(m)
-        if is_norm_leaf(m):  # a norm layer with a capture path (timm's too) stays one node
-            return True
+        if is_norm_leaf(m) or is_transposed_linear(m):  # a norm layer with a capture path (timm's
+            return True  # too), a Hugging Face Conv1D: one node
         if traced_forward(m) is not None:  # torch transformer modules, timm MobileVitBlock: traced through
             return False
         if self._leaf_types and isinstance(m, self._leaf_types):

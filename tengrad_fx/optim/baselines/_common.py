@@ -66,9 +66,14 @@ class Block:
     def numel(self) -> int:
         return sum(p.numel() for p in self.params)
 
+    @property
+    def transposed(self) -> bool:
+        """A Linear whose weight is stored ``[d_in, d_out]`` (Hugging Face ``Conv1D``)."""
+        return self.layer.kind == "linear" and self.layer.spec.transposed
+
     def matrix(self, w: Tensor, b: Optional[Tensor]) -> Tensor:
         """Weight-shaped ``w`` and bias-shaped ``b`` as ``[g, o, f + b]``."""
-        mat = w.reshape(self.g, self.o, self.f)
+        mat = (w.t() if self.transposed else w).reshape(self.g, self.o, self.f)
         if self.has_bias:
             assert b is not None
             mat = torch.cat([mat, b.reshape(self.g, self.o, 1)], 2)
@@ -86,7 +91,9 @@ class Block:
     def split(self, mat: Tensor) -> dict[torch.nn.Parameter, Tensor]:
         """Inverse of :meth:`matrix`: ``{param: tensor shaped like param}``."""
         w, *b = self.params
-        out = {w: mat[..., : self.f].reshape(w.shape).to(w.dtype)}
+        mw = mat[..., : self.f]
+        mw = mw.reshape(self.o, self.f).t() if self.transposed else mw.reshape(w.shape)
+        out = {w: mw.to(w.dtype)}
         if b:
             out[b[0]] = mat[..., self.f].reshape(b[0].shape).to(b[0].dtype)
         return out
@@ -103,7 +110,7 @@ def make_blocks(layers: list[CoveredLayer], kronecker: bool = True) -> list[Bloc
         params = [p for p in (layer.weight, layer.bias) if p is not None]
         if not all(p.requires_grad for p in params):
             continue
-        if kronecker and layer.spec.transposed:
+        if kronecker and layer.spec.transposed and layer.kind != "linear":
             skipped.append(layer.name)
             continue
         w = layer.weight
@@ -112,7 +119,11 @@ def make_blocks(layers: list[CoveredLayer], kronecker: bool = True) -> list[Bloc
         if layer.kind in NORM_KINDS:  # C groups of a 1-in, 1-out layer (curvature/norm.py)
             out.append(Block(layer, params, w.numel(), 1, 1))
             continue
-        g = layer.spec.groups if layer.kind != "linear" else 1
+        if layer.kind == "linear":  # weight [o, f], or [f, o] stored transposed
+            o, f = (w.shape[1], w.shape[0]) if layer.spec.transposed else (w.shape[0], w.shape[1])
+            out.append(Block(layer, params, 1, o, f))
+            continue
+        g = layer.spec.groups
         out.append(Block(layer, params, g, w.shape[0] // g, w[0].numel()))
     if skipped:
         warnings.warn(f"no Kronecker-factored curvature for transposed convolutions {skipped}: their "

@@ -43,6 +43,8 @@ def cross_entropy_scale(layers: list[CoveredLayer]) -> Optional[tuple[float, str
         if G.shape[1] < 2 or not bool(torch.isfinite(G).all()):
             continue
         w = layer.weight.detach().double()
+        if layer.spec.transposed:  # Hugging Face Conv1D: weight [d_in, d_out]
+            w = w.t()
         b = layer.bias.detach().double() if layer.bias is not None else None
         p = torch.softmax(F.linear(I, w, b), 1)
         d = p - F.one_hot(G.argmin(1), G.shape[1]).to(p.dtype)

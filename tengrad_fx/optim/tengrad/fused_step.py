@@ -1,7 +1,8 @@
 """``TENGraD(compile=True)``: curvature steps by :func:`~tengrad_fx.optim.tengrad.fused.fused_update`.
 
 :class:`FusedStep` gathers every covered layer's record in the fused function's input form
-(materialized ``P [m, n]`` or a single-position Linear's ``I [m, f]``, ``G [m, o]``), runs it
+(materialized ``P [m, n]`` or a single-position Linear's ``I [m, f]``, ``G [m, o]``; a
+transposed Linear's ``J`` in its weight's layout), runs it
 under ``torch.compile`` (eager, with one warning, if compilation fails) and splits the flat
 per-layer updates back into ``{param: u}``.
 
@@ -60,7 +61,11 @@ class FusedStep:
                 Jb = r.Gsum * k if layer.bias is not None else r.P.new_zeros(r.m, 0)
                 ins.append(("J", r.P * k, Jb))
             elif layer.kind == "linear" and r.I is not None and r.I.dim() == 2:
-                ins.append(("IG", r.I, r.G * k, layer.bias is not None))
+                if layer.spec.transposed:  # weight [d_in, d_out]: J in the parameter's layout
+                    Jw, Jb = layer.per_sample_grads()
+                    ins.append(("J", Jw.flatten(1), Jb if Jb is not None else Jw.new_zeros(r.m, 0)))
+                else:
+                    ins.append(("IG", r.I, r.G * k, layer.bias is not None))
             else:
                 return None
             used.append((params, r.m))

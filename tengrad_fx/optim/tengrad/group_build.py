@@ -5,7 +5,7 @@
 1. **Equal shapes.** Layers of one form and one shape (and scale ``k``, dtypes, conv
    geometry) are stacked along a layer axis: ``"P"`` (materialized per-sample
    gradients, within ``jacobian_budget_mb``), ``"IG"`` (factored Linears with one position
-   per sample), ``"conv"`` (convolutions kept as ``I, G``), else ``"layer"`` (one each).
+   per sample, weight ``[d_out, d_in]``), ``"conv"`` (convolutions kept as ``I, G``), else ``"layer"`` (one each).
 2. **Packing small ``"P"`` groups.** Each group is one set of batched ops per step (Gram,
    ``J g``, probe, ``Jᵀ c``, Woodbury: ~35 kernels on a curvature step), launched whatever
    its size, so many small groups (the norm layers' ``γ, β``: ``n = 2C``, the first
@@ -270,7 +270,8 @@ def build_groups(layers: list[CoveredLayer], strategy: str, budget: Optional[flo
                     del Pw, Pb  # no local may hold a record's tensor once it is stacked
                     continue
                 del Pw, Pb
-        elif layer.kind == "linear" and len(recs) == 1 and recs[0].I is not None and recs[0].I.dim() == 2:
+        elif layer.kind == "linear" and not layer.spec.transposed and len(recs) == 1 and recs[0].I is not None \
+                and recs[0].I.dim() == 2:
             I, G = recs[0].I, recs[0].G
             assert G is not None
             key = ("IG", I.shape[1], G.shape[1], bias is not None, k, I.dtype)  # type: ignore[assignment]
