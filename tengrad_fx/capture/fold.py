@@ -19,6 +19,7 @@ from torch import Tensor
 
 from . import ops
 from .inputs import map_tensors, resize_batch, run_call
+from .norm import normalized_ndim
 
 __all__ = ["FOLDABLE", "fold_keep", "find_folds"]
 
@@ -27,7 +28,7 @@ FOLDABLE = ("linear", "layernorm", "rmsnorm")
 
 def fold_keep(spec: Any) -> int:
     """Trailing dims of the layer input that are not rows (the features)."""
-    return 1 if spec.kind == "linear" else len(spec.module.normalized_shape)
+    return 1 if spec.kind == "linear" else normalized_ndim(spec.module)
 
 
 def _perturbed(inputs: Sequence[Any], i: int) -> tuple[list[Any], bool]:

@@ -1,7 +1,9 @@
 """Norm layers as capture sites: which classes, and how each is run with capture on.
 
 A norm layer's output is ``y = γ ⊙ x̂ + β`` with ``x̂`` the normalized input
-(BatchNorm 1d/2d/3d, LayerNorm, GroupNorm, RMSNorm and timm's variants). The rewritten
+(BatchNorm 1d/2d/3d, LayerNorm, GroupNorm, RMSNorm and timm's variants; RMSNorm-shaped
+modules such as Hugging Face's ``LlamaRMSNorm``/``T5LayerNorm``/``GemmaRMSNorm``, recognised
+by structure and a probe, :mod:`.rms_probe`). The rewritten
 call runs the module's own computation through a capture op of :mod:`.norm_ops` (aten's
 fused kernel for BatchNorm/LayerNorm/GroupNorm, the module's composite ops split at the
 affine for RMSNorm), whose backward records ``(x̂, G)`` or the per-sample gradients
@@ -33,9 +35,11 @@ from torch import Tensor
 
 from . import norm_ops, ops
 from .amp import acc, as_dtype, cast_like_aten
+from .rms_probe import probe_form, rms_shaped, run_form
 from .rows import FOLDS, fold_rows, unfold_rows
 
-__all__ = ["NORM_KINDS", "CHANNEL_FIRST", "match_norm", "norm_entry", "is_norm_leaf", "norm", "BN_NOTE"]
+__all__ = ["NORM_KINDS", "CHANNEL_FIRST", "match_norm", "norm_entry", "is_norm_leaf", "norm", "BN_NOTE",
+           "normalized_ndim"]
 
 NORM_KINDS = ("batchnorm", "layernorm", "groupnorm", "rmsnorm", "layernorm2d", "rmsnorm2d")
 CHANNEL_FIRST = frozenset({"batchnorm", "groupnorm", "rmsnorm2d"})
@@ -55,6 +59,7 @@ class NormEntry:
     kind: str
     run: Run
     post: Optional[Callable[[nn.Module, Tensor], Tensor]] = None
+    form: Optional[tuple[str, str]] = None  # an RMSNorm-shaped class: (probed form, eps attribute)
 
 
 # --------------------------------------------------------------------------- forward per class
@@ -126,6 +131,7 @@ def _drop_act(mod: Any, y: Tensor) -> Tensor:
 
 _TABLE: Optional[dict[type, NormEntry]] = None
 _ENTRIES: dict[type, Optional[NormEntry]] = {}  # norm_entry by module class (read per layer call)
+_PROBED: dict[type, NormEntry] = {}  # RMSNorm-shaped classes an instance of which passed the probe
 
 
 def _table() -> dict[type, NormEntry]:
@@ -172,7 +178,7 @@ def norm_entry(mod: nn.Module) -> Optional[NormEntry]:
 def _find_entry(mod_cls: type) -> Optional[NormEntry]:
     table = _table()
     for cls in mod_cls.__mro__:
-        entry = table.get(cls)
+        entry = table.get(cls) or _PROBED.get(cls)
         if entry is not None:
             return entry if mod_cls.forward is cls.forward or _is_capturing(mod_cls) else None  # type: ignore[attr-defined]
     return None
@@ -191,6 +197,10 @@ def match_norm(mod: nn.Module) -> tuple[Optional[str], str]:
     """``(kind, "")`` for a covered norm layer, ``(None, reason)`` for a norm layer that
     is not, ``(None, "")`` for anything else (or a norm layer without affine parameters)."""
     entry = norm_entry(mod)
+    if entry is None or entry.form is not None:
+        kind, why = _match_rms_shaped(mod)
+        if kind is not None or why or entry is not None:
+            return kind, why
     if entry is None:
         base = next((c for c in type(mod).__mro__[1:] if c in _table()), None)
         if base is not None and getattr(mod, "weight", None) is not None:
@@ -204,6 +214,34 @@ def match_norm(mod: nn.Module) -> tuple[Optional[str], str]:
     if getattr(mod, "_fast_norm", False) or getattr(mod, "fast_norm", False):
         return None, "timm fast_norm (APEX) kernels have no capture path"
     return entry.kind, ""
+
+
+def _match_rms_shaped(mod: nn.Module) -> tuple[Optional[str], str]:
+    """``("rmsnorm", "")`` for an RMSNorm-shaped module whose forward passes the probe
+    (:mod:`.rms_probe`; its class is then captured by the probed form), ``(None, reason)``
+    for one that does not, ``(None, "")`` for a module of another shape."""
+    eps_name = rms_shaped(mod)
+    if eps_name is None:
+        return None, ""
+    cls = type(mod).__dict__.get("_tengrad_base", type(mod))
+    form = probe_form(mod, eps_name)
+    if form is None:
+        return None, (f"{cls.__name__}: RMSNorm-shaped, but on a probe its forward is not x̂·γ or x̂·(1+γ) "
+                      f"with x̂ = x·rsqrt(mean(x²) + {eps_name}) (not provably exact)")
+    entry = _PROBED.get(cls)
+    if entry is None:
+        _PROBED[cls] = NormEntry(cls, "rmsnorm", run_form(form, eps_name), form=(form, eps_name))
+        _ENTRIES.clear()  # classes cached without an entry are looked up again
+    elif entry.form != (form, eps_name):
+        return None, f"{cls.__name__}: instances compute different RMSNorm forms on the probe ({entry.form[0]}, {form})"  # type: ignore[index]
+    return "rmsnorm", ""
+
+
+def normalized_ndim(mod: nn.Module) -> int:
+    """Number of trailing dims a trailing-kind norm layer normalizes (its weight's dims
+    for an RMSNorm-shaped module without ``normalized_shape``)."""
+    shape = getattr(mod, "normalized_shape", None)
+    return len(shape) if shape is not None else mod.weight.dim()  # type: ignore[operator]
 
 
 def norm(x: Tensor, mod: nn.Module, key: int, site: int, batch: Optional[int] = None,
@@ -221,7 +259,7 @@ def norm(x: Tensor, mod: nn.Module, key: int, site: int, batch: Optional[int] = 
         return entry.cls.forward(mod, x)  # type: ignore[attr-defined]
     fold = FOLDS.get((key, site)) if FOLDS else None
     if fold is not None:  # a folded batch (trailing kinds only, see fold.FOLDABLE)
-        keep = len(mod.normalized_shape)  # type: ignore[arg-type]
+        keep = normalized_ndim(mod)
         y = entry.run(mod, fold_rows(x, fold, keep, name), key, site)
         y = unfold_rows(y, fold, x.shape[:x.dim() - keep])
     else:
