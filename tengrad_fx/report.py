@@ -87,7 +87,8 @@ def report(model: nn.Module, m: int = 128) -> Report:
     """Every parameter of a prepared model: covered (layer kind, shapes, Gram strategy at
     batch ``m`` from the probed input shapes), fallback (reason), or frozen
     (``requires_grad=False`` now: not preconditioned; a covered layer's parameter is
-    covered again once unfrozen, without a new prepare)."""
+    covered again once unfrozen, without a new prepare). A covered layer's trainable bias
+    under a frozen weight is covered as a bias-only layer (BitFit)."""
     info = get_info(model)
     by_layer = {spec.name: spec for spec in info.layers}
     rows = []
@@ -99,8 +100,8 @@ def report(model: nn.Module, m: int = 128) -> Report:
             rows.append((pname, "frozen", "requires_grad=False: not preconditioned" + (
                 f"; layer '{layer or '(root)'}' covers it when unfrozen" if layer is not None else "")))
         elif layer is not None and not by_layer[layer].weight.requires_grad:
-            rows.append((pname, "fallback", f"the weight of layer '{layer or '(root)'}' is frozen: "
-                                            "this bias gets the SGD-momentum update"))
+            rows.append((pname, "covered", f"bias-only {by_layer[layer].kind} '{layer or '(root)'}' "
+                         f"{tuple(p.shape)} (weight frozen): per-sample gradient Σ_s G, no input kept"))
         elif layer is not None and by_layer[layer].kind == "param":
             rows.append((pname, "covered", f"added parameter {tuple(p.shape)} at {len(by_layer[layer].sites)} "
                          "use(s), per-sample gradient summed over broadcast dims"))

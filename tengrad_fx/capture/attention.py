@@ -130,8 +130,8 @@ def mha(mod: nn.MultiheadAttention, query: Tensor, key: Tensor, value: Tensor,
             for s in sites:
                 ops.PROBE[(store_key, s)] = (-1,)
         return forward(mod, *args)
-    w0 = mod.in_proj_weight if mod._qkv_same_embed_dim else mod.q_proj_weight
-    if not ops._active(store_key, query, w0, None) and ops.PROBE is None:
+    capture = ops.ENABLED.get(store_key, False) and torch.is_grad_enabled()
+    if ops.PROBE is None and not (capture and any(p.requires_grad for p in mod.parameters())):
         return forward(mod, *args)  # (prepare's probes run the decomposition: its shapes)
     return _decomposed(mod, *args, store_key=store_key, sites=list(sites), batch=batch, name=name)
 

@@ -56,6 +56,7 @@ def use_custom_ops() -> bool:
 
 def capture_op(name: str, forward: Callable[..., Any], backward: Callable[..., Any], setup: Setup,
                formula: Formula, eager_forward: Optional[Callable[..., Any]] = None,
+               eager_backward: Optional[Callable[..., Any]] = None,
                ) -> tuple[Any, Any, type[torch.autograd.Function]]:
     """Both forms of one capture op kind from one implementation.
 
@@ -63,7 +64,9 @@ def capture_op(name: str, forward: Callable[..., Any], backward: Callable[..., A
     (body ``backward``) with autograd ``formula(torch.ops.tengrad_fx.<name>_backward, ctx,
     *grads)`` after ``setup(ctx, inputs, output)``, and makes the eager
     ``autograd.Function`` whose forward is ``eager_forward`` (default ``forward``) and
-    whose backward is ``formula(backward, ctx, *grads)``: the same bodies, called directly.
+    whose backward is ``formula(eager_backward or backward, ctx, *grads)``: the same bodies,
+    called directly (an eager body may return an alias of its arguments, which a custom
+    op may not).
     Returns ``(forward op, backward op, Function)``; the caller registers the fake kernels.
     """
     op = torch.library.custom_op(f"tengrad_fx::{name}", forward, mutates_args=(), tags=_TAGS)
@@ -72,7 +75,7 @@ def capture_op(name: str, forward: Callable[..., Any], backward: Callable[..., A
                                           mutates_args=(), schema=schema, tags=_TAGS)
     dispatched = getattr(torch.ops.tengrad_fx, f"{name}_backward")
     op.register_autograd(lambda ctx, *grads: formula(dispatched, ctx, *grads), setup_context=setup)
-    return op, op_backward, _function(name, eager_forward or forward, setup, backward, formula)
+    return op, op_backward, _function(name, eager_forward or forward, setup, eager_backward or backward, formula)
 
 
 def _function(name: str, forward: Callable[..., Any], setup: Setup, backward: Callable[..., Any],

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
@@ -60,6 +61,12 @@ class NormEntry:
     run: Run
     post: Optional[Callable[[nn.Module, Tensor], Tensor]] = None
     form: Optional[tuple[str, str]] = None  # an RMSNorm-shaped class: (probed form, eps attribute)
+
+    def affine(self, mod: nn.Module, x: Tensor) -> Tensor:
+        """The module's plain ``γ ⊙ x̂ + β`` (its own forward, or its norm base class's
+        where ``post`` follows)."""
+        base = self.cls if self.post is None else nn.modules.batchnorm._BatchNorm
+        return base.forward(mod, x)  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------- forward per class
@@ -256,7 +263,14 @@ def norm(x: Tensor, mod: nn.Module, key: int, site: int, batch: Optional[int] = 
     if ops.PROBE is not None:
         ops.probe(key, site, x)
     if not ops._active(key, x, mod.weight):  # type: ignore[arg-type]
-        return entry.cls.forward(mod, x)  # type: ignore[attr-defined]
+        bias = getattr(mod, "bias", None)  # RMSNorm has none
+        if bias is None or not (bias.requires_grad and ops.ENABLED.get(key, False) and torch.is_grad_enabled()):
+            return entry.cls.forward(mod, x)  # type: ignore[attr-defined]
+        # a frozen γ and a trainable β: the plain affine output through the bias site
+        channel_first = entry.kind in CHANNEL_FIRST or entry.kind == "layernorm2d"
+        keep = 0 if channel_first else len(mod.normalized_shape)  # type: ignore[arg-type]
+        y = ops.bias_only(entry.affine(mod, x), bias, channel_first, keep, key, site, batch, name)
+        return entry.post(mod, y) if entry.post is not None else y
     fold = FOLDS.get((key, site)) if FOLDS else None
     if fold is not None:  # a folded batch (trailing kinds only, see fold.FOLDABLE)
         keep = normalized_ndim(mod)

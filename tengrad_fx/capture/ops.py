@@ -36,12 +36,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .amp import acc, as_dtype, autocast_off, cast_lower
+from .bias import bias_site
 from .per_sample_conv import per_sample_conv_weight_grads
 from .eager import capture_op, use_custom_ops
 from .rows import FOLDS, fold_rows, unfold_rows
 from .store import Record, lookup
 
-__all__ = ["linear", "conv", "PROBE"]
+__all__ = ["linear", "conv", "bias_only", "PROBE"]
 
 # When not None, prepare() is probing shapes: wrappers record (key, site) -> input shape.
 PROBE: Optional[dict[tuple[int, int], tuple[int, ...]]] = None
@@ -63,10 +64,26 @@ ENABLED: dict[int, bool] = {}
 
 def _active(key: int, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> bool:
     """Capture this call? Only with capture on, grad enabled and a weight that requires
-    grad: a frozen layer (weight ``requires_grad=False``) is preconditioned by nobody, so it
-    runs the plain aten op (input and bias gradients as usual). Read at every call, so
+    grad: a frozen layer (weight ``requires_grad=False``) runs the plain aten op (input and
+    bias gradients as usual; a trainable bias is captured alone, :func:`bias_only`). Read at every call, so
     ``requires_grad_(True)`` after prepare() takes effect at the next forward."""
     return ENABLED.get(key, False) and torch.is_grad_enabled() and weight.requires_grad
+
+
+def bias_only(y: Tensor, bias: Optional[Tensor], channel_first: bool, keep: int, key: int, site: int,
+              batch: Optional[int], name: str) -> Tensor:
+    """The output ``y`` of a layer whose weight is frozen, its plain forward: through the
+    bias site (:mod:`.bias`) when capture is on and its ``bias`` is trainable (a bias-only
+    layer, whose curvature is the per-sample bias gradients), else unchanged. ``keep``:
+    the trailing dims a folded batch keeps (Linear 1, LayerNorm its normalized dims)."""
+    if bias is None or not (bias.requires_grad and ENABLED.get(key, False) and torch.is_grad_enabled()):
+        return y
+    fold = FOLDS.get((key, site)) if FOLDS else None
+    if fold is not None:  # per-sample sums over the sample's rows, regrouped
+        rows = y.shape[:y.dim() - keep]
+        return unfold_rows(bias_site(fold_rows(y, fold, keep, name), bias, channel_first, key, site), fold, rows)
+    _check_batch(y, batch, name)
+    return bias_site(y, bias, channel_first, key, site)
 
 
 def _check_batch(x: Tensor, batch: Optional[int], name: str) -> None:
@@ -179,7 +196,7 @@ def linear(
     if PROBE is not None:
         probe(key, site, x)
     if not (ENABLED.get(key, False) and torch.is_grad_enabled() and weight.requires_grad):  # _active
-        return F.linear(x, weight, bias)
+        return bias_only(F.linear(x, weight, bias), bias, False, 1, key, site, batch, name)
     run = torch.ops.tengrad_fx.linear if use_custom_ops() else LinearCapture.apply
     if FOLDS:
         fold = FOLDS.get((key, site))
@@ -305,7 +322,8 @@ def conv(
         probe(key, site, x)
     op = _NO_OUTPUT_PADDING[weight.dim() - 2] if output_padding is None else output_padding
     if not (ENABLED.get(key, False) and torch.is_grad_enabled() and weight.requires_grad):  # _active
-        return torch.convolution(x, weight, bias, stride, padding, dilation, transposed, op, groups)
+        y = torch.convolution(x, weight, bias, stride, padding, dilation, transposed, op, groups)
+        return bias_only(y, bias, True, 0, key, site, batch, name)
     if batch is not None:
         _check_batch(x, batch, name)
     if use_custom_ops():  # the schema's int[]: lists

@@ -31,6 +31,7 @@ from ..capture.info import PrepareInfo, get_info
 from ..capture.match import LayerSpec
 from ..capture.store import Record
 from ..capture.norm import NORM_KINDS
+from . import bias as bias_kernel
 from . import conv, embedding, linear, norm, param, tensors
 
 __all__ = ["CoveredLayer", "covered_layers", "Strategy", "gram_flops", "choose_strategy"]
@@ -69,7 +70,6 @@ class CoveredLayer:
     def __init__(self, spec: LayerSpec, info: PrepareInfo):
         self.spec = spec
         self._info = info
-        self._kernel = KERNELS[spec.kind]
 
     # ----------------------------------------------------------------- identity
     @property
@@ -81,18 +81,40 @@ class CoveredLayer:
         return self.spec.kind
 
     @property
+    def bias_only(self) -> bool:
+        """Whether the layer's weight is frozen and its bias trainable (BitFit; read at each call):
+        then ``J`` is the per-sample bias gradients alone, ``[Σ_s G_i[s]]_i``, recorded by the
+        layer's bias site (:mod:`tengrad_fx.capture.bias`), and :attr:`params` is ``[bias]``."""
+        b = self.spec.bias
+        return b is not None and b.requires_grad and not self.spec.weight.requires_grad
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        """The parameters ``J``'s columns belong to, in order: ``[weight, bias]``,
+        ``[weight]`` (no bias, or a frozen one) or ``[bias]`` (:attr:`bias_only`)."""
+        return [p for p in (self.weight, self.bias) if p is not None]
+
+    @property
     def weight(self) -> torch.nn.Parameter:
-        return self.spec.weight
+        """``J``'s leading block: the layer's weight, or its bias where the layer is
+        :attr:`bias_only`."""
+        return self.spec.bias if self.bias_only else self.spec.weight
 
     @property
     def bias(self) -> Optional[torch.nn.Parameter]:
-        """The bias if the layer has one that requires grad: a frozen bias
-        (``requires_grad=False``) is not part of ``J`` and is not preconditioned."""
+        """``J``'s second block: the bias if it requires grad and the weight does too (a
+        frozen bias, ``requires_grad=False``, is not part of ``J`` and is not preconditioned;
+        a bias-only layer's bias is :attr:`weight`)."""
         b = self.spec.bias
-        return b if b is not None and b.requires_grad else None
+        return b if b is not None and b.requires_grad and self.spec.weight.requires_grad else None
+
+    @property
+    def _kernel(self) -> ModuleType:
+        return bias_kernel if self.bias_only else KERNELS[self.spec.kind]
 
     def __repr__(self) -> str:
-        return f"CoveredLayer({self.name!r}, {self.kind}, weight={tuple(self.weight.shape)})"
+        what = "bias-only, bias" if self.bias_only else "weight"
+        return f"CoveredLayer({self.name!r}, {self.kind}, {what}={tuple(self.weight.shape)})"
 
     # ----------------------------------------------------------------- captured data
     def records(self) -> list[Record]:
@@ -252,7 +274,9 @@ def _check_shape(layer: CoveredLayer, arg: str, v: Tensor, p: Tensor) -> None:
 def covered_layers(model: torch.nn.Module) -> list[CoveredLayer]:
     """One :class:`CoveredLayer` per covered module of a prepared model, in graph order.
 
-    Layers whose weight is frozen (``requires_grad=False``, read now) are left out: they
-    capture nothing and are preconditioned by nobody; unfreezing brings them back."""
+    Layers whose parameters are all frozen (``requires_grad=False``, read now) are left out:
+    they capture nothing and are preconditioned by nobody; unfreezing brings them back. A
+    layer whose weight is frozen and whose bias is trainable is :attr:`CoveredLayer.bias_only`."""
     info = get_info(model)
-    return [CoveredLayer(spec, info) for spec in info.layers if spec.weight.requires_grad]
+    return [CoveredLayer(spec, info) for spec in info.layers
+            if spec.weight.requires_grad or (spec.bias is not None and spec.bias.requires_grad)]

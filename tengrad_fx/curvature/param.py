@@ -19,7 +19,8 @@ def dims(spec: LayerSpec, in_shape: tuple[int, ...]) -> tuple[int, int, int, int
 
 
 def _recorded_only(*_: object) -> NoReturn:
-    raise RuntimeError("added parameters record their per-sample gradients P; there is no I, G form")
+    raise RuntimeError("added parameters and bias-only layers record their per-sample gradients P; "
+                       "there is no I, G form")
 
 
 layout = jvp = vjp = per_sample_grads = _recorded_only  # never reached: records always hold P

@@ -147,8 +147,8 @@ def test_eager_path_equals_custom_ops_and_dispatches_none(kind: str, mode: str, 
 
 
 def test_frozen_weight_takes_the_plain_op_on_both_paths() -> None:
-    """A frozen weight: the plain aten op, no record; a frozen bias (weight trained): still
-    captured, no bias gradient."""
+    """A frozen weight: the plain aten op, its trainable bias recorded alone by the bias
+    site; a frozen bias (weight trained): still captured, no bias gradient."""
     net, xs, y = _model("allkinds", seed=3, dtype=torch.float64)
     net.conv.weight.requires_grad_(False)
     net.ln.weight.requires_grad_(False)
@@ -159,10 +159,12 @@ def test_frozen_weight_takes_the_plain_op_on_both_paths() -> None:
         pm = tengrad_fx.prepare(copy.deepcopy(net), example_inputs=tuple(x[:2] for x in xs))
         with custom_ops(force):
             runs[force] = _pass(pm, xs, y, mode="records", x_grad=True)
-        names = {layer.name for layer in tengrad_fx.covered_layers(pm) if layer.captured}
-        assert "conv" not in names and "ln" not in names and {"bn", "fc"} <= names
-    ops = runs[True]["ops"]  # three convolutions in the model, two captured; no layer norm
+        layers = {layer.name: layer for layer in tengrad_fx.covered_layers(pm) if layer.captured}
+        assert {"bn", "fc", "conv", "ln"} <= set(layers)
+        assert layers["conv"].bias_only and layers["ln"].bias_only and not layers["fc"].bias_only
+    ops = runs[True]["ops"]  # three convolutions in the model, two captured; no layer norm op
     assert ops["tengrad_fx.conv.default"] == 2 and ops["tengrad_fx.batch_norm.default"] == 1
+    assert ops["tengrad_fx.bias_site.default"] == 2  # conv's and ln's bias
     assert not any("layer_norm" in op for op in ops)
     _compare(runs[False], runs[True])
     assert runs[False]["grads"]["bn.bias"] is None and runs[False]["grads"]["fc.weight"] is not None

@@ -86,18 +86,23 @@ def test_frozen_bias_only_weight_stays_exact() -> None:
     assert torch.equal(prepared.conv.bias, b0)
 
 
-def test_frozen_weight_only_bias_falls_back() -> None:
+def test_frozen_weight_makes_a_bias_only_layer() -> None:
     prepared, orig, x, y = _setup({"conv.weight": True})
-    assert [lay.name for lay in covered_layers(prepared)] == ["stem", "fc"]
+    layer = {lay.name: lay for lay in covered_layers(prepared)}["conv"]
+    assert layer.bias_only and layer.params == [prepared.conv.bias]
     rows = _rows(prepared)
     assert rows["conv.weight"][0] == "frozen"
-    assert rows["conv.bias"][0] == "fallback" and "weight of layer 'conv' is frozen" in rows["conv.bias"][1]
-    check_psg(prepared, orig, x, y)
-    opt = TENGraD(prepared, lr=0.1, damping=0.1, momentum=0.0)
+    assert rows["conv.bias"][0] == "covered" and "bias-only conv2d 'conv'" in rows["conv.bias"][1]
+    ref = check_psg(prepared, orig, x, y)
+    assert all(r.I is None and r.G is None for r in layer.records())  # no input kept
+    J = ref["conv.bias"].flatten(1)
+    torch.testing.assert_close(layer.gram(), J @ J.T, rtol=1e-10, atol=0)
+    opt = TENGraD(prepared, lr=1.0, damping=0.1, momentum=0.0, curvature_every=1, kl_clip=None)
     b0 = prepared.conv.bias.detach().clone()
     g = prepared.conv.bias.grad.clone()
     opt.step()
-    torch.testing.assert_close(prepared.conv.bias, b0 - 0.1 * g)  # plain SGD for the bias
+    want = torch.linalg.solve(J.T @ J / 5 + 0.1 * torch.eye(J.shape[1], dtype=J.dtype), g)
+    torch.testing.assert_close(b0 - prepared.conv.bias, want, rtol=1e-9, atol=0)
 
 
 def test_unfreeze_after_prepare_works_and_old_optimizer_warns() -> None:

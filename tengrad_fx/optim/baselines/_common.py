@@ -100,16 +100,17 @@ class Block:
 
 
 def make_blocks(layers: list[CoveredLayer], kronecker: bool = True) -> list[Block]:
-    """Blocks of the layers whose parameters all require grad. With ``kronecker`` (the
+    """Blocks of the layers with a trainable weight (a bias-only layer, whose weight is
+    frozen, gets the fallback update: no block describes a bias alone). With ``kronecker`` (the
     K-FAC family), transposed convolutions are left out: their bias gradient sums the
     output gradient over OUTPUT pixels, so ``[g, o, f + b]`` with the bias as homogeneous
     column does not describe them; they get the fallback update (a warning says so)."""
     out = []
     skipped = []
     for layer in layers:
-        params = [p for p in (layer.weight, layer.bias) if p is not None]
-        if not all(p.requires_grad for p in params):
+        if layer.bias_only:  # no Kronecker form for a bias alone: the fallback update
             continue
+        params = layer.params
         if kronecker and layer.spec.transposed and layer.kind != "linear":
             skipped.append(layer.name)
             continue

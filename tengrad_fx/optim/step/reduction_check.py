@@ -45,7 +45,7 @@ def cross_entropy_scale(layers: list[CoveredLayer]) -> Optional[tuple[float, str
         w = layer.weight.detach().double()
         if layer.spec.transposed:  # Hugging Face Conv1D: weight [d_in, d_out]
             w = w.t()
-        b = layer.bias.detach().double() if layer.bias is not None else None
+        b = layer.spec.bias.detach().double() if layer.spec.bias is not None else None  # trainable or not
         p = torch.softmax(F.linear(I, w, b), 1)
         d = p - F.one_hot(G.argmin(1), G.shape[1]).to(p.dtype)
         dd = (d * d).sum()
