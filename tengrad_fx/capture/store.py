@@ -104,6 +104,8 @@ class CaptureStore:
     grad_only: bool = False  # backward ops skip weight/bias grads (MC-Fisher pass: only G matters)
     jacobian_sites: set[int] = field(default_factory=set)  # backward materializes P there
     ignored_sites: set[int] = field(default_factory=set)  # fallback layers: never recorded
+    onehot_sites: set[int] = field(default_factory=set)  # embedding lookups tied to a Linear: linear records
+    broadcast_sites: set[int] = field(default_factory=set)  # embeddings whose indices all samples share
     records: dict[int, list[Record]] = field(default_factory=dict)
     _complete: bool = False  # a backward has recorded since the last begin()
     generation: int = 0  # how many captures have completed (for users caching results)
