@@ -2,7 +2,9 @@
 
 A covered weight also read outside its layer call (functional reuse, tied weights read by
 another op) or registered under several modules (weight tying) makes its layer inexact, so
-the layer is dropped to the SGD fallback with a reason per parameter.
+the layer is dropped to the SGD fallback with a reason per parameter. One exception is
+exact: embeddings tied to each other and to at most one bias-free Linear (a language
+model's input and output embeddings) stay covered as one block (:func:`merge_tied_lookups`).
 """
 from __future__ import annotations
 
