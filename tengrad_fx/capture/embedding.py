@@ -22,9 +22,10 @@ from torch import Tensor
 
 from . import ops
 from .eager import capture_op, use_custom_ops
+from .amp import acc
 from .store import Record, lookup
 
-__all__ = ["match_embedding", "embedding"]
+__all__ = ["match_embedding", "embedding", "per_sample_indices", "linear_record"]
 
 
 def match_embedding(mod: nn.Module) -> tuple[Optional[str], str]:
@@ -55,10 +56,32 @@ def _embedding_backward(grad: Tensor, idx: Tensor, num_weights: int, padding_idx
                         key: int, site: int) -> Tensor:
     """``∂L/∂weight [vocab, D]``; records ``(idx, grad)``."""
     store = lookup(key)
-    store.record(site, Record(idx, grad))
+    if site in store.onehot_sites:
+        store.record(site, linear_record(grad, idx, num_weights, padding_idx, store.wants_jacobian(site)))
+    else:
+        store.record(site, Record(idx, grad))
     if store.grad_only:
         return grad.new_zeros(num_weights, grad.shape[-1])
     return torch.ops.aten.embedding_dense_backward.default(grad, idx, num_weights, padding_idx, False)
+
+
+def linear_record(G: Tensor, idx: Tensor, vocab: int, padding_idx: int, materialize: bool) -> Record:
+    """The lookup as a Linear call on the same weight ``[vocab, D]`` (tied input/output
+    embeddings): ``y = onehot(idx) W`` has per-sample gradient ``Σ_s onehot(idx_i[s]) G_i[s]ᵀ``,
+    which is Linear's ``Σ_s G'_i[s] I'_i[s]ᵀ`` with output gradients ``G' = onehot(idx)``
+    (``[m, *positions, vocab]``, zero rows at ``padding_idx``) and inputs ``I' = G``
+    (``[m, *positions, D]``). ``materialize``: ``P [m, vocab·D]`` by a scatter-add and
+    ``Gsum [m, vocab]`` (the counts) instead, as a materialized Linear site keeps them."""
+    m, D = G.shape[0], G.shape[-1]
+    keep = (idx != padding_idx).to(G.dtype)
+    if materialize:
+        g = acc(G).reshape(m, -1, D) * keep.reshape(m, -1, 1)
+        flat = idx.reshape(m, -1)
+        P = g.new_zeros(m, vocab, D).scatter_add_(1, flat.unsqueeze(-1).expand(-1, -1, D), g)
+        counts = g.new_zeros(m, vocab).scatter_add_(1, flat, keep.reshape(m, -1).to(g.dtype))
+        return Record(None, None, P.reshape(m, -1), counts, tuple(G.shape))
+    onehot = F.one_hot(idx, vocab).to(G.dtype) * keep.unsqueeze(-1)
+    return Record(G, onehot)
 
 
 def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
@@ -87,12 +110,24 @@ def _(grad, idx, num_weights, padding_idx, key, site):  # type: ignore[no-untype
     return grad.new_empty(num_weights, grad.shape[-1])
 
 
+def per_sample_indices(idx: Tensor, key: int, site: int) -> Tensor:
+    """Indices that every sample shares (``[1, *positions]``: position ids) broadcast to
+    ``[m, *positions]`` at the sites ``prepare`` verified (``store.broadcast_sites``): the
+    lookup is then ``[m, *positions, D]``, the same values its consumer broadcast, and its
+    output gradient arrives per sample (sample ``i``'s position embeddings get ``G_i``)."""
+    if idx.dim() == 0 or idx.shape[0] != 1 or site not in lookup(key).broadcast_sites:
+        return idx
+    m = ops.SAMPLES.get(key)
+    return idx if m is None or m == 1 else idx.expand(m, *idx.shape[1:])
+
+
 def embedding(idx: Tensor, weight: Tensor, padding_idx: Optional[int], key: int, site: int,
               batch: Optional[int] = None, name: str = "") -> Tensor:
     """``F.embedding(idx, weight, padding_idx)`` recording ``(idx, dL/dy)`` when capture is on.
 
     idx: ``[m, *positions]`` integer; weight: ``[vocab, D]``; returns ``[m, *positions, D]``.
     """
+    idx = per_sample_indices(idx, key, site)
     if ops.PROBE is not None:
         ops.PROBE[(key, site)] = tuple(idx.shape)
     if not ops._active(key, idx, weight, None):

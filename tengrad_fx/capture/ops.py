@@ -60,6 +60,9 @@ def probe(key: int, site: int, x: Tensor) -> None:
 
 # key -> capture enabled? (read by the wrappers; a plain dict so torch.compile guards on it)
 ENABLED: dict[int, bool] = {}
+# store key -> the batch size of the prepared model's current forward call (the leading dim
+# of its first tensor input), set by the prepared model's forward
+SAMPLES: dict[int, Optional[int]] = {}
 
 
 def _active(key: int, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> bool:

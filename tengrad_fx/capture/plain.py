@@ -28,6 +28,8 @@ import torch.nn as nn
 
 from .._compile import own_code
 from . import ops
+from .inputs import leading_dim
+from .store import lookup
 from .output_hook import WANTED, attach, graph_breaks_allowed
 from .attention import is_exact_mha
 
@@ -92,11 +94,13 @@ def install_forward(gm: fx.GraphModule, key: int, eval_forward: Optional[Forward
     train_forward = cls.forward
     eval_forward = eval_forward or train_forward
     plain, plain_eval = plain or train_forward, plain_eval or eval_forward
-    enabled, wanted = ops.ENABLED, WANTED  # (never rebound)
+    enabled, wanted, samples = ops.ENABLED, WANTED, ops.SAMPLES  # (never rebound)
 
     @functools.wraps(train_forward)
     def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         if (enabled.get(key, False) and torch.is_grad_enabled()) or ops.PROBE is not None:
+            if lookup(key).broadcast_sites:  # lookups with indices all samples share
+                samples[key] = leading_dim(args, kwargs)
             out = (train_forward if self.training else eval_forward)(self, *args, **kwargs)
             if wanted.get(key, False) and (not torch.compiler.is_compiling() or graph_breaks_allowed()):
                 return attach(key, out)

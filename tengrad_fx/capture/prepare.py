@@ -14,7 +14,7 @@ from .info import ATTR, PrepareInfo, get_info
 from .inputs import as_call, leading_dim
 from .match import LayerSpec, match_module, pad_same_input, spec_args
 from .norm import NORM_KINDS
-from .sharing import OURS, drop_layer, note_functional_uses
+from .sharing import OURS, drop_layer, merge_tied_lookups, note_functional_uses
 from .store import CaptureStore
 from .surgery import prepare_surgery
 from .trace import trace
@@ -118,6 +118,7 @@ def prepare(
     keep_saved_tensors()  # a compiled backward of this model may run twice (MC Fisher)
     if example_inputs is not None:
         verify_samples(prepared, info, example_inputs)
+    info.layers = merge_tied_lookups(info.layers, info.store)
     info.store.site_names = {site: spec.name for spec in info.layers for site in spec.sites}
     info.store.transposed_sites = frozenset(site for spec in info.layers if spec.kind == "linear" and spec.transposed
                                             for site in spec.sites)

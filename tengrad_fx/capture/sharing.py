@@ -2,11 +2,13 @@
 
 A covered weight also read outside its layer call (functional reuse, tied weights read by
 another op) or registered under several modules (weight tying) makes its layer inexact, so
-the layer is dropped to the SGD fallback with a reason per parameter.
+the layer is dropped to the SGD fallback with a reason per parameter. One exception is
+exact: embeddings tied to each other and to at most one bias-free Linear (a language
+model's input and output embeddings) stay covered as one block (:func:`merge_tied_lookups`).
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 import torch.fx as fx
@@ -14,7 +16,8 @@ import torch.nn as nn
 
 from .match import LayerSpec
 
-__all__ = ["OURS", "reads_value", "note_functional_uses", "param_owners", "note_tied", "drop_layer"]
+__all__ = ["OURS", "reads_value", "note_functional_uses", "param_owners", "note_tied", "merge_tied_lookups",
+           "drop_layer"]
 
 OURS = "tengrad_fx_capture_arg"
 # reading only these attributes of a covered weight does not use its value
@@ -70,9 +73,59 @@ def note_tied(model: nn.Module, layers: dict[str, LayerSpec], owners: dict[int, 
             full = f"{mod_name}.{pn}" if mod_name else pn
             first = seen.setdefault(id(p), (full, mod))
             if first[1] is not mod:  # one module under two names is sharing, not tying
+                if _tie_lookup(layers, owners.get(id(p), [])):
+                    continue
                 for name in owners.get(id(p), []):
                     drop_layer(layers, name, f"tied ({first[0]} = {full})", p,
                                 f"parameter tied (shared with {full})")
+
+
+def _tie_lookup(layers: dict[str, LayerSpec], names: list[str]) -> bool:
+    """Tied embeddings: ``nn.Embedding`` modules holding one weight ``[vocab, D]``, with at
+    most one bias-free ``nn.Linear`` holding it too (tied input/output embeddings). Note
+    the lookups on the host spec (the Linear, else the first lookup) for
+    :func:`merge_tied_lookups` and keep them covered."""
+    specs = [layers[n] for n in dict.fromkeys(names) if n in layers]
+    embs = [spec for spec in specs if spec.kind == "embedding"]
+    lins = [spec for spec in specs if spec.kind == "linear"]
+    if not embs or len(lins) > 1 or len(embs) + len(lins) != len(specs) or len(specs) < 2:
+        return False
+    host = lins[0] if lins else embs[0]
+    if host.bias is not None or any(spec.weight is not host.weight for spec in specs):
+        return False
+    if not lins and len({spec.module.padding_idx for spec in embs}) > 1:
+        return False
+    host.__dict__["tied_lookups"] = [spec for spec in embs if spec is not host]
+    return True
+
+
+def merge_tied_lookups(layers: list[LayerSpec], store: Any) -> list[LayerSpec]:
+    """One Fisher block per tied weight: each tied lookup's call sites join its host's (a
+    tied Linear's backward records a lookup in Linear's layout: ``store.onehot_sites``,
+    :func:`..capture.embedding.linear_record`) and the lookup's own spec leaves ``layers``.
+    If any of them was uncovered (e.g. by the batch probe), all fall back."""
+    out = list(layers)
+    for host in layers:
+        embs = host.__dict__.pop("tied_lookups", None)
+        if not embs:
+            continue
+        off = next((spec for spec in (host, *embs) if not spec.sites), None)
+        if off is not None:
+            for spec in (host, *embs):
+                if spec.sites:
+                    drop_layer({spec.name: spec}, spec.name, f"tied with '{off.name}', which is not covered",
+                               spec.weight, f"parameter tied with '{off.name}', which is not covered")
+            continue
+        for emb in embs:
+            host.sites += emb.sites
+            if host.kind == "linear":
+                host.input_shapes += [(*shape, emb.weight.shape[1]) for shape in emb.input_shapes]
+                store.onehot_sites |= set(emb.sites)
+            else:
+                host.input_shapes += emb.input_shapes
+            out.remove(emb)
+        host.__dict__["tied_names"] = [emb.name for emb in embs]
+    return out
 
 
 def drop_layer(layers: dict[str, LayerSpec], name: str, reason: str,

@@ -9,11 +9,12 @@ import torch
 import torch.nn as nn
 
 from . import embedding, norm, ops
+from .inputs import leading_dim
 from .match import LayerSpec, match_module, pad_same_input, spec_args
 from .norm import NORM_KINDS
 from .output_hook import maybe_attach
 from .sharing import note_tied, param_owners
-from .store import CaptureStore
+from .store import CaptureStore, lookup
 
 __all__ = ["prepare_surgery"]
 
@@ -72,8 +73,10 @@ _OUTPUT: dict[type, type] = {}
 
 
 def _output_forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-    out = self._tengrad_root_forward(*args, **kwargs)
     key = self.__dict__["_tengrad_output_key"]
+    if lookup(key).broadcast_sites:  # lookups with indices all samples share
+        ops.SAMPLES[key] = leading_dim(args, kwargs)
+    out = self._tengrad_root_forward(*args, **kwargs)
     if ops.ENABLED.get(key, False) and torch.is_grad_enabled():
         out = maybe_attach(key, out)
     return out

@@ -16,7 +16,7 @@ import torch.nn as nn
 from . import ops
 from .fold import FOLDABLE, find_folds, fold_keep
 from .info import PrepareInfo
-from .inputs import resize_batch, run_call
+from .inputs import resize_batch, run_call, tensor_leaves
 from .rows import FOLDS
 from .sharing import drop_layer
 
@@ -27,29 +27,24 @@ def verify_samples(prepared: nn.Module, info: PrepareInfo, example_inputs: Seque
     """Run at batch 2 and 3 (no grad, buffers restored); drop layers whose input isn't per
     sample. ``example_inputs``: ``[args, kwargs]`` (:func:`.inputs.as_call`)."""
     saved = {n: b.detach().clone() for n, b in prepared.named_buffers()}
-    shapes: dict[int, dict[tuple[int, int], tuple[int, ...]]] = {}
     was_training = prepared.training
     modes = (True, False) if info.method == "fx-dual" else (was_training,)
     try:
-        for n in (2, 3):
-            ops.PROBE = {}
-            with torch.no_grad():
-                for mode in modes:
-                    prepared.train(mode)
-                    run_call(prepared, resize_batch(example_inputs, n))
-            shapes[n] = ops.PROBE
-    except Exception as exc:
-        raise RuntimeError(
-            f"tengrad_fx.prepare: the prepared model failed on example_inputs at batch {n}: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
+        shapes, outs = _probe(prepared, example_inputs, modes)
+        shared = _shared_index_sites(info, shapes)
+        if shared:  # retry with those indices broadcast to the batch (position ids)
+            info.store.broadcast_sites = shared
+            try:
+                shapes_b, outs_b = _probe(prepared, example_inputs, modes)
+            except Exception:
+                shapes_b, outs_b = shapes, None
+            if outs_b is not None and _same_outputs(outs, outs_b):
+                shapes = shapes_b
+            else:
+                info.store.broadcast_sites = set()
     finally:
-        ops.PROBE = None
         prepared.train(was_training)
-        with torch.no_grad():
-            for name, b in prepared.named_buffers():
-                if name in saved:
-                    b.copy_(saved[name])
+        _restore(prepared, saved)
     key = info.store.key
     pending = {}  # row-wise layers' sites whose leading dim is not the batch: folded?
     for spec in info.layers:
@@ -63,10 +58,7 @@ def verify_samples(prepared: nn.Module, info: PrepareInfo, example_inputs: Seque
         try:
             folds = find_folds(prepared, example_inputs, modes, key, pending)
         finally:
-            with torch.no_grad():
-                for name, b in prepared.named_buffers():
-                    if name in saved:
-                        b.copy_(saved[name])
+            _restore(prepared, saved)
     for spec in info.layers:
         bad = []
         spec.input_shapes = []
@@ -86,3 +78,58 @@ def verify_samples(prepared: nn.Module, info: PrepareInfo, example_inputs: Seque
                         f"input does not index samples ({bad[0]})")
         else:
             FOLDS.update({(key, s): f for s, f in folds.items() if s in spec.sites and isinstance(f, tuple)})
+
+
+def _probe(prepared: nn.Module, example_inputs: Sequence[Any], modes: tuple[bool, ...],
+           ) -> tuple[dict[int, dict[tuple[int, int], tuple[int, ...]]], list[Any]]:
+    """Each capture site's input shape at batch 2 and 3 (``{n: {(key, site): shape}}``),
+    and the outputs at batch 3 (one per mode)."""
+    shapes: dict[int, dict[tuple[int, int], tuple[int, ...]]] = {}
+    outs = []
+    n = 2
+    try:
+        for n in (2, 3):
+            ops.PROBE = {}
+            with torch.no_grad(), torch.random.fork_rng(devices=_devices(prepared)):
+                torch.manual_seed(0)  # dropout draws the same masks on every probe
+                for mode in modes:
+                    prepared.train(mode)
+                    out = run_call(prepared, resize_batch(example_inputs, n))
+                    if n == 3:
+                        outs.append(out)
+            shapes[n] = ops.PROBE
+    except Exception as exc:
+        raise RuntimeError(
+            f"tengrad_fx.prepare: the prepared model failed on example_inputs at batch {n}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    finally:
+        ops.PROBE = None
+    return shapes, outs
+
+
+def _shared_index_sites(info: PrepareInfo, shapes: dict[int, dict[tuple[int, int], tuple[int, ...]]]) -> set[int]:
+    """Embedding sites whose indices have leading dim 1 at batch 2 and 3 (shared by all samples)."""
+    key = info.store.key
+    return {site for spec in info.layers if spec.kind == "embedding" for site in spec.sites
+            if shapes[2].get((key, site), (0,))[:1] == (1,) and shapes[3].get((key, site), (0,))[:1] == (1,)}
+
+
+def _same_outputs(a: Any, b: Any) -> bool:
+    """Do two output trees hold tensors of the same shapes and values (up to rounding)?"""
+    la, lb = tensor_leaves(a), tensor_leaves(b)
+    return len(la) == len(lb) and all(
+        x.shape == y.shape and (not x.is_floating_point() or torch.allclose(x, y, rtol=1e-5, atol=1e-7))
+        and (x.is_floating_point() or torch.equal(x, y)) for x, y in zip(la, lb))
+
+
+def _restore(prepared: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, b in prepared.named_buffers():
+            if name in saved:
+                b.copy_(saved[name])
+
+
+def _devices(prepared: nn.Module) -> list[int]:
+    """The CUDA devices the model's tensors are on (their RNG is forked by the probe)."""
+    return sorted({t.device.index or 0 for t in prepared.parameters() if t.is_cuda})

@@ -10,7 +10,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tengrad_fx
-from tengrad_fx import covered_layers, get_info, prepare
+from tengrad_fx import TENGraD, covered_layers, get_info, prepare
+from testing.oracle import check_covered_layers, dense_layer_updates
 
 from ._helpers import KwargCall, TiedLM, TiedPair, WithSubclasses, check_psg
 
@@ -62,21 +63,49 @@ def test_subclass_overriding_forward_is_fallback() -> None:
 
 
 
-def test_weight_tied_to_embedding_is_fallback() -> None:
+@pytest.mark.parametrize("padding_idx", [None, 0])
+@pytest.mark.parametrize("strategy", ["factor", "materialize"])
+def test_weight_tied_to_embedding_is_one_block(padding_idx, strategy) -> None:
+    """Tied input/output embeddings: one block holding the lookup's and the Linear's calls,
+    exact (per-sample gradients, Gram, Jv, Jᵀc; and a TENGraD step whose backward
+    materializes the lookup's per-sample gradients by scatter, or keeps its records)."""
     torch.manual_seed(0)
-    tokens = torch.randint(0, 11, (3, 4))
+    tokens = torch.randint(0, 11, (5, 4))
+    tokens[0, 0] = 0
     model = TiedLM().double()
+    model.emb.padding_idx = padding_idx
     orig = copy.deepcopy(model)
     keys = list(model.state_dict().keys())
     prepared = prepare(model, example_inputs=(tokens[:2],))
     info = get_info(prepared)
     assert list(prepared.state_dict().keys()) == keys  # both emb.weight and out.weight
-    assert "tied" in info.fallback["emb.weight"]
-    assert {layer.name for layer in covered_layers(prepared)} == {"body"}
+    assert info.covered["emb.weight"] == "out"
+    assert [layer.name for layer in covered_layers(prepared)] == ["body", "out"]
     assert prepared.out.weight is prepared.emb.weight
-    y = torch.randn(3, 4, 11, dtype=torch.float64)
-    check_psg(prepared, orig, tokens, y)
+    y = torch.randint(0, 11, (5, 4))
+    loss = lambda out, t: F.cross_entropy(out.reshape(-1, 11), t.reshape(-1))
+    check_covered_layers(orig, prepared, tokens, y, loss_fn=loss)
+    prepared.zero_grad()
+    opt = TENGraD(prepared, lr=1.0, damping=0.05, momentum=0.0, curvature_every=1, kl_clip=None, strategy=strategy)
+    for _ in range(2):  # the second backward materializes where the cost model chose it
+        prepared.zero_grad()
+        loss(prepared(tokens), y).backward()
+        grads = {n: p.grad.detach().clone() for n, p in prepared.named_parameters()}
+        before = {n: p.detach().clone() for n, p in prepared.named_parameters()}
+        opt.step()
+        orig.load_state_dict({n: t for n, t in before.items()}, strict=False)
+        ref = dense_layer_updates(orig, tokens, y, loss, grads, 0.05, info.covered)
+        for n, p in prepared.named_parameters():
+            assert torch.allclose(before[n] - p.detach(), ref[n], rtol=1e-8, atol=1e-12), n
 
+
+def test_tied_embedding_with_biased_linear_falls_back() -> None:
+    """A Linear with a bias tied to an Embedding: no exact block (the lookup has no bias)."""
+    model = TiedLM()
+    model.out.bias = nn.Parameter(torch.zeros(11))
+    prepared = prepare(model, example_inputs=(torch.randint(0, 11, (2, 4)),))
+    assert "tied" in get_info(prepared).fallback["emb.weight"]
+    assert {layer.name for layer in covered_layers(prepared)} == {"body"}
 
 
 class FunctionalReuse(nn.Module):
