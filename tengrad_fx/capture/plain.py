@@ -99,7 +99,7 @@ def install_forward(gm: fx.GraphModule, key: int, eval_forward: Optional[Forward
     @functools.wraps(train_forward)
     def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         if (enabled.get(key, False) and torch.is_grad_enabled()) or ops.PROBE is not None:
-            if lookup(key).broadcast_sites:  # lookups with indices all samples share
+            if lookup(key).needs_samples:  # shared position ids, added parameters
                 samples[key] = leading_dim(args, kwargs)
             out = (train_forward if self.training else eval_forward)(self, *args, **kwargs)
             if wanted.get(key, False) and (not torch.compiler.is_compiling() or graph_breaks_allowed()):

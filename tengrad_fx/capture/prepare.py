@@ -16,6 +16,7 @@ from .match import LayerSpec, match_module, pad_same_input, spec_args
 from .norm import NORM_KINDS
 from .sharing import OURS, drop_layer, merge_tied_lookups, note_functional_uses
 from .store import CaptureStore
+from .added import check_sample_independence
 from .surgery import prepare_surgery
 from .trace import trace
 from .verify import verify_samples
@@ -105,7 +106,7 @@ def prepare(
                 "Pass example_inputs=(...) to prepare() to use the module-surgery fallback, whose "
                 "per-sample structure is verified on those inputs."
             ) from exc.__cause__
-        prepared, layers = prepare_surgery(model, candidates)
+        prepared, layers = prepare_surgery(model, candidates, fallback, added_params=not only_linear_conv)
         method, err = "surgery", exc.reason
 
     info = PrepareInfo(
@@ -118,6 +119,7 @@ def prepare(
     keep_saved_tensors()  # a compiled backward of this model may run twice (MC Fisher)
     if example_inputs is not None:
         verify_samples(prepared, info, example_inputs)
+        check_sample_independence(prepared, info.layers, info.store, example_inputs)
     info.layers = merge_tied_lookups(info.layers, info.store)
     info.store.site_names = {site: spec.name for spec in info.layers for site in spec.sites}
     info.store.transposed_sites = frozenset(site for spec in info.layers if spec.kind == "linear" and spec.transposed

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from . import embedding, norm, ops
+from .added import cover_added_params
 from .inputs import leading_dim
 from .match import LayerSpec, match_module, pad_same_input, spec_args
 from .norm import NORM_KINDS
@@ -19,8 +20,10 @@ from .store import CaptureStore, lookup
 __all__ = ["prepare_surgery"]
 
 
-def prepare_surgery(model: nn.Module, candidates: dict[str, nn.Module]) -> tuple[nn.Module, list[LayerSpec]]:
-    """Tracing failed: swap each covered module's class for a capturing subclass."""
+def prepare_surgery(model: nn.Module, candidates: dict[str, nn.Module], fallback: dict[str, str],
+                    added_params: bool = True) -> tuple[nn.Module, list[LayerSpec]]:
+    """Tracing failed: swap each covered module's class for a capturing subclass (and, with
+    ``added_params``, other modules' ``[1, ...]`` parameters: :mod:`.added`)."""
     store = CaptureStore(n_sites=len(candidates))
     layers = []
     for site, (name, mod) in enumerate(candidates.items()):
@@ -29,6 +32,9 @@ def prepare_surgery(model: nn.Module, candidates: dict[str, nn.Module]) -> tuple
         mod.__class__ = _capturing_class(type(mod))
         mod.__dict__["_tengrad_call"] = (store.key, spec)
         layers.append(spec)
+    if added_params:
+        covered = {id(p) for mod in candidates.values() for p in mod.parameters(recurse=False)}
+        layers += cover_added_params(model, covered, fallback, store)
     model.__class__ = _output_class(type(model))
     model.__dict__["_tengrad_output_key"] = store.key
     model.__dict__["_tengrad_store"] = store
@@ -74,7 +80,7 @@ _OUTPUT: dict[type, type] = {}
 
 def _output_forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
     key = self.__dict__["_tengrad_output_key"]
-    if lookup(key).broadcast_sites:  # lookups with indices all samples share
+    if lookup(key).needs_samples:  # shared position ids, added parameters
         ops.SAMPLES[key] = leading_dim(args, kwargs)
     out = self._tengrad_root_forward(*args, **kwargs)
     if ops.ENABLED.get(key, False) and torch.is_grad_enabled():

@@ -33,7 +33,8 @@ def verify_samples(prepared: nn.Module, info: PrepareInfo, example_inputs: Seque
         shapes, outs = _probe(prepared, example_inputs, modes)
         shared = _shared_index_sites(info, shapes)
         if shared:  # retry with those indices broadcast to the batch (position ids)
-            info.store.broadcast_sites = shared
+            info.store.broadcast_sites, needed = shared, info.store.needs_samples
+            info.store.needs_samples = True
             try:
                 shapes_b, outs_b = _probe(prepared, example_inputs, modes)
             except Exception:
@@ -42,6 +43,7 @@ def verify_samples(prepared: nn.Module, info: PrepareInfo, example_inputs: Seque
                 shapes = shapes_b
             else:
                 info.store.broadcast_sites = set()
+                info.store.needs_samples = needed
     finally:
         prepared.train(was_training)
         _restore(prepared, saved)
