@@ -80,7 +80,7 @@ def _added_class(cls: type) -> type:
     """``cls`` whose ``__getattr__`` hands out its added parameters batched (module docstring)."""
     if cls not in _ADDED:
         _ADDED[cls] = type(cls.__name__, (cls,), {"__getattr__": _batched_getattr, "__module__": cls.__module__,
-                                                  "_tengrad_base_getattr": cls.__getattr__})
+                                                  "_tengrad_base_getattr": cls.__getattr__})  # type: ignore[attr-defined]
     return _ADDED[cls]
 
 
