@@ -56,7 +56,7 @@ def cover_added_params(model: nn.Module, covered: set[int], fallback: dict[str, 
             mod.__class__ = _added_class(type(mod))
             mod.__dict__["_tengrad_added"] = (store.key, mine)
     if layers:
-        store.needs_samples = True
+        ops.NEEDS_SAMPLES[store.key] = True
     return layers
 
 

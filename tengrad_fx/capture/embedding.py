@@ -112,10 +112,10 @@ def _(grad, idx, num_weights, padding_idx, key, site):  # type: ignore[no-untype
 
 def per_sample_indices(idx: Tensor, key: int, site: int) -> Tensor:
     """Indices that every sample shares (``[1, *positions]``: position ids) broadcast to
-    ``[m, *positions]`` at the sites ``prepare`` verified (``store.broadcast_sites``): the
+    ``[m, *positions]`` at the sites ``prepare`` verified (``ops.SHARED_INDEX_SITES``): the
     lookup is then ``[m, *positions, D]``, the same values its consumer broadcast, and its
     output gradient arrives per sample (sample ``i``'s position embeddings get ``G_i``)."""
-    if idx.dim() == 0 or idx.shape[0] != 1 or site not in lookup(key).broadcast_sites:
+    if idx.dim() == 0 or idx.shape[0] != 1 or site not in ops.SHARED_INDEX_SITES.get(key, ()):
         return idx
     m = ops.SAMPLES.get(key)
     return idx if m is None or m == 1 else idx.expand(m, *idx.shape[1:])

@@ -63,6 +63,10 @@ ENABLED: dict[int, bool] = {}
 # store key -> the batch size of the prepared model's current forward call (the leading dim
 # of its first tensor input), set by the prepared model's forward
 SAMPLES: dict[int, Optional[int]] = {}
+# store key -> whether its forward must set SAMPLES (shared position ids, added parameters)
+NEEDS_SAMPLES: dict[int, bool] = {}
+# store key -> the embedding sites whose indices all samples share ([1, *positions])
+SHARED_INDEX_SITES: dict[int, frozenset[int]] = {}
 
 
 def _active(key: int, x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> bool:

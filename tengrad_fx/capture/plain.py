@@ -29,7 +29,6 @@ import torch.nn as nn
 from .._compile import own_code
 from . import ops
 from .inputs import leading_dim
-from .store import lookup
 from .output_hook import WANTED, attach, graph_breaks_allowed
 from .attention import is_exact_mha
 
@@ -99,7 +98,7 @@ def install_forward(gm: fx.GraphModule, key: int, eval_forward: Optional[Forward
     @functools.wraps(train_forward)
     def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
         if (enabled.get(key, False) and torch.is_grad_enabled()) or ops.PROBE is not None:
-            if lookup(key).needs_samples:  # shared position ids, added parameters
+            if ops.NEEDS_SAMPLES.get(key, False):  # shared position ids, added parameters
                 samples[key] = leading_dim(args, kwargs)
             out = (train_forward if self.training else eval_forward)(self, *args, **kwargs)
             if wanted.get(key, False) and (not torch.compiler.is_compiling() or graph_breaks_allowed()):

@@ -106,8 +106,6 @@ class CaptureStore:
     ignored_sites: set[int] = field(default_factory=set)  # fallback layers: never recorded
     transposed_sites: frozenset[int] = frozenset()  # linears with weight [d_in, d_out]: P in that layout
     onehot_sites: set[int] = field(default_factory=set)  # embedding lookups tied to a Linear: linear records
-    broadcast_sites: set[int] = field(default_factory=set)  # embeddings whose indices all samples share
-    needs_samples: bool = False  # the prepared forward records its batch size (ops.SAMPLES)
     records: dict[int, list[Record]] = field(default_factory=dict)
     _complete: bool = False  # a backward has recorded since the last begin()
     generation: int = 0  # how many captures have completed (for users caching results)

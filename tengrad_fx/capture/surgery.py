@@ -15,7 +15,7 @@ from .match import LayerSpec, match_module, pad_same_input, spec_args
 from .norm import NORM_KINDS
 from .output_hook import maybe_attach
 from .sharing import note_tied, param_owners
-from .store import CaptureStore, lookup
+from .store import CaptureStore
 
 __all__ = ["prepare_surgery"]
 
@@ -80,7 +80,7 @@ _OUTPUT: dict[type, type] = {}
 
 def _output_forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
     key = self.__dict__["_tengrad_output_key"]
-    if lookup(key).needs_samples:  # shared position ids, added parameters
+    if ops.NEEDS_SAMPLES.get(key, False):  # shared position ids, added parameters
         ops.SAMPLES[key] = leading_dim(args, kwargs)
     out = self._tengrad_root_forward(*args, **kwargs)
     if ops.ENABLED.get(key, False) and torch.is_grad_enabled():

@@ -33,8 +33,8 @@ def verify_samples(prepared: nn.Module, info: PrepareInfo, example_inputs: Seque
         shapes, outs = _probe(prepared, example_inputs, modes)
         shared = _shared_index_sites(info, shapes)
         if shared:  # retry with those indices broadcast to the batch (position ids)
-            info.store.broadcast_sites, needed = shared, info.store.needs_samples
-            info.store.needs_samples = True
+            key, needed = info.store.key, ops.NEEDS_SAMPLES.get(info.store.key, False)
+            ops.SHARED_INDEX_SITES[key], ops.NEEDS_SAMPLES[key] = frozenset(shared), True
             try:
                 shapes_b, outs_b = _probe(prepared, example_inputs, modes)
             except Exception:
@@ -42,8 +42,7 @@ def verify_samples(prepared: nn.Module, info: PrepareInfo, example_inputs: Seque
             if outs_b is not None and _same_outputs(outs, outs_b):
                 shapes = shapes_b
             else:
-                info.store.broadcast_sites = set()
-                info.store.needs_samples = needed
+                ops.SHARED_INDEX_SITES[key], ops.NEEDS_SAMPLES[key] = frozenset(), needed
     finally:
         prepared.train(was_training)
         _restore(prepared, saved)
