@@ -58,7 +58,7 @@ def check_steps_against_dense(model: nn.Module, template: nn.Module, opt: Any, b
         kinds.append(curvature)
         opt.zero_grad()
         out = model(x)
-        torch.manual_seed(100 + t)
+        opt.seed_mc(100 + t)
         opt.mc_capture(out)
         loss = F.cross_entropy(out, y)
         (loss + extra_loss(model) if extra_loss is not None else loss).backward()

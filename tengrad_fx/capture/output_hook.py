@@ -5,14 +5,14 @@ An optimizer with an MC ("true") or Gauss-Newton Fisher needs one backward of a 
 ``G``; :func:`tengrad_fx.optim.step.mc.mc_capture`). With :func:`want_output` set for a
 model, every capturing forward (capture on, grad enabled: curvature/statistics steps
 only, so a reuse step pays nothing) calls :func:`attach` on its output ``out``
-(``[m, *]``; a mapping's ``"logits"``), which routes it through an identity autograd
-function (the output site; no hook). When the user's ``loss.backward()`` reaches the
-output — before anything below it has run — the site's backward calls the optimizer's
-callback with ``out``; the callback runs its sampled-loss
-backward (``retain_graph=True``, re-entrant in the engine) and switches recording off,
-then the training backward goes on unchanged. The result is bit for bit that of calling
-``opt.mc_capture(out)`` before ``loss.backward()``: the same ``out``, the same RNG state
-(nothing else draws between the forward and the backward of a plain loop), the same ops.
+(``[m, *]``; a mapping's ``"logits"``, and its ``"loss"`` where the model computed
+one), which routes it through an identity autograd function (the output site; no hook).
+When the user's ``loss.backward()`` reaches the output — before anything below it has
+run — the site's backward calls the optimizer's callback with ``out``; the callback runs
+its sampled-loss backward (``retain_graph=True``, re-entrant in the engine) and switches
+recording off, then the training backward goes on unchanged. The result is bit for bit
+that of calling ``opt.mc_capture(out)`` before ``loss.backward()``: the same ``out``, the
+same draw of the optimizer's label generator, the same ops.
 
 The site fires once (its cell is emptied before the callback, so the callback's own
 backward through ``out`` does not re-enter it). Only the output of the latest capturing
@@ -101,17 +101,22 @@ class _OutputSite(torch.autograd.Function):
 @torch._dynamo.disable  # the output site runs eagerly (a graph break)
 def attach(key: int, out: Any) -> Any:
     """Route ``out`` (a tensor, or a mapping's ``"logits"``) through the one-shot output
-    site (module docstring); returns the output to hand on."""
+    site (module docstring); returns the output to hand on. A mapping's ``"loss"`` (a
+    model that computes its loss itself, e.g. Hugging Face with ``labels=``) goes through
+    a site too, sharing the one-shot cell: a backward from either fires it, handing over
+    the logits."""
     t = _output_tensor(out)
     if t is None or not t.requires_grad:
         return out
     release(key)
     cell = [t]
     _PENDING[key] = cell
-    routed = _OutputSite.apply(t, key, cell)
     if isinstance(out, Tensor):
-        return routed
-    out["logits"] = routed
+        return _OutputSite.apply(t, key, cell)
+    for name in ("logits", "loss"):  # one cell: the site the backward reaches first fires
+        v = out.get(name)
+        if isinstance(v, Tensor) and v.requires_grad:
+            out[name] = _OutputSite.apply(v, key, cell)
     return out
 
 

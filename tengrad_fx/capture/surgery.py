@@ -3,6 +3,7 @@ classes are swapped for capturing subclasses (in place; needs ``example_inputs``
 class for one that hands its output to :func:`.output_hook.maybe_attach` on capturing forwards."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -89,9 +90,12 @@ def _output_forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
 
 
 def _output_class(cls: type[nn.Module]) -> type:
-    """``cls`` whose forward passes its output to :func:`.output_hook.maybe_attach`."""
+    """``cls`` whose forward passes its output to :func:`.output_hook.maybe_attach`. The
+    forward keeps ``cls.forward``'s name, docstring and signature (``__wrapped__``), which
+    callers inspect (the Hugging Face ``Trainer`` keeps only the batch keys it names)."""
     if cls not in _OUTPUT:
-        _OUTPUT[cls] = type(cls.__name__, (cls,), {"forward": _output_forward, "_tengrad_root_forward": cls.forward,
+        forward = functools.wraps(cls.forward)(lambda self, *args, **kwargs: _output_forward(self, *args, **kwargs))
+        _OUTPUT[cls] = type(cls.__name__, (cls,), {"forward": forward, "_tengrad_root_forward": cls.forward,
                                                    "__module__": cls.__module__,  # a covered root stays one:
                                                    "_tengrad_capturing": cls.__dict__.get("_tengrad_capturing", False)})
     return _OUTPUT[cls]

@@ -37,7 +37,7 @@ def _mc_step(model: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor, expli
     out = model(x)
     loss = loss_fn(out, y)
     opt.zero_grad()
-    torch.manual_seed(seed)
+    opt.seed_mc(seed)
     if explicit:
         opt.mc_capture(out)
     loss.backward()
@@ -115,7 +115,7 @@ def test_grad_scaler_implicit_equals_explicit() -> None:
             out = model(x)
             loss = F.cross_entropy(out, y)
             opt.zero_grad()
-            torch.manual_seed(t)
+            opt.seed_mc(t)
             if explicit:
                 opt.mc_capture(out)
             scaler.scale(loss).backward()
@@ -270,7 +270,7 @@ def test_masked_sequence_mc_equals_reference(masked: bool) -> None:
     ref_model = snapshot(template, model)
     out = model(x)
     loss = F.cross_entropy(out.reshape(-1, V), y_train.reshape(-1))
-    torch.manual_seed(7)
+    opt.seed_mc(7)
     opt.mc_capture(out, mask=mask)
     loss.backward()
     delta = step_delta(model, opt)

@@ -1,6 +1,8 @@
 """Resume of TENGraD with ``curvature_every = T > 1`` is bit-identical: the state dict
 carries the last curvature step's records when the next step reuses them
-(:mod:`tengrad_fx.optim.tengrad.resume`), and nothing when it does not."""
+(:mod:`tengrad_fx.optim.tengrad.resume`), and nothing when it does not; with the MC
+Fisher it carries the sampling generator, so the resumed run does not depend on the
+global RNG."""
 from __future__ import annotations
 
 import copy
@@ -71,18 +73,18 @@ def test_resume_at_every_step_is_bit_identical(name: str) -> None:
         m1, o1 = _setup(net, **kw)
         for x, y in data[:cut]:
             _step(m1, o1, x, y)
-        saved = _roundtrip({"model": m1.state_dict(), "opt": o1.state_dict(), "rng": torch.get_rng_state()})
+        saved = _roundtrip({"model": m1.state_dict(), "opt": o1.state_dict()})
         assert ("curvature" in saved["opt"]) == (cut % T != 0), cut  # only when the next step reuses
         m2, o2 = _setup(net, **kw)
         m2.load_state_dict(saved["model"])
         o2.load_state_dict(saved["opt"])
-        torch.set_rng_state(saved["rng"])
+        torch.manual_seed(12345)  # the MC labels come from the optimizer's saved generator, not the global RNG
         for x, y in data[cut:]:
             _step(m2, o2, x, y)
         got = m2.state_dict()
         for k in want:
             assert torch.equal(got[k], want[k]), (name, cut, k)
-        assert o2.counters == o1.counters | {"step": STEPS}
+        assert o2.counters == opt.counters
 
 
 def test_no_curvature_for_t1_and_size_bound() -> None:

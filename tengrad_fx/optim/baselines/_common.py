@@ -310,7 +310,7 @@ class CurvatureOptimizer(StepSkeleton):
     def _mc_backward(self, outputs: Tensor, targets: Optional[Tensor], mask: Optional[Tensor]) -> None:
         """:meth:`mc_capture`'s backward of sampled targets (records ``G`` only)."""
         mc_capture(self._info.store, outputs, self.mc_loss, [b.params[0] for b in self.blocks],  # type: ignore[arg-type]
-                   targets, self._loss_scale(), mask)
+                   targets, self._loss_scale(), mask, self._mc_rng.get(outputs.device))
 
     def _live_blocks(self) -> list[Block]:
         """Blocks with a gradient and a record this step (a layer the forward did not call,

@@ -1,6 +1,7 @@
 """MC ("true") Fisher: sampled targets and one backward that records ``G`` only."""
 from __future__ import annotations
 
+import hashlib
 import weakref
 from typing import Literal, Optional, Sequence
 
@@ -10,7 +11,7 @@ from torch import Tensor
 
 from ...capture.store import CaptureStore
 
-__all__ = ["MCState", "check_mask", "mc_capture", "sample_targets", "sampled_loss", "second_backward"]
+__all__ = ["MCState", "SampleRNG", "check_mask", "mc_capture", "sample_targets", "sampled_loss", "second_backward"]
 
 
 def second_backward(loss: Tensor, inputs: Sequence[Tensor]) -> None:
@@ -37,6 +38,48 @@ class MCState:
     def __init__(self, owner: object):
         self.owner = weakref.ref(owner)
         self.done = False
+
+
+class SampleRNG:
+    """The generator an optimizer draws its MC labels from: seeded from one draw of the
+    global CPU RNG when first needed (``torch.manual_seed`` before training fixes it), then
+    advanced by the sampling alone, so the labels do not depend on what else draws from the
+    global RNG. Its state (:meth:`state`, a CPU ``uint8`` tensor) goes into the optimizer's
+    ``state_dict``: a resumed run draws the labels an uninterrupted one draws."""
+
+    def __init__(self) -> None:
+        self._gen: Optional[torch.Generator] = None
+        self._saved: Optional[Tensor] = None  # loaded, applied on first use (the device is known then)
+
+    def get(self, device: torch.device) -> torch.Generator:
+        """The generator, on ``device`` (that of the outputs sampled from)."""
+        if self._gen is None or self._gen.device.type != device.type:
+            saved = self._saved if self._gen is None else self._gen.get_state()
+            self._saved = None
+            self._gen = torch.Generator(device=device)
+            if saved is None:
+                self._gen.manual_seed(int(torch.randint(0, 2**62, (), dtype=torch.int64)))
+            else:
+                try:
+                    self._gen.set_state(saved)
+                except RuntimeError:  # another device type's state: a seed derived from it
+                    digest = hashlib.sha256(saved.numpy().tobytes()).digest()
+                    self._gen.manual_seed(int.from_bytes(digest[:8], "little") % 2**62)
+        return self._gen
+
+    def state(self) -> Optional[Tensor]:
+        """The generator's state (None before the first draw, or the state loaded and not used yet)."""
+        return self._gen.get_state() if self._gen is not None else self._saved
+
+    def seed(self, seed: int) -> None:
+        """Draw from ``torch.Generator().manual_seed(seed)``'s state on (that of the global
+        RNG after ``torch.manual_seed(seed)``)."""
+        self.load(torch.Generator().manual_seed(seed).get_state())
+
+    def load(self, state: Optional[Tensor]) -> None:
+        """Draw from ``state`` on (None: seed from the global RNG when first needed)."""
+        self._gen = None
+        self._saved = None if state is None else state.detach().to("cpu", torch.uint8).clone()
 
 
 def check_mask(outputs: Tensor, mask: Optional[Tensor], mc_loss: str) -> Optional[Tensor]:
@@ -90,7 +133,8 @@ def sampled_loss(outputs: Tensor, target: Tensor, mc_loss: Literal["cross_entrop
 
 def mc_capture(store: CaptureStore, outputs: Tensor, mc_loss: Literal["cross_entropy", "mse"],
                weights: Sequence[Tensor], target: Optional[Tensor] = None,
-               loss_scale: Optional[Tensor] = None, mask: Optional[Tensor] = None) -> None:
+               loss_scale: Optional[Tensor] = None, mask: Optional[Tensor] = None,
+               generator: Optional[torch.Generator] = None) -> None:
     """Sample targets from ``outputs`` (:func:`sample_targets`; or use ``target``, e.g.
     labels sampled elsewhere), and backpropagate the sampled loss (:func:`sampled_loss`)
     through the graph with the store in G-only mode: the covered layers record ``G`` (and,
@@ -100,11 +144,12 @@ def mc_capture(store: CaptureStore, outputs: Tensor, mc_loss: Literal["cross_ent
     records carry the same scale as the training backward's (:mod:`.amp`).
     ``mask``: bool ``[m, *]`` (``outputs`` ``[m, *, c]``), the positions that count (e.g.
     ``attention_mask.bool()`` or ``labels != -100``); the others are not sampled and add
-    nothing to the sampled loss (:func:`check_mask`).
+    nothing to the sampled loss (:func:`check_mask`). ``generator``: the sampling's (None:
+    the global RNG).
     """
     mask = check_mask(outputs, mask, mc_loss)
     if target is None:
-        target = sample_targets(outputs, mc_loss, mask=mask)
+        target = sample_targets(outputs, mc_loss, generator=generator, mask=mask)
     elif mask is not None and mc_loss == "cross_entropy":
         target = target.masked_fill(~mask, -100)
     loss = sampled_loss(outputs, target, mc_loss, mask)

@@ -38,7 +38,7 @@ from ...capture.prepare import capturing
 from .amp import loss_scale, scaler_enabled, scaler_flags, unscale_grads
 from .update import all_finite, apply_momentum_step, finite_flag, kl_clip_factor
 from .checks import check_positive
-from .mc import MCState
+from .mc import MCState, SampleRNG
 from .reduction_check import check_loss_reduction
 from .state_check import META, NamedParams, check_loadable, layout_meta, named_params
 from ...curvature.layer import covered_layers
@@ -134,6 +134,7 @@ class StepSkeleton(torch.optim.Optimizer):
         self._mirror: Optional[HostMirror] = None
         self._seen_skips = 0  # skips already seen on the host through the mirror
         self._mc = MCState(self)  # shared with copies of this optimizer's __dict__ (wrappers)
+        self._mc_rng = SampleRNG()  # the MC Fisher's label sampling (saved in state_dict)
         self._warned_skip = False
         self.timings: dict[str, float] = {}
         self._frozen = FrozenWatch(model, type(self).__name__)
@@ -206,6 +207,11 @@ class StepSkeleton(torch.optim.Optimizer):
         self._mc.done = True
         return None
 
+    def seed_mc(self, seed: int) -> None:
+        """Seed the MC Fisher's label generator (default: one draw of the global RNG at the
+        first sample; saved in ``state_dict``), as ``torch.manual_seed(seed)`` seeds the CPU's."""
+        self._mc_rng.seed(seed)
+
     def _output_backward(self, outputs: Tensor) -> None:
         """The hook on the model's output (:mod:`tengrad_fx.capture.output_hook`)."""
         self.mc_capture(outputs)
@@ -225,6 +231,12 @@ class StepSkeleton(torch.optim.Optimizer):
         self._sync_counters()
         st = self.state[self.NAME]
         return {"step": st["step"], "skipped": st["skipped"], "uncaptured": st.get("uncaptured", 0)}
+
+    @property
+    def curvature_steps(self) -> int:
+        """Steps that took new curvature / statistics (a host count, saved in ``state_dict``;
+        a curvature step the device then skipped included)."""
+        return int(self.state[self.NAME].get("curvature", 0))
 
     def _add_uncaptured(self, n: int) -> None:
         """Count ``n`` layer-steps given ``u = g`` for lack of a record (host count)."""
@@ -294,6 +306,9 @@ class StepSkeleton(torch.optim.Optimizer):
         self._sync_counters()
         sd = super().state_dict()
         sd[META] = layout_meta(type(self).__name__, self._named_params(), self._layout_meta())
+        rng = self._mc_rng.state()
+        if rng is not None:
+            sd["state"][self.NAME] = dict(sd["state"][self.NAME], mc_rng=rng)
         return sd
 
     def _named_params(self) -> NamedParams:
@@ -315,6 +330,7 @@ class StepSkeleton(torch.optim.Optimizer):
             self._check_layout_meta(meta)
         state_dict = {k: v for k, v in state_dict.items() if k != META}
         super().load_state_dict(state_dict)
+        self._mc_rng.load(self.state[self.NAME].pop("mc_rng", None))
         self._dev_counts = None
         self._mirror = None
         st = self.state[self.NAME]
@@ -339,8 +355,8 @@ class StepSkeleton(torch.optim.Optimizer):
         if stats_step and self.fisher != "empirical" and not mc_step:
             raise RuntimeError(f"{type(self).__name__}(fisher={self.fisher!r}): no sampled backward ran on this "
                                "statistics/curvature step: the training backward did not pass through the model's "
-                               "output (a tensor, or a mapping with 'logits'); call opt.mc_capture(outputs) before "
-                               "loss.backward()")
+                               "output (a tensor, or a mapping with 'logits' or 'loss'); call "
+                               "opt.mc_capture(outputs) before loss.backward()")
         grads = [p.grad for p in group["params"] if p.grad is not None]
         if not grads:  # nothing to do, like torch's own optimizers
             return self._skip("no gradient", loss) if self.EMPTY_STEP_SKIPS else loss
@@ -367,6 +383,8 @@ class StepSkeleton(torch.optim.Optimizer):
             self.state[self.NAME]["step"] += 1
         self._sched += 1
         self.state[self.NAME]["sched"] = self._sched
+        if stats_step:
+            self.state[self.NAME]["curvature"] = self.state[self.NAME].get("curvature", 0) + 1
         self._after_update(stats_step, closure)
         self._poll_skips()
         capturing(self.model, self._needs_capture(self._sched))

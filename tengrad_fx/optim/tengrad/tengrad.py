@@ -261,7 +261,8 @@ class TENGraD(StepSkeleton):
             gauss_newton_capture(self._info.store, outputs, weights, self._info.loss_reduction,
                                  loss_scale=self._loss_scale())
         else:
-            mc_capture(self._info.store, outputs, self.mc_loss, weights, targets, self._loss_scale(), mask)
+            mc_capture(self._info.store, outputs, self.mc_loss, weights, targets, self._loss_scale(), mask,
+                       self._mc_rng.get(outputs.device))
 
     # ------------------------------------------------------------------ curvature
     def _refresh(self, damping: float) -> None:
