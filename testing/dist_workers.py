@@ -56,6 +56,16 @@ def _opt_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
                 fisher=cfg.get("fisher", "empirical"), kl_clip=cfg.get("kl_clip"))
 
 
+def param_groups(net: nn.Module, cfg: dict[str, Any]) -> dict[str, Any]:
+    """With ``cfg["groups"]``: ``params=`` of two groups, the last Linear with its own lr,
+    damping and momentum (else no keyword)."""
+    if not cfg.get("groups"):
+        return {}
+    last = [p for n, p in net.named_parameters() if n.startswith("4.")]
+    rest = [p for n, p in net.named_parameters() if not n.startswith("4.")]
+    return {"params": [{"params": rest}, {"params": last, "lr": 0.05, "damping": 0.3, "momentum": 0.5}]}
+
+
 def train_ranks(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each ``cfg`` in turn on this rank; per cfg: parameters after each step, the MC
     targets of each step, final momentum buffers and counters."""
@@ -79,7 +89,7 @@ def train_ranks(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[
             ddp = DDP(net)
         opt = DistributedTENGraD(ddp, placement=cfg.get("placement", "owner"), mode=cfg.get("mode", "gather"),
                                  seed=cfg.get("seed", 0), bandwidth=cfg.get("bandwidth", 50e9),
-                                 flop_rate=cfg.get("flop_rate", 50e12), **_opt_kwargs(cfg))
+                                 flop_rate=cfg.get("flop_rate", 50e12), **_opt_kwargs(cfg), **param_groups(net, cfg))
         opt._overlap = not cfg.get("sequential", False)
         if cfg.get("load"):
             ck = torch.load(cfg["load"], weights_only=False)
@@ -121,7 +131,7 @@ def train_single(cfg: dict[str, Any], world: int, targets: Optional[list[Optiona
     import tengrad_fx
     kind, M = cfg["model"], world * cfg["m"]
     net = tengrad_fx.prepare(make_model(kind))
-    opt = tengrad_fx.TENGraD(net, **_opt_kwargs(cfg))
+    opt = tengrad_fx.TENGraD(net, **_opt_kwargs(cfg), **param_groups(net, cfg))
     traj = [flat_params(net)]
     for k in range(cfg["steps"]):
         x, y = global_batch(kind, M, cfg.get("start", 0) + k)
