@@ -265,3 +265,21 @@ def test_state_dict_round_trip_with_two_groups(name: str) -> None:
     one = cls(_prepared(template), lr=0.1, damping=0.1, **kw)
     with pytest.raises(ValueError, match="2 param groups"):
         one.load_state_dict(sd)
+
+
+def test_tengrad_cuda_graph_path_on_cpu_with_two_groups() -> None:
+    """``cuda_graph=True`` on a CPU (static gradients, the graph runner, run eagerly) with
+    two groups of their own lr / damping / momentum: bit for bit ``cuda_graph=False``."""
+    template = _mlp()
+    out = []
+    for cuda_graph in (False, True):
+        model = _prepared(template)
+        opt = TENGraD(model, lr=0.1, damping=0.1, curvature_every=3, kl_clip=1e-3, cuda_graph=cuda_graph,
+                      params=[{"params": _params(model, "0", "2")},
+                              {"params": _params(model, "4"), "lr": 0.03, "damping": 0.4, "momentum": 0.5}])
+        for t in range(5):
+            _step(model, opt, t)
+        out.append([p.detach().clone() for p in model.parameters()])
+    assert opt._graphs.eager_runs == 3  # the reuse steps (1, 2, 4) went through the graph runner
+    for a, b in zip(*out):
+        assert torch.equal(a, b)
