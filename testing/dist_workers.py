@@ -56,14 +56,25 @@ def _opt_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
                 fisher=cfg.get("fisher", "empirical"), kl_clip=cfg.get("kl_clip"))
 
 
+def last_group(net: nn.Module) -> dict[str, Any]:
+    """The last Linear's parameters as a group of their own lr, damping and momentum."""
+    return {"params": [p for n, p in net.named_parameters() if n.startswith("4.")], "lr": 0.05, "damping": 0.3,
+            "momentum": 0.5}
+
+
 def param_groups(net: nn.Module, cfg: dict[str, Any]) -> dict[str, Any]:
-    """With ``cfg["groups"]``: ``params=`` of two groups, the last Linear with its own lr,
-    damping and momentum (else no keyword)."""
+    """With ``cfg["groups"]``: ``params=`` of two groups (:func:`last_group` and the rest;
+    with ``cfg["add_at"]`` the rest only, :func:`add_group` adds the last); else no keyword."""
     if not cfg.get("groups"):
         return {}
-    last = [p for n, p in net.named_parameters() if n.startswith("4.")]
-    rest = [p for n, p in net.named_parameters() if not n.startswith("4.")]
-    return {"params": [{"params": rest}, {"params": last, "lr": 0.05, "damping": 0.3, "momentum": 0.5}]}
+    rest = [{"params": [p for n, p in net.named_parameters() if not n.startswith("4.")]}]
+    return {"params": rest if "add_at" in cfg else rest + [last_group(net)]}
+
+
+def add_group(opt: Any, net: nn.Module, cfg: dict[str, Any], step: int) -> None:
+    """``opt.add_param_group(last_group(net))`` before step ``cfg["add_at"]``."""
+    if cfg.get("add_at") == step:
+        opt.add_param_group(last_group(net))
 
 
 def train_ranks(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -99,6 +110,7 @@ def train_ranks(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[
         for k in range(cfg["steps"]):
             x, y = global_batch(kind, world * m, cfg.get("start", 0) + k)
             x, y = x[rank * m:(rank + 1) * m], y[rank * m:(rank + 1) * m]
+            add_group(opt, net, cfg, k)
             if cfg.get("short_rank") == rank:  # this rank trains on one sample fewer
                 x, y = x[1:], y[1:]
             out_ = ddp(x)
@@ -135,6 +147,7 @@ def train_single(cfg: dict[str, Any], world: int, targets: Optional[list[Optiona
     traj = [flat_params(net)]
     for k in range(cfg["steps"]):
         x, y = global_batch(kind, M, cfg.get("start", 0) + k)
+        add_group(opt, net, cfg, k)
         out = net(x)
         loss = F.cross_entropy(out, y)
         opt.zero_grad()

@@ -39,6 +39,7 @@ TWO = {
                                       sequential=True),
     "mlp-groups-gather": dict(model="mlp", m=3, steps=4, T=2, groups=True, kl_clip=0.01),  # lr/α/μ per group
     "mlp-groups-blocks": dict(model="mlp", m=3, steps=4, T=2, groups=True, mode="gram-blocks"),
+    "mlp-add-group": dict(model="mlp", m=3, steps=4, T=3, groups=True, add_at=1, mode="auto"),  # add_param_group
     "mlp-save": dict(model="mlp", m=6, steps=2, T=1),  # + save (fixture)
     "mlp-resume-same": dict(model="mlp", m=6, steps=2, T=1, start=2),  # + load (fixture)
 }
