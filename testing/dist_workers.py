@@ -56,6 +56,27 @@ def _opt_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
                 fisher=cfg.get("fisher", "empirical"), kl_clip=cfg.get("kl_clip"))
 
 
+def last_group(net: nn.Module) -> dict[str, Any]:
+    """The last Linear's parameters as a group of their own lr, damping and momentum."""
+    return {"params": [p for n, p in net.named_parameters() if n.startswith("4.")], "lr": 0.05, "damping": 0.3,
+            "momentum": 0.5}
+
+
+def param_groups(net: nn.Module, cfg: dict[str, Any]) -> dict[str, Any]:
+    """With ``cfg["groups"]``: ``params=`` of two groups (:func:`last_group` and the rest;
+    with ``cfg["add_at"]`` the rest only, :func:`add_group` adds the last); else no keyword."""
+    if not cfg.get("groups"):
+        return {}
+    rest = [{"params": [p for n, p in net.named_parameters() if not n.startswith("4.")]}]
+    return {"params": rest if "add_at" in cfg else rest + [last_group(net)]}
+
+
+def add_group(opt: Any, net: nn.Module, cfg: dict[str, Any], step: int) -> None:
+    """``opt.add_param_group(last_group(net))`` before step ``cfg["add_at"]``."""
+    if cfg.get("add_at") == step:
+        opt.add_param_group(last_group(net))
+
+
 def train_ranks(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each ``cfg`` in turn on this rank; per cfg: parameters after each step, the MC
     targets of each step, final momentum buffers and counters."""
@@ -79,7 +100,7 @@ def train_ranks(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[
             ddp = DDP(net)
         opt = DistributedTENGraD(ddp, placement=cfg.get("placement", "owner"), mode=cfg.get("mode", "gather"),
                                  seed=cfg.get("seed", 0), bandwidth=cfg.get("bandwidth", 50e9),
-                                 flop_rate=cfg.get("flop_rate", 50e12), **_opt_kwargs(cfg))
+                                 flop_rate=cfg.get("flop_rate", 50e12), **_opt_kwargs(cfg), **param_groups(net, cfg))
         opt._overlap = not cfg.get("sequential", False)
         if cfg.get("load"):
             ck = torch.load(cfg["load"], weights_only=False)
@@ -89,6 +110,7 @@ def train_ranks(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[
         for k in range(cfg["steps"]):
             x, y = global_batch(kind, world * m, cfg.get("start", 0) + k)
             x, y = x[rank * m:(rank + 1) * m], y[rank * m:(rank + 1) * m]
+            add_group(opt, net, cfg, k)
             if cfg.get("short_rank") == rank:  # this rank trains on one sample fewer
                 x, y = x[1:], y[1:]
             out_ = ddp(x)
@@ -121,10 +143,11 @@ def train_single(cfg: dict[str, Any], world: int, targets: Optional[list[Optiona
     import tengrad_fx
     kind, M = cfg["model"], world * cfg["m"]
     net = tengrad_fx.prepare(make_model(kind))
-    opt = tengrad_fx.TENGraD(net, **_opt_kwargs(cfg))
+    opt = tengrad_fx.TENGraD(net, **_opt_kwargs(cfg), **param_groups(net, cfg))
     traj = [flat_params(net)]
     for k in range(cfg["steps"]):
         x, y = global_batch(kind, M, cfg.get("start", 0) + k)
+        add_group(opt, net, cfg, k)
         out = net(x)
         loss = F.cross_entropy(out, y)
         opt.zero_grad()

@@ -25,7 +25,7 @@ takes the same decision and the same ``u`` bit for bit.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -104,10 +104,10 @@ class GramBlocksStep:
         self.push: list[Optional[Tensor]] = []
         self._reduce: Any = None
 
-    def exchange(self, owner: dict[str, int], chol: dict[str, Tensor], damping: float) -> None:
+    def exchange(self, owner: dict[str, int], chol: dict[str, Tensor], damping: Union[float, dict[str, float]]) -> None:
         """``owner``: layer name -> the rank holding its factor (negative: every rank);
         ``chol``: the factors ``L`` (``[M, M]``, ``L Lᵀ = K + MαI``) held by this rank;
-        ``damping``: ``α``."""
+        ``damping``: ``α``, or each layer's by name."""
         collective("waiting for J g (gram-blocks)", self._gather.wait)
         m, M, dtype = self.m, self.world * self.m, self.dtype
         cs: dict[str, Tensor] = {}
@@ -148,8 +148,10 @@ class GramBlocksStep:
         rows = slice(self.rank * m, (self.rank + 1) * m)
         for grp, ok, (gw, _) in zip(self.groups, self.push, self.grads):
             # u = β·g + γ·Jᵀc' per layer (push-through scale 1: mean loss), alike on every rank
+            alpha = damping if not isinstance(damping, dict) else \
+                torch.tensor([damping[lay.name] for lay in grp.layers], dtype=torch.float64)
             C, beta, gamma = solve.woodbury_coefficients(torch.stack([cs[lay.name][rows] for lay in grp.layers]),
-                                                         damping, ok, 1.0, gw.dtype)  # C: [L, m]
+                                                         alpha, ok, 1.0, gw.dtype)  # C: [L, m]
             self.coefs.append((beta, gamma))
             w, b = grp.vjp(C.to(_record_dtype(grp.layers[0], dtype)))  # type: ignore[assignment]
             partial += [w.to(dtype).reshape(-1)] + ([b.to(dtype).reshape(-1)] if b is not None else [])  # type: ignore[attr-defined]

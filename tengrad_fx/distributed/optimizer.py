@@ -92,9 +92,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..capture.info import get_info
 from ..capture.prepare import capturing
-from ..curvature.layer import CoveredLayer, covered_layers
+from ..curvature.layer import CoveredLayer
 from ..optim.step.mc import check_mask, mc_capture, sample_targets
 from ..optim.step.state_check import META
+from ..optim.step.param_groups import Damping, grouped_layers, layer_dampings
 from ..optim.tengrad.tengrad import TENGraD
 from ..optim.tengrad.group_build import build_groups
 from ..optim.tengrad.group_cost import reuse_cost
@@ -169,7 +170,7 @@ class DistributedTENGraD(TENGraD):
         if self._info.loss_reduction != "mean":
             raise ValueError("DistributedTENGraD: prepare(..., loss_reduction='mean') is required (DDP averages "
                              "the gradients over the ranks, i.e. the global loss is the mean over the global batch)")
-        self._all_layers: list[CoveredLayer] = covered_layers(module)
+        self._all_layers: list[CoveredLayer] = grouped_layers(module, self.param_groups)
         self._layers = []  # this rank's layers: set at each curvature step
         self._owner: dict[str, int] = {}  # layer name -> owning rank, REPLICATED (last curvature step)
         self._mode: dict[str, str] = {}  # layer name -> "gather" / "gram-blocks" (last curvature step)
@@ -235,13 +236,24 @@ class DistributedTENGraD(TENGraD):
         sd = {k: v for k, v in state_dict.items() if k != "curvature"}
         if isinstance(sd.get(META), dict) and sd[META].get("optimizer") == "TENGraD":
             sd[META] = {**sd[META], "optimizer": type(self).__name__}
-        self._fresh = True
-        self._layers, self._owner, self._mode, self._local, self._local_groups = [], {}, {}, {}, []
+        self._forget_plan()
         super().load_state_dict(sd)
         capturing(self.model, True)
 
+    def _forget_plan(self) -> None:
+        """No curvature, owners or modes: the next step takes curvature on every rank."""
+        self._fresh = True
+        self._layers, self._owner, self._mode, self._local, self._local_groups = [], {}, {}, {}, []
+
+    def _groups_changed(self) -> None:
+        """Parameters were added (on every rank alike): the layers are re-read and the
+        next step takes curvature and plans again."""
+        super()._groups_changed()
+        self._all_layers = self._layers
+        self._forget_plan()
+
     # ------------------------------------------------------------------ step
-    def _updates(self, step: int, curvature_step: bool, mc_step: bool, damping: float) -> dict[Tensor, Tensor]:
+    def _updates(self, step: int, curvature_step: bool, mc_step: bool, damping: Damping) -> dict[Tensor, Tensor]:
         t0 = time.perf_counter()
         self.comm_bytes = {}
         self._sharing = None
@@ -257,7 +269,7 @@ class DistributedTENGraD(TENGraD):
         updates = self._average_updates(local) if self.mode == "local" else self._share_updates(local)
         # every rank skips together: its gradients' finiteness (the skeleton checks them
         # again with the shared updates) and its factors, all-reduced
-        ok = finite_flag([p.grad for p in self.param_groups[0]["params"] if p.grad is not None])
+        ok = finite_flag([p.grad for p in self._group_params() if p.grad is not None])
         assert ok is not None
         self._step_flag = all_ok(ok if self._chol_ok is None else ok & self._chol_ok)
         self.timings = {**self.timings, "gather": t1 - t0, "share": time.perf_counter() - t2}
@@ -296,7 +308,7 @@ class DistributedTENGraD(TENGraD):
         mine = gather_records(layers, live, owners, store, self.rank, self.world, keep, self._add_bytes)
         self._layers = [layers[i] for i in mine]
 
-    def _refresh(self, damping: float) -> None:
+    def _refresh(self, damping: Damping) -> None:
         """As TENGraD's, over the layers solved here, with the ``gram-blocks`` layers in
         groups of their own (after the gather layers'); then every rank's store gets its
         own rows of the ``gram-blocks`` layers back (the global records are not kept)."""
@@ -322,7 +334,7 @@ class DistributedTENGraD(TENGraD):
                 if lays else []
             self._rebuild_local = False
 
-    def _precondition(self, push_through: bool, damping: float) -> dict[Tensor, Tensor]:
+    def _precondition(self, push_through: bool, damping: Damping) -> dict[Tensor, Tensor]:
         """``u`` of the gather layers solved here (TENGraD's) and of every ``gram-blocks``
         layer (data-parallel, :class:`.gram_blocks.GramBlocksStep`), overlapped: the
         all-gather of the ``J_a g`` runs while this rank solves its gather layers; the
@@ -338,9 +350,11 @@ class DistributedTENGraD(TENGraD):
             step = start_blocks()
         gather = self._curv[:self._n_gather]
         out: dict[Tensor, Tensor] = {}
+        alphas = self._layer_dampings(damping)  # float, or [L_total] in _curv's order
         if gather and self._chol is not None:
             L = sum(len(grp.layers) for grp in gather)
-            out, _ = precondition_groups(gather, self._chol[:L], use_pt, damping, self._info.loss_reduction)
+            out, _ = precondition_groups(gather, self._chol[:L], use_pt, alphas[:L] if isinstance(damping, tuple)
+                                         else alphas, self._info.loss_reduction)
         if self.mode != "local" and self._overlap:
             self._start_share(out)  # the owners' u of gather layers, in flight from here
         if self._local_groups and step is None:
@@ -348,7 +362,10 @@ class DistributedTENGraD(TENGraD):
         if step is not None:
             chol = {lay.name: grp.chol[i] for grp in self._curv[self._n_gather:] if grp.chol is not None
                     for i, lay in enumerate(grp.layers)}
-            step.exchange(self._owner, chol, damping)
+            alphas_of = damping if not isinstance(damping, tuple) else \
+                dict(zip([lay.name for lay in self._all_layers],
+                         layer_dampings(damping, self.param_groups, self._all_layers).tolist()))
+            step.exchange(self._owner, chol, alphas_of)
             out.update(step.finish())
         return out
 

@@ -17,7 +17,7 @@ settings (:func:`paper_settings`):
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import torch
 
@@ -32,14 +32,16 @@ __all__ = ["OPTIMIZERS", "PAPER_DEFAULTS", "PAPER_EPOCHS", "PAPER_INTERVALS", "P
 class SGD(torch.optim.SGD):
     """SGD with heavy-ball momentum over ``model.parameters()`` — the same update rule as
     the other optimizers' fallback: ``d = g + λw``, ``buf = μ·buf + d``, ``w ← w − lr·buf``.
-    ``damping`` is accepted and ignored, so every method takes the same keywords."""
+    ``damping`` is accepted and ignored, so every method takes the same keywords; ``params``
+    (parameters or param group dicts) as the other optimizers'."""
 
     def __init__(self, model: torch.nn.Module, lr: float, momentum: float = 0.9,
-                 weight_decay: float = 0.0, damping: Optional[float] = None):
+                 weight_decay: float = 0.0, damping: Optional[float] = None,
+                 params: Optional[Iterable[Any]] = None):
         check_nonneg("lr", lr)
         check_unit("momentum", momentum)
         check_nonneg("weight_decay", weight_decay)
-        super().__init__([p for p in model.parameters() if p.requires_grad], lr=lr,
+        super().__init__([p for p in model.parameters() if p.requires_grad] if params is None else params, lr=lr,
                          momentum=momentum, weight_decay=weight_decay)
         self.model = model
 

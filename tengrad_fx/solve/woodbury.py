@@ -137,7 +137,7 @@ def push_through_rhs(Jg: Tensor, push: Tensor) -> Tensor:
     return torch.where(push.unsqueeze(1), torch.ones_like(Jg), Jg)
 
 
-def woodbury_solve(chol: Tensor, rhs: Tensor, damping: float, push: Union[Tensor, bool, None] = None,
+def woodbury_solve(chol: Tensor, rhs: Tensor, damping: Union[float, Tensor], push: Union[Tensor, bool, None] = None,
                    scale: float = 1.0, g_dtype: Optional[torch.dtype] = None,
                    ) -> tuple[Tensor, Union[float, Tensor], float]:
     """``(c, β, γ)`` with ``(F + αI)⁻¹ g = β·g + γ·Jᵀc`` per layer: ``(K + mαI)⁻¹ rhs`` by
@@ -148,7 +148,7 @@ def woodbury_solve(chol: Tensor, rhs: Tensor, damping: float, push: Union[Tensor
     return woodbury_coefficients(solve_cholesky(chol, rhs), damping, push, scale, g_dtype)
 
 
-def woodbury_coefficients(c: Tensor, damping: float, push: Union[Tensor, bool, None] = None,
+def woodbury_coefficients(c: Tensor, damping: Union[float, Tensor], push: Union[Tensor, bool, None] = None,
                           scale: float = 1.0, g_dtype: Optional[torch.dtype] = None,
                           ) -> tuple[Tensor, Union[float, Tensor], float]:
     """``(c', β, γ)`` with ``(F + αI)⁻¹ g = β·g + γ·Jᵀc'`` per layer, from the solution
@@ -159,12 +159,20 @@ def woodbury_coefficients(c: Tensor, damping: float, push: Union[Tensor, bool, N
     * ``[...]`` bool — per layer, on the device: ``β`` (in ``g_dtype``) is ``0`` where
       ``push`` holds, else ``1/α``; ``c'`` is ``scale·c`` there, ``−c/α`` elsewhere;
       ``γ = 1``.
+
+    ``damping``: ``α``, or one per layer (``[...]``: ``β`` and ``c'`` per layer as for a
+    bool ``push``, with its ``1/α``).
     """
+    if push is True:
+        return c * scale, 0.0, 1.0
+    if isinstance(damping, Tensor):  # one α per layer: β = 1/α_l, c' = −c/α_l, γ = 1
+        inv = damping.to(c.device, torch.float64).reciprocal()
+        held = push if isinstance(push, Tensor) else torch.zeros(inv.shape, dtype=torch.bool, device=c.device)
+        beta = torch.where(held, 0.0, inv).to(g_dtype or c.dtype)
+        return c * torch.where(held, scale, -inv).to(c.dtype).unsqueeze(-1), beta, 1.0
     a = 1.0 / damping
     if push is None or push is False:
         return c, a, -a
-    if push is True:
-        return c * scale, 0.0, 1.0
     dev = c.device
     beta = torch.where(push, 0.0, torch.full((), a, dtype=g_dtype or c.dtype, device=dev))
     c = c * torch.where(push, torch.full((), scale, dtype=c.dtype, device=dev), -a).unsqueeze(-1)

@@ -37,6 +37,9 @@ TWO = {
     "mlp3-blocks-equal-shapes": dict(model="mlp3", m=3, steps=4, T=2, mode="gram-blocks"),
     "cnn-auto-mixed-sequential": dict(model="cnn", m=3, steps=4, T=2, mode="auto", bandwidth=1e9, flop_rate=1e10,
                                       sequential=True),
+    "mlp-groups-gather": dict(model="mlp", m=3, steps=4, T=2, groups=True, kl_clip=0.01),  # lr/α/μ per group
+    "mlp-groups-blocks": dict(model="mlp", m=3, steps=4, T=2, groups=True, mode="gram-blocks"),
+    "mlp-add-group": dict(model="mlp", m=3, steps=4, T=3, groups=True, add_at=1, mode="auto"),  # add_param_group
     "mlp-save": dict(model="mlp", m=6, steps=2, T=1),  # + save (fixture)
     "mlp-resume-same": dict(model="mlp", m=6, steps=2, T=1, start=2),  # + load (fixture)
 }

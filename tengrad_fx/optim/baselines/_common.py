@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -33,6 +33,7 @@ from ...capture.norm import NORM_KINDS
 from ...capture.prepare import capturing
 from ..step.checks import check_choice, check_interval, check_nonneg, check_positive, check_unit
 from ..step.mc import mc_capture
+from ..step.param_groups import Damping, group_index, layer_damping, optimizer_params
 from ..step.skeleton import SkipStep, StepSkeleton
 from ...curvature.layer import KERNELS, CoveredLayer, covered_layers
 from ...curvature.tensors import DEFAULT_BLOCK_BYTES
@@ -99,18 +100,20 @@ class Block:
         return out
 
 
-def make_blocks(layers: list[CoveredLayer], kronecker: bool = True) -> list[Block]:
-    """Blocks of the layers with a trainable weight (a bias-only layer, whose weight is
-    frozen, gets the fallback update: no block describes a bias alone). With ``kronecker`` (the
+def make_blocks(layers: list[CoveredLayer], kronecker: bool = True,
+                grouped: Optional[dict[Tensor, int]] = None) -> list[Block]:
+    """Blocks of the layers with a trainable weight whose parameters are all in a param group
+    (given ``grouped``; a bias-only layer, or the grouped parameters of another layer, get the
+    fallback update: no block describes a bias alone). With ``kronecker`` (the
     K-FAC family), transposed convolutions are left out: their bias gradient sums the
     output gradient over OUTPUT pixels, so ``[g, o, f + b]`` with the bias as homogeneous
     column does not describe them; they get the fallback update (a warning says so)."""
     out = []
     skipped = []
     for layer in layers:
-        if layer.bias_only:  # no Kronecker form for a bias alone: the fallback update
-            continue
         params = layer.params
+        if layer.bias_only or (grouped is not None and not all(p in grouped for p in params)):
+            continue  # a bias alone has no Kronecker form: the fallback update
         if kronecker and layer.spec.transposed and layer.kind != "linear":
             skipped.append(layer.name)
             continue
@@ -219,7 +222,8 @@ def per_sample_grad_chunks(block: Block, dtype: Optional[torch.dtype] = None) ->
 
 # --------------------------------------------------------------------------- base optimizer
 class CurvatureOptimizer(StepSkeleton):
-    """Common part of the baselines: one param group over ``model.parameters()``, the
+    """Common part of the baselines: param groups over the model's parameters
+    (:mod:`tengrad_fx.optim.step.param_groups`; a layer's damping is its weight's group's), the
     shared step of :mod:`tengrad_fx.optim.step.skeleton` (host-read skips: a non-finite
     gradient or update skips the step before any statistic is updated).
 
@@ -236,7 +240,8 @@ class CurvatureOptimizer(StepSkeleton):
     CURVATURE: tuple[str, ...] = ()  # attributes saved in state_dict()["curvature"]
 
     def __init__(self, model: torch.nn.Module, defaults: dict[str, Any], *, kl_clip: Optional[float],
-                 fisher: str = "empirical", mc_loss: str = "cross_entropy", grad_scaler: Any = None):
+                 fisher: str = "empirical", mc_loss: str = "cross_entropy", grad_scaler: Any = None,
+                 params: Optional[Iterable[Any]] = None):
         info: PrepareInfo = get_info(model)  # ValueError for an unprepared model
         check_nonneg("lr", defaults["lr"])
         check_positive("damping", defaults["damping"])
@@ -246,13 +251,12 @@ class CurvatureOptimizer(StepSkeleton):
             check_positive("kl_clip", kl_clip)
         check_choice("fisher", fisher, ("empirical", "mc") if self.SUPPORTS_MC else ("empirical",))
         check_choice("mc_loss", mc_loss, ("cross_entropy", "mse"))
-        params = [p for p in model.parameters() if p.requires_grad]
-        super().__init__(params, defaults)
+        super().__init__(optimizer_params(model, params, type(self).__name__), defaults)
         self._init_skeleton(model, info, grad_scaler)
         self.kl_clip = kl_clip
         self.fisher = fisher
         self.mc_loss = mc_loss
-        self.blocks = make_blocks(covered_layers(model), self.KRONECKER)
+        self.blocks = make_blocks(covered_layers(model), self.KRONECKER, group_index(self.param_groups))
         self._seen_generation = -1
         info.store.jacobian_sites = set()  # these optimizers read I and G
         self._watch_output()
@@ -264,11 +268,22 @@ class CurvatureOptimizer(StepSkeleton):
         was captured (a statistics step). Raise :class:`SkipStep` before committing bad values."""
         raise NotImplementedError
 
-    def _precondition(self, damping: float) -> dict[torch.nn.Parameter, Tensor]:
+    def _precondition(self, damping: Damping) -> dict[torch.nn.Parameter, Tensor]:
         raise NotImplementedError
 
     def _reset_curvature(self) -> None:
         raise NotImplementedError
+
+    def _groups_changed(self) -> None:
+        """Parameters were added: the blocks are rebuilt and the curvature restarts from
+        the next step's capture (block indices change)."""
+        self.blocks = make_blocks(covered_layers(self.model), self.KRONECKER, group_index(self.param_groups))
+        self._reset_curvature()
+
+    def _block_dampings(self, damping: Damping) -> list[float]:
+        """Each block's damping: its weight's group's (one float: every block's)."""
+        index = group_index(self.param_groups) if isinstance(damping, tuple) else None
+        return [layer_damping(damping, b.params[0], index, b.layer.name) for b in self.blocks]
 
     # ------------------------------------------------------------------ skeleton hooks
     def _check_capture(self, stats_step: bool) -> None:
@@ -279,7 +294,7 @@ class CurvatureOptimizer(StepSkeleton):
                                    "of this batch but nothing new was captured (capture switched off?)")
             self._seen_generation = store.generation
 
-    def _updates(self, step: int, stats_step: bool, mc_step: bool, damping: float) -> dict[Tensor, Tensor]:
+    def _updates(self, step: int, stats_step: bool, mc_step: bool, damping: Damping) -> dict[Tensor, Tensor]:
         if stats_step:  # a gradient but no record (capture was off for it): u = g, counted
             self._add_uncaptured(sum(1 for b in self.blocks if self._has_grad(b) and not b.layer.captured))
         self._update_curvature(step, stats_step)

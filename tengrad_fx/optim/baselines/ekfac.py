@@ -23,7 +23,7 @@ sampled targets for both the factors and ``s``.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Iterable, Literal, Optional
 
 import torch
 from torch import Tensor
@@ -76,11 +76,13 @@ class EKFAC(KFAC):
         mc_loss: Literal["cross_entropy", "mse"] = "cross_entropy",
         factor_dtype: Optional[torch.dtype] = None,
         grad_scaler: Optional[torch.amp.GradScaler] = None,
+        params: Optional[Iterable[Any]] = None,
     ):
         self.TScal = check_interval("TScal", TScal)
         super().__init__(model, lr=lr, momentum=momentum, stat_decay=stat_decay, damping=damping,
                          kl_clip=kl_clip, weight_decay=weight_decay, TCov=TCov, TInv=TInv,
-                         fisher=fisher, mc_loss=mc_loss, factor_dtype=factor_dtype, grad_scaler=grad_scaler)
+                         fisher=fisher, mc_loss=mc_loss, factor_dtype=factor_dtype, grad_scaler=grad_scaler,
+                         params=params)
 
     def _reset_curvature(self) -> None:
         super()._reset_curvature()

@@ -36,13 +36,13 @@ scaling above so ``H_G ⊗ H_A`` matches the K-FAC factors' scale. Empirical gra
 """
 from __future__ import annotations
 
-from typing import Callable, Literal, Optional
+from typing import Any, Callable, Iterable, Literal, Optional
 
 import torch
 from torch import Tensor
 
 from ...capture.prepare import capturing
-from ._common import (Block, CurvatureOptimizer, SkipStep, check_choice, check_interval, check_unit,
+from ._common import (Block, CurvatureOptimizer, Damping, SkipStep, check_choice, check_interval, check_unit,
                       layer_stats, running)
 
 __all__ = ["KBFGS", "damped_bfgs_update"]
@@ -88,7 +88,7 @@ def damped_bfgs_update(H: Tensor, s: Tensor, y: Tensor, powell: float = 0.2,
 
 
 class KBFGS(CurvatureOptimizer):
-    """K-BFGS over a prepared model (single param group over ``model.parameters()``).
+    """K-BFGS over a prepared model.
 
     Args:
         model: the prepared model.
@@ -99,6 +99,7 @@ class KBFGS(CurvatureOptimizer):
         TInv: recompute ``H_A`` every ``TInv`` steps.
         powell: Powell damping ``μ₁`` in ``(0, 1)``.
         secant: ``"consecutive"`` or ``"same_batch"`` (needs ``step(closure)``).
+        grad_scaler, params: as :class:`~.kfac.KFAC`.
     """
 
     NAME = "kbfgs"
@@ -119,6 +120,7 @@ class KBFGS(CurvatureOptimizer):
         powell: float = 0.2,
         secant: Literal["consecutive", "same_batch"] = "consecutive",
         grad_scaler: Optional[torch.amp.GradScaler] = None,
+        params: Optional[Iterable[Any]] = None,
     ):
         self.stat_decay = check_unit("stat_decay", stat_decay)
         self.TCov = check_interval("TCov", TCov)
@@ -128,14 +130,14 @@ class KBFGS(CurvatureOptimizer):
         self.powell = powell
         self.secant = check_choice("secant", secant, ("consecutive", "same_batch"))
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
-        super().__init__(model, defaults, kl_clip=kl_clip, grad_scaler=grad_scaler)
+        super().__init__(model, defaults, kl_clip=kl_clip, grad_scaler=grad_scaler, params=params)
         self._reset_curvature()
 
     def _reset_curvature(self) -> None:
         self.A: dict[int, Tensor] = {}       # [g, f+b, f+b] running
         self.HA: dict[int, Tensor] = {}      # (A + √λ I)⁻¹
         self.HG: dict[int, Tensor] = {}      # [g, o, o]
-        self._HA_damping: Optional[float] = None
+        self._HA_damping: Optional[Damping] = None
         self._prev: dict[int, tuple[Tensor, Tensor]] = {}  # (h̄, ḡ) of the last capture
         self._pending: dict[int, tuple[Tensor, Tensor]] = {}  # same_batch: before the step
         self.pairs = 0  # BFGS updates done (all layers)
@@ -164,8 +166,8 @@ class KBFGS(CurvatureOptimizer):
             self.pairs += 1
 
     def _update_curvature(self, step: int, captured: bool) -> None:
-        damping = self.param_groups[0]["damping"]
-        lm = damping ** 0.5
+        damping = self._damping()
+        lms = [d ** 0.5 for d in self._block_dampings(damping)]  # √λ per block
         if captured:
             live_b = self._live_blocks()
             live = {i: b for i, b in enumerate(self.blocks) if b in live_b}
@@ -178,20 +180,20 @@ class KBFGS(CurvatureOptimizer):
                 if self.secant == "consecutive":
                     if i in self._prev:
                         ph, pg = self._prev[i]
-                        self._bfgs(i, b, hbar - ph, gbar - pg, lm)
+                        self._bfgs(i, b, hbar - ph, gbar - pg, lms[i])
                     self._prev[i] = (hbar, gbar)
                 else:
                     self._pending[i] = (hbar, gbar)
         if step % self.TInv == 0 or damping != self._HA_damping or len(self.HA) < len(self.A):
             for i, A in self.A.items():
                 eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
-                L, info = torch.linalg.cholesky_ex(A + lm * eye)
+                L, info = torch.linalg.cholesky_ex(A + lms[i] * eye)
                 if bool((info != 0).any()):
                     raise SkipStep(f"K-BFGS: A + √λI not positive definite in layer '{self.blocks[i].layer.name}'")
                 self.HA[i] = torch.cholesky_inverse(L)
             self._HA_damping = damping
 
-    def _precondition(self, damping: float) -> dict[torch.nn.Parameter, Tensor]:
+    def _precondition(self, damping: Damping) -> dict[torch.nn.Parameter, Tensor]:
         out: dict[torch.nn.Parameter, Tensor] = {}
         for i, b in enumerate(self.blocks):
             if i not in self.HA or any(p.grad is None for p in b.params):
@@ -217,11 +219,11 @@ class KBFGS(CurvatureOptimizer):
             closure()
         self._seen_generation = self._info.store.generation
         self._info.store.finalize()  # float32 records (no GradScaler here: it refuses closures)
-        lm = self.param_groups[0]["damping"] ** 0.5
+        lms = [d ** 0.5 for d in self._block_dampings(self._damping())]
         try:
             means = self._means({i: self.blocks[i] for i in pending})
         except SkipStep:
             return  # no pair this time; parameters already moved
         for i, (_, hbar, gbar) in means.items():
             ph, pg = pending[i]
-            self._bfgs(i, self.blocks[i], hbar - ph, gbar - pg, lm)
+            self._bfgs(i, self.blocks[i], hbar - ph, gbar - pg, lms[i])

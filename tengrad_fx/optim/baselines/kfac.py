@@ -39,12 +39,12 @@ step (not after ``20·TCov`` steps), conv1d/conv3d, dilation, grouped convs and 
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Iterable, Literal, Optional
 
 import torch
 from torch import Tensor
 
-from ._common import Block, CurvatureOptimizer, SkipStep, check_interval, check_unit, layer_stats, running
+from ._common import Block, CurvatureOptimizer, Damping, SkipStep, check_interval, check_unit, layer_stats, running
 
 __all__ = ["KFAC", "kfac_precondition", "sym_eig"]
 
@@ -80,14 +80,15 @@ def kfac_precondition(grad: Tensor, UA: Tensor, dA: Tensor, UG: Tensor, dG: Tens
 
 
 class KFAC(CurvatureOptimizer):
-    """K-FAC over a prepared model (single param group over ``model.parameters()``).
+    """K-FAC over a prepared model.
 
     Args:
         model: the prepared model.
         lr: learning rate (``>= 0``).
         momentum: heavy-ball ``μ`` in ``[0, 1)``.
         stat_decay: running-average decay of the factors, in ``[0, 1)``.
-        damping: ``λ > 0`` added to the Kronecker product (also ``param_groups[0]["damping"]``).
+        damping: ``λ > 0`` added to the Kronecker product (also ``param_groups[i]["damping"]``:
+            a layer takes its weight's group's).
         kl_clip: KL-clip threshold (``None``: no clipping).
         weight_decay: ``λ_wd >= 0``: ``d = ν·u + λ_wd·w``.
         TCov: factor statistics every ``TCov`` steps (capture on only then).
@@ -99,6 +100,8 @@ class KFAC(CurvatureOptimizer):
         grad_scaler: the loop's ``torch.amp.GradScaler`` (step with ``scaler.step(opt)``;
             the records are unscaled with it, :mod:`tengrad_fx.optim.step.amp`). Every baseline
             takes it.
+        params: the parameters to train, or param group dicts, as
+            :class:`~tengrad_fx.optim.tengrad.TENGraD`'s (every baseline takes it).
     """
 
     NAME = "kfac"
@@ -119,6 +122,7 @@ class KFAC(CurvatureOptimizer):
         mc_loss: Literal["cross_entropy", "mse"] = "cross_entropy",
         factor_dtype: Optional[torch.dtype] = None,
         grad_scaler: Optional[torch.amp.GradScaler] = None,
+        params: Optional[Iterable[Any]] = None,
     ):
         self.stat_decay = check_unit("stat_decay", stat_decay)
         self.TCov = check_interval("TCov", TCov)
@@ -128,7 +132,7 @@ class KFAC(CurvatureOptimizer):
         self.factor_dtype = factor_dtype
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
         super().__init__(model, defaults, kl_clip=kl_clip, fisher=fisher, mc_loss=mc_loss,
-                         grad_scaler=grad_scaler)
+                         grad_scaler=grad_scaler, params=params)
         self._reset_curvature()
 
     # ------------------------------------------------------------------ curvature
@@ -175,12 +179,12 @@ class KFAC(CurvatureOptimizer):
             self._update_factors()
         self._update_eigen(step)
 
-    def _precondition(self, damping: float) -> dict[torch.nn.Parameter, Tensor]:
+    def _precondition(self, damping: Damping) -> dict[torch.nn.Parameter, Tensor]:
         out: dict[torch.nn.Parameter, Tensor] = {}
-        for i, b in enumerate(self.blocks):
+        for i, (b, lam) in enumerate(zip(self.blocks, self._block_dampings(damping))):
             if i not in self.eig or any(p.grad is None for p in b.params):
                 continue
-            out.update(b.split(self._layer_update(i, b, damping)))
+            out.update(b.split(self._layer_update(i, b, lam)))
         return out
 
     def _layer_update(self, i: int, b: Block, damping: float) -> Tensor:

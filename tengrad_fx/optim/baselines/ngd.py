@@ -14,12 +14,12 @@ from :meth:`mc_capture`'s sampled targets.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Any, Iterable, Literal, Optional
 
 import torch
 from torch import Tensor
 
-from ._common import CurvatureOptimizer, SkipStep, check_interval
+from ._common import CurvatureOptimizer, Damping, SkipStep, check_interval
 
 __all__ = ["NGD"]
 
@@ -56,6 +56,7 @@ class NGD(CurvatureOptimizer):
         max_params: int = 20000,
         solve_dtype: Optional[torch.dtype] = None,
         grad_scaler: Optional[torch.amp.GradScaler] = None,
+        params: Optional[Iterable[Any]] = None,
     ):
         self.curvature_every = check_interval("curvature_every", curvature_every)
         self.max_params = check_interval("max_params", max_params)
@@ -64,7 +65,7 @@ class NGD(CurvatureOptimizer):
         self.solve_dtype = solve_dtype
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
         super().__init__(model, defaults, kl_clip=kl_clip, fisher=fisher, mc_loss=mc_loss,
-                         grad_scaler=grad_scaler)
+                         grad_scaler=grad_scaler, params=params)
         for b in self.blocks:
             if b.numel > max_params:
                 raise ValueError(
@@ -97,11 +98,11 @@ class NGD(CurvatureOptimizer):
 
     def _update_curvature(self, step: int, captured: bool) -> None:
         """Only the Cholesky factor of ``F + αI`` is kept (``n²`` numbers per layer)."""
-        damping = self.param_groups[0]["damping"]
+        dampings = self._block_dampings(self._damping())
         new: dict[int, Tensor] = {}
         if captured:
             live = self._live_blocks()
-            for i, b in enumerate(self.blocks):
+            for i, (b, damping) in enumerate(zip(self.blocks, dampings)):
                 if b not in live:
                     continue
                 J = b.layer.jacobian()
@@ -111,12 +112,12 @@ class NGD(CurvatureOptimizer):
                     raise SkipStep(f"non-finite per-sample gradients in layer '{b.layer.name}'")
                 new[i] = self._factor(i, J.T @ J / J.shape[0], damping)
         for i in self._chol:
-            if i not in new and self._chol_damping[i] != damping:  # damping changed: refactor
-                new[i] = self._factor(i, self.fisher_block(i), damping)
+            if i not in new and self._chol_damping[i] != dampings[i]:  # damping changed: refactor
+                new[i] = self._factor(i, self.fisher_block(i), dampings[i])
         for i, L in new.items():
-            self._chol[i], self._chol_damping[i] = L, damping
+            self._chol[i], self._chol_damping[i] = L, dampings[i]
 
-    def _precondition(self, damping: float) -> dict[torch.nn.Parameter, Tensor]:
+    def _precondition(self, damping: Damping) -> dict[torch.nn.Parameter, Tensor]:
         out: dict[torch.nn.Parameter, Tensor] = {}
         for i, b in enumerate(self.blocks):
             if i not in self._chol or any(p.grad is None for p in b.params):

@@ -37,7 +37,9 @@ from ...capture.output_hook import release, want_output
 from ...capture.prepare import capturing
 from .amp import loss_scale, scaler_enabled, scaler_flags, unscale_grads
 from .update import all_finite, apply_momentum_step, finite_flag, kl_clip_factor
-from .checks import check_positive
+from .param_groups import (Damping, FrozenWatch, check_group, group_index, group_params, groups_damping, in_groups,
+                           optimizer_params,
+                           weighted_update_dot)
 from .mc import MCState, SampleRNG
 from .reduction_check import check_loss_reduction
 from .state_check import META, NamedParams, check_loadable, layout_meta, named_params
@@ -80,32 +82,10 @@ class HostMirror:
         return self._host.numpy().tolist()  # host memory: no dispatch, no device wait
 
 
-class FrozenWatch:
-    """The parameters that were frozen (``requires_grad=False``) when an optimizer was built.
-
-    They are not in its param group, so unfreezing them later does not make the optimizer
-    update them; :meth:`check` warns once, at the first step after that happened, that a
-    new optimizer is needed (``prepare`` need not be redone: capture and
-    ``covered_layers`` read ``requires_grad`` at each call). Host attributes only."""
-
-    def __init__(self, model: torch.nn.Module, owner: str):
-        self.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-        self.owner = owner
-        self.warned = False
-
-    def check(self) -> None:
-        if self.warned or not self.frozen:
-            return
-        thawed = [n for n, p in self.frozen if p.requires_grad]
-        if thawed:
-            warnings.warn(f"{self.owner}: {thawed} were frozen when the optimizer was built and are now "
-                          "trainable, but they are not in its param group and are not updated: build a "
-                          "new optimizer (no new prepare() is needed)", RuntimeWarning)
-            self.warned = True
-
-
 class StepSkeleton(torch.optim.Optimizer):
-    """Base of every optimizer here: one param group, the shared step (module docstring).
+    """Base of every optimizer here: the shared step (module docstring) over torch.optim
+    param groups (:mod:`.param_groups`: per-group ``lr``, ``damping``, ``momentum``,
+    ``weight_decay``; ``add_param_group`` rebuilds the covered layers, :meth:`_groups_changed`).
 
     Subclasses set ``NAME`` (key of the counters in ``self.state``) and implement
     :meth:`_needs_capture`, :meth:`_updates`; optionally :meth:`_check_capture`,
@@ -141,6 +121,38 @@ class StepSkeleton(torch.optim.Optimizer):
         self._reduction_checked = False
         self._kl_clipped: Optional[Tensor] = None  # device count of steps with KL-clip factor ν < 1
         self._last_ok: Optional[Tensor] = None  # device bool: the last step's update was applied
+        self._built = True  # add_param_group from here on rebuilds (_groups_changed)
+
+    # ------------------------------------------------------------------ param groups
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch.optim's, with each group's options checked (``ValueError`` naming the group).
+        After construction the optimizer takes the added parameters in: covered layers
+        whose weight is added join the curvature (:meth:`_groups_changed`; the curvature
+        restarts from the next step's capture), the others get the fallback update."""
+        super().add_param_group(param_group)
+        built = getattr(self, "_built", False)
+        try:  # a refused group is not kept
+            check_group(self.param_groups[-1], len(self.param_groups) - 1, type(self).__name__)
+            if built:
+                optimizer_params(self.model, self.param_groups[-1:], type(self).__name__,
+                                 len(self.param_groups) - 1)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        if built:
+            self._groups_changed()
+            capturing(self.model, self._needs_capture(self._sched))
+
+    def _groups_changed(self) -> None:
+        """The param groups gained parameters after construction: rebuild what depends on them."""
+
+    def _group_params(self) -> list[Tensor]:
+        """Every group's parameters, in group order."""
+        return group_params(self.param_groups)
+
+    def _damping(self) -> Damping:
+        """This step's damping: one float, or one per group (:mod:`.param_groups`)."""
+        return groups_damping(self.param_groups, type(self).__name__)
 
     # ------------------------------------------------------------------ subclass hooks
     def _needs_capture(self, step: int) -> bool:
@@ -150,7 +162,7 @@ class StepSkeleton(torch.optim.Optimizer):
     def _check_capture(self, stats_step: bool) -> None:
         """Before the finiteness check: checks of what was captured (may raise/warn)."""
 
-    def _updates(self, step: int, stats_step: bool, mc_step: bool, damping: float) -> dict[Tensor, Tensor]:
+    def _updates(self, step: int, stats_step: bool, mc_step: bool, damping: Damping) -> dict[Tensor, Tensor]:
         """``{param: u}`` of the preconditioned parameters; raise :class:`SkipStep` to skip."""
         raise NotImplementedError
 
@@ -312,7 +324,7 @@ class StepSkeleton(torch.optim.Optimizer):
         return sd
 
     def _named_params(self) -> NamedParams:
-        return named_params(self.model, self.param_groups[0]["params"])
+        return named_params(self.model, self._group_params())  # type: ignore[arg-type]
 
     def _layout_meta(self) -> dict[str, Any]:
         """More entries of ``state_dict()["tengrad_fx"]`` that a loader must match."""
@@ -343,10 +355,9 @@ class StepSkeleton(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        group = self.param_groups[0]
-        check_positive("damping", group["damping"])
+        damping = self._damping()
         self._info.store.recording = True
-        self._frozen.check()
+        self._frozen.check(self.param_groups)
         k = self._sched
         stats_step = self._needs_capture(k)
         mc_step, self._mc.done = self._mc.done, False
@@ -357,7 +368,7 @@ class StepSkeleton(torch.optim.Optimizer):
                                "statistics/curvature step: the training backward did not pass through the model's "
                                "output (a tensor, or a mapping with 'logits' or 'loss'); call "
                                "opt.mc_capture(outputs) before loss.backward()")
-        grads = [p.grad for p in group["params"] if p.grad is not None]
+        grads = [p.grad for p in self._group_params() if p.grad is not None]
         if not grads:  # nothing to do, like torch's own optimizers
             return self._skip("no gradient", loss) if self.EMPTY_STEP_SKIPS else loss
         self._check_capture(stats_step)
@@ -371,7 +382,7 @@ class StepSkeleton(torch.optim.Optimizer):
             self._reduction_checked = True  # once: a one-time host read (reduction_check)
             check_loss_reduction(covered_layers(self.model), self._info.loss_reduction, type(self).__name__)
         try:
-            ok = self._run_device(stats_step, lambda: self._device_step(k, stats_step, mc_step, group))
+            ok = self._run_device(stats_step, lambda: self._device_step(k, stats_step, mc_step, damping))
         except SkipStep as exc:
             return self._skip(str(exc), loss)
         self._last_ok = ok
@@ -390,12 +401,13 @@ class StepSkeleton(torch.optim.Optimizer):
         capturing(self.model, self._needs_capture(self._sched))
         return loss
 
-    def _device_step(self, k: int, stats_step: bool, mc_step: bool, group: dict[str, Any]) -> Tensor:
-        """The device part of a step: finite check → ``u`` → flags → ``ν`` → masked update →
-        counts. Returns the step's flag; raises :class:`SkipStep` for a host-known skip
-        (``SYNC_FREE = False``, or the warm-up read of the first step)."""
-        lr, damping = group["lr"], group["damping"]
-        grads = [p.grad for p in group["params"] if p.grad is not None]
+    def _device_step(self, k: int, stats_step: bool, mc_step: bool, damping: Damping) -> Tensor:
+        """The device part of a step: finite check → ``u`` → flags → ``ν`` → masked update
+        (per param group) → counts. Returns the step's flag; raises :class:`SkipStep` for a
+        host-known skip (``SYNC_FREE = False``, or the warm-up read of the first step)."""
+        groups = self.param_groups
+        params = self._group_params()
+        grads = [p.grad for p in params if p.grad is not None]
         if not self.SYNC_FREE and not all_finite(grads):  # read on the host before any curvature work
             raise SkipStep("non-finite gradient")
         updates = self._updates(k, stats_step, mc_step, damping)
@@ -403,8 +415,13 @@ class StepSkeleton(torch.optim.Optimizer):
         # without SYNC_FREE the gradients were read on the host above: the updates only.
         # Gradients a finite _checked_grads() certifies are not read again
         checked = self._checked_grads() if self.SYNC_FREE else None
+        ug = self._update_dot()
+        if len(groups) > 1:  # parameters in no group are not updated (nor in ν or the check)
+            kept = in_groups(updates, group_index(groups))
+            if len(kept) != len(updates):
+                updates, checked, ug = kept, None, None
         if checked is not None:
-            grads = [p.grad for p in group["params"] if p.grad is not None and p not in updates]
+            grads = [p.grad for p in params if p.grad is not None and p not in updates]
         ok = finite_flag([*(grads if self.SYNC_FREE else ()), *updates.values()], checked)
         if ok is None:  # no update (and the gradients checked on the host)
             ok = torch.ones((), dtype=torch.bool, device=grads[0].device)
@@ -413,14 +430,19 @@ class StepSkeleton(torch.optim.Optimizer):
             ok = ok & extra
         if not self.SYNC_FREE and not bool(ok):
             raise SkipStep("non-finite preconditioned update")
-        nu = kl_clip_factor(updates, lr, self.kl_clip, self._update_dot())
+        lr = groups[0]["lr"]
+        if any(g["lr"] != lr for g in groups):  # ν from Σ_G lr_G²·Σ u·g (.param_groups)
+            lr, ug = 1.0, (weighted_update_dot(updates, groups) if self.kl_clip is not None else None)
+        nu = kl_clip_factor(updates, lr, self.kl_clip, ug)
         if nu is not None:  # counted on the device, in place (no sync; graph-safe); read by kl_clipped_steps
             if self._kl_clipped is None:
                 self._kl_clipped = torch.zeros((), dtype=torch.int64, device=nu.device)
             self._kl_clipped.add_((nu < 1.0) & ok)
-        read = apply_momentum_step(self.state, group["params"], updates, lr, group["momentum"],
-                                   group["weight_decay"], nu, ok if self.SYNC_FREE else None)
-        if read is False:  # the warm-up host read found a skip
+        # each group its own lr, momentum, weight decay; a warm-up read of ok (the same flag
+        # for every group) that finds a skip leaves every group unchanged (masked or not applied)
+        reads = [apply_momentum_step(self.state, g["params"], updates, g["lr"], g["momentum"], g["weight_decay"],
+                                     nu, ok if self.SYNC_FREE else None) for g in groups]
+        if any(r is False for r in reads):  # the warm-up host read found a skip
             raise SkipStep("non-finite gradient, curvature or update")
         if self.SYNC_FREE:
             self._count(ok)
@@ -429,7 +451,7 @@ class StepSkeleton(torch.optim.Optimizer):
     def _loss_scale(self) -> Optional[Tensor]:
         """The GradScaler's current scale (device scalar), None without one: what the
         optimizer's own capture backwards (MC, Gauss-Newton) multiply their loss by."""
-        return loss_scale(self.grad_scaler, self.param_groups[0]["params"][0])
+        return loss_scale(self.grad_scaler, self._group_params()[0])
 
     def _record_inv_scale(self) -> Optional[Tensor]:
         """``1 / scale`` of the records not yet finalized (None: no scaler, or nothing new)."""
@@ -445,7 +467,7 @@ class StepSkeleton(torch.optim.Optimizer):
     def _skip(self, why: str, loss: Optional[Tensor]) -> Optional[Tensor]:
         """A skip known on the host: nothing changes, the schedule does not advance."""
         self.state[self.NAME]["skipped"] += 1
-        self._last_ok = torch.zeros((), dtype=torch.bool, device=self.param_groups[0]["params"][0].device)
+        self._last_ok = torch.zeros((), dtype=torch.bool, device=self._group_params()[0].device)
         self._warn_skip(why)
         capturing(self.model, self._needs_capture(self._sched))
         return loss

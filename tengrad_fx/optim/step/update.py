@@ -16,7 +16,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["finite_flag", "all_finite", "kl_clip_factor", "apply_momentum_step"]
+__all__ = ["finite_flag", "all_finite", "update_dot", "kl_clip_factor", "apply_momentum_step"]
 
 
 def finite_flag(ts: Iterable[Tensor], extra: Optional[Tensor] = None) -> Optional[Tensor]:
@@ -44,6 +44,13 @@ def all_finite(ts: list[Tensor]) -> bool:
     return True if flag is None else bool(flag)
 
 
+def update_dot(updates: dict[Tensor, Tensor]) -> Tensor:
+    """``Σ u·g`` over ``{param: u}`` (a device scalar; one pass over ``u`` and ``g``)."""
+    us = list(updates.values())
+    prods = torch._foreach_mul(us, [p.grad.to(u.dtype) for p, u in updates.items()])  # type: ignore[misc, union-attr]
+    return torch.cat([t.reshape(-1) for t in prods]).sum()
+
+
 def kl_clip_factor(updates: dict[Tensor, Tensor], lr: float, kl_clip: Optional[float],
                    ug: Optional[Tensor] = None) -> Optional[Tensor]:
     """``ν`` of the KL clip over the preconditioned parameters as a device scalar, 1 where
@@ -53,9 +60,7 @@ def kl_clip_factor(updates: dict[Tensor, Tensor], lr: float, kl_clip: Optional[f
     if kl_clip is None or not updates:
         return None
     if ug is None:
-        us = list(updates.values())
-        prods = torch._foreach_mul(us, [p.grad.to(u.dtype) for p, u in updates.items()])  # type: ignore[misc, union-attr]
-        ug = torch.cat([t.reshape(-1) for t in prods]).sum()
+        ug = update_dot(updates)
     # 1/ν = max(1, sqrt(lr²·max(Σ u·g, 0) / kl_clip)): ν = 1 where Σ u·g ≤ 0
     return (ug.clamp(min=0.0) * (lr * lr / kl_clip)).sqrt().clamp(min=1.0).reciprocal()
 

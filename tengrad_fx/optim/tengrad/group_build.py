@@ -45,11 +45,12 @@ from typing import Any, Optional
 from torch import Tensor
 
 from ...capture.store import Record
-from ...curvature.layer import CoveredLayer
+from ...curvature.layer import KERNELS, CoveredLayer, choose_strategy
 from .group_forms import FORMS, ConvStackGroup, FactoredLinearGroup, MaterializedGroup, SingleLayerGroup
 from .tengrad_groups import LayerGroup, pack_views, stack
 
-__all__ = ["build_groups", "factored_bytes", "keeps_jacobian", "kept_sites", "previous_stacks", "PACK_MAX_BYTES",
+__all__ = ["build_groups", "initial_sites", "factored_bytes", "keeps_jacobian", "kept_sites", "previous_stacks",
+           "PACK_MAX_BYTES",
            "PACK_MAX_RATIO", "STACK_BYTES"]
 
 PACK_MAX_BYTES = 16 * 2**20
@@ -112,6 +113,25 @@ def kept_sites(candidates: list[tuple[CoveredLayer, int, list[tuple[int, ...]]]]
             budget = None if budget is None else budget - nbytes
             sites.update(layer.spec.sites)
     return sites
+
+
+def initial_sites(layers: list[CoveredLayer], strategy: str, budget: Optional[float], m: int = 128) -> set[int]:
+    """The call sites of the ``layers`` the cost model would materialize at a nominal
+    batch ``m`` (from the shapes ``prepare`` probed), within ``budget``: what the backward
+    materializes before the first curvature step re-decides with the real batch."""
+    candidates = []
+    for layer in layers:
+        spec = layer.spec
+        if not spec.input_shapes or strategy == "factor" or not getattr(KERNELS[spec.kind], "MATERIALIZE", True):
+            continue
+        shapes = [(m, *shape[1:]) for shape in spec.input_shapes]
+        g = S = f = o = 0
+        for shape in shapes:
+            g, s_, f, o = KERNELS[spec.kind].dims(spec, shape)
+            S += s_
+        if strategy == "materialize" or choose_strategy(m, g, S, f, o) == "materialize":
+            candidates.append((layer, m, shapes))
+    return kept_sites(candidates, set(), budget)
 
 
 def _runs(key: tuple, members: list[_Member]) -> list[list[_Member]]:

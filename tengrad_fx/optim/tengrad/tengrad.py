@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Iterable, Literal, Optional
 
 import torch
 from torch import Tensor
@@ -39,10 +39,10 @@ from ..step.mc import mc_capture
 from .resume import restore_records, save_records
 from ..step.state_check import check_materialization, materialization_meta
 from ..step.skeleton import StepSkeleton
-from ...curvature.layer import KERNELS, choose_strategy, covered_layers
+from ..step.param_groups import Damping, grouped_layers, layer_dampings, optimizer_params
 from ... import solve
 from .graphs import StepGraphs
-from .group_build import build_groups, kept_sites, previous_stacks
+from .group_build import build_groups, initial_sites, kept_sites, previous_stacks
 from .group_cost import reuse_cost
 from .tengrad_groups import LayerGroup, precondition_groups, tf32_matmuls
 from .fused_step import FusedStep
@@ -68,9 +68,10 @@ class TENGraD(StepSkeleton):
     kl_clip=None``.
 
     Args:
-        model: the prepared model (its parameters form the single param group).
+        model: the prepared model.
         lr: learning rate (``>= 0``).
-        damping: ``α > 0`` (a float, or in ``param_groups[0]["damping"]`` for schedules).
+        damping: ``α > 0`` (a float; schedules set ``param_groups[i]["damping"]``; a layer
+            takes its weight's group's).
         momentum, weight_decay: as in the paper's experiments (all methods).
         curvature_every: ``T >= 1`` (default 100, the paper's); on other steps the stored ``I, G`` (or materialized
             ``J``) of the last curvature step are reused and capture is switched off,
@@ -109,6 +110,9 @@ class TENGraD(StepSkeleton):
             ``K``, the precision cuDNN's default TF32 convolutions already give ``P``).
         grad_scaler: the loop's ``torch.amp.GradScaler``: step with ``scaler.step(opt)``;
             autocast and loss scaling in :mod:`tengrad_fx.optim.step.amp`.
+        params: parameters, or torch.optim param group dicts with their own ``lr``, ``damping``,
+            ``momentum``, ``weight_decay`` (:mod:`tengrad_fx.optim.step.param_groups`); default:
+            every parameter that requires grad, one group.
     """
 
     NAME = "tengrad"
@@ -133,6 +137,7 @@ class TENGraD(StepSkeleton):
         cuda_graph: Optional[bool] = None,
         gram_tf32: bool = False,
         grad_scaler: Optional[torch.amp.GradScaler] = None,
+        params: Optional[Iterable[Any]] = None,
     ):
         info = get_info(model)  # raises ValueError for an unprepared model
         check_nonneg("lr", lr)
@@ -146,9 +151,8 @@ class TENGraD(StepSkeleton):
             check_positive("kl_clip", kl_clip)
         check_choice("update_form", update_form, ("auto", "woodbury"))
         check_choice("strategy", strategy, ("auto", "factor", "materialize"))
-        params = [p for p in model.parameters() if p.requires_grad]
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
-        super().__init__(params, defaults)
+        super().__init__(optimizer_params(model, params, type(self).__name__), defaults)
         self._init_skeleton(model, info, grad_scaler)
         self.curvature_every = curvature_every
         self.fisher = fisher
@@ -165,17 +169,17 @@ class TENGraD(StepSkeleton):
         self.strategy = strategy
         self.compile = bool(compile)
         # default: on when the parameters live on a CUDA device (graphs.py)
-        self.cuda_graph = any(p.is_cuda for p in params) if cuda_graph is None else bool(cuda_graph)
+        self.cuda_graph = any(p.is_cuda for p in self._group_params()) if cuda_graph is None else bool(cuda_graph)
         self.gram_tf32 = bool(gram_tf32)
         self._graphs = StepGraphs()
         self._graph_version = 0  # bumped when a static tensor of the captured step is replaced
         self._gbuf: dict[Tensor, Tensor] = {}  # static gradient buffers (cuda_graph)
         self._fused = FusedStep((compile if not isinstance(compile, bool) else "inductor") if self.compile else None)
-        self._layers = covered_layers(model)
+        self._layers = grouped_layers(model, self.param_groups)  # weight in a group: curvature
         self._initial_jacobian_sites()
         self._curv: list[Any] = []  # LayerGroups (modular path) or (params, m) (fused path)
         self._chol: Optional[Tensor] = None  # [L_total, m, m]: all layers' factors, group order
-        self._curv_damping: Optional[float] = None
+        self._curv_damping: Optional[Damping] = None
         self._chol_ok: Optional[Tensor] = None  # device bool: every cached factor is valid
         self._step_flag: Optional[Tensor] = None  # extra device flag of the current step
         self._ug: Optional[Tensor] = None  # Σ u·g of the current step (precondition_groups), for the KL clip
@@ -187,6 +191,12 @@ class TENGraD(StepSkeleton):
         self._gram_seconds = 0.0
         self._watch_output()
         capturing(model, True)
+
+    def _groups_changed(self) -> None:
+        """Parameters were added: the layers are re-read, the next step takes curvature."""
+        self._layers = grouped_layers(self.model, self.param_groups)
+        self._curv, self._chol, self._chol_ok = [], None, None
+        self._graphs.clear()
 
     # ------------------------------------------------------------------ schedule
     def _needs_capture(self, step: int) -> bool:
@@ -265,7 +275,7 @@ class TENGraD(StepSkeleton):
                        self._mc_rng.get(outputs.device))
 
     # ------------------------------------------------------------------ curvature
-    def _refresh(self, damping: float) -> None:
+    def _refresh(self, damping: Damping) -> None:
         """Grams and Cholesky factors of every covered layer from the store, by groups of
         equal shape (:mod:`tengrad_fx.optim.tengrad.tengrad_groups`).
 
@@ -293,8 +303,13 @@ class TENGraD(StepSkeleton):
         self._curv = groups
         self._factorize(damping)
 
-    def _factorize(self, damping: float) -> None:
-        """One batched Cholesky of every layer's ``K + mαI`` (all layers share ``m``)."""
+    def _layer_dampings(self, damping: Damping) -> Any:
+        """``damping``, or the ``[L_total]`` ``α`` of the cached layers (group order)."""
+        return layer_dampings(damping, self.param_groups, [lay for grp in self._curv for lay in grp.layers])
+
+    def _factorize(self, damping: Damping) -> None:
+        """One batched Cholesky of every layer's ``K + mαI`` (all layers share ``m``; ``α``
+        per layer with per-group dampings)."""
         groups: list[LayerGroup] = self._curv
         old_chol, old_ok = self._chol, self._chol_ok
         self._chol, self._chol_ok = None, None
@@ -303,7 +318,7 @@ class TENGraD(StepSkeleton):
             if any(grp.m != m for grp in groups):
                 raise RuntimeError("TENGraD: covered layers captured different batch sizes")
             K = self._K[0] if len(self._K) == 1 else torch.cat(self._K)
-            chol, ok = solve.damped_cholesky_ex(K, m * damping, self.solve_dtype)
+            chol, ok = solve.damped_cholesky_ex(K, m * self._layer_dampings(damping), self.solve_dtype)
             ok = ok.all()
             if self.cuda_graph and old_chol is not None and old_ok is not None and old_chol.shape == chol.shape \
                     and old_chol.dtype == chol.dtype:  # in place: static for a captured step (no copy without one)
@@ -326,13 +341,13 @@ class TENGraD(StepSkeleton):
             self._warned_accum = True
         self._last_generation = store.generation
 
-    def _updates(self, step: int, curvature_step: bool, mc_step: bool, damping: float) -> dict[Tensor, Tensor]:
+    def _updates(self, step: int, curvature_step: bool, mc_step: bool, damping: Damping) -> dict[Tensor, Tensor]:
         t0 = time.perf_counter()
         self._gram_seconds = 0.0
         self._step_flag = None
         self._ug = self._gsq = None
         updates = None
-        if self.compile and curvature_step:  # reuse steps take the modular path (fused_step.py)
+        if self.compile and curvature_step and not isinstance(damping, tuple):  # else: the modular path
             fused = self._fused(self._layers, not mc_step and self.update_form == "auto", damping,
                                 self._info.loss_reduction, self.solve_dtype)
             if fused is not None:  # keep the store's materialization choice as the modular path would
@@ -360,14 +375,15 @@ class TENGraD(StepSkeleton):
 
     def _run_device(self, stats_step: bool, fn: Callable[[], Tensor]) -> Tensor:
         """Reuse steps with ``cuda_graph``: static gradients, then the graph of this kind."""
-        group = self.param_groups[0]
-        params = [p for p in group["params"] if p.grad is not None]
+        params = [p for p in self._group_params() if p.grad is not None]
         if not self.cuda_graph or stats_step or self._chol is None or not params \
-                or (group["momentum"] and any("momentum_buffer" not in self.state[p] for p in params)):
+                or any(g["momentum"] and any("momentum_buffer" not in self.state[p] for p in g["params"]
+                                             if p.grad is not None) for g in self.param_groups):
             return fn()
         self._static_grads(params)
-        key = ("reuse", group["lr"], group["damping"], group["momentum"], group["weight_decay"],
-               self.kl_clip, self._graph_version, tuple(id(p) for p in params))
+        hyper = tuple((g["lr"], g["damping"], g["momentum"], g["weight_decay"], len(g["params"]))
+                      for g in self.param_groups)
+        key = ("reuse", hyper, self.kl_clip, self._graph_version, tuple(id(p) for p in params))
         # a replay runs no Python of the step: its whole device time is reported as "apply"
         self.timings, self._t_apply = {"gram": 0.0, "factorize": 0.0, "solve": 0.0}, time.perf_counter()
         return self._graphs.run(key, fn, params[0].device)
@@ -401,7 +417,7 @@ class TENGraD(StepSkeleton):
         if self.timings:
             self.timings["apply"] = time.perf_counter() - self._t_apply
 
-    def _precondition(self, push_through: bool, damping: float) -> dict[Tensor, Tensor]:
+    def _precondition(self, push_through: bool, damping: Damping) -> dict[Tensor, Tensor]:
         """``{param: u}`` for every parameter with a gradient of every covered layer
         (:func:`tengrad_fx.optim.tengrad.tengrad_groups.precondition_groups` over the cached groups
         and factors; the push-through form on empirical curvature steps, ``push_through``)."""
@@ -409,30 +425,17 @@ class TENGraD(StepSkeleton):
         if not groups or self._chol is None:
             return {}
         out, dots = precondition_groups(groups, self._chol, push_through and self.update_form == "auto",
-                                        damping, self._info.loss_reduction, dot=self.kl_clip is not None)
+                                        self._layer_dampings(damping), self._info.loss_reduction,
+                                        dot=self.kl_clip is not None)
         if dots is not None:
             self._ug, self._gsq = dots
         return out
 
     def _initial_jacobian_sites(self, m: int = 128) -> None:
-        """Before any capture: mark the layers the cost model would materialize at a
-        nominal batch ``m`` (from the shapes ``prepare`` probed), so even the first
-        backward computes their per-sample gradients in place of the weight gradient.
-        The first curvature step re-decides with the real batch."""
-        candidates = []
-        for layer in self._layers:
-            spec = layer.spec
-            if not spec.input_shapes or self.strategy == "factor" or \
-                    not getattr(KERNELS[spec.kind], "MATERIALIZE", True):
-                continue
-            shapes = [(m, *shape[1:]) for shape in spec.input_shapes]
-            g = S = f = o = 0
-            for shape in shapes:
-                g, s_, f, o = KERNELS[spec.kind].dims(spec, shape)
-                S += s_
-            if self.strategy == "materialize" or choose_strategy(m, g, S, f, o) == "materialize":
-                candidates.append((layer, m, shapes))
-        self._info.store.jacobian_sites = kept_sites(candidates, set(), self.jacobian_budget)
+        """Before any capture: the layers the cost model would materialize at a nominal
+        batch ``m`` (:func:`.group_build.initial_sites`), so even the first backward
+        computes their per-sample gradients; the first curvature step re-decides."""
+        self._info.store.jacobian_sites = initial_sites(self._layers, self.strategy, self.jacobian_budget, m)
 
     def _uncaptured_sites(self) -> set[int]:
         """The materialized sites of layers with no record now: they keep the choice."""

@@ -319,7 +319,8 @@ class LayerGroup:
         return got, gw, got_b, s
 
 
-def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, damping: float, loss_reduction: str,
+def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, damping: Union[float, Tensor],
+                        loss_reduction: str,
                         dot: bool = False) -> tuple[dict[Tensor, Tensor], Optional[tuple[Tensor, Tensor]]]:
     """``({param: u}, dots)`` for every parameter with a gradient of ``groups`` (``chol``
     ``[L_total, m, m]``: their factors of ``K + mαI``, in group order): per group ``J g``,
@@ -331,7 +332,9 @@ def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, da
     With ``dot``, ``dots = (Σ u·g, Σ ‖g‖²)`` over these parameters as device scalars (else
     None): the KL clip's ``Σ u·g`` comes from the ``m``-vectors, per layer ``u = β·g + γ·Jᵀc``
     giving ``u·g = β‖g‖² + γ·cᵀ(J g)``, so no pass over ``u`` (one read of ``g`` for
-    ``‖g‖²``, which, finite, also certifies these gradients finite for the step's check)."""
+    ``‖g‖²``, which, finite, also certifies these gradients finite for the step's check).
+    ``damping``: ``α``, or ``[L_total]`` (one per layer, group order)."""
+    per_layer = use_pt or isinstance(damping, Tensor)  # β differs per layer
     m = groups[0].m
     scale = solve.push_through_scale(m, loss_reduction)
     grads, rhs, push, jgs, sqs = [], [], [], [], []
@@ -340,7 +343,7 @@ def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, da
         Jg = grp.jvp(gw, gb)
         if dot:
             jgs.append(Jg)
-            if use_pt:  # β differs per layer: ‖g_l‖² per layer
+            if per_layer:  # ‖g_l‖² per layer
                 sqs.append(grp.sqnorms(gw, gb))
         if use_pt:
             ok = grp.probe(gw, gb, scale / m)
@@ -352,7 +355,6 @@ def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, da
     c_all, beta_all, gamma = solve.woodbury_solve(chol, torch.cat(rhs), damping, torch.cat(push) if use_pt else None,
                                                   scale, grads[0][0].dtype)
     out: dict[Tensor, Tensor] = {}
-    a = 1.0 / damping
     sizes = [len(grp.layers) for grp in groups]
     betas: list[Union[float, Tensor]] = list(beta_all.split(sizes)) if isinstance(beta_all, Tensor) \
         else [beta_all] * len(groups)
@@ -360,10 +362,11 @@ def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, da
     if dot:  # Σ_l β_l‖g_l‖² + γ·c_l·(J g)_l, in the solve's dtype
         dt = c_all.dtype
         cJg = torch.dot(c_all.reshape(-1), torch.cat(jgs).to(dt).reshape(-1))
-        if use_pt:
+        if per_layer:
             sq = torch.cat(sqs).to(dt)
             dots = (torch.dot(beta_all.to(dt), sq) + cJg, sq.sum())  # type: ignore[union-attr]
         else:  # one β = 1/α, γ = −1/α: ‖g‖² of all stacks by one _foreach_norm
+            a = 1.0 / float(damping)
             norms = torch.stack(torch._foreach_norm([t for gw_gb in grads for t in gw_gb if t is not None])).to(dt)
             gsq = torch.dot(norms, norms)
             dots = (torch.add(gsq * a, cJg, alpha=-a), gsq)
