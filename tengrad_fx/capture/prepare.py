@@ -17,7 +17,7 @@ from .norm import NORM_KINDS
 from .sharing import OURS, drop_layer, merge_tied_lookups, note_functional_uses
 from .store import CaptureStore
 from .added import check_sample_independence
-from .surgery import prepare_surgery
+from .surgery import cover_in_leaves, prepare_surgery
 from .trace import trace
 from .verify import verify_samples
 
@@ -120,6 +120,10 @@ def prepare(
     if example_inputs is not None:
         verify_samples(prepared, info, example_inputs)
         check_sample_independence(prepared, info.layers, info.store, example_inputs)
+        for spec in info.layers:
+            if spec.__dict__.get("in_leaf") and spec.sites and not spec.input_shapes:
+                drop_layer({spec.name: spec}, spec.name, "module not called as a layer in the traced graph "
+                           "(inside a leaf module or used functionally)")
     info.layers = merge_tied_lookups(info.layers, info.store)
     info.store.site_names = {site: spec.name for spec in info.layers for site in spec.sites}
     info.store.transposed_sites = frozenset(site for spec in info.layers if spec.kind == "linear" and spec.transposed
@@ -335,6 +339,8 @@ def _prepare_fx(model, candidates, fallback, example_inputs, added_params=True):
         method = "fx-dual"
     plain_fwd = [compiled_forward(gm, g) if g is not None else None for g in plain]
     install_forward(gm, store.key, eval_forward, plain_fwd[0], plain_fwd[1] if g_eval is not None else plain_fwd[0])
+    if not runtime_batch:  # verified on example_inputs: modules inside leaves too
+        cover_in_leaves({k: v for k, v in candidates.items() if k not in odd}, layers, store.key, n_sites)
     store.n_sites = n_sites[0]
     gm.__dict__["_tengrad_store"] = store
     note_functional_uses(gm, g_train, g_eval, layers, fallback)

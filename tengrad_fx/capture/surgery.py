@@ -18,7 +18,7 @@ from .output_hook import maybe_attach
 from .sharing import note_tied, param_owners
 from .store import CaptureStore
 
-__all__ = ["prepare_surgery"]
+__all__ = ["prepare_surgery", "cover_in_leaves"]
 
 
 def prepare_surgery(model: nn.Module, candidates: dict[str, nn.Module], fallback: dict[str, str],
@@ -41,6 +41,24 @@ def prepare_surgery(model: nn.Module, candidates: dict[str, nn.Module], fallback
     model.__dict__["_tengrad_store"] = store
     note_tied(model, {spec.name: spec for spec in layers}, param_owners(layers))
     return model, layers
+
+
+def cover_in_leaves(candidates: dict[str, nn.Module], layers: dict[str, LayerSpec], key: int,
+                    next_site: list[int]) -> None:
+    """Covered modules the fx graph does not call (they run inside a module it keeps as a
+    leaf, e.g. timm's untraceable attention): their classes are swapped as module surgery
+    does, with sites of the graph's store. Marked ``in_leaf``: ``prepare``'s probe drops
+    those that never run (a weight used functionally, not through its module)."""
+    for name, mod in candidates.items():
+        if name in layers:
+            continue
+        kind, _ = match_module(mod)
+        spec = LayerSpec(name=name, kind=kind, module=mod, sites=[next_site[0]], **spec_args(mod, kind))  # type: ignore[arg-type]
+        next_site[0] += 1
+        spec.__dict__["in_leaf"] = True
+        mod.__class__ = _capturing_class(type(mod))
+        mod.__dict__["_tengrad_call"] = (key, spec)
+        layers[name] = spec
 
 
 _CAPTURING: dict[type, type] = {}

@@ -1,0 +1,67 @@
+"""Covered modules inside a module the fx graph keeps as a leaf (an untraceable forward,
+timm's notrace attention): captured by module surgery under the graph's store, exact;
+one whose weight is only used functionally falls back with the reason."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tengrad_fx import get_info, prepare, report
+from testing.oracle import check_covered_layers
+
+
+timm_fx = pytest.importorskip("timm.layers._fx")
+
+
+@timm_fx.register_notrace_module  # a leaf of the fx graph, as timm's attention modules are
+class Untraceable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+        self.v = nn.Conv1d(4, 4, 1)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x):
+        n = int(x.shape[1])  # torch.fx cannot trace this
+        a = torch.softmax(self.q(x) @ x.transpose(1, 2) / n, -1)
+        v = self.v(x.transpose(1, 2)).transpose(1, 2)
+        return a @ v + F.linear(x, self.unused.weight)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 4)
+        self.attn = Untraceable()
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.attn(self.inp(x))).mean(1))
+
+
+def test_layers_inside_a_leaf_are_covered_and_exact() -> None:
+    torch.manual_seed(0)
+    model = Net().double()
+    orig = copy.deepcopy(model)
+    x, y = torch.randn(5, 3, 5, dtype=torch.float64), torch.randint(0, 3, (5,))
+    prepared = prepare(model, example_inputs=(x[:2],))
+    info = get_info(prepared)
+    assert info.method.startswith("fx")
+    for name in ("attn.q", "attn.v"):
+        assert info.covered[f"{name}.weight"] == name
+    assert "inside a leaf module or used functionally" in info.fallback["attn.unused.weight"]
+    assert "attn.unused.bias" in info.fallback
+    check_covered_layers(orig, prepared, x, y)
+
+
+@pytest.mark.slow
+def test_timm_efficientvit_cascaded_attention() -> None:
+    import timm
+
+    model = timm.create_model("efficientvit_m0", pretrained=False, num_classes=10)
+    prepared = prepare(model, example_inputs=(torch.randn(2, 3, 224, 224),))
+    assert report(prepared).fraction_params >= 0.99
