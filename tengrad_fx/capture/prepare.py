@@ -37,7 +37,7 @@ def prepare(
     *same* Parameter objects under the same ``state_dict`` keys, and carries a
     :class:`PrepareInfo` (see :func:`tengrad_fx.report`). No module or parameter hooks are
     registered: the capture is the rewritten graph (an MC/Gauss-Newton optimizer has its
-    capturing forwards put a one-shot hook on their output, :mod:`.output_hook`).
+    capturing forwards route their output through a one-shot identity site, :mod:`.output_hook`).
 
     Args:
         model: any ``nn.Module`` (timm and torchvision models included).
