@@ -5,7 +5,8 @@
                            [--eval-every 25] [--eval-subset 2000] [--targets 0.85,0.88]
                            [--at 25,100,300] [--threads 1] [--data-dir DIR] [--out DIR]
 
-Every TENGraD variant is ``make_optimizer("tengrad", model, "fashion-mnist", **opts)``: the
+Every TENGraD variant is ``make_optimizer("tengrad", model, "fashion-mnist", **opts)`` (an
+option ``preset=NAME`` stands for that preset's options, ``registry.PRESETS``): the
 paper's Fashion-MNIST settings (MC Fisher, curvature every 100 steps, KL clip 0.01,
 damping 0.1, lr 0.003, weight decay 1e-3, momentum 0.9) with ``opts`` on top. Named
 variants are ``VARIANTS``; ``--tengrad 'name:curvature_every=1,damping=0.03'`` adds one
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from tengrad_fx.optim.registry import make_optimizer
+from tengrad_fx.optim.registry import PAPER_DEFAULTS, PRESETS, make_optimizer
 from tengrad_fx.zoo.bench_models import build_model
 from tools.peer_bench import Run, batch_order, evaluate, load_data, make_run, to_target
 from tools.peer_methods import METHODS, Method
@@ -46,12 +47,16 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "damp0.03": {"damping": 0.03},
     "damp0.01": {"damping": 0.01},
     "kl0.1": {"kl_clip": 0.1},
-    "T10": {"curvature_every": 10},
     "empirical": {"fisher": "empirical"},
-    "warm50": {"curvature_warmup": 50},
-    "grow2": {"curvature_growth": 2.0},
-    "graft-sgd": {"graft": "sgd", "lr": 0.03},
-    "graft-rms": {"graft": "rmsprop", "lr": 1e-4},
+    "T10": {"curvature_every": 10},
+    "T1": {"curvature_every": 1},
+    "T1-lr3": {"curvature_every": 1, "lr": 0.009},
+    "lr3-damp0.03": {"lr": 0.009, "damping": 0.03},
+    "lr3-grow2": {"lr": 0.009, "curvature_growth": 2.0},
+    "rms1e-4": {"graft": "rmsprop", "lr": 1e-4},
+    "rms3e-4": {"graft": "rmsprop", "lr": 3e-4},
+    "rms6e-4": {"graft": "rmsprop", "lr": 6e-4},
+    "rms3e-4-grow2": {"graft": "rmsprop", "lr": 3e-4, "curvature_growth": 2.0},
     "fast": {"preset": "fast"},
 }
 """Named TENGraD variants: keyword overrides of the paper's Fashion-MNIST settings."""
@@ -84,7 +89,9 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
 
 def tengrad_method(name: str, opts: dict[str, Any]) -> Method:
     """A prepared-model method building TENGraD at the paper's settings plus ``opts``."""
-    lr = float(opts.get("lr", 0.003))
+    if "preset" in opts:  # the preset's options, then the others on top
+        opts = {**PRESETS["tengrad"][opts["preset"]], **{k: v for k, v in opts.items() if k != "preset"}}
+    lr = float(opts.get("lr", PAPER_DEFAULTS["tengrad"][_FM]["3c1f"]["lr"]))
     kw = {k: v for k, v in opts.items() if k != "lr"}
     return Method(name, lr, lambda mdl, lr_: make_optimizer("tengrad", mdl, _FM, lr=lr_, **kw),
                   f"paper settings + {opts}", prepared=True)

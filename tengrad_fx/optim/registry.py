@@ -135,7 +135,7 @@ PAPER_FASHION = "fashion-mnist"  # the paper's headline benchmark: the dataset o
 # Named option sets on top of the paper's settings (``make_optimizer(..., preset=...)``).
 # TENGraD "fast": chosen on 3C1F / Fashion-MNIST (docs/ablations.md).
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "tengrad": {"fast": {"curvature_warmup": 50}},
+    "tengrad": {"fast": {"graft": "rmsprop", "lr": 3e-4, "damping": 0.01}},
 }
 
 
