@@ -50,9 +50,11 @@ def test_schedule_rejects(kw: dict, match: str) -> None:
         CurvatureSchedule(**kw)
 
 
-def test_optimizer_follows_schedule() -> None:
-    """The optimizer takes curvature at steps 0, 1, 2 (warm-up 3) and then every 4."""
-    _, model, opt = setup("mlp", curvature_every=4, curvature_warmup=3)
+@pytest.mark.parametrize("kw,expect", [(dict(curvature_every=4, curvature_warmup=3), [0, 1, 2, 6]),
+                                       (dict(curvature_every=100, curvature_growth=2.0), [0, 2, 6])])
+def test_optimizer_follows_schedule(kw: dict, expect: list[int]) -> None:
+    """The steps an optimizer takes curvature at: warm-up 3 then every 4; growth 2."""
+    _, model, opt = setup("mlp", **kw)
     taken = []
     for t in range(9):
         x, y = batch("mlp", 4, t)
@@ -61,7 +63,7 @@ def test_optimizer_follows_schedule() -> None:
         opt.step()
         if opt.curvature_steps > before:
             taken.append(t)
-    assert taken == [0, 1, 2, 6]
+    assert taken == expect
 
 
 def test_warmup_steps_equal_dense_ngd() -> None:
