@@ -87,3 +87,27 @@ def test_plain_constructor_keeps_library_defaults(net: nn.Module) -> None:
     opt = make_optimizer("tengrad", net, lr=0.1, damping=0.1)
     assert (opt.fisher, opt.curvature_every, opt.kl_clip) == ("empirical", 100, 0.01)
     assert opt.param_groups[0]["momentum"] == 0.9
+
+
+def test_paper_flag_and_presets(net: nn.Module) -> None:
+    """``paper=True`` builds exactly the Fashion-MNIST paper optimizer; a preset puts its
+    options on the paper's settings and ``overrides`` win; an unknown preset is refused."""
+    from tengrad_fx.optim.registry import PRESETS
+
+    def settings(opt: torch.optim.Optimizer) -> tuple:
+        g = opt.param_groups[0]
+        return (g["lr"], g["weight_decay"], g["damping"], g["momentum"], opt.kl_clip, opt.fisher, opt.schedule,
+                opt.graft)
+
+    paper = make_optimizer("tengrad", net, "fashion-mnist")
+    assert settings(make_optimizer("tengrad", net, paper=True)) == settings(paper)
+    assert (paper.schedule.every, paper.schedule.warmup, paper.schedule.growth, paper.graft) == (100, 0, None, None)
+    fast = make_optimizer("tengrad", net, preset="fast")
+    for key, value in PRESETS["tengrad"]["fast"].items():
+        got = fast.param_groups[0].get(key, getattr(fast, key, None))
+        if key.startswith("curvature_"):
+            got = getattr(fast.schedule, key.removeprefix("curvature_"))
+        assert got == value, key
+    assert make_optimizer("tengrad", net, preset="fast", lr=0.5).param_groups[0]["lr"] == 0.5
+    with pytest.raises(ValueError, match="preset"):
+        make_optimizer("tengrad", net, preset="slow")

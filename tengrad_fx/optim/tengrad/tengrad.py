@@ -33,7 +33,7 @@ from torch import Tensor
 
 from ...capture.info import get_info
 from ...capture.prepare import capturing
-from ..step.checks import check_choice, check_interval, check_nonneg, check_positive, check_unit
+from ..step.checks import check_choice, check_nonneg, check_positive, check_unit
 from .gauss_newton import gauss_newton_capture
 from ..step.mc import mc_capture
 from .resume import restore_records, save_records
@@ -46,6 +46,8 @@ from .group_build import build_groups, initial_sites, kept_sites, previous_stack
 from .group_cost import reuse_cost
 from .tengrad_groups import LayerGroup, precondition_groups, tf32_matmuls
 from .fused_step import FusedStep
+from .graft import GRAFT_BETA2, GRAFT_EPS, check_graft, graft_updates
+from .schedule import CurvatureSchedule
 
 __all__ = ["TENGraD"]
 
@@ -59,13 +61,10 @@ class TENGraD(StepSkeleton):
     (:func:`tengrad_fx.solve.damped_cholesky_ex`), and the push-through/Woodbury choice
     is made on the device.
 
-    Library defaults (no dataset named): the paper's curvature period ``T = 100`` and KL
-    clip 0.01, with the empirical Fisher (no extra backward). Chosen from
-    measurements on 3C1F / Fashion-MNIST (docs/paper.md, "Fisher ablation"): the
-    empirical Fisher at ``T = 1`` without a clip trains markedly worse (90.1 % vs 93.1 % in
-    10 epochs); the paper's MC Fisher adds 0.2 % there (``fisher="mc"``, an extra
-    backward on curvature steps). For exact per-step updates pass ``curvature_every=1,
-    kl_clip=None``.
+    Library defaults (no dataset named): the paper's ``T = 100`` and KL clip 0.01, with the
+    empirical Fisher (docs/paper.md, "Fisher ablation": at ``T = 1`` without a clip it trains
+    markedly worse; the paper's MC Fisher adds 0.2 % in 10 epochs of 3C1F, for an extra
+    backward on curvature steps). Exact per-step updates: ``curvature_every=1, kl_clip=None``.
 
     Args:
         model: the prepared model.
@@ -76,25 +75,25 @@ class TENGraD(StepSkeleton):
         curvature_every: ``T >= 1`` (default 100, the paper's); on other steps the stored ``I, G`` (or materialized
             ``J``) of the last curvature step are reused and capture is switched off,
             so those forwards cost what SGD's cost.
-        fisher: ``"empirical"`` (G from the training loss), ``"mc"`` (labels sampled
-            from the model's prediction, :meth:`mc_capture`, run by the optimizer itself
-            when the backward reaches the model's output; needs ``mc_loss``) or
-            ``"gauss-newton"`` (exact GGN of ``½‖out − y‖²``, for regression with at most
-            16 outputs: :meth:`mc_capture` runs one backward per output; see
-            :mod:`tengrad_fx.optim.tengrad.gauss_newton`).
+        curvature_warmup, curvature_growth: curvature at every one of the first ``K`` steps, and/or an
+            interval growing by ``r`` per curvature step up to ``T`` (:mod:`.schedule`; default: fixed ``T``).
+        graft: ``None``, ``"sgd"`` or ``"rmsprop"``: each parameter's update rescaled to the norm of that
+            method's step (:mod:`.graft`; lr in that method's units).
+        fisher: ``"empirical"`` (G from the training loss), ``"mc"`` (labels sampled from the model's
+            prediction, :meth:`mc_capture`, run by the optimizer when the backward reaches the model's output;
+            ``mc_loss``) or ``"gauss-newton"`` (exact GGN of ``½‖out − y‖²``, regression with ≤ 16 outputs:
+            one backward per output; :mod:`tengrad_fx.optim.tengrad.gauss_newton`).
         mc_loss: ``"cross_entropy"`` (categorical sampling) or ``"mse"`` (Gaussian, unit
             variance; MC loss ``½‖out − ŷ‖²`` summed over outputs, mean over the batch).
         kl_clip: KL clipping threshold (``None``: off).
         update_form: ``"auto"`` (push-through on empirical curvature steps, Woodbury
             otherwise), ``"woodbury"`` (always the general form).
         solve_dtype: dtype of the m×m Cholesky (default: the parameters'); e.g. float64.
-        jacobian_budget_mb: which layers the cost model materializes keep ``J`` between
-            steps (the rest use theirs through ``I, G``). Default (None): each layer whose
-            ``J`` is no larger than its own ``I, G`` (keeping ``J`` never holds more memory
-            than keeping the layer factored; ``group_build.keeps_jacobian``), or with
-            ``strategy="materialize"`` a flat 1024 MiB. A number: a flat budget in MiB for
-            all kept ``J``s, in layer order (more memory; faster reuse steps where ``J`` is
-            larger than ``I, G`` on a CPU).
+        jacobian_budget_mb: which layers the cost model materializes keep ``J`` between steps (the
+            rest use theirs through ``I, G``). Default (None): each layer whose ``J`` is no larger than its
+            own ``I, G`` (``group_build.keeps_jacobian``), or with ``strategy="materialize"`` a flat
+            1024 MiB. A number: a flat budget in MiB for all kept ``J``s, in layer order (more memory;
+            faster reuse steps where ``J`` is larger than ``I, G`` on a CPU).
         strategy: Gram strategy for all layers: ``"auto"``, ``"factor"``, ``"materialize"``.
         compile: run the whole update (Gram → Cholesky → solve → Jᵀc over all layers,
             :func:`tengrad_fx.optim.tengrad.fused.fused_update`) under ``torch.compile``; layers
@@ -126,6 +125,9 @@ class TENGraD(StepSkeleton):
         momentum: float = 0.9,
         weight_decay: float = 0.0,
         curvature_every: int = 100,
+        curvature_warmup: int = 0,
+        curvature_growth: Optional[float] = None,
+        graft: Optional[str] = None,
         fisher: Literal["empirical", "mc", "gauss-newton"] = "empirical",
         mc_loss: Literal["cross_entropy", "mse"] = "cross_entropy",
         kl_clip: Optional[float] = 0.01,
@@ -144,7 +146,8 @@ class TENGraD(StepSkeleton):
         check_positive("damping", damping)
         check_unit("momentum", momentum)
         check_nonneg("weight_decay", weight_decay)
-        check_interval("curvature_every", curvature_every)
+        self.schedule = CurvatureSchedule(curvature_every, curvature_warmup, curvature_growth)
+        check_graft(graft, GRAFT_BETA2, GRAFT_EPS)
         check_choice("fisher", fisher, ("empirical", "mc", "gauss-newton"))
         check_choice("mc_loss", mc_loss, ("cross_entropy", "mse"))
         if kl_clip is not None:
@@ -154,7 +157,7 @@ class TENGraD(StepSkeleton):
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
         super().__init__(optimizer_params(model, params, type(self).__name__), defaults)
         self._init_skeleton(model, info, grad_scaler)
-        self.curvature_every = curvature_every
+        self.curvature_every, self.graft = curvature_every, graft
         self.fisher = fisher
         self.mc_loss = mc_loss
         self.kl_clip = kl_clip
@@ -200,10 +203,10 @@ class TENGraD(StepSkeleton):
 
     # ------------------------------------------------------------------ schedule
     def _needs_capture(self, step: int) -> bool:
-        """Curvature on every ``curvature_every``-th step since the last one (skipped
-        steps count: the skip is decided on the device), when none is cached, and once
-        more after the host saw a skipped curvature step."""
-        return not self._curv or self._recapture or step - self._curv_sched >= self.curvature_every
+        """Curvature as :attr:`schedule` says (skipped steps count: the skip is decided on
+        the device), when none is cached, and once more after the host saw a skipped one."""
+        taken = self.curvature_steps if self._curv else 0
+        return self._recapture or self.schedule.due(step, self._curv_sched, taken)
 
     def reuse_cost(self) -> tuple[float, float]:
         """``(flops, bytes)`` of the curvature work of a step without new curvature, from
@@ -367,6 +370,9 @@ class TENGraD(StepSkeleton):
             self._curv_sched = step
             self._recapture = False
         self._count_uncaptured(updates)
+        if self.graft is not None:  # Σ u·g of the rescaled updates: computed by the KL clip itself
+            updates, self._ug = graft_updates(updates, self.param_groups[0]["params"], self.state, self.graft,
+                                              GRAFT_BETA2, GRAFT_EPS), None
         t2 = time.perf_counter()
         self.timings = {"gram": self._gram_seconds, "factorize": t1 - t0 - self._gram_seconds,
                         "solve": t2 - t1}

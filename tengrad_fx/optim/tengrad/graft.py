@@ -1,0 +1,79 @@
+"""Grafting: TENGraD's direction with a first-order method's step length, per parameter.
+
+For every parameter tensor ``p`` with a gradient ``g`` (Distributed Shampoo's grafting)::
+
+    u_p ← u_p · ‖a_p‖ / ‖u_p‖          (u_p = 0 stays 0)
+
+where ``u_p`` is the natural-gradient update ((F + αI)⁻¹ g of its layer, restricted to
+``p``) and ``a_p`` the grafted method's direction:
+
+* ``"sgd"``: ``a = g``: the step is as long as SGD's at the same lr;
+* ``"rmsprop"``: ``a = g / (√v̂ + ε)``, ``v ← β₂ v + (1 − β₂) g²``, ``v̂ = v / (1 − β₂ᵗ)``
+  (Adam's second moment; the heavy-ball momentum that follows plays Adam's first moment).
+
+Parameters without a preconditioned update (no curvature record) get ``u = a``. Runs on
+the device without a host read; ``v`` and the count ``t`` live in the optimizer's
+per-parameter state (``"graft_sq"``, ``"graft_t"``).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from ..step.checks import check_choice
+
+__all__ = ["GRAFTS", "GRAFT_BETA2", "GRAFT_EPS", "check_graft", "graft_updates"]
+
+GRAFTS = ("sgd", "rmsprop")
+GRAFT_BETA2, GRAFT_EPS = 0.999, 1e-8  # Adam's
+
+
+def check_graft(graft: Optional[str], beta2: float, eps: float) -> None:
+    """Raise ``ValueError`` for an unknown ``graft`` or ``graft_beta2 ∉ [0, 1)``, ``graft_eps ≤ 0``."""
+    if graft is None:
+        return
+    check_choice("graft", graft, GRAFTS)
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"graft_beta2 must be in [0, 1), got {beta2!r}")
+    if not eps > 0:
+        raise ValueError(f"graft_eps must be > 0, got {eps!r}")
+
+
+def _rmsprop_directions(grads: list[Tensor], state: Any, params: list[Tensor], beta2: float,
+                        eps: float) -> list[Tensor]:
+    """``g / (√v̂ + ε)`` per parameter, updating ``v`` and ``t`` in ``state[p]``."""
+    out = []
+    for p, g in zip(params, grads):
+        st = state[p]
+        if "graft_sq" not in st:
+            st["graft_sq"] = torch.zeros_like(g)
+            st["graft_t"] = torch.zeros((), dtype=g.dtype, device=g.device)
+        v, t = st["graft_sq"], st["graft_t"]
+        t.add_(1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        v_hat = v / (1 - torch.pow(torch.full_like(t, beta2), t))
+        out.append(g / (v_hat.sqrt() + eps))
+    return out
+
+
+def graft_updates(updates: dict[Tensor, Tensor], params: list[Tensor], state: Any, graft: str,
+                  beta2: float = 0.999, eps: float = 1e-8) -> dict[Tensor, Tensor]:
+    """``{param: u}`` for every parameter of ``params`` with a gradient: ``updates``' ``u``
+    (same shape as the parameter) rescaled to the norm of the ``graft`` direction, and that
+    direction itself where ``updates`` has none (module docstring)."""
+    ps = [p for p in params if p.grad is not None]
+    grads: list[Tensor] = [p.grad for p in ps]  # type: ignore[misc]
+    dirs = list(grads) if graft == "sgd" else _rmsprop_directions(grads, state, ps, beta2, eps)
+    pre = [i for i, p in enumerate(ps) if p in updates]
+    out = {p: d for p, d in zip(ps, dirs)}
+    if pre:
+        us = [updates[ps[i]] for i in pre]
+        a_norm = torch._foreach_norm([dirs[i] for i in pre])
+        u_norm = torch._foreach_norm(us)
+        tiny = torch.finfo(us[0].dtype).tiny
+        scale = [a / n.clamp(min=tiny) for a, n in zip(a_norm, u_norm)]
+        for i, u, s in zip(pre, us, scale):
+            out[ps[i]] = u * s.to(u.dtype)
+    return out

@@ -1,0 +1,115 @@
+"""TENGraD's curvature schedule (warm-up, growing interval) and grafting.
+
+The schedule: its interval rule on its own, and which steps of an optimizer take
+curvature. Exactness in float64 against the dense references of ``testing.tengrad_step``:
+a warm-up step is the dense block NGD step of its own batch, the first step after the
+warm-up reuses the last batch's Fisher; a grafted step is the dense NGD update of each
+parameter rescaled to the norm of SGD's, resp. RMSProp's direction (computed here from
+the gradients, independently of ``tengrad_fx.optim.tengrad.graft``).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tengrad_fx.optim.tengrad.schedule import CurvatureSchedule
+from testing.tengrad_step import (
+    assert_matches, batch, dense_u, forward_backward, full_grad, layer_params, setup, snapshot, step_delta,
+)
+
+
+def _curvature_steps(schedule: CurvatureSchedule, n: int) -> list[int]:
+    out: list[int] = []
+    for s in range(n):
+        if schedule.due(s, out[-1] if out else 0, len(out)):
+            out.append(s)
+    return out
+
+
+@pytest.mark.parametrize("kw,expect", [
+    (dict(every=5), [0, 5, 10, 15]),
+    (dict(every=5, warmup=3), [0, 1, 2, 7, 12, 17]),
+    (dict(every=100, growth=2.0), [0, 2, 6, 14]),
+    (dict(every=6, growth=2.0), [0, 2, 6, 12, 18]),
+    (dict(every=100, warmup=2, growth=1.5), [0, 1, 3, 6, 11, 18]),
+])
+def test_schedule_rule(kw: dict, expect: list[int]) -> None:
+    assert _curvature_steps(CurvatureSchedule(**kw), 20) == expect
+
+
+def test_schedule_growth_saturates_without_overflow() -> None:
+    s = CurvatureSchedule(every=100, growth=3.0)
+    assert [s.interval(0, n) for n in (1, 2, 4, 5, 10_000)] == [3, 9, 81, 100, 100]
+
+
+@pytest.mark.parametrize("kw,match", [(dict(warmup=-1), "curvature_warmup"), (dict(warmup=1.5), "curvature_warmup"),
+                                      (dict(growth=1.0), "curvature_growth"), (dict(every=0), "curvature_every")])
+def test_schedule_rejects(kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        CurvatureSchedule(**kw)
+
+
+@pytest.mark.parametrize("kw,expect", [(dict(curvature_every=4, curvature_warmup=3), [0, 1, 2, 6]),
+                                       (dict(curvature_every=100, curvature_growth=2.0), [0, 2, 6])])
+def test_optimizer_follows_schedule(kw: dict, expect: list[int]) -> None:
+    """The steps an optimizer takes curvature at: warm-up 3 then every 4; growth 2."""
+    _, model, opt = setup("mlp", **kw)
+    taken = []
+    for t in range(9):
+        x, y = batch("mlp", 4, t)
+        before = opt.curvature_steps
+        forward_backward(model, opt, x, y)
+        opt.step()
+        if opt.curvature_steps > before:
+            taken.append(t)
+    assert taken == expect
+
+
+def test_warmup_steps_equal_dense_ngd() -> None:
+    """Steps 0, 1 (warm-up 2): the dense NGD update of their own batch; step 2 reuses step 1's J."""
+    template, model, opt = setup("mlp", curvature_every=100, curvature_warmup=2)
+    layers = layer_params(model)
+    batches = [batch("mlp", 8, s) for s in (1, 2, 3)]
+    refs = []  # the model before each step: J of a reused Fisher is at its curvature step's weights
+    for t, (x, y) in enumerate(batches):
+        refs.append(snapshot(template, model))
+        forward_backward(model, opt, x, y)
+        g = full_grad(refs[t], x, y, F.cross_entropy)
+        xj, yj = batches[min(t, 1)]
+        ref = dense_u(refs[min(t, 1)], xj, yj, F.cross_entropy, g, 0.05, layers)
+        assert_matches(step_delta(model, opt), ref)
+    assert opt.curvature_steps == 2
+
+
+def _rms_direction(gs: list[torch.Tensor], beta2: float = 0.999, eps: float = 1e-8) -> torch.Tensor:
+    """RMSProp's ``g_t / (√v̂_t + ε)`` after the gradients ``gs`` (bias-corrected)."""
+    t = len(gs)
+    v = sum((1 - beta2) * beta2 ** (t - 1 - i) * g * g for i, g in enumerate(gs))
+    return gs[-1] / ((v / (1 - beta2 ** t)).sqrt() + eps)
+
+
+@pytest.mark.parametrize("graft", ["sgd", "rmsprop"])
+def test_grafted_step_equals_rescaled_dense_ngd(graft: str) -> None:
+    """Two curvature steps: per parameter ``u = û·‖a‖/‖û‖``, ``û`` the dense NGD update."""
+    template, model, opt = setup("mlp", graft=graft, kl_clip=0.5, lr=0.3)
+    layers = layer_params(model)
+    history: dict[str, list[torch.Tensor]] = {}
+    for t in (1, 2):
+        x, y = batch("mlp", 8, t)
+        ref_model = snapshot(template, model)
+        forward_backward(model, opt, x, y)
+        g = full_grad(ref_model, x, y, F.cross_entropy)
+        for n, gn in g.items():
+            history.setdefault(n, []).append(gn)
+        ngd = dense_u(ref_model, x, y, F.cross_entropy, g, 0.05, layers)
+        a = {n: g[n] if graft == "sgd" else _rms_direction(history[n]) for n in ngd}
+        ref = {n: u * (a[n].norm() / u.norm()) for n, u in ngd.items()}
+        ug = sum(float((ref[n] * g[n]).sum()) for n in ref)
+        nu = min(1.0, (0.5 / (0.3 ** 2 * ug)) ** 0.5)  # the KL clip on the grafted update
+        assert_matches(step_delta(model, opt), {n: nu * u for n, u in ref.items()})
+
+
+def test_graft_rejects_unknown() -> None:
+    with pytest.raises(ValueError, match="graft"):
+        setup("mlp", graft="adam")
