@@ -42,7 +42,8 @@ from ..step.skeleton import StepSkeleton
 from ..step.param_groups import Damping, grouped_layers, layer_dampings, optimizer_params
 from ... import solve
 from .graphs import StepGraphs
-from .group_build import build_groups, initial_sites, kept_sites, previous_stacks
+from .group_build import build_groups, previous_stacks
+from .jacobian_sites import JacobianSites
 from .group_cost import reuse_cost
 from .tengrad_groups import LayerGroup, precondition_groups, tf32_matmuls
 from .fused_step import FusedStep
@@ -52,7 +53,7 @@ from .schedule import CurvatureSchedule
 __all__ = ["TENGraD"]
 
 
-class TENGraD(StepSkeleton):
+class TENGraD(JacobianSites, StepSkeleton):
     """TENGraD over a model returned by :func:`tengrad_fx.prepare`.
 
     The step reads nothing back from the device once warmed up (see
@@ -437,24 +438,8 @@ class TENGraD(StepSkeleton):
             self._ug, self._gsq = dots
         return out
 
-    def _initial_jacobian_sites(self, m: int = 128) -> None:
-        """Before any capture: the layers the cost model would materialize at a nominal
-        batch ``m`` (:func:`.group_build.initial_sites`), so even the first backward
-        computes their per-sample gradients; the first curvature step re-decides."""
-        self._info.store.jacobian_sites = initial_sites(self._layers, self.strategy, self.jacobian_budget, m)
-
-    def _uncaptured_sites(self) -> set[int]:
-        """The materialized sites of layers with no record now: they keep the choice."""
-        old = self._info.store.jacobian_sites
-        return {s for lay in self._layers if not lay.captured for s in lay.spec.sites if s in old}
-
     def _count_uncaptured(self, updates: dict[Tensor, Tensor]) -> None:
         """Layers with a weight gradient but no curvature (not called, or called with
         capture off, on this step's capture): their SGD-momentum updates are counted."""
         weights = (lay.weight for lay in self._layers)
         self._add_uncaptured(sum(1 for w in weights if w.requires_grad and w.grad is not None and w not in updates))
-
-    def _mark_jacobian_sites(self) -> None:
-        candidates = [(layer, layer.m, [r.in_shape for r in layer.records()]) for layer in self._layers
-                      if layer.weight.requires_grad and layer.captured and layer.choose(self.strategy) == "materialize"]
-        self._info.store.jacobian_sites = kept_sites(candidates, self._uncaptured_sites(), self.jacobian_budget)
