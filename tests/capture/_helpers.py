@@ -1,6 +1,8 @@
 """Shared models and helpers of the prepare() tests (tests/capture/test_prepare_*.py)."""
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -226,3 +228,25 @@ class Dual(nn.Module):
             return out, self.aux(h)
         return out
 
+
+class Sandwich(nn.Module):
+    """``Linear(5, 4) → mid → tanh → mean over positions → Linear(4, 3)`` on ``[m, 3, 5]``."""
+
+    def __init__(self, mid: nn.Module) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 4)
+        self.mid = mid
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(self.inp(x))).mean(1))
+
+
+def prepared_sandwich(mid: nn.Module, m: int = 5):
+    """``(prepared, orig, x, y)``: a float64 :class:`Sandwich` around ``mid`` prepared on
+    ``x[:2]``, its unprepared copy, and a batch of ``m`` with class targets."""
+    torch.manual_seed(0)
+    model = Sandwich(mid).double()
+    orig = copy.deepcopy(model)
+    x, y = torch.randn(m, 3, 5, dtype=torch.float64), torch.randint(0, 3, (m,))
+    return prepare(model, example_inputs=(x[:2],)), orig, x, y

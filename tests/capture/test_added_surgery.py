@@ -3,8 +3,6 @@ module's attributes are covered exactly; a use that mixes samples is caught by p
 sample-independence check and falls back with the reason."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
@@ -12,6 +10,8 @@ import torch.nn.functional as F
 
 from tengrad_fx import get_info, prepare
 from testing.oracle import check_covered_layers
+
+from ._helpers import Sandwich, prepared_sandwich
 
 
 class Tokens(nn.Module):
@@ -31,43 +31,28 @@ class Tokens(nn.Module):
         return x * self.scale
 
 
-class Net(nn.Module):
-    def __init__(self, mix: bool = False) -> None:
-        super().__init__()
-        self.inp = nn.Linear(5, 4)
-        self.tokens = Tokens(mix)
-        self.head = nn.Linear(4, 3)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.tokens(self.inp(x))).mean(1))
-
-
 def test_tokens_covered_and_exact() -> None:
-    torch.manual_seed(0)
-    model = Net().double()
-    orig = copy.deepcopy(model)
-    x, y = torch.randn(5, 3, 5, dtype=torch.float64), torch.randint(0, 3, (5,))
-    prepared = prepare(model, example_inputs=(x[:2],))
+    prepared, orig, x, y = prepared_sandwich(Tokens())
     info = get_info(prepared)
     assert info.method == "surgery"
-    assert info.covered["tokens.cls_token"] == "tokens.cls_token"
-    assert info.covered["tokens.pos"] == "tokens.pos"
-    assert "added parameter of shape (4,)" in info.fallback["tokens.scale"]
+    assert info.covered["mid.cls_token"] == "mid.cls_token"
+    assert info.covered["mid.pos"] == "mid.pos"
+    assert "added parameter of shape (4,)" in info.fallback["mid.scale"]
     check_covered_layers(orig, prepared, x, y)
 
 
 def test_mixing_use_falls_back() -> None:
     """``pos.mean(0)`` of the batched tokens gives every sample's row the batch's gradient."""
     x = torch.randn(2, 3, 5)
-    prepared = prepare(Net(mix=True), example_inputs=(x,))
+    prepared = prepare(Sandwich(Tokens(mix=True)), example_inputs=(x,))
     info = get_info(prepared)
-    assert "mixes samples" in info.fallback["tokens.pos"]
-    assert info.covered["tokens.cls_token"] == "tokens.cls_token"
+    assert "mixes samples" in info.fallback["mid.pos"]
+    assert info.covered["mid.cls_token"] == "mid.cls_token"
     out = prepared(torch.randn(4, 3, 5))
     F.cross_entropy(out, torch.randint(0, 3, (4,))).backward()  # still trains
 
 
 @pytest.mark.parametrize("only", [True])
 def test_only_linear_conv_leaves_tokens(only: bool) -> None:
-    prepared = prepare(Net(), example_inputs=(torch.randn(2, 3, 5),), only_linear_conv=only)
-    assert "tokens.cls_token" in get_info(prepared).fallback
+    prepared = prepare(Sandwich(Tokens()), example_inputs=(torch.randn(2, 3, 5),), only_linear_conv=only)
+    assert "mid.cls_token" in get_info(prepared).fallback

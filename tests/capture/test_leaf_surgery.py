@@ -3,8 +3,6 @@ timm's notrace attention): captured by module surgery under the graph's store, e
 one whose weight is only used functionally falls back with the reason."""
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
@@ -12,6 +10,8 @@ import torch.nn.functional as F
 
 from tengrad_fx import get_info, prepare, report
 from testing.oracle import check_covered_layers
+
+from ._helpers import prepared_sandwich
 
 
 timm_fx = pytest.importorskip("timm.layers._fx")
@@ -32,29 +32,14 @@ class Untraceable(nn.Module):
         return a @ v + F.linear(x, self.unused.weight)
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.inp = nn.Linear(5, 4)
-        self.attn = Untraceable()
-        self.head = nn.Linear(4, 3)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.attn(self.inp(x))).mean(1))
-
-
 def test_layers_inside_a_leaf_are_covered_and_exact() -> None:
-    torch.manual_seed(0)
-    model = Net().double()
-    orig = copy.deepcopy(model)
-    x, y = torch.randn(5, 3, 5, dtype=torch.float64), torch.randint(0, 3, (5,))
-    prepared = prepare(model, example_inputs=(x[:2],))
+    prepared, orig, x, y = prepared_sandwich(Untraceable())
     info = get_info(prepared)
     assert info.method.startswith("fx")
-    for name in ("attn.q", "attn.v"):
+    for name in ("mid.q", "mid.v"):
         assert info.covered[f"{name}.weight"] == name
-    assert "inside a leaf module or used functionally" in info.fallback["attn.unused.weight"]
-    assert "attn.unused.bias" in info.fallback
+    assert "inside a leaf module or used functionally" in info.fallback["mid.unused.weight"]
+    assert "mid.unused.bias" in info.fallback
     check_covered_layers(orig, prepared, x, y)
 
 
