@@ -26,6 +26,7 @@ from .match import LayerSpec
 from .params import ParamHolder
 from .sharing import drop_layer
 from .store import CaptureStore
+from .verify import cuda_devices
 
 __all__ = ["cover_added_params", "check_sample_independence"]
 
@@ -89,13 +90,11 @@ def check_sample_independence(prepared: nn.Module, layers: list[LayerSpec], stor
     """Drop the added parameters (kind ``"param"`` of :func:`cover_added_params`) whose
     recorded gradient rows are not per sample: at batch 3, a random cotangent on sample 0 of
     the output (its first floating tensor leaf with leading dim 3) must give zero rows 1, 2."""
-    checked = [spec for spec in layers if spec.kind == "param" and spec.sites
-               and isinstance(spec.module, ParamHolder) and spec.__dict__.get("surgery")]
+    checked = [spec for spec in layers if spec.sites and spec.__dict__.get("surgery")]
     if not checked:
         return
-    was_training = prepared.training
     try:
-        with torch.enable_grad(), torch.random.fork_rng(devices=[]):
+        with torch.enable_grad(), torch.random.fork_rng(devices=cuda_devices(prepared)):
             torch.manual_seed(0)
             out = run_call(prepared, resize_batch(example_inputs, 3))
             leaf = next((t for t in tensor_leaves(out) if t.is_floating_point() and t.dim() > 0
@@ -110,11 +109,10 @@ def check_sample_independence(prepared: nn.Module, layers: list[LayerSpec], stor
             ps = [spec.weight for spec in checked]
             torch.autograd.grad(leaf, ps, cot, allow_unused=True)
             for spec in checked:
-                P = torch.cat([r.P for r in store.records.get(spec.sites[0], []) if r.P is not None], 1) \
-                    if store.records.get(spec.sites[0]) else None
+                rows = [r.P for r in store.records.get(spec.sites[0], []) if r.P is not None]
+                P = torch.cat(rows, 1) if rows else None
                 if P is not None and P[1:].abs().max() > 1e-6 * P[0].abs().max().clamp_min(1e-30):
                     drop_layer({spec.name: spec}, spec.name, "added parameter used in a way that mixes samples "
                                "(its gradient for sample 0 reaches other samples' rows)")
     finally:
         store.clear()
-        prepared.train(was_training)

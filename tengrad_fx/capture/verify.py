@@ -20,7 +20,7 @@ from .inputs import resize_batch, run_call, tensor_leaves
 from .rows import FOLDS
 from .sharing import drop_layer
 
-__all__ = ["verify_samples"]
+__all__ = ["verify_samples", "cuda_devices"]
 
 
 def verify_samples(prepared: nn.Module, info: PrepareInfo, example_inputs: Sequence[Any]) -> None:
@@ -91,7 +91,7 @@ def _probe(prepared: nn.Module, example_inputs: Sequence[Any], modes: tuple[bool
     try:
         for n in (2, 3):
             ops.PROBE = {}
-            with torch.no_grad(), torch.random.fork_rng(devices=_devices(prepared)):
+            with torch.no_grad(), torch.random.fork_rng(devices=cuda_devices(prepared)):
                 torch.manual_seed(0)  # dropout draws the same masks on every probe
                 for mode in modes:
                     prepared.train(mode)
@@ -131,6 +131,6 @@ def _restore(prepared: nn.Module, saved: dict[str, torch.Tensor]) -> None:
                 b.copy_(saved[name])
 
 
-def _devices(prepared: nn.Module) -> list[int]:
+def cuda_devices(prepared: nn.Module) -> list[int]:
     """The CUDA devices the model's tensors are on (their RNG is forked by the probe)."""
     return sorted({t.device.index or 0 for t in prepared.parameters() if t.is_cuda})
