@@ -53,7 +53,8 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 
 def _opt_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     return dict(lr=0.1, damping=0.05, momentum=0.9, weight_decay=1e-3, curvature_every=cfg.get("T", 1),
-                fisher=cfg.get("fisher", "empirical"), kl_clip=cfg.get("kl_clip"))
+                fisher=cfg.get("fisher", "empirical"), kl_clip=cfg.get("kl_clip"), graft=cfg.get("graft"),
+                orthogonalize=cfg.get("orthogonalize", False))
 
 
 def last_group(net: nn.Module) -> dict[str, Any]:

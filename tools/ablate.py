@@ -58,6 +58,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "rms6e-4": {"graft": "rmsprop", "lr": 6e-4},
     "rms3e-4-grow2": {"graft": "rmsprop", "lr": 3e-4, "curvature_growth": 2.0},
     "fast": {"preset": "fast"},
+    "orth": {"preset": "orthogonal"},
+    "orth-nongd": {"preset": "orthogonal", "damping": 1e3},
 }
 """Named TENGraD variants: keyword overrides of the paper's Fashion-MNIST settings."""
 

@@ -77,6 +77,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("tengrad", 0.003, lambda mdl, lr: make_optimizer("tengrad", mdl, _FM, lr=lr),
            "paper's Fashion-MNIST TENGraD: MC Fisher, curvature every 100 steps, KL clip 0.01, "
            "damping 0.1, weight decay 1e-3, momentum 0.9", prepared=True),
+    Method("tengrad-orth", 1e-3, lambda mdl, lr: make_optimizer("tengrad", mdl, _FM, preset="orthogonal", lr=lr),
+           "TENGraD's preset \"orthogonal\": the paper's settings with each weight's NGD update orthogonalized "
+           "(RMS 0.2), RMSProp-grafted biases, lr 1e-3", prepared=True),
     Method("kfac", 0.003, lambda mdl, lr: make_optimizer("kfac", mdl, _FM, lr=lr),
            "paper's Fashion-MNIST K-FAC: MC Fisher, statistics every 20 steps, inversion every 100, "
            "KL clip 0.01, damping 0.1, weight decay 1e-3, momentum 0.9", prepared=True),

@@ -253,7 +253,8 @@ class DistributedTENGraD(TENGraD):
         self._forget_plan()
 
     # ------------------------------------------------------------------ step
-    def _updates(self, step: int, curvature_step: bool, mc_step: bool, damping: Damping) -> dict[Tensor, Tensor]:
+    def _natural_updates(self, step: int, curvature_step: bool, mc_step: bool,
+                         damping: Damping) -> dict[Tensor, Tensor]:
         t0 = time.perf_counter()
         self.comm_bytes = {}
         self._sharing = None
@@ -264,7 +265,7 @@ class DistributedTENGraD(TENGraD):
                 self._exchange_records()
             self._fresh = False
         t1 = time.perf_counter()
-        local = super()._updates(step, curvature_step, mc_step, damping)
+        local = super()._natural_updates(step, curvature_step, mc_step, damping)
         t2 = time.perf_counter()
         updates = self._average_updates(local) if self.mode == "local" else self._share_updates(local)
         # every rank skips together: its gradients' finiteness (the skeleton checks them

@@ -136,9 +136,11 @@ PAPER_FASHION = "fashion-mnist"  # the paper's headline benchmark: the dataset o
 
 # Named option sets on top of the paper's settings (``make_optimizer(..., preset=...)``).
 # TENGraD "fast": the best of the options screened on 3C1F / Fashion-MNIST (docs/ablations.md:
-# faster than the paper's settings over the first 75 steps, still behind Muon there).
+# faster than the paper's settings over the first 75 steps, still behind Muon there);
+# "orthogonal": the weights' NGD updates orthogonalized (Muon's direction), RMSProp-grafted biases.
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "tengrad": {"fast": {"graft": "rmsprop", "lr": 3e-4, "damping": 0.01}},
+    "tengrad": {"fast": {"graft": "rmsprop", "lr": 3e-4, "damping": 0.01},
+                "orthogonal": {"graft": "rmsprop", "orthogonalize": True, "lr": 1e-3}},
 }
 
 

@@ -40,6 +40,9 @@ TWO = {
     "mlp-groups-gather": dict(model="mlp", m=3, steps=4, T=2, groups=True, kl_clip=0.01),  # lr/α/μ per group
     "mlp-groups-blocks": dict(model="mlp", m=3, steps=4, T=2, groups=True, mode="gram-blocks"),
     "mlp-add-group": dict(model="mlp", m=3, steps=4, T=3, groups=True, add_at=1, mode="auto"),  # add_param_group
+    "mlp-graft-orth-gather": dict(model="mlp", m=3, steps=4, T=2, graft="rmsprop", orthogonalize=True,
+                                  kl_clip=0.01),  # on every layer's shared u
+    "cnn-graft-blocks": dict(model="cnn", m=3, steps=3, T=2, mode="gram-blocks", graft="rmsprop"),
     "mlp-save": dict(model="mlp", m=6, steps=2, T=1),  # + save (fixture)
     "mlp-resume-same": dict(model="mlp", m=6, steps=2, T=1, start=2),  # + load (fixture)
 }

@@ -102,12 +102,15 @@ def test_paper_flag_and_presets(net: nn.Module) -> None:
     paper = make_optimizer("tengrad", net, "fashion-mnist")
     assert settings(make_optimizer("tengrad", net, paper=True)) == settings(paper)
     assert (paper.schedule.every, paper.schedule.warmup, paper.schedule.growth, paper.graft) == (100, 0, None, None)
-    fast = make_optimizer("tengrad", net, preset="fast")
-    for key, value in PRESETS["tengrad"]["fast"].items():
-        got = fast.param_groups[0].get(key, getattr(fast, key, None))
-        if key.startswith("curvature_"):
-            got = getattr(fast.schedule, key.removeprefix("curvature_"))
-        assert got == value, key
+    assert paper.orthogonalize is False
+    for name, options in PRESETS["tengrad"].items():
+        opt = make_optimizer("tengrad", net, preset=name)
+        for key, value in options.items():
+            got = opt.param_groups[0].get(key, getattr(opt, key, None))
+            if key.startswith("curvature_"):
+                got = getattr(opt.schedule, key.removeprefix("curvature_"))
+            assert got == value, (name, key)
+        assert opt.kl_clip == paper.kl_clip and opt.fisher == paper.fisher
     assert make_optimizer("tengrad", net, preset="fast", lr=0.5).param_groups[0]["lr"] == 0.5
     with pytest.raises(ValueError, match="preset"):
         make_optimizer("tengrad", net, preset="slow")

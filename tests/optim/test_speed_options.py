@@ -1,11 +1,12 @@
-"""TENGraD's curvature schedule (warm-up, growing interval) and grafting.
+"""TENGraD's curvature schedule (warm-up, growing interval), grafting and orthogonalized updates.
 
 The schedule: its interval rule on its own, and which steps of an optimizer take
 curvature. Exactness in float64 against the dense references of ``testing.tengrad_step``:
 a warm-up step is the dense block NGD step of its own batch, the first step after the
 warm-up reuses the last batch's Fisher; a grafted step is the dense NGD update of each
 parameter rescaled to the norm of SGD's, resp. RMSProp's direction (computed here from
-the gradients, independently of ``tengrad_fx.optim.tengrad.graft``).
+the gradients, independently of ``tengrad_fx.optim.tengrad.graft``); an orthogonalized
+step is that update's polar factor from ``torch.linalg.svd``.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from tengrad_fx.optim.tengrad.schedule import CurvatureSchedule
+from tengrad_fx.solve import POLAR_FLOOR
 from testing.tengrad_step import (
     assert_matches, batch, dense_u, forward_backward, full_grad, layer_params, setup, snapshot, step_delta,
 )
@@ -89,10 +91,22 @@ def _rms_direction(gs: list[torch.Tensor], beta2: float = 0.999, eps: float = 1e
     return gs[-1] / ((v / (1 - beta2 ** t)).sqrt() + eps)
 
 
-@pytest.mark.parametrize("graft", ["sgd", "rmsprop"])
-def test_grafted_step_equals_rescaled_dense_ngd(graft: str) -> None:
-    """Two curvature steps: per parameter ``u = û·‖a‖/‖û‖``, ``û`` the dense NGD update."""
-    template, model, opt = setup("mlp", graft=graft, kl_clip=0.5, lr=0.3)
+def _svd_polar(u: torch.Tensor) -> torch.Tensor:
+    """``U diag(σ / max(σ, δσ₁)) Vᵀ`` of the thin SVD of ``u`` viewed ``[shape[0], -1]`` (a
+    layer's update has rank ≤ the batch size), at RMS 0.2, in ``u``'s shape."""
+    mat = u.reshape(u.shape[0], -1)
+    left, sv, right = torch.linalg.svd(mat, full_matrices=False)
+    q = left * (sv / sv.clamp(min=POLAR_FLOOR * sv[0])) @ right
+    return (q * (0.2 * max(mat.shape) ** 0.5)).reshape(u.shape)
+
+
+@pytest.mark.parametrize("graft,orthogonalize", [("sgd", False), ("rmsprop", False), (None, True),
+                                                  ("rmsprop", True)])
+def test_shaped_step_equals_dense_ngd_reference(graft, orthogonalize: bool) -> None:
+    """Two curvature steps, KL-clipped: per parameter ``u = û·‖a‖/‖û‖`` with grafting (``û``
+    the dense NGD update, ``a`` SGD's / RMSProp's direction), then, orthogonalizing, each
+    weight's ``u`` is the SVD polar factor at RMS 0.2 (1-D parameters keep theirs)."""
+    template, model, opt = setup("mlp", graft=graft, orthogonalize=orthogonalize, kl_clip=0.5, lr=0.3)
     layers = layer_params(model)
     history: dict[str, list[torch.Tensor]] = {}
     for t in (1, 2):
@@ -102,11 +116,14 @@ def test_grafted_step_equals_rescaled_dense_ngd(graft: str) -> None:
         g = full_grad(ref_model, x, y, F.cross_entropy)
         for n, gn in g.items():
             history.setdefault(n, []).append(gn)
-        ngd = dense_u(ref_model, x, y, F.cross_entropy, g, 0.05, layers)
-        a = {n: g[n] if graft == "sgd" else _rms_direction(history[n]) for n in ngd}
-        ref = {n: u * (a[n].norm() / u.norm()) for n, u in ngd.items()}
+        ref = dense_u(ref_model, x, y, F.cross_entropy, g, 0.05, layers)
+        if graft is not None:
+            a = {n: g[n] if graft == "sgd" else _rms_direction(history[n]) for n in ref}
+            ref = {n: u * (a[n].norm() / u.norm()) for n, u in ref.items()}
+        if orthogonalize:
+            ref = {n: _svd_polar(u) if u.ndim >= 2 else u for n, u in ref.items()}
         ug = sum(float((ref[n] * g[n]).sum()) for n in ref)
-        nu = min(1.0, (0.5 / (0.3 ** 2 * ug)) ** 0.5)  # the KL clip on the grafted update
+        nu = min(1.0, (0.5 / (0.3 ** 2 * ug)) ** 0.5)  # the KL clip on the shaped update
         assert_matches(step_delta(model, opt), {n: nu * u for n, u in ref.items()})
 
 

@@ -14,6 +14,14 @@ where ``u_p`` is the natural-gradient update ((F + αI)⁻¹ g of its layer, res
 Parameters without a preconditioned update (no curvature record) get ``u = a``. Runs on
 the device without a host read; ``v`` and the count ``t`` live in the optimizer's
 per-parameter state (``"graft_sq"``, ``"graft_t"``).
+
+Orthogonalizing (:func:`orthogonalize_updates`, after any grafting): each ≥ 2-D weight's
+update, as a matrix ``U [out, in·k…]``, is replaced by its orthogonal polar factor
+(:func:`tengrad_fx.solve.polar_factor`, Muon's direction taken from TENGraD's update
+instead of the momentum) times ``0.2·√max(out, in·k…)``, which gives it an RMS of 0.2 per
+entry, about AdamW's (Moonlight's scaling), so one Adam-sized lr serves the weights and
+the (grafted or raw) biases. Uses an eigendecomposition per weight, which on CUDA reads
+its status on the host.
 """
 from __future__ import annotations
 
@@ -22,12 +30,15 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from ... import solve
 from ..step.checks import check_choice
 
-__all__ = ["GRAFTS", "GRAFT_BETA2", "GRAFT_EPS", "check_graft", "graft_updates"]
+__all__ = ["GRAFTS", "GRAFT_BETA2", "GRAFT_EPS", "ORTHO_RMS", "check_graft", "graft_updates",
+           "orthogonalize_updates"]
 
 GRAFTS = ("sgd", "rmsprop")
 GRAFT_BETA2, GRAFT_EPS = 0.999, 1e-8  # Adam's
+ORTHO_RMS = 0.2  # per-entry RMS of an orthogonalized update (Moonlight's match to AdamW)
 
 
 def check_graft(graft: Optional[str], beta2: float, eps: float) -> None:
@@ -76,4 +87,16 @@ def graft_updates(updates: dict[Tensor, Tensor], params: list[Tensor], state: An
         scale = [a / n.clamp(min=tiny) for a, n in zip(a_norm, u_norm)]
         for i, u, s in zip(pre, us, scale):
             out[ps[i]] = u * s.to(u.dtype)
+    return out
+
+
+def orthogonalize_updates(updates: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
+    """``updates`` with every ≥ 2-D parameter's ``u`` (viewed ``[shape[0], -1]``) replaced by
+    ``ORTHO_RMS·√max(rows, cols)·polar(u)``; other entries as they are (module docstring)."""
+    out = dict(updates)
+    for p, u in updates.items():
+        if p.ndim >= 2:
+            mat = u.reshape(u.shape[0], -1)
+            scale = ORTHO_RMS * max(mat.shape) ** 0.5
+            out[p] = (solve.polar_factor(mat) * scale).reshape(u.shape)
     return out

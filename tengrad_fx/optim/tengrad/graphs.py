@@ -21,13 +21,16 @@ happen), so the CPU tests cover it.
 """
 from __future__ import annotations
 
+import time
 import warnings
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["StepGraphs"]
+from ..step.param_groups import group_params
+
+__all__ = ["ReuseGraphs", "StepGraphs"]
 
 
 class StepGraphs:
@@ -76,3 +79,50 @@ class StepGraphs:
         hit[0].replay()
         self.replays += 1
         return hit[1]
+
+
+class ReuseGraphs:
+    """TENGraD's use of :class:`StepGraphs`: reuse steps run through ``self._graphs`` with
+    static gradient buffers (``self._gbuf``; ``self._graph_version`` bumps when one is replaced)."""
+
+    cuda_graph: bool
+    kl_clip: Optional[float]
+    param_groups: list[dict[str, Any]]
+    state: Any
+    timings: dict[str, float]
+    _graphs: StepGraphs
+    _gbuf: dict[Tensor, Tensor]
+    _graph_version: int
+    _chol: Optional[Tensor]
+    _t_apply: float
+
+    def _run_device(self, stats_step: bool, fn: Callable[[], Tensor]) -> Tensor:
+        """Reuse steps with ``cuda_graph``: static gradients, then the graph of this kind."""
+        params = [p for p in group_params(self.param_groups) if p.grad is not None]
+        if not self.cuda_graph or stats_step or self._chol is None or not params \
+                or any(g["momentum"] and any("momentum_buffer" not in self.state[p] for p in g["params"]
+                                             if p.grad is not None) for g in self.param_groups):
+            return fn()
+        self._static_grads(params)
+        hyper = tuple((g["lr"], g["damping"], g["momentum"], g["weight_decay"], len(g["params"]))
+                      for g in self.param_groups)
+        key = ("reuse", hyper, self.kl_clip, self._graph_version, tuple(id(p) for p in params))
+        # a replay runs no Python of the step: its whole device time is reported as "apply"
+        self.timings, self._t_apply = {"gram": 0.0, "factorize": 0.0, "solve": 0.0}, time.perf_counter()
+        return self._graphs.run(key, fn, params[0].device)
+
+    def _static_grads(self, params: list[Tensor]) -> None:
+        """Copy the gradients into static buffers that become ``p.grad`` (a captured graph
+        reads fixed addresses; with ``zero_grad(set_to_none=False)`` nothing is copied)."""
+        src, dst = [], []
+        for p in params:
+            buf = self._gbuf.get(p)
+            if buf is None or buf.shape != p.grad.shape or buf.dtype != p.grad.dtype:  # type: ignore[union-attr]
+                buf = self._gbuf[p] = torch.empty_like(p.grad)  # type: ignore[arg-type]
+                self._graph_version += 1
+            if p.grad is not buf:
+                src.append(p.grad)
+                dst.append(buf)
+                p.grad = buf
+        if dst:
+            torch._foreach_copy_(dst, src)  # type: ignore[arg-type]

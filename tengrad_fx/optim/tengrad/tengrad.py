@@ -41,19 +41,19 @@ from ..step.state_check import check_materialization, materialization_meta
 from ..step.skeleton import StepSkeleton
 from ..step.param_groups import Damping, grouped_layers, layer_dampings, optimizer_params
 from ... import solve
-from .graphs import StepGraphs
+from .graphs import ReuseGraphs, StepGraphs
 from .group_build import build_groups, previous_stacks
 from .jacobian_sites import JacobianSites
 from .group_cost import reuse_cost
 from .tengrad_groups import LayerGroup, precondition_groups, tf32_matmuls
 from .fused_step import FusedStep
-from .graft import GRAFT_BETA2, GRAFT_EPS, check_graft, graft_updates
+from .graft import GRAFT_BETA2, GRAFT_EPS, check_graft, graft_updates, orthogonalize_updates
 from .schedule import CurvatureSchedule
 
 __all__ = ["TENGraD"]
 
 
-class TENGraD(JacobianSites, StepSkeleton):
+class TENGraD(ReuseGraphs, JacobianSites, StepSkeleton):
     """TENGraD over a model returned by :func:`tengrad_fx.prepare`.
 
     The step reads nothing back from the device once warmed up (see
@@ -80,6 +80,8 @@ class TENGraD(JacobianSites, StepSkeleton):
             interval growing by ``r`` per curvature step up to ``T`` (:mod:`.schedule`; default: fixed ``T``).
         graft: ``None``, ``"sgd"`` or ``"rmsprop"``: each parameter's update rescaled to the norm of that
             method's step (:mod:`.graft`; lr in that method's units).
+        orthogonalize: each ≥ 2-D weight's update replaced by its orthogonal polar factor at an RMS of 0.2
+            (after any graft; :mod:`.graft`; lr in AdamW's units). Default off: the update is NGD's.
         fisher: ``"empirical"`` (G from the training loss), ``"mc"`` (labels sampled from the model's
             prediction, :meth:`mc_capture`, run by the optimizer when the backward reaches the model's output;
             ``mc_loss``) or ``"gauss-newton"`` (exact GGN of ``½‖out − y‖²``, regression with ≤ 16 outputs:
@@ -129,6 +131,7 @@ class TENGraD(JacobianSites, StepSkeleton):
         curvature_warmup: int = 0,
         curvature_growth: Optional[float] = None,
         graft: Optional[str] = None,
+        orthogonalize: bool = False,
         fisher: Literal["empirical", "mc", "gauss-newton"] = "empirical",
         mc_loss: Literal["cross_entropy", "mse"] = "cross_entropy",
         kl_clip: Optional[float] = 0.01,
@@ -158,7 +161,7 @@ class TENGraD(JacobianSites, StepSkeleton):
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
         super().__init__(optimizer_params(model, params, type(self).__name__), defaults)
         self._init_skeleton(model, info, grad_scaler)
-        self.curvature_every, self.graft = curvature_every, graft
+        self.curvature_every, self.graft, self.orthogonalize = curvature_every, graft, bool(orthogonalize)
         self.fisher = fisher
         self.mc_loss = mc_loss
         self.kl_clip = kl_clip
@@ -193,6 +196,7 @@ class TENGraD(JacobianSites, StepSkeleton):
         self._warned_accum = False
         self._last_generation = info.store.generation
         self._gram_seconds = 0.0
+        self._t_apply = 0.0  # when the update was ready (perf_counter): the "apply" timing starts there
         self._watch_output()
         capturing(model, True)
 
@@ -346,6 +350,15 @@ class TENGraD(JacobianSites, StepSkeleton):
         self._last_generation = store.generation
 
     def _updates(self, step: int, curvature_step: bool, mc_step: bool, damping: Damping) -> dict[Tensor, Tensor]:
+        updates = self._shape_updates(self._natural_updates(step, curvature_step, mc_step, damping))
+        now = time.perf_counter()
+        self.timings["solve"] += now - self._t_apply
+        self._t_apply = now
+        return updates
+
+    def _natural_updates(self, step: int, curvature_step: bool, mc_step: bool,
+                         damping: Damping) -> dict[Tensor, Tensor]:
+        """``{param: u}``, ``u = (F + αI)⁻¹ g`` of its layer, for every covered parameter with a gradient."""
         t0 = time.perf_counter()
         self._gram_seconds = 0.0
         self._step_flag = None
@@ -371,45 +384,21 @@ class TENGraD(JacobianSites, StepSkeleton):
             self._curv_sched = step
             self._recapture = False
         self._count_uncaptured(updates)
-        if self.graft is not None:  # Σ u·g of the rescaled updates: computed by the KL clip itself
-            updates, self._ug = graft_updates(updates, self.param_groups[0]["params"], self.state, self.graft,
-                                              GRAFT_BETA2, GRAFT_EPS), None
         t2 = time.perf_counter()
         self.timings = {"gram": self._gram_seconds, "factorize": t1 - t0 - self._gram_seconds,
                         "solve": t2 - t1}
         self._t_apply = t2
         return updates
 
-    def _run_device(self, stats_step: bool, fn: Callable[[], Tensor]) -> Tensor:
-        """Reuse steps with ``cuda_graph``: static gradients, then the graph of this kind."""
-        params = [p for p in self._group_params() if p.grad is not None]
-        if not self.cuda_graph or stats_step or self._chol is None or not params \
-                or any(g["momentum"] and any("momentum_buffer" not in self.state[p] for p in g["params"]
-                                             if p.grad is not None) for g in self.param_groups):
-            return fn()
-        self._static_grads(params)
-        hyper = tuple((g["lr"], g["damping"], g["momentum"], g["weight_decay"], len(g["params"]))
-                      for g in self.param_groups)
-        key = ("reuse", hyper, self.kl_clip, self._graph_version, tuple(id(p) for p in params))
-        # a replay runs no Python of the step: its whole device time is reported as "apply"
-        self.timings, self._t_apply = {"gram": 0.0, "factorize": 0.0, "solve": 0.0}, time.perf_counter()
-        return self._graphs.run(key, fn, params[0].device)
-
-    def _static_grads(self, params: list[Tensor]) -> None:
-        """Copy the gradients into static buffers that become ``p.grad`` (a captured graph
-        reads fixed addresses; with ``zero_grad(set_to_none=False)`` nothing is copied)."""
-        src, dst = [], []
-        for p in params:
-            buf = self._gbuf.get(p)
-            if buf is None or buf.shape != p.grad.shape or buf.dtype != p.grad.dtype:  # type: ignore[union-attr]
-                buf = self._gbuf[p] = torch.empty_like(p.grad)  # type: ignore[arg-type]
-                self._graph_version += 1
-            if p.grad is not buf:
-                src.append(p.grad)
-                dst.append(buf)
-                p.grad = buf
-        if dst:
-            torch._foreach_copy_(dst, src)  # type: ignore[arg-type]
+    def _shape_updates(self, updates: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
+        """The ``graft`` and ``orthogonalize`` options on the natural-gradient updates (of every
+        layer: a distributed optimizer shares the layers' updates first)."""
+        if self.graft is not None:  # Σ u·g of the rescaled updates: computed by the KL clip itself
+            updates, self._ug = graft_updates(updates, self.param_groups[0]["params"], self.state, self.graft,
+                                              GRAFT_BETA2, GRAFT_EPS), None
+        if self.orthogonalize:
+            updates, self._ug = orthogonalize_updates(updates), None
+        return updates
 
     def _device_flags(self) -> Optional[Tensor]:
         return self._step_flag

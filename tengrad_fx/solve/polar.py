@@ -1,0 +1,37 @@
+"""The orthogonal polar factor of a matrix, with small singular values floored: the direction
+Muon steps along.
+
+For ``M [A, B]`` with the thin SVD ``M = U Σ Vᵀ``::
+
+    Q_δ(M) = U diag(σᵢ / max(σᵢ, δ σ_max)) Vᵀ
+
+which is the polar factor ``U Vᵀ`` on every singular value ``≥ δ σ_max`` and shrinks the
+smaller ones instead of raising them to 1 (so rounding noise in a rank-deficient ``M``,
+e.g. a rank-``m`` update of a wide layer, is not amplified; Muon's Newton–Schulz steps
+leave such values small too). ``M = 0`` gives ``0``. Computed through the
+eigendecomposition of the smaller Gram, with no iteration: for ``A ≤ B``::
+
+    M Mᵀ = E Λ Eᵀ,    Q_δ = E diag(1 / √max(λ, δ² λ_max)) Eᵀ M
+
+(``B < A``: the same on ``Mᵀ``).
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["POLAR_FLOOR", "polar_factor"]
+
+POLAR_FLOOR = 1e-3  # δ: singular values below δ·σ_max are shrunk, not raised to 1
+
+
+def polar_factor(m: Tensor, floor: float = POLAR_FLOOR) -> Tensor:
+    """``Q_δ(m)`` of ``m [A, B]`` (module docstring), ``δ = floor``; same shape and dtype."""
+    if m.ndim != 2:
+        raise ValueError(f"polar_factor takes a 2-D tensor, got shape {tuple(m.shape)}")
+    if m.shape[0] > m.shape[1]:
+        return polar_factor(m.mT, floor).mT
+    lam, vec = torch.linalg.eigh(m @ m.mT)  # [A], [A, A]
+    lam_floor = (lam[-1].clamp(min=0) * floor ** 2).clamp(min=torch.finfo(m.dtype).tiny)
+    inv_sqrt = lam.clamp(min=0).maximum(lam_floor).rsqrt()
+    return ((vec * inv_sqrt) @ vec.mT) @ m  # the A×A inverse root first: one A×A×B product

@@ -1,0 +1,41 @@
+"""The floored polar factor against the thin SVD's ``U diag(σ / max(σ, δσ₁)) Vᵀ`` (float64,
+fresh random matrices: full rank, rank-deficient, with a singular value below the floor)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tengrad_fx.solve import POLAR_FLOOR, polar_factor
+
+
+def svd_reference(m: torch.Tensor, floor: float = POLAR_FLOOR) -> torch.Tensor:
+    left, sv, right = torch.linalg.svd(m, full_matrices=False)
+    return left * (sv / sv.clamp(min=floor * sv[0])) @ right
+
+
+@pytest.mark.parametrize("shape", [(5, 9), (9, 5), (7, 7), (1, 6)])
+def test_full_rank_is_orthogonal_and_equals_svd(shape: tuple[int, int]) -> None:
+    m = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(sum(shape)))
+    q = polar_factor(m)
+    left, _, right = torch.linalg.svd(m, full_matrices=False)
+    torch.testing.assert_close(q, left @ right, rtol=0, atol=1e-12)
+    small = min(shape)
+    torch.testing.assert_close(q @ q.mT if shape[0] <= shape[1] else q.mT @ q,
+                               torch.eye(small, dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(6, 10), (10, 6)])
+def test_rank_deficient_and_small_singular_values(shape: tuple[int, int]) -> None:
+    """Rank 3 plus a direction at 1e-5·σ₁ (below the floor: shrunk to 1e-2, not raised to 1)."""
+    gen = torch.Generator().manual_seed(3)
+    a, b = (torch.linalg.qr(torch.randn(n, 4, dtype=torch.float64, generator=gen))[0] for n in shape)
+    m = a * torch.tensor([3.0, 2.0, 0.5, 3e-5], dtype=torch.float64) @ b.mT
+    torch.testing.assert_close(polar_factor(m), svd_reference(m), rtol=0, atol=1e-12)
+    sv = torch.linalg.svdvals(polar_factor(m))
+    torch.testing.assert_close(sv[:4], torch.tensor([1, 1, 1, 1e-2], dtype=torch.float64), rtol=1e-9, atol=1e-12)
+
+
+def test_zero_and_shape_errors() -> None:
+    assert polar_factor(torch.zeros(3, 4)).abs().max() == 0
+    with pytest.raises(ValueError, match="2-D"):
+        polar_factor(torch.zeros(2, 3, 4))
