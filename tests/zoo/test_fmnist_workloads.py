@@ -39,20 +39,21 @@ def _mixer() -> MLPMixer:
     return model
 
 
-def test_mixer_layers_exact_against_torch_func() -> None:
+def _mixer_case(seed: int, m: int) -> tuple[MLPMixer, torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """(original, prepared copy, x [m, 1, 8, 8], labels [m]) from fresh random inputs."""
     orig = _mixer()
-    g = torch.Generator().manual_seed(2)
-    x = torch.randn(5, 1, 8, 8, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 10, (5,), generator=g)
-    prepared = tengrad_fx.prepare(copy.deepcopy(orig), example_inputs=(x[:2],))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, 1, 8, 8, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 10, (m,), generator=g)
+    return orig, tengrad_fx.prepare(copy.deepcopy(orig), example_inputs=(x[:2],)), x, y
+
+
+def test_mixer_layers_exact_against_torch_func() -> None:
+    orig, prepared, x, y = _mixer_case(2, 5)
     check_covered_layers(orig, prepared, x, y)
 
 
 def test_mixer_step_equals_dense_block_ngd() -> None:
-    orig = _mixer()
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(6, 1, 8, 8, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 10, (6,), generator=g)
-    prepared = tengrad_fx.prepare(copy.deepcopy(orig), example_inputs=(x[:2],))
+    orig, prepared, x, y = _mixer_case(3, 6)
     opt = TENGraD(prepared, lr=1.0, damping=0.05, momentum=0.0, curvature_every=1, kl_clip=None)
     check_tengrad_step(prepared, opt, orig, x, y, 0.05)
