@@ -13,7 +13,8 @@ eigendecomposition of the smaller Gram, with no iteration: for ``A ≤ B``::
 
     M Mᵀ = E Λ Eᵀ,    Q_δ = E diag(1 / √max(λ, δ² λ_max)) Eᵀ M
 
-(``B < A``: the same on ``Mᵀ``).
+(``B < A``: the same on ``Mᵀ``). A non-finite ``M`` gives all NaN (the optimizer's finite
+check then skips the step) rather than an error from the eigensolver.
 """
 from __future__ import annotations
 
@@ -26,12 +27,17 @@ POLAR_FLOOR = 1e-3  # δ: singular values below δ·σ_max are shrunk, not raise
 
 
 def polar_factor(m: Tensor, floor: float = POLAR_FLOOR) -> Tensor:
-    """``Q_δ(m)`` of ``m [A, B]`` (module docstring), ``δ = floor``; same shape and dtype."""
+    """``Q_δ(m)`` of ``m [A, B]`` (module docstring), ``δ = floor``; same shape and dtype
+    (float16 / bfloat16 computed in float32)."""
     if m.ndim != 2:
         raise ValueError(f"polar_factor takes a 2-D tensor, got shape {tuple(m.shape)}")
     if m.shape[0] > m.shape[1]:
         return polar_factor(m.mT, floor).mT
-    lam, vec = torch.linalg.eigh(m @ m.mT)  # [A], [A, A]
-    lam_floor = (lam[-1].clamp(min=0) * floor ** 2).clamp(min=torch.finfo(m.dtype).tiny)
+    work = m.float() if m.dtype in (torch.float16, torch.bfloat16) else m  # eigh needs float32/64
+    finite = torch.isfinite(work).all()  # eigh raises on NaN/inf: decompose zeros, return NaN (no host read)
+    work = torch.where(finite, work, torch.zeros((), dtype=work.dtype, device=work.device))
+    lam, vec = torch.linalg.eigh(work @ work.mT)  # [A], [A, A]
+    lam_floor = (lam[-1].clamp(min=0) * floor ** 2).clamp(min=torch.finfo(work.dtype).tiny)
     inv_sqrt = lam.clamp(min=0).maximum(lam_floor).rsqrt()
-    return ((vec * inv_sqrt) @ vec.mT) @ m  # the A×A inverse root first: one A×A×B product
+    q = ((vec * inv_sqrt) @ vec.mT) @ work  # the A×A inverse root first: one A×A×B product
+    return torch.where(finite, q, torch.full((), float("nan"), dtype=q.dtype, device=q.device)).to(m.dtype)

@@ -130,3 +130,22 @@ def test_shaped_step_equals_dense_ngd_reference(graft, orthogonalize: bool) -> N
 def test_graft_rejects_unknown() -> None:
     with pytest.raises(ValueError, match="graft"):
         setup("mlp", graft="adam")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_orthogonalized_non_finite_gradient_skips_the_step(value: float) -> None:
+    """A NaN / inf gradient under ``orthogonalize`` (and grafting): no error from the
+    eigensolver, the step is skipped, every parameter keeps its bits."""
+    _, model, opt = setup("mlp", graft="rmsprop", orthogonalize=True, kl_clip=0.5, lr=0.3, momentum=0.9)
+    forward_backward(model, opt, *batch("mlp", 8, 1))
+    opt.step()
+    forward_backward(model, opt, *batch("mlp", 8, 2))
+    next(model.parameters()).grad.view(-1)[2] = value
+    bits = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert opt.counters["skipped"] == 1
+    assert all(torch.equal(b, p.detach()) for b, p in zip(bits, model.parameters()))
+    forward_backward(model, opt, *batch("mlp", 8, 3))  # the next finite step trains again
+    opt.step()
+    assert opt.counters["skipped"] == 1
+    assert all(p.isfinite().all() and not torch.equal(b, p.detach()) for b, p in zip(bits, model.parameters()))

@@ -35,7 +35,21 @@ def test_rank_deficient_and_small_singular_values(shape: tuple[int, int]) -> Non
     torch.testing.assert_close(sv[:4], torch.tensor([1, 1, 1, 1e-2], dtype=torch.float64), rtol=1e-9, atol=1e-12)
 
 
-def test_zero_and_shape_errors() -> None:
+def test_zero_nonfinite_and_shape_errors() -> None:
     assert polar_factor(torch.zeros(3, 4)).abs().max() == 0
+    for bad in (float("nan"), float("inf")):
+        m = torch.randn(3, 5)
+        m[1, 2] = bad
+        assert polar_factor(m).isnan().all()
     with pytest.raises(ValueError, match="2-D"):
         polar_factor(torch.zeros(2, 3, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_matches_float64(dtype: torch.dtype) -> None:
+    """float32 to ~1e-4 of the float64 result; bfloat16 computed in float32, rounded once."""
+    m = torch.randn(8, 20, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    q = polar_factor(m.to(dtype))
+    assert q.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(q.double(), polar_factor(m), rtol=0, atol=tol)

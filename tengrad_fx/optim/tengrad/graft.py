@@ -9,7 +9,8 @@ where ``u_p`` is the natural-gradient update ((F + αI)⁻¹ g of its layer, res
 
 * ``"sgd"``: ``a = g``: the step is as long as SGD's at the same lr;
 * ``"rmsprop"``: ``a = g / (√v̂ + ε)``, ``v ← β₂ v + (1 − β₂) g²``, ``v̂ = v / (1 − β₂ᵗ)``
-  (Adam's second moment; the heavy-ball momentum that follows plays Adam's first moment).
+  (Adam's second moment; the heavy-ball momentum that follows plays Adam's first moment);
+  a parameter's non-finite gradient (a step the optimizer skips) does not enter ``v``.
 
 Parameters without a preconditioned update (no curvature record) get ``u = a``. Runs on
 the device without a host read; ``v`` and the count ``t`` live in the optimizer's
@@ -62,8 +63,9 @@ def _rmsprop_directions(grads: list[Tensor], state: Any, params: list[Tensor], b
             st["graft_sq"] = torch.zeros_like(g)
             st["graft_t"] = torch.zeros((), dtype=g.dtype, device=g.device)
         v, t = st["graft_sq"], st["graft_t"]
-        t.add_(1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        ok = torch.isfinite(g).all()  # a skipped non-finite step leaves v and t as they were
+        t.add_(ok.to(t.dtype))
+        v.copy_(torch.where(ok, v * beta2 + (1 - beta2) * g * g, v))
         v_hat = v / (1 - torch.pow(torch.full_like(t, beta2), t))
         out.append(g / (v_hat.sqrt() + eps))
     return out
