@@ -11,7 +11,8 @@ paper's Fashion-MNIST settings (MC Fisher, curvature every 100 steps, KL clip 0.
 damping 0.1, lr 0.003, weight decay 1e-3, momentum 0.9) with ``opts`` on top. Named
 variants are ``VARIANTS``; ``--tengrad 'name:curvature_every=1,damping=0.03'`` adds one
 (values: int, float, ``None``, ``True``/``False`` or a string). ``--peers`` are methods of
-:mod:`tools.peer_methods` (``sgd``, ``adamw``, ``muon``, ``soap``, ...).
+:mod:`tools.peer_methods` (``sgd``, ``adamw``, ``muon``, ``soap``, ...), at their default lr
+or, written ``muon@0.06``, at that lr.
 
 Per seed, every run starts from the same initial weights and sees the same batches, in
 lockstep (:mod:`tools.peer_bench`'s ``Run``); test accuracy on a fixed ``--eval-subset``
@@ -29,6 +30,7 @@ import argparse
 import json
 import os
 import statistics
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -99,6 +101,12 @@ def tengrad_method(name: str, opts: dict[str, Any]) -> Method:
                   f"paper settings + {opts}", prepared=True)
 
 
+def peer_method(spec: str) -> Method:
+    """``"muon"``: the peer at its default lr; ``"muon@0.06"``: at lr 0.06 (named so)."""
+    name, _, lr = spec.partition("@")
+    return replace(METHODS[name], name=spec, lr=float(lr)) if lr else METHODS[name]
+
+
 def run_seed(args: argparse.Namespace, methods: list[Method], seed: int) -> list[dict[str, Any]]:
     """Train every method from seed ``seed`` in lockstep; returns one curve per method."""
     args.seed = seed
@@ -163,7 +171,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default="paper", help=f"comma list of {sorted(VARIANTS)} ('' for none)")
     ap.add_argument("--tengrad", action="append", default=[], help="'name:key=value,...' (repeatable)")
-    ap.add_argument("--peers", default="", help=f"comma list of {sorted(METHODS)}")
+    ap.add_argument("--peers", default="", help=f"comma list of {sorted(METHODS)}, each NAME or NAME@LR")
     ap.add_argument("--model", default="3c1f")
     ap.add_argument("--dataset", default=_FM)
     ap.add_argument("--data-dir", default=None)
@@ -182,12 +190,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     unknown = [v for v in filter(None, args.variants.split(",")) if v not in VARIANTS]
-    unknown += [p for p in filter(None, args.peers.split(",")) if p not in METHODS]
+    unknown += [p for p in filter(None, args.peers.split(",")) if p.partition("@")[0] not in METHODS]
     if unknown:
         ap.error(f"unknown variants/peers {unknown}; variants: {sorted(VARIANTS)}, peers: {sorted(METHODS)}")
     specs = [(v, VARIANTS[v]) for v in filter(None, args.variants.split(","))]
     specs += [parse_variant(s) for s in args.tengrad]
-    methods = [tengrad_method(n, o) for n, o in specs] + [METHODS[p] for p in filter(None, args.peers.split(","))]
+    methods = [tengrad_method(n, o) for n, o in specs] + [peer_method(p) for p in filter(None, args.peers.split(","))]
     if not methods:
         ap.error("nothing to run: give --variants, --tengrad or --peers")
     targets = [float(t) for t in args.targets.split(",") if t]

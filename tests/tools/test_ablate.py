@@ -52,3 +52,9 @@ def test_preset_variant_takes_the_preset_lr() -> None:
     assert ablate.tengrad_method("f", {"preset": "fast"}).lr == fast["lr"]
     assert ablate.tengrad_method("f", {"preset": "fast", "lr": 0.5}).lr == 0.5
     assert ablate.tengrad_method("p", {}).lr == 0.003  # the paper's Fashion-MNIST lr
+
+
+def test_peer_at_another_lr() -> None:
+    assert ablate.peer_method("muon") is ablate.METHODS["muon"]
+    m = ablate.peer_method("muon@0.06")
+    assert (m.name, m.lr, m.build) == ("muon@0.06", 0.06, ablate.METHODS["muon"].build)
