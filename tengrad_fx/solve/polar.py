@@ -13,8 +13,8 @@ eigendecomposition of the smaller Gram, with no iteration: for ``A ≤ B``::
 
     M Mᵀ = E Λ Eᵀ,    Q_δ = E diag(1 / √max(λ, δ² λ_max)) Eᵀ M
 
-(``B < A``: the same on ``Mᵀ``). A non-finite ``M`` gives all NaN (the optimizer's finite
-check then skips the step) rather than an error from the eigensolver.
+(``B < A``: the same on ``Mᵀ``). A non-finite ``M`` (or one whose Gram overflows) gives all
+NaN (the optimizer's finite check then skips the step) rather than an eigensolver error.
 """
 from __future__ import annotations
 
@@ -34,9 +34,9 @@ def polar_factor(m: Tensor, floor: float = POLAR_FLOOR) -> Tensor:
     if m.shape[0] > m.shape[1]:
         return polar_factor(m.mT, floor).mT
     work = m.float() if m.dtype in (torch.float16, torch.bfloat16) else m  # eigh needs float32/64
-    finite = torch.isfinite(work).all()  # eigh raises on NaN/inf: decompose zeros, return NaN (no host read)
-    work = torch.where(finite, work, torch.zeros((), dtype=work.dtype, device=work.device))
-    lam, vec = torch.linalg.eigh(work @ work.mT)  # [A], [A, A]
+    gram = work @ work.mT  # [A, A]: non-finite wherever ``work`` is, checked here at A×A, not A×B
+    finite = torch.isfinite(gram).all()  # eigh raises on NaN/inf: decompose zeros, return NaN (no host read)
+    lam, vec = torch.linalg.eigh(torch.where(finite, gram, torch.zeros((), dtype=gram.dtype, device=gram.device)))
     lam_floor = (lam[-1].clamp(min=0) * floor ** 2).clamp(min=torch.finfo(work.dtype).tiny)
     inv_sqrt = lam.clamp(min=0).maximum(lam_floor).rsqrt()
     q = ((vec * inv_sqrt) @ vec.mT) @ work  # the A×A inverse root first: one A×A×B product
