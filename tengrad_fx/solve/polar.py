@@ -26,18 +26,21 @@ __all__ = ["POLAR_FLOOR", "polar_factor"]
 POLAR_FLOOR = 1e-3  # δ: singular values below δ·σ_max are shrunk, not raised to 1
 
 
-def polar_factor(m: Tensor, floor: float = POLAR_FLOOR) -> Tensor:
-    """``Q_δ(m)`` of ``m [A, B]`` (module docstring), ``δ = floor``; same shape and dtype
-    (float16 / bfloat16 computed in float32)."""
+def polar_factor(m: Tensor, floor: float = POLAR_FLOOR, scale: float = 1.0) -> Tensor:
+    """``scale·Q_δ(m)`` of ``m [A, B]`` (module docstring), ``δ = floor``; same shape and dtype
+    (float16 / bfloat16 computed in float32). ``scale`` is folded into the ``A × A`` factor:
+    no pass over the ``A × B`` result."""
     if m.ndim != 2:
         raise ValueError(f"polar_factor takes a 2-D tensor, got shape {tuple(m.shape)}")
     if m.shape[0] > m.shape[1]:
-        return polar_factor(m.mT, floor).mT
+        return polar_factor(m.mT, floor, scale).mT
     work = m.float() if m.dtype in (torch.float16, torch.bfloat16) else m  # eigh needs float32/64
     gram = work @ work.mT  # [A, A]: non-finite wherever ``work`` is, checked here at A×A, not A×B
     finite = torch.isfinite(gram).all()  # eigh raises on NaN/inf: decompose zeros, return NaN (no host read)
     lam, vec = torch.linalg.eigh(torch.where(finite, gram, torch.zeros((), dtype=gram.dtype, device=gram.device)))
     lam_floor = (lam[-1].clamp(min=0) * floor ** 2).clamp(min=torch.finfo(work.dtype).tiny)
-    inv_sqrt = lam.clamp(min=0).maximum(lam_floor).rsqrt()
+    inv_sqrt = lam.clamp(min=0).maximum(lam_floor).rsqrt() * scale
+    nan = torch.full((), float("nan"), dtype=lam.dtype, device=lam.device)
+    inv_sqrt = torch.where(finite, inv_sqrt, nan)  # an all-NaN A×A factor makes every entry of q NaN
     q = ((vec * inv_sqrt) @ vec.mT) @ work  # the A×A inverse root first: one A×A×B product
-    return torch.where(finite, q, torch.full((), float("nan"), dtype=q.dtype, device=q.device)).to(m.dtype)
+    return q.to(m.dtype)

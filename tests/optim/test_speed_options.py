@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tengrad_fx.optim import TENGraD
 from tengrad_fx.optim.tengrad.schedule import CurvatureSchedule
 from tengrad_fx.solve import POLAR_FLOOR
 from testing.tengrad_step import (
@@ -125,6 +126,33 @@ def test_shaped_step_equals_dense_ngd_reference(graft, orthogonalize: bool) -> N
         ug = sum(float((ref[n] * g[n]).sum()) for n in ref)
         nu = min(1.0, (0.5 / (0.3 ** 2 * ug)) ** 0.5)  # the KL clip on the shaped update
         assert_matches(step_delta(model, opt), {n: nu * u for n, u in ref.items()})
+
+
+def test_graft_covers_every_param_group() -> None:
+    """Grafting rescales the parameters of every param group, not only the first's: one
+    SGD-grafted step with the first layer in its own group is the dense NGD update with each
+    parameter's norm set to its gradient's."""
+    template, model, _ = setup("mlp")
+    params = list(model.parameters())
+    groups = [dict(params=params[:2]), dict(params=params[2:])]
+    opt = TENGraD(model, lr=0.3, damping=0.05, momentum=0.0, weight_decay=0.0, curvature_every=1,
+                  kl_clip=None, graft="sgd", params=groups)
+    x, y = batch("mlp", 8, 1)
+    ref_model = snapshot(template, model)
+    forward_backward(model, opt, x, y)
+    g = full_grad(ref_model, x, y, F.cross_entropy)
+    ref = dense_u(ref_model, x, y, F.cross_entropy, g, 0.05, layer_params(model))
+    assert_matches(step_delta(model, opt), {n: u * (g[n].norm() / u.norm()) for n, u in ref.items()})
+
+
+def test_orthogonalized_weights_skip_the_graft() -> None:
+    """Under ``orthogonalize`` a weight's grafted norm would be discarded by its polar factor:
+    no RMSProp moment is kept (or computed) for the weights, only for the 1-D parameters."""
+    _, model, opt = setup("mlp", graft="rmsprop", orthogonalize=True)
+    forward_backward(model, opt, *batch("mlp", 8, 1))
+    opt.step()
+    kept = {p.ndim for p in model.parameters() if "graft_sq" in opt.state[p]}
+    assert kept == {1}
 
 
 def test_graft_rejects_unknown() -> None:

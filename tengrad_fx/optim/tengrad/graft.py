@@ -16,7 +16,9 @@ Parameters without a preconditioned update (no curvature record) get ``u = a``. 
 the device without a host read; ``v`` and the count ``t`` live in the optimizer's
 per-parameter state (``"graft_sq"``, ``"graft_t"``).
 
-Orthogonalizing (:func:`orthogonalize_updates`, after any grafting): each ≥ 2-D weight's
+Orthogonalizing (:func:`orthogonalize_updates`, after any grafting of the other
+parameters: a polar factor discards a grafted norm, so the weights it replaces skip the
+graft and keep no RMSProp moment): each ≥ 2-D weight's
 update, as a matrix ``U [out, in·k…]``, is replaced by its orthogonal polar factor
 (:func:`tengrad_fx.solve.polar_factor`, Muon's direction taken from TENGraD's update
 instead of the momentum) times ``0.2·√max(out, in·k…)``, which gives it an RMS of 0.2 per
@@ -35,7 +37,7 @@ from ... import solve
 from ..step.checks import check_choice
 
 __all__ = ["GRAFTS", "GRAFT_BETA2", "GRAFT_EPS", "ORTHO_RMS", "check_graft", "graft_updates",
-           "orthogonalize_updates"]
+           "orthogonalize_updates", "orthogonalized"]
 
 GRAFTS = ("sgd", "rmsprop")
 GRAFT_BETA2, GRAFT_EPS = 0.999, 1e-8  # Adam's
@@ -92,13 +94,17 @@ def graft_updates(updates: dict[Tensor, Tensor], params: list[Tensor], state: An
     return out
 
 
+def orthogonalized(p: Tensor, updates: dict[Tensor, Tensor]) -> bool:
+    """Does :func:`orthogonalize_updates` replace ``p``'s update (a ≥ 2-D parameter with one)?"""
+    return p.ndim >= 2 and p in updates
+
+
 def orthogonalize_updates(updates: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
     """``updates`` with every ≥ 2-D parameter's ``u`` (viewed ``[shape[0], -1]``) replaced by
     ``ORTHO_RMS·√max(rows, cols)·polar(u)``; other entries as they are (module docstring)."""
     out = dict(updates)
     for p, u in updates.items():
-        if p.ndim >= 2:
+        if orthogonalized(p, updates):
             mat = u.reshape(u.shape[0], -1)
-            scale = ORTHO_RMS * max(mat.shape) ** 0.5
-            out[p] = (solve.polar_factor(mat) * scale).reshape(u.shape)
+            out[p] = solve.polar_factor(mat, scale=ORTHO_RMS * max(mat.shape) ** 0.5).reshape(u.shape)
     return out

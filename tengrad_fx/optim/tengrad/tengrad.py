@@ -47,7 +47,7 @@ from .jacobian_sites import JacobianSites
 from .group_cost import reuse_cost
 from .tengrad_groups import LayerGroup, precondition_groups, tf32_matmuls
 from .fused_step import FusedStep
-from .graft import GRAFT_BETA2, GRAFT_EPS, check_graft, graft_updates, orthogonalize_updates
+from .graft import GRAFT_BETA2, GRAFT_EPS, check_graft, graft_updates, orthogonalize_updates, orthogonalized
 from .schedule import CurvatureSchedule
 
 __all__ = ["TENGraD"]
@@ -394,8 +394,11 @@ class TENGraD(ReuseGraphs, JacobianSites, StepSkeleton):
         """The ``graft`` and ``orthogonalize`` options on the natural-gradient updates (of every
         layer: a distributed optimizer shares the layers' updates first)."""
         if self.graft is not None:  # Σ u·g of the rescaled updates: computed by the KL clip itself
-            updates, self._ug = graft_updates(updates, self.param_groups[0]["params"], self.state, self.graft,
-                                              GRAFT_BETA2, GRAFT_EPS), None
+            params = [p for g in self.param_groups for p in g["params"]]
+            if self.orthogonalize:  # a polar factor discards the grafted norm: those weights skip the graft
+                params = [p for p in params if not orthogonalized(p, updates)]
+            grafted = graft_updates(updates, params, self.state, self.graft, GRAFT_BETA2, GRAFT_EPS)
+            updates, self._ug = {**updates, **grafted}, None
         if self.orthogonalize:
             updates, self._ug = orthogonalize_updates(updates), None
         return updates
