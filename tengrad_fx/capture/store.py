@@ -17,6 +17,9 @@ place of the weight gradient, which is then ``P.sum(0)``) and ``Gsum`` (``[m, d_
 per-sample bias gradients); ``I`` and ``G`` are then not retained.
 
 A new capturing forward releases the previous step's records (see :meth:`begin`).
+:meth:`CaptureStore.keep_samples` cuts every record to the first ``k`` samples of the batch
+(``TENGraD(curvature_samples=k)``); such a record keeps the loss's batch size in ``batch``,
+since the per-sample scale of ``G`` (``m`` for a mean loss) is the loss's, not the record's.
 
 Mixed precision: under ``torch.autocast`` the records arrive in the dtype autograd
 delivers (``I``, ``G`` of Linear/conv in bfloat16/float16: half the memory of float32
@@ -53,6 +56,7 @@ class Record:
     P: Optional[torch.Tensor] = None
     Gsum: Optional[torch.Tensor] = None
     in_shape: tuple[int, ...] = ()  # shape of the layer input (kept when I is not)
+    batch: int = 0  # samples the loss was reduced over, when the record keeps only the first of them (0: m)
 
     def __post_init__(self) -> None:
         # detached: a record must not keep the autograd graph (or give results with grad);
@@ -88,9 +92,24 @@ class Record:
 
     @property
     def m(self) -> int:
+        """Samples (rows) the record holds."""
         t = self.I if self.I is not None else self.P
         assert t is not None
         return t.shape[0]
+
+    @property
+    def loss_batch(self) -> int:
+        """Samples the loss was reduced over: :attr:`m`, or more for a record that keeps
+        the first :attr:`m` of them (:meth:`first`)."""
+        return self.batch or self.m
+
+    def first(self, k: int) -> "Record":
+        """The first ``k`` samples' rows, as copies (the full batch's tensors can be freed);
+        :attr:`loss_batch` stays this record's."""
+        def rows(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if t is None else t[:k].clone()
+        return Record(rows(self.I), rows(self.G), rows(self.P), rows(self.Gsum), (k, *self.in_shape[1:]),
+                      self.loss_batch)
 
 
 @dataclass
@@ -180,6 +199,16 @@ class CaptureStore:
         for recs in self.records.values():
             for r in recs:
                 r.finalize(inv_scale)
+
+    def keep_samples(self, k: int) -> bool:
+        """Every record of more than ``k`` samples cut to its first ``k`` (:meth:`Record.first`;
+        the full batch's tensors are released; a record cut already is kept). Returns whether
+        the records now held are a subsample of the loss's batch (fewer rows than
+        :attr:`Record.loss_batch`)."""
+        for site, recs in self.records.items():
+            if any(not r.batch and r.m > k for r in recs):
+                self.records[site] = [r.first(k) if not r.batch and r.m > k else r for r in recs]
+        return any(r.m < r.loss_batch for recs in self.records.values() for r in recs)
 
     def clear(self) -> None:
         """Release every captured tensor."""

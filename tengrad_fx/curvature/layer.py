@@ -148,11 +148,12 @@ class CoveredLayer:
         return any(r.P is not None for r in self.records())
 
     def _scale(self, m: Optional[int] = None) -> float:
-        """The per-sample scale ``k`` of the captured ``G`` (``m`` for a mean loss; ``m``
-        defaults to the captured batch's)."""
+        """The per-sample scale ``k`` of the captured ``G``: for a mean loss the loss's batch
+        size ``m`` (default: the records' :attr:`~tengrad_fx.capture.store.Record.loss_batch`,
+        which is more than :attr:`m` where they keep the first samples only)."""
         if self._info.loss_reduction != "mean":
             return 1.0
-        return float(self.m if m is None else m)
+        return float(self.records()[0].loss_batch if m is None else m)
 
     def _layouts(self) -> list[tuple[Tensor, Tensor]]:
         out = []

@@ -156,6 +156,9 @@ class DistributedTENGraD(UpdateSharing, TENGraD):
             if kwargs.get(opt):
                 raise ValueError(f"DistributedTENGraD: {opt}=True is not supported; leave it False")
         kwargs["cuda_graph"] = False  # TENGraD's CUDA default would capture the step's collectives
+        if kwargs.get("curvature_samples") is not None:
+            raise ValueError("DistributedTENGraD: curvature_samples is not supported (the global batch's records "
+                             "are gathered whole); leave it None, or use TENGraD on one process")
         if kwargs.get("fisher") == "gauss-newton":
             raise ValueError("DistributedTENGraD: fisher='gauss-newton' is not supported; use 'empirical' or 'mc'")
         module = model

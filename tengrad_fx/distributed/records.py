@@ -158,6 +158,7 @@ def gather_records(layers: list[CoveredLayer], live: list[int], owners: list[int
                         continue
                     t = torch.cat(parts[(i, s, j, f)], 0)
                     fields[f] = t * (1.0 / world) if f in _SCALED else t
-                new.append(Record(**fields, in_shape=(world * rec.in_shape[0], *rec.in_shape[1:])))
+                new.append(Record(fields["I"], fields["G"], fields["P"], fields["Gsum"],
+                                  in_shape=(world * rec.in_shape[0], *rec.in_shape[1:])))
             store.records[site] = new
     return sorted(mine)

@@ -40,20 +40,27 @@ def _cat(ts: list[Tensor | None], scale: float) -> Tensor | None:
     return torch.cat([t * scale for t in ts], 0)  # type: ignore[misc, operator]
 
 
-def _stack_records(per_output: list[Record], g_scale: float) -> Record:
-    """One record of ``m·k`` rows from the ``k`` records of one call (row ``j·m + i``)."""
+def _stack_records(per_output: list[Record], g_scale: float, samples: Optional[int] = None) -> Record:
+    """One record of ``m·k`` rows from the ``k`` records of one call (row ``j·m + i``);
+    with ``samples`` ``s < m``, of the first ``s`` samples' ``s·k`` rows (row ``j·s + i``).
+    Its ``batch`` is ``m·k`` (the scale's, ``Record.loss_batch``), which also marks its rows
+    as not to be cut again (``CaptureStore.keep_samples`` would cut across outputs)."""
+    batch = per_output[0].m * len(per_output)
+    if samples is not None and per_output[0].m > samples:
+        per_output = [r.first(samples) for r in per_output]
     first = per_output[0]
     k = len(per_output)
     I = None if first.I is None else torch.cat([first.I] * k, 0)
     rec = Record(I=I, G=_cat([r.G for r in per_output], g_scale), P=_cat([r.P for r in per_output], g_scale),
                  Gsum=_cat([r.Gsum for r in per_output], g_scale))
     rec.in_shape = (first.in_shape[0] * k, *first.in_shape[1:])
+    rec.batch = batch
     return rec
 
 
 def gauss_newton_capture(store: CaptureStore, outputs: Tensor, weights: Sequence[Tensor],
                          loss_reduction: str, max_outputs: int = MAX_OUTPUTS,
-                         loss_scale: Optional[Tensor] = None) -> None:
+                         loss_scale: Optional[Tensor] = None, samples: Optional[int] = None) -> None:
     """Record the GGN of ``½‖outputs − y‖²`` (see the module docstring) in ``store``.
 
     Args:
@@ -65,6 +72,7 @@ def gauss_newton_capture(store: CaptureStore, outputs: Tensor, weights: Sequence
         max_outputs: largest ``k`` allowed.
         loss_scale: a GradScaler's scale: each backward's output is multiplied by it, so
             the records carry the training backward's scale (:mod:`tengrad_fx.optim.step.amp`).
+        samples: keep the rows of the first ``samples`` samples only (``TENGraD(curvature_samples=...)``).
 
     Raises:
         ValueError: ``k > max_outputs`` (use ``fisher="mc"``), or ``outputs`` without a graph.
@@ -94,6 +102,7 @@ def gauss_newton_capture(store: CaptureStore, outputs: Tensor, weights: Sequence
             store.records = {}
     finally:
         store.grad_only = False
-    store.records = {site: [_stack_records([runs[j][c] for j in range(k)], g_scale) for c in range(len(runs[0]))]
+    store.records = {site: [_stack_records([runs[j][c] for j in range(k)], g_scale, samples)
+                            for c in range(len(runs[0]))]
                      for site, runs in per_site.items()}
     store.recording = False

@@ -274,7 +274,7 @@ def build_groups(layers: list[CoveredLayer], strategy: str, budget: Optional[flo
             continue
         recs = layer.records()
         how = layer.choose(strategy, recs)  # type: ignore[arg-type]
-        m, k = recs[0].m, layer._scale(recs[0].m)
+        m, k = recs[0].m, layer._scale(recs[0].loss_batch)
         if how == "materialize":
             es = _itemsize(recs, weight)
             ig = 0 if budget is not None else factored_bytes(layer, [r.in_shape for r in recs], es)

@@ -36,8 +36,7 @@ from ...capture.prepare import capturing
 from ..step.checks import check_choice, check_nonneg, check_positive, check_unit
 from .gauss_newton import gauss_newton_capture
 from ..step.mc import mc_capture
-from .resume import restore_records, save_records
-from ..step.state_check import check_materialization, materialization_meta
+from .resume import CurvatureResume
 from ..step.skeleton import StepSkeleton
 from ..step.param_groups import Damping, grouped_layers, layer_dampings, optimizer_params
 from ... import solve
@@ -49,11 +48,12 @@ from .tengrad_groups import LayerGroup, precondition_groups, tf32_matmuls
 from .fused_step import FusedStep
 from .graft import GRAFT_BETA2, GRAFT_EPS, check_graft, graft_updates, orthogonalize_updates, orthogonalized
 from .schedule import CurvatureSchedule
+from .subsample import check_curvature_samples
 
 __all__ = ["TENGraD"]
 
 
-class TENGraD(ReuseGraphs, JacobianSites, StepSkeleton):
+class TENGraD(CurvatureResume, ReuseGraphs, JacobianSites, StepSkeleton):
     """TENGraD over a model returned by :func:`tengrad_fx.prepare`.
 
     The step reads nothing back from the device once warmed up (see
@@ -82,6 +82,8 @@ class TENGraD(ReuseGraphs, JacobianSites, StepSkeleton):
             method's step (:mod:`.graft`; lr in that method's units).
         orthogonalize: each ≥ 2-D weight's update replaced by its orthogonal polar factor at an RMS of 0.2
             (after any graft; :mod:`.graft`; lr in AdamW's units). Default off: the update is NGD's.
+        curvature_samples: ``k``: the curvature of the first ``k`` samples of each curvature batch
+            (:mod:`.subsample`; reuse steps cost ``∝ k``); every update is ``(F_k + αI)⁻¹ g``. None: all.
         fisher: ``"empirical"`` (G from the training loss), ``"mc"`` (labels sampled from the model's
             prediction, :meth:`mc_capture`, run by the optimizer when the backward reaches the model's output;
             ``mc_loss``) or ``"gauss-newton"`` (exact GGN of ``½‖out − y‖²``, regression with ≤ 16 outputs:
@@ -132,6 +134,7 @@ class TENGraD(ReuseGraphs, JacobianSites, StepSkeleton):
         curvature_growth: Optional[float] = None,
         graft: Optional[str] = None,
         orthogonalize: bool = False,
+        curvature_samples: Optional[int] = None,
         fisher: Literal["empirical", "mc", "gauss-newton"] = "empirical",
         mc_loss: Literal["cross_entropy", "mse"] = "cross_entropy",
         kl_clip: Optional[float] = 0.01,
@@ -152,6 +155,7 @@ class TENGraD(ReuseGraphs, JacobianSites, StepSkeleton):
         check_nonneg("weight_decay", weight_decay)
         self.schedule = CurvatureSchedule(curvature_every, curvature_warmup, curvature_growth)
         check_graft(graft, GRAFT_BETA2, GRAFT_EPS)
+        self.curvature_samples = check_curvature_samples(curvature_samples)
         check_choice("fisher", fisher, ("empirical", "mc", "gauss-newton"))
         check_choice("mc_loss", mc_loss, ("cross_entropy", "mse"))
         if kl_clip is not None:
@@ -226,48 +230,6 @@ class TENGraD(ReuseGraphs, JacobianSites, StepSkeleton):
     def _on_seen_skip(self) -> None:
         self._recapture = True
 
-    def state_dict(self) -> dict[str, Any]:
-        """Counters, momentum buffers, which layers the backward materializes, and (with
-        ``curvature_every > 1``, when the next step reuses curvature) the curvature records
-        that step needs (:mod:`.resume`), so a resumed run continues bit for bit."""
-        sd = super().state_dict()
-        sd["state"][self.NAME]["jacobian_sites"] = sorted(self._info.store.jacobian_sites)
-        if self.curvature_every > 1 and not self._needs_capture(self._sched):  # the next step reuses it
-            sd["curvature"] = {"sched": self._curv_sched, "damping": self._curv_damping,
-                               "records": save_records(self._info.store, self._layers)}
-        return sd
-
-    def _restore_curvature(self, curv: dict[str, Any]) -> None:
-        """Put saved records back into the capture store and rebuild the cached curvature
-        from them (as the curvature step that captured them did)."""
-        store = self._info.store
-        restore_records(store, self._layers, curv["records"])
-        self._last_generation = store.generation
-        self._refresh(curv["damping"])
-        self._curv_sched = int(curv["sched"])
-        self._recapture = False
-
-    def _layout_meta(self) -> dict[str, Any]:
-        return materialization_meta(self.strategy, self.jacobian_budget_mb, self._layers,
-                                    self._info.store.jacobian_sites)
-
-    def _check_layout_meta(self, meta: dict[str, Any]) -> None:
-        check_materialization(meta, self.strategy, self.jacobian_budget_mb, self._layers)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load counters, momentum buffers and the saved curvature records (if any; else
-        the next step takes curvature: capture is switched on). Refuses another
-        optimizer's state, parameter layout or materialization (``ValueError``)."""
-        sd = dict(state_dict)
-        curv = sd.pop("curvature", None)
-        super().load_state_dict(sd)
-        self._info.store.jacobian_sites = set(self.state[self.NAME].get("jacobian_sites", []))
-        self._curv = []
-        self._graphs.clear()
-        if curv is not None:
-            self._restore_curvature(curv)
-        capturing(self.model, self._needs_capture(self._sched))
-
     def _mc_backward(self, outputs: Tensor, targets: Optional[Tensor], mask: Optional[Tensor]) -> None:
         """:meth:`mc_capture`'s backward: one of sampled labels (``fisher="mc"``), or one per
         output (``"gauss-newton"``: the exact GGN; no ``targets``/``mask`` there)."""
@@ -277,12 +239,17 @@ class TENGraD(ReuseGraphs, JacobianSites, StepSkeleton):
                 raise ValueError("mc_capture: targets and mask are for fisher='mc' "
                                  "(the Gauss-Newton Fisher samples nothing)")
             gauss_newton_capture(self._info.store, outputs, weights, self._info.loss_reduction,
-                                 loss_scale=self._loss_scale())
+                                 loss_scale=self._loss_scale(), samples=self.curvature_samples)
         else:
             mc_capture(self._info.store, outputs, self.mc_loss, weights, targets, self._loss_scale(), mask,
                        self._mc_rng.get(outputs.device))
 
     # ------------------------------------------------------------------ curvature
+    def _subsampled(self) -> bool:
+        """The records cut to the first ``curvature_samples`` samples
+        (:meth:`~tengrad_fx.capture.store.CaptureStore.keep_samples`); whether they are fewer than the batch."""
+        return self.curvature_samples is not None and self._info.store.keep_samples(self.curvature_samples)
+
     def _refresh(self, damping: Damping) -> None:
         """Grams and Cholesky factors of every covered layer from the store, by groups of
         equal shape (:mod:`tengrad_fx.optim.tengrad.tengrad_groups`).
@@ -364,8 +331,11 @@ class TENGraD(ReuseGraphs, JacobianSites, StepSkeleton):
         self._step_flag = None
         self._ug = self._gsq = None
         updates = None
+        subsampled = curvature_step and self._subsampled()
+        # push-through needs g = the captured batch's Jᵀ1: an empirical curvature step of the whole batch
+        push_through = curvature_step and not mc_step and not subsampled
         if self.compile and curvature_step and not isinstance(damping, tuple):  # else: the modular path
-            fused = self._fused(self._layers, not mc_step and self.update_form == "auto", damping,
+            fused = self._fused(self._layers, push_through and self.update_form == "auto", damping,
                                 self._info.loss_reduction, self.solve_dtype)
             if fused is not None:  # keep the store's materialization choice as the modular path would
                 updates, self._step_flag, self._curv = fused
@@ -378,7 +348,7 @@ class TENGraD(ReuseGraphs, JacobianSites, StepSkeleton):
             elif damping != self._curv_damping:
                 self._factorize(damping)
             t1 = time.perf_counter()
-            updates = self._precondition(curvature_step and not mc_step, damping)
+            updates = self._precondition(push_through, damping)
             self._step_flag = self._chol_ok
         if curvature_step:
             self._curv_sched = step
