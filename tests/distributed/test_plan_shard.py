@@ -76,7 +76,7 @@ def test_mode_times_and_choose_modes() -> None:
     assert choose_modes(m, [n], [conv], [0], 1, 50e9, 50e12) == ["gather"]  # one rank: nothing to split
 
 
-def test_mode_and_placement_are_checked() -> None:
+def test_mode_placement_and_unsupported_options_are_checked() -> None:
     import torch.distributed as dist
     from testing.spawn import free_port
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
@@ -86,5 +86,7 @@ def test_mode_and_placement_are_checked() -> None:
             DistributedTENGraD(net, lr=0.1, damping=0.1, mode="blocks")  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="placement must be"):
             DistributedTENGraD(net, lr=0.1, damping=0.1, placement="all")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="curvature_samples is not supported"):
+            DistributedTENGraD(net, lr=0.1, damping=0.1, curvature_samples=4)
     finally:
         dist.destroy_process_group()
