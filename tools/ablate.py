@@ -35,10 +35,9 @@ from typing import Any
 
 import torch
 
-from tengrad_fx.optim.registry import PAPER_DEFAULTS, PRESETS, make_optimizer
 from tengrad_fx.zoo.bench_models import build_model
 from tools.peer_bench import Run, batch_order, evaluate, load_data, make_run, to_target
-from tools.peer_methods import METHODS, Method
+from tools.peer_methods import METHODS, Method, parse_variant, tengrad_method
 
 _FM = "fashion-mnist"
 
@@ -64,41 +63,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "orth-nongd": {"preset": "orthogonal", "damping": 1e3},
 }
 """Named TENGraD variants: keyword overrides of the paper's Fashion-MNIST settings."""
-
-
-def parse_value(text: str) -> Any:
-    """``"3"`` → 3, ``"0.1"`` → 0.1, ``"None"`` → None, ``"True"`` → True, else the string."""
-    special = {"None": None, "True": True, "False": False}
-    if text in special:
-        return special[text]
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
-def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
-    """``"name:k=v,k=v"`` → (name, {k: v}); a bare ``"k=v,..."`` is named after itself."""
-    name, _, body = spec.rpartition(":") if ":" in spec else (spec, "", spec)
-    opts = {}
-    for item in filter(None, body.split(",")):
-        key, eq, val = item.partition("=")
-        if not eq:
-            raise ValueError(f"--tengrad {spec!r}: {item!r} is not key=value")
-        opts[key.strip()] = parse_value(val.strip())
-    return name, opts
-
-
-def tengrad_method(name: str, opts: dict[str, Any]) -> Method:
-    """A prepared-model method building TENGraD at the paper's settings plus ``opts``."""
-    if "preset" in opts:  # the preset's options, then the others on top
-        opts = {**PRESETS["tengrad"][opts["preset"]], **{k: v for k, v in opts.items() if k != "preset"}}
-    lr = float(opts.get("lr", PAPER_DEFAULTS["tengrad"][_FM]["3c1f"]["lr"]))
-    kw = {k: v for k, v in opts.items() if k != "lr"}
-    return Method(name, lr, lambda mdl, lr_: make_optimizer("tengrad", mdl, _FM, lr=lr_, **kw),
-                  f"paper settings + {opts}", prepared=True)
 
 
 def peer_method(spec: str) -> Method:

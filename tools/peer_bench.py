@@ -2,6 +2,7 @@
 
     python -m tools.peer_bench [--model 3c1f] [--dataset fashion-mnist] [--data-dir DIR]
                                [--methods sgd,adamw,tengrad,kfac,muon,soap,shampoo,psgd]
+                               [--tengrad 'NAME:key=value,...' ...]
                                [--steps 300] [--batch-size 128] [--subset N] [--eval-every 25]
                                [--eval-subset 2000] [--targets 0.85,0.88] [--lr-grid 1|3|5]
                                [--warmup 2] [--seed 0] [--device cpu|cuda] [--threads N]
@@ -22,6 +23,9 @@ Methods (``METHODS``; ``--methods all`` = every one):
   (``use_muon=False`` groups). These need the ``peers`` extra
   (``pip install 'tengrad-fx[peers]'``); without it they fail with a message naming it,
   and the other four run.
+
+``--tengrad 'k32:curvature_samples=32'`` adds a TENGraD variant: the paper's settings with
+those keyword overrides (``preset=NAME`` stands for a preset's options), as in ``tools.ablate``.
 
 ``--lr-grid K`` (odd K) trains every method at its default lr × 3^j for j = −K//2 … K//2
 (``3`` = default × {1/3, 1, 3}); the summary keeps, per method, the lr with the best final
@@ -68,7 +72,8 @@ import torch.nn.functional as F
 import tengrad_fx
 from tengrad_fx import zoo
 from tengrad_fx.zoo.bench_models import MODEL_NAMES, build_model
-from tools.peer_methods import METHODS, PEER_PACKAGE, PEERS, Method, peer_library, peer_versions
+from tools.peer_methods import (METHODS, PEER_PACKAGE, PEERS, Method, parse_variant, peer_library, peer_versions,
+                                tengrad_method)
 
 DEFAULT_METHODS = "sgd,adamw,tengrad,kfac,muon,soap,shampoo,psgd"
 
@@ -165,7 +170,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     names = args.methods.split(",")
     if "sgd" not in names:
         names.insert(0, "sgd")  # the timing reference
-    runs = [make_run(METHODS[m], float(f"{METHODS[m].lr * f:.6g}"), base, train_set.x[:2]) for m in names
+    methods = [METHODS[m] for m in names] + [tengrad_method(*parse_variant(s)) for s in args.tengrad]
+    runs = [make_run(m, float(f"{m.lr * f:.6g}"), base, train_set.x[:2]) for m in methods
             for f in lr_factors(args.lr_grid)]
     ref = next(r for r in runs if r.method.name == "sgd" and r.lr == METHODS["sgd"].lr)
     order = batch_order(len(train_set), args.batch_size, args.steps, args.seed)
@@ -324,6 +330,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--dataset", default="fashion-mnist")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list of {sorted(METHODS)}, or 'all'")
+    ap.add_argument("--tengrad", action="append", default=[],
+                    help="a TENGraD variant 'name:key=value,...' (the paper's settings plus these; repeatable)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument("--subset", type=int, default=0, help="train on the first N of a fixed shuffle (0: all)")

@@ -11,10 +11,11 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from tengrad_fx.optim.registry import make_optimizer
+from tengrad_fx.optim.registry import PAPER_DEFAULTS, PRESETS, make_optimizer
 from tengrad_fx.utils.optional import require
 
-__all__ = ["METHODS", "PEERS", "PEER_PACKAGE", "Method", "peer_library", "peer_versions"]
+__all__ = ["METHODS", "PEERS", "PEER_PACKAGE", "Method", "parse_variant", "peer_library", "peer_versions",
+           "tengrad_method"]
 
 PEER_PACKAGE = "pytorch-optimizer"
 PEERS = ("muon", "soap", "shampoo", "psgd")
@@ -98,3 +99,38 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "step for 500 steps (then annealed to 0.03), dimensions > 8192 diagonal", peer=True),
 )}
 """The benchmark's optimizers by name (the module docstring of ``tools.peer_bench``)."""
+
+
+def parse_value(text: str) -> Any:
+    """``"3"`` → 3, ``"0.1"`` → 0.1, ``"None"`` → None, ``"True"`` → True, else the string."""
+    special = {"None": None, "True": True, "False": False}
+    if text in special:
+        return special[text]
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
+    """``"name:k=v,k=v"`` → (name, {k: v}); a bare ``"k=v,..."`` is named after itself."""
+    name, _, body = spec.rpartition(":") if ":" in spec else (spec, "", spec)
+    opts = {}
+    for item in filter(None, body.split(",")):
+        key, eq, val = item.partition("=")
+        if not eq:
+            raise ValueError(f"TENGraD variant {spec!r}: {item!r} is not key=value")
+        opts[key.strip()] = parse_value(val.strip())
+    return name, opts
+
+
+def tengrad_method(name: str, opts: dict[str, Any]) -> Method:
+    """A prepared-model method building TENGraD at the paper's settings plus ``opts``."""
+    if "preset" in opts:  # the preset's options, then the others on top
+        opts = {**PRESETS["tengrad"][opts["preset"]], **{k: v for k, v in opts.items() if k != "preset"}}
+    lr = float(opts.get("lr", PAPER_DEFAULTS["tengrad"][_FM]["3c1f"]["lr"]))
+    kw = {k: v for k, v in opts.items() if k != "lr"}
+    return Method(name, lr, lambda mdl, lr_: make_optimizer("tengrad", mdl, _FM, lr=lr_, **kw),
+                  f"paper settings + {opts}", prepared=True)

@@ -60,6 +60,14 @@ def test_project_methods_run_without_the_peers_extra(data_dir, tmp_path, monkeyp
         _run(data_dir, tmp_path, "sgd,muon")
 
 
+def test_tengrad_variant(data_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--tengrad NAME:key=value``: TENGraD at the paper's settings plus those options, its own row."""
+    res = _run(data_dir, tmp_path, "sgd,tengrad", "--tengrad", "k2:curvature_samples=2,lr=0.01")
+    _check(res, ["sgd", "tengrad", "k2"], 1)
+    k2 = next(r for r in res["runs"] if r["method"] == "k2")
+    assert k2["lr"] == 0.01 and "'curvature_samples': 2" in k2["settings"]
+
+
 def test_peer_and_lr_grid(data_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A peer (PSGD's Kron) beside SGD, AdamW and TENGraD, on a 3-point lr grid."""
     pytest.importorskip("pytorch_optimizer")
