@@ -35,12 +35,21 @@ def test_rank_deficient_and_small_singular_values(shape: tuple[int, int]) -> Non
     torch.testing.assert_close(sv[:4], torch.tensor([1, 1, 1, 1e-2], dtype=torch.float64), rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("shape", [(4, 11), (11, 4)])
+def test_scale_is_folded_in(shape: tuple[int, int]) -> None:
+    """``scale`` multiplies the result (applied inside, to the small factor)."""
+    m = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(polar_factor(m, scale=2.5), 2.5 * svd_reference(m), rtol=0, atol=1e-12)
+
+
 def test_zero_nonfinite_and_shape_errors() -> None:
     assert polar_factor(torch.zeros(3, 4)).abs().max() == 0
-    for bad in (float("nan"), float("inf")):
-        m = torch.randn(3, 5)
-        m[1, 2] = bad
-        assert polar_factor(m).isnan().all()
+    assert polar_factor(torch.zeros(3, 4), scale=3.0).abs().max() == 0
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for shape in ((3, 5), (5, 3)):
+            m = torch.randn(*shape)
+            m[1, 2] = bad
+            assert polar_factor(m).isnan().all() and polar_factor(m, scale=0.5).isnan().all()
     with pytest.raises(ValueError, match="2-D"):
         polar_factor(torch.zeros(2, 3, 4))
 
