@@ -13,7 +13,8 @@ not. With the operands (:class:`Operands`, made once per set of records)
 the products are
 
 * ``J v = Σ_{o,p} (vw Uᵀ)⊙Gm`` per sample, ``+ vbᵀ Gs`` (``vw [L, c_out, n_in]``);
-* ``Jᵀ c = (Gm·c) U`` (``Gm``'s columns scaled by their sample's ``c``), bias ``Gs c``:
+* ``Jᵀ c = (Gm·c) U`` (``Gm``'s columns scaled by their sample's ``c``), bias ``Gs c``, and
+  with it the update ``u = β·g + γ·Jᵀc`` as one ``baddbmm`` (:func:`woodbury`):
 
 the sums the convolutions of :mod:`.conv_stack` form, unscaled. :func:`applies` says which
 stacks take this form: ungrouped, non-transposed convolutions (1-D, 2-D and 3-D) with
@@ -30,7 +31,7 @@ from torch import Tensor
 
 from .conv import unfold
 
-__all__ = ["MAX_POSITIONS", "MAX_RATIO", "Operands", "applies", "operands", "jvp", "vjp", "channel_sums"]
+__all__ = ["MAX_POSITIONS", "MAX_RATIO", "Operands", "applies", "operands", "jvp", "vjp", "woodbury", "channel_sums"]
 
 MAX_POSITIONS = 4
 """Most output positions per sample (``P``) a stack takes the ``bmm`` form with."""
@@ -82,13 +83,28 @@ def jvp(ops: Operands, vw: Tensor, vb: Optional[Tensor]) -> Tensor:
     return out
 
 
+def _scaled_columns(ops: Operands, c: Tensor) -> tuple[Tensor, Tensor]:
+    """``(Gm·c [L, c_out, m·P], c [L, m, 1])``: each column of ``Gm`` times its sample's ``c``."""
+    L, c_out, m = ops.Gs.shape
+    cc = c.to(ops.U.dtype)
+    return (ops.Gm.view(L, c_out, m, -1) * cc.view(L, 1, m, 1)).view(L, c_out, -1), cc.unsqueeze(2)
+
+
 def vjp(ops: Operands, c: Tensor) -> tuple[Tensor, Tensor]:
     """``Jᵀ c`` of every layer for ``c [L, m]``: ``(w [L, n_w], b [L, c_out])``."""
-    U, Gm, Gs = ops
-    L, c_out, m = Gs.shape
-    cc = c.to(U.dtype)
-    Gc = (Gm.view(L, c_out, m, -1) * cc.view(L, 1, m, 1)).view(L, c_out, -1)
-    return torch.bmm(Gc, U).flatten(1), torch.bmm(Gs, cc.unsqueeze(2)).squeeze(2)
+    Gc, cc = _scaled_columns(ops, c)
+    return torch.bmm(Gc, ops.U).flatten(1), torch.bmm(ops.Gs, cc).squeeze(2)
+
+
+def woodbury(ops: Operands, c: Tensor, gw: Tensor, gb: Optional[Tensor], beta: float, gamma: float,
+             ) -> tuple[Tensor, Optional[Tensor]]:
+    """``u = β·g + γ·Jᵀc`` for ``c [L, m]`` and ``g = (gw [L, n_w], gb [L, c_out] or None)`` of
+    the operands' dtype: ``(uw [L, n_w], ub [L, c_out] or None)``, one ``baddbmm`` per part
+    (``β = 0`` reads no ``g``)."""
+    Gc, cc = _scaled_columns(ops, c)
+    uw = torch.baddbmm(gw.reshape(Gc.shape[0], Gc.shape[1], -1), Gc, ops.U, beta=beta, alpha=gamma).flatten(1)
+    ub = None if gb is None else torch.baddbmm(gb.unsqueeze(2), ops.Gs, cc, beta=beta, alpha=gamma).squeeze(2)
+    return uw, ub
 
 
 def channel_sums(ops: Operands, rows: Tensor) -> Tensor:

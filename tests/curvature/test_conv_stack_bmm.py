@@ -2,7 +2,7 @@
 against ``torch.func`` (float64).
 
 ``L = 3`` layers of one geometry, each with its own random input and output gradient: the
-``bmm`` form's ``J v``, ``Jᵀ c`` and ``Jᵀ1`` at a few channels equal the products of each
+``bmm`` form's ``J v``, ``Jᵀ c``, ``β·g + γ·Jᵀc`` and ``Jᵀ1`` at a few channels equal the products of each
 layer's explicit ``J`` (rows ``vec(∂/∂W, ∂/∂b)`` of ``Σ conv(x_i)·G_i`` by
 ``vmap(grad(...))``) and the grouped-convolution form of ``curvature.conv_stack``; and which
 stacks take the form.
@@ -72,6 +72,13 @@ def test_bmm_products_equal_explicit_jacobians_and_the_convolution_form(case) ->
     assert torch.allclose(JTb, conv_b, rtol=1e-11, atol=1e-11)
     if bias:
         assert torch.allclose(JTb, JTc[:, nw:], rtol=1e-11, atol=1e-11)
+    g = torch.randn(L, J.shape[2], generator=gen, dtype=torch.float64)
+    uw, ub = conv_stack_bmm.woodbury(ops, c, g[:, :nw], g[:, nw:] if bias else None, 0.7, -1.3)
+    u = 0.7 * g - 1.3 * JTc
+    assert torch.allclose(uw, u[:, :nw], rtol=1e-11, atol=1e-11)
+    assert (ub is None) is not bias and (ub is None or torch.allclose(ub, u[:, nw:], rtol=1e-11, atol=1e-11))
+    uw, _ = conv_stack_bmm.woodbury(ops, c, torch.full_like(g[:, :nw], float("nan")), None, 0.0, 2.0)
+    assert torch.allclose(uw, 2.0 * JTc[:, :nw], rtol=1e-11, atol=1e-11)  # β = 0 reads no g
     rows = torch.tensor([c_out - 1, 0])
     JT1 = J.sum(1)[:, :nw].reshape(L, c_out, -1)
     assert torch.allclose(conv_stack_bmm.channel_sums(ops, rows), JT1[:, rows], rtol=1e-11, atol=1e-11)

@@ -207,6 +207,15 @@ class ConvStackGroup(LayerGroup):
             w, b = conv_stack.vjp(self.layers[0].spec, self.A, self.B, c * self.k)
         return w, (b if self.has_bias else None)
 
+    def _woodbury(self, c: Tensor, gw: Tensor, gb: Optional[Tensor], beta: float, gamma: float,
+                  ) -> tuple[Tensor, Optional[Tensor]]:
+        """The ``bmm`` form's fused ``u`` (:func:`~tengrad_fx.curvature.conv_stack_bmm.woodbury`)
+        where the gradients share the operands' dtype; else by :meth:`vjp`."""
+        ops = self.bmm_operands()
+        if ops is None or gw.dtype != ops.U.dtype or (gb is not None and gb.dtype != ops.U.dtype):
+            return super()._woodbury(c, gw, gb, beta, gamma)
+        return conv_stack_bmm.woodbury(ops, c, gw, gb if self.has_bias else None, beta, gamma * self.k)
+
     def _probe_terms(self, gw: Tensor, s: float, n_probe: int) -> ProbeTerms:
         """Random output channels of every group (:func:`.group_probe.conv_probe_rows`), by
         one weight-gradient convolution over those channels only
