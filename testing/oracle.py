@@ -138,3 +138,21 @@ def check_covered_layers(orig: nn.Module, prepared: nn.Module, x: Tensor, y: Ten
         gw, gb = layer.vjp(c)
         got = gw.flatten() if gb is None else torch.cat([gw.flatten(), gb.flatten()])
         assert rel(got, J.T @ c) <= tol, layer.name
+
+
+def stacked_layer_jacobians(layer: Callable[[Tensor, Tensor, Optional[Tensor]], Tensor], w: Tensor,
+                            b: Optional[Tensor], I: Tensor, G: Tensor) -> Tensor:
+    """``J [L, m, n]`` of ``L`` stacked layers ``y = layer(x, w, b)`` (``I [m, L, ...]``,
+    ``G [m, L, ...]``): rows ``vec(∂/∂w, ∂/∂b)`` of ``Σ layer(x_i)·G_i`` per sample (no
+    ``∂/∂b`` with ``b`` None), by ``vmap(grad(...))``."""
+    def loss(wt: Tensor, bt: Optional[Tensor], xi: Tensor, gi: Tensor) -> Tensor:
+        return (layer(xi[None], wt, bt) * gi[None]).sum()
+
+    Js = []
+    for l in range(I.shape[1]):
+        if b is not None:
+            dW, db = vmap(grad(loss, argnums=(0, 1)), in_dims=(None, None, 0, 0))(w, b, I[:, l], G[:, l])
+            Js.append(torch.cat([dW.flatten(1), db], 1))
+        else:
+            Js.append(vmap(grad(loss), in_dims=(None, None, 0, 0))(w, None, I[:, l], G[:, l]).flatten(1))
+    return torch.stack(Js)

@@ -1,10 +1,11 @@
-"""Dense float64 references for TENGraD steps on two small float64 models.
+"""Dense float64 references for TENGraD steps on small float64 models.
 
 ``mlp``: Linear 6→16→12→4; ``cnn``: Conv2d(3→4), grouped Conv2d (groups 2, stride 2, no
-bias), Linear(36→4) on ``[B, 3, 8, 8]``. :func:`setup` returns an unprepared template,
-the prepared model and a :class:`TENGraD` with ``lr=1, momentum=0, weight_decay=0``, so a
-step's parameter change is ``-u`` (:func:`step_delta`); :func:`dense_u` is the reference
-``u = solve(JᵀJ/m + αI, g)`` per covered layer.
+bias), Linear(36→4) on ``[B, 3, 8, 8]``; ``cnn_small_maps``: convolutions down to 2×2 and
+1×1 maps. :func:`setup` returns an unprepared template, the prepared model and a
+:class:`TENGraD` with ``lr=1, momentum=0, weight_decay=0``, so a step's parameter change
+is ``-u`` (:func:`step_delta`); :func:`dense_u` is the reference ``u = solve(JᵀJ/m + αI, g)``
+per covered layer.
 """
 from __future__ import annotations
 
@@ -44,7 +45,21 @@ def cnn() -> nn.Module:
     ).double()
 
 
-MODELS = {"mlp": (mlp, (6,)), "cnn": (cnn, (3, 8, 8))}
+def cnn_small_maps() -> nn.Module:
+    """Convolutions down to 2×2 and 1×1 maps on ``[B, 3, 8, 8]``: 4×4 (16 positions), 2×2
+    (stride 2), two equal 2×2 → 2×2 (one stack), 1×1 (kernel 2, stride 2, no bias), Linear."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.Tanh(),
+        nn.Conv2d(4, 6, 3, stride=2, padding=1), nn.Tanh(),
+        nn.Conv2d(6, 6, 3, padding=1), nn.Tanh(),
+        nn.Conv2d(6, 6, 3, padding=1), nn.Tanh(),
+        nn.Conv2d(6, 5, 2, stride=2, bias=False), nn.Tanh(),
+        nn.Flatten(), nn.Linear(5, 4),
+    ).double()
+
+
+MODELS = {"mlp": (mlp, (6,)), "cnn": (cnn, (3, 8, 8)), "cnn_small_maps": (cnn_small_maps, (3, 8, 8))}
 
 
 def batch(kind: str, m: int, seed: int, classes: int = 4) -> tuple[torch.Tensor, torch.Tensor]:

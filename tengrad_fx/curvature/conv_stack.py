@@ -20,6 +20,8 @@ aten call for the whole stack, whatever ``L``:
   the ``m·L`` (sample, layer) pairs (:mod:`tengrad_fx.capture.per_sample_conv`) and one
   ``bmm``, in chunks of layers holding at most :data:`STACK_BLOCK_BYTES` of them.
 
+Stacks with few output positions per sample take ``J v`` and ``Jᵀ c`` by ``bmm`` over
+their unfolded inputs instead (:mod:`.conv_stack_bmm`, chosen by the group).
 Transposed convolutions are not stacked (their Grams swap the roles of ``I`` and ``G``).
 All results are unscaled: the caller multiplies by the per-sample scale ``k``.
 """

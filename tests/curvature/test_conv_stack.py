@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.func import grad, vmap
 
 from tengrad_fx.curvature import conv_stack
+from testing.oracle import stacked_layer_jacobians
 
 # (name, c_in, c_out, kernel, stride, padding, dilation, groups, spatial, bias)
 CASES = [
@@ -46,17 +46,7 @@ def test_stacked_products_equal_explicit_jacobians(case, monkeypatch) -> None:
     out_shape = _conv(I[:, 0], w, b, case).shape
     G = torch.stack([torch.randn(out_shape, generator=gen, dtype=dt) for _ in range(L)], 1)
 
-    def loss(wt, bt, xi, gi):  # type: ignore[no-untyped-def]
-        return (_conv(xi[None], wt, bt, case) * gi[None]).sum()
-
-    Js = []
-    for l in range(L):
-        if bias:
-            dW, db = vmap(grad(loss, argnums=(0, 1)), in_dims=(None, None, 0, 0))(w, b, I[:, l], G[:, l])
-            Js.append(torch.cat([dW.flatten(1), db], 1))
-        else:
-            Js.append(vmap(grad(loss), in_dims=(None, None, 0, 0))(w, None, I[:, l], G[:, l]).flatten(1))
-    J = torch.stack(Js)  # [L, m, n]
+    J = stacked_layer_jacobians(lambda x, wt, bt: _conv(x, wt, bt, case), w, b, I, G)  # [L, m, n]
     nw = w.numel()
     v = torch.randn(L, J.shape[2], generator=gen, dtype=dt)
     c = torch.randn(L, m, generator=gen, dtype=dt)

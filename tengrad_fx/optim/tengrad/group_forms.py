@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
-from ...curvature import conv_stack
+from ...curvature import conv_stack, conv_stack_bmm
 from .group_probe import ProbeTerms, conv_probe_rows, probe_generator
 from .tengrad_groups import LayerGroup, scaled_bmm
 
@@ -150,10 +150,41 @@ class FactoredLinearGroup(LayerGroup):
 class ConvStackGroup(LayerGroup):
     """``"conv"``: ``A = I [m, L, c_in, *sp]``, ``B = G [m, L, c_out, *sp_out]`` (the layer
     axis after the sample axis); one convolution / ``bmm`` per group
-    (:mod:`tengrad_fx.curvature.conv_stack`)."""
+    (:mod:`tengrad_fx.curvature.conv_stack`). Stacks with few output positions per sample
+    take ``J g``, ``Jᵀ c`` and the probe by ``bmm`` over their unfolded inputs
+    (:mod:`tengrad_fx.curvature.conv_stack_bmm`), the operands made once per set of stacks
+    (:meth:`bmm_operands`)."""
 
     form = "conv"
     layer_axis = 1
+    _bmm: Optional[tuple[Tensor, Tensor, int, int, Optional[conv_stack_bmm.Operands]]] = None
+
+    def bmm_operands(self) -> Optional[conv_stack_bmm.Operands]:
+        """The ``bmm`` form's operands of the stacks ``A``, ``B``, or None where that form does
+        not apply (:func:`~tengrad_fx.curvature.conv_stack_bmm.applies`). Kept while the
+        stacks are the same tensors, unwritten (their version counters); stacks written in
+        place (:meth:`refill`) have the kept operands rewritten in place, so the tensors a
+        captured CUDA graph reads stay the same."""
+        A, B = self.A, self.B
+        assert A is not None and B is not None
+        kept = self._bmm
+        if kept is not None and kept[0] is A and kept[1] is B and kept[2] == A._version and kept[3] == B._version:
+            return kept[4]
+        spec = self.layers[0].spec
+        ops = conv_stack_bmm.operands(spec, A, B) if conv_stack_bmm.applies(spec, A, B) else None
+        old = kept[4] if kept is not None else None
+        if ops is not None and old is not None and all(o.shape == n.shape and o.dtype == n.dtype
+                                                       for o, n in zip(old, ops)):
+            torch._foreach_copy_(list(old), list(ops))
+            ops = old
+        self._bmm = (A, B, A._version, B._version, ops)
+        return ops
+
+    def refill(self, parts: list[tuple[Tensor, Optional[Tensor]]]) -> None:
+        """:meth:`LayerGroup.refill`, then the kept ``bmm`` operands rewritten in place."""
+        super().refill(parts)
+        if self._bmm is not None:
+            self.bmm_operands()
 
     def gram(self) -> Tensor:
         assert self.A is not None and self.B is not None
@@ -162,18 +193,35 @@ class ConvStackGroup(LayerGroup):
 
     def jvp(self, gw: Tensor, gb: Optional[Tensor]) -> Tensor:
         assert self.A is not None and self.B is not None
+        ops = self.bmm_operands()
+        if ops is not None:
+            return conv_stack_bmm.jvp(ops, gw, gb) * self.k
         return conv_stack.jvp(self.layers[0].spec, self.A, self.B, gw, gb) * self.k
 
     def vjp(self, c: Tensor) -> tuple[Tensor, Optional[Tensor]]:
         assert self.A is not None and self.B is not None
-        w, b = conv_stack.vjp(self.layers[0].spec, self.A, self.B, c * self.k)
+        ops = self.bmm_operands()
+        if ops is not None:
+            w, b = conv_stack_bmm.vjp(ops, c * self.k)
+        else:
+            w, b = conv_stack.vjp(self.layers[0].spec, self.A, self.B, c * self.k)
         return w, (b if self.has_bias else None)
+
+    def _woodbury(self, c: Tensor, gw: Tensor, gb: Optional[Tensor], beta: float, gamma: float,
+                  ) -> tuple[Tensor, Optional[Tensor]]:
+        """The ``bmm`` form's fused ``u`` (:func:`~tengrad_fx.curvature.conv_stack_bmm.woodbury`)
+        where the gradients share the operands' dtype; else by :meth:`vjp`."""
+        ops = self.bmm_operands()
+        if ops is None or gw.dtype != ops.U.dtype or (gb is not None and gb.dtype != ops.U.dtype):
+            return super()._woodbury(c, gw, gb, beta, gamma)
+        return conv_stack_bmm.woodbury(ops, c, gw, gb if self.has_bias else None, beta, gamma * self.k)
 
     def _probe_terms(self, gw: Tensor, s: float, n_probe: int) -> ProbeTerms:
         """Random output channels of every group (:func:`.group_probe.conv_probe_rows`), by
         one weight-gradient convolution over those channels only
-        (:func:`~tengrad_fx.curvature.conv_stack.channel_sums`); the full ``Jᵀ1`` where too
-        few channels are there to sample."""
+        (:func:`~tengrad_fx.curvature.conv_stack.channel_sums`) or the ``bmm`` form's
+        (:func:`~tengrad_fx.curvature.conv_stack_bmm.channel_sums`); the full ``Jᵀ1`` where
+        too few channels are there to sample."""
         assert self.A is not None and self.B is not None
         spec = self.layers[0].spec
         n_r = conv_probe_rows(spec, n_probe)
@@ -181,7 +229,11 @@ class ConvStackGroup(LayerGroup):
             return self._full_probe_terms(gw, s)
         c_out = spec.weight.shape[0]
         rows = torch.randint(0, c_out // spec.groups, (n_r,), device=gw.device, generator=probe_generator(gw.device))
-        sums, channels = conv_stack.channel_sums(spec, self.A, self.B, rows)
+        ops = self.bmm_operands()
+        if ops is not None:  # ungrouped: the channels are the rows
+            sums, channels = conv_stack_bmm.channel_sums(ops, rows), rows
+        else:
+            sums, channels = conv_stack.channel_sums(spec, self.A, self.B, rows)
         ref = gw.view(gw.shape[0], c_out, -1).index_select(1, channels).flatten(1)
         got_b = self.B.flatten(3).sum((0, 3)) if self.has_bias else None  # [L, c_out]
         return sums.flatten(1), ref, got_b, self.k * s
