@@ -52,6 +52,22 @@ def test_steps_equal_dense_ngd_across_curvature_refills(cuda_graph: bool) -> Non
     assert opt.curvature_steps == 2
 
 
+def test_subsampled_curvature_on_small_maps_equals_dense_ngd() -> None:
+    """``curvature_samples=3``: the ``bmm`` operands are made from the first 3 samples' stacks;
+    a curvature step and a reuse step are ``(F_3 + αI)⁻¹ g`` with the whole batch's ``g``."""
+    template, model, opt = setup("cnn_small_maps", strategy="factor", curvature_every=2, curvature_samples=3)
+    layers = layer_params(model)
+    for step in range(2):
+        x, y = batch("cnn_small_maps", M, 20 + step)
+        if step == 0:
+            ref_curv, xc, yc = snapshot(template, model), x[:3], y[:3]
+        ref_now = snapshot(template, model)
+        forward_backward(model, opt, x, y)
+        g = full_grad(ref_now, x, y, F.cross_entropy)
+        assert_matches(step_delta(model, opt), dense_u(ref_curv, xc, yc, F.cross_entropy, g, ALPHA, layers))
+        assert any(grp.bmm_operands() is not None for grp in _conv_groups(opt))
+
+
 class _CountConvolutions(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
