@@ -364,7 +364,7 @@ class TENGraD(CurvatureResume, ReuseGraphs, JacobianSites, StepSkeleton):
         """The ``graft`` and ``orthogonalize`` options on the natural-gradient updates (of every
         layer: a distributed optimizer shares the layers' updates first)."""
         if self.graft is not None:  # Σ u·g of the rescaled updates: computed by the KL clip itself
-            params = [p for g in self.param_groups for p in g["params"]]
+            params = self._group_params()
             if self.orthogonalize:  # a polar factor discards the grafted norm: those weights skip the graft
                 params = [p for p in params if not orthogonalized(p, updates)]
             grafted = graft_updates(updates, params, self.state, self.graft, GRAFT_BETA2, GRAFT_EPS)
