@@ -1,35 +1,53 @@
 #!/usr/bin/env bash
-# One prepared GPU run (< 8 min on an H100/H200), most wanted first: the GPU-only tests,
-# the bench on the four paper models (SGD in the same process, interleaved,
-# CUDA-synchronized; the default CUDA-graph reuse step beside the eager one), the norm-layer
-# cost (3c1f-bn, all parameters vs Linear/Conv only), the capture mechanism's per-call cost
-# on a launch-bound deep narrow model, peak memory (each method alone), TF32 Grams, the
-# per-sample conv rules, compile rows, then short real runs and the paper's Fashion-MNIST
-# rows if time is left. Everything is teed to $OUT/log.txt; tables come back as JSON/CSV.
+# One prepared GPU run (< 10 min on an H100/H200), most wanted first: the GPU-only tests,
+# the 3C1F bench (SGD in the same process, interleaved, CUDA-synchronized; the default
+# CUDA-graph reuse step beside the eager one), the peer race on CUDA (tools.peer_bench on
+# 3c1f, then resnet18 and mixer), compiled records and steps, the bench on the other paper
+# models, the norm-layer cost (3c1f-bn), the capture mechanism's per-call cost, peak memory,
+# TF32 Grams, the per-sample conv rules, then short real runs and the paper's Fashion-MNIST
+# rows if time is left. Everything is teed to $OUT/log.txt; the JSON/CSV tables are packed
+# into $OUT/results.tgz after every step, so a run cut short still returns what it finished.
 #   OUT=gpu_out bash tools/gpu_check.sh     # from the repository root (data in .data/fashion-mnist)
+# The peers need pytorch-optimizer; on a machine without pip access carry its wheel in .whl/.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 PY=${PY:-python3}
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 mkdir -p "$OUT" /tmp/gc
 L="$OUT/log.txt"
-step() { echo; echo "=== $(date -u +%T) $*" | tee -a "$L"; }
+J=/tmp/gc/json
+mkdir -p "$J"
+step() { tar czf "$OUT/results.tgz" -C "$J" . 2>/dev/null; echo; echo "=== $(date -u +%T) $*" | tee -a "$L"; }
 step device
 { $PY -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; } 2>&1 | tee -a "$L"
+if ls .whl/pytorch_optimizer-*.whl >/dev/null 2>&1 && ! $PY -c "import pytorch_optimizer" 2>/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=.:/tmp/site
+fi
 step "GPU tests"
-timeout 150 $PY -m pytest -q -p no:cacheprovider -rfs tests/optim/test_cuda.py tests/optim/test_syncs.py \
+timeout 120 $PY -m pytest -q -p no:cacheprovider -rfs tests/optim/test_cuda.py tests/optim/test_syncs.py \
   tests/optim/test_graphs.py $(grep -rl "cuda.is_available" tests --include='test_*.py' | grep -v "optim/test_cuda.py\|tests/compile/") \
   2>&1 | tail -40 | tee -a "$L"
-step "compile on CUDA: records of compiled models equal eager (Triton code), compiled vs eager steps"
-timeout 150 $PY -m pytest -q -p no:cacheprovider -rfs tests/compile/test_records.py -k cuda 2>&1 | tail -15 | tee -a "$L"
-timeout 120 $PY -m tools.compile_bench --device cuda --model 3c1f --m 128 --T 3 --steps 12 \
-  --json "$OUT/compile-3c1f.json" 2>&1 | grep -v Warn | tee -a "$L"
 ROWS=sgd,tengrad,tengrad-mc,tengrad-mc-T100,tengrad-mc-T100-eager
-for model in 3c1f wrn-28-4 densenet-19 mobilenetv2; do
+step "bench 3c1f"
+timeout 60 $PY -m tools.bench --device cuda --model 3c1f --m 128 --methods $ROWS \
+  --steps 15 --warmup 5 --json "$J/bench-3c1f.json" 2>&1 | grep -v Warn | tee -a "$L"
+PEERS=sgd,adamw,tengrad,tengrad-orth,muon,soap,shampoo,psgd
+for model in 3c1f resnet18 mixer; do
+  step "peer bench $model on CUDA (300 steps, lockstep, CUDA-synchronized step times)"
+  timeout 100 $PY -m tools.peer_bench --device cuda --model "$model" --data-dir .data/fashion-mnist \
+    --methods $PEERS --tengrad 'k32:curvature_samples=32' --tengrad 'orth-k32:preset=orthogonal,curvature_samples=32' \
+    --steps 300 --warmup 5 --eval-every 25 --out "$J/peers-$model" 2>&1 | grep -v Warn | tee -a "$L"
+done
+step "compile on CUDA: records of compiled models equal eager (Triton code), compiled vs eager steps"
+timeout 120 $PY -m pytest -q -p no:cacheprovider -rfs tests/compile/test_records.py -k cuda 2>&1 | tail -15 | tee -a "$L"
+timeout 90 $PY -m tools.compile_bench --device cuda --model 3c1f --m 128 --T 3 --steps 12 \
+  --json "$J/compile-3c1f.json" 2>&1 | grep -v Warn | tee -a "$L"
+for model in wrn-28-4 densenet-19 mobilenetv2; do
   step "bench $model"
   timeout 100 $PY -m tools.bench --device cuda --model "$model" --m 128 --methods $ROWS \
-    --steps 15 --warmup 5 --json "$OUT/bench-$model.json" 2>&1 | grep -v Warn | tee -a "$L"
+    --steps 15 --warmup 5 --json "$J/bench-$model.json" 2>&1 | grep -v Warn | tee -a "$L"
 done
 step "bench 3c1f-bn: norm layers preconditioned vs Linear/Conv only (target: <= 5 % at T=1 and T=100)"
 timeout 60 $PY -m tools.bench --device cuda --model 3c1f-bn --m 128 --steps 15 --warmup 5 \
@@ -53,7 +71,7 @@ done
 step "reproduce fmnist sgd,tengrad, 2 seeds (paper protocol, 10 epochs)"
 timeout 170 $PY -m tools.reproduce fmnist --methods sgd,tengrad --seeds 2 --device cuda \
   --data-dir .data/fashion-mnist --out /tmp/gc/repro --no-progress 2>&1 | grep -v "^epoch\|^logs" | tee -a "$L"
-cp /tmp/gc/repro/table.csv "$OUT/table-sgd-tengrad.csv" 2>/dev/null
+cp /tmp/gc/repro/table.csv "$J/table-sgd-tengrad.csv" 2>/dev/null
 step "compile 3c1f"
 timeout 50 $PY -m tools.bench --device cuda --model 3c1f --steps 10 --warmup 4 \
   --methods sgd,tengrad,tengrad-compile,tengrad-mc-T100,tengrad-mc-T100-compile 2>&1 | grep -v Warn | tee -a "$L"
@@ -66,5 +84,5 @@ done
 step "reproduce fmnist kfac,ekfac,kbfgs (1 seed)"
 timeout 200 $PY -m tools.reproduce fmnist --methods kbfgs,kfac,ekfac --device cuda \
   --data-dir .data/fashion-mnist --out /tmp/gc/repro --no-progress 2>&1 | grep -v "^logs" | tee -a "$L"
-cp /tmp/gc/repro/table.csv "$OUT/table-baselines.csv" 2>/dev/null
+cp /tmp/gc/repro/table.csv "$J/table-baselines.csv" 2>/dev/null
 step done

@@ -89,6 +89,7 @@ def test_cuda_graph_is_the_default_on_cuda() -> None:
     pm = tengrad_fx.prepare(_net().cuda(), example_inputs=(torch.randn(2, 1, 28, 28, device="cuda"),))
     assert TENGraD(pm, lr=0.01, damping=0.1).cuda_graph
     assert not TENGraD(pm, lr=0.01, damping=0.1, cuda_graph=False).cuda_graph
+    assert not TENGraD(pm, lr=0.01, damping=0.1, orthogonalize=True).cuda_graph  # eigh: not capturable
 
 
 def test_gram_tf32_step_is_close_to_fp32() -> None:
@@ -96,3 +97,14 @@ def test_gram_tf32_step_is_close_to_fp32() -> None:
     ref, tf32 = _run("cuda", 5, cuda_graph=False), _run("cuda", 5, cuda_graph=False, gram_tf32=True)
     for a, b in zip(ref, tf32):
         torch.testing.assert_close(b, a, rtol=2e-2, atol=1e-3)
+
+
+def test_cuda_orthogonalized_steps_equal_cpu() -> None:
+    """``orthogonalize=True`` at the CUDA defaults (its eigendecomposition cannot be captured,
+    so reuse steps run eagerly): five steps of each kind equal the float64 CPU run."""
+    kw = dict(curvature_every=3, orthogonalize=True)
+    cpu = _run("cpu", 5, dtype=torch.float64, **kw)
+    gpu = _run("cuda", 5, dtype=torch.float64, **kw)
+    for a, b in zip(cpu, gpu):
+        torch.testing.assert_close(b, a, rtol=1e-7, atol=1e-9)
+

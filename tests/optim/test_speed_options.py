@@ -177,3 +177,11 @@ def test_orthogonalized_non_finite_gradient_skips_the_step(value: float) -> None
     opt.step()
     assert opt.counters["skipped"] == 1
     assert all(p.isfinite().all() and not torch.equal(b, p.detach()) for b, p in zip(bits, model.parameters()))
+
+
+def test_orthogonalize_refuses_cuda_graphs() -> None:
+    """The polar factor's eigendecomposition cannot be captured in a CUDA graph: asking for
+    both is an error naming them; by default ``orthogonalize`` turns the graphs off."""
+    with pytest.raises(ValueError, match="orthogonalize=True, cuda_graph=True"):
+        setup("mlp", orthogonalize=True, cuda_graph=True)
+    assert setup("mlp", orthogonalize=True)[2].cuda_graph is False

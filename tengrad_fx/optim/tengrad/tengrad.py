@@ -108,7 +108,9 @@ class TENGraD(CurvatureResume, ReuseGraphs, JacobianSites, StepSkeleton):
         cuda_graph: on CUDA, capture the device part of reuse steps (no new curvature) as a
             CUDA graph per step kind and replay it (:mod:`tengrad_fx.optim.tengrad.graphs`); eager
             with one warning if capture fails; on a CPU the same code runs eagerly.
-            Default (None): on when the parameters are on a CUDA device at construction.
+            Default (None): on when the parameters are on a CUDA device at construction, except
+            under ``orthogonalize`` (its eigendecomposition cannot be captured; ``True`` there
+            is a ValueError).
         gram_tf32: compute the curvature steps' Grams ``J Jᵀ`` of float32 layers with TF32
             tensor cores on CUDA (``tengrad_groups.tf32_matmuls``; ~1e-3 relative error in
             ``K``, the precision cuDNN's default TF32 convolutions already give ``P``).
@@ -179,8 +181,13 @@ class TENGraD(CurvatureResume, ReuseGraphs, JacobianSites, StepSkeleton):
         self.jacobian_budget = None if jacobian_budget_mb is None else jacobian_budget_mb * 2**20
         self.strategy = strategy
         self.compile = bool(compile)
-        # default: on when the parameters live on a CUDA device (graphs.py)
-        self.cuda_graph = any(p.is_cuda for p in self._group_params()) if cuda_graph is None else bool(cuda_graph)
+        if cuda_graph and self.orthogonalize:
+            raise ValueError("TENGraD(orthogonalize=True, cuda_graph=True): the polar factor's eigendecomposition "
+                             "(cuSOLVER) cannot be captured in a CUDA graph; pass cuda_graph=False or leave it None "
+                             "(off with orthogonalize)")
+        # default: on when the parameters live on a CUDA device, off under orthogonalize (graphs.py)
+        self.cuda_graph = not self.orthogonalize and any(p.is_cuda for p in self._group_params()) \
+            if cuda_graph is None else bool(cuda_graph)
         self.gram_tf32 = bool(gram_tf32)
         self._graphs = StepGraphs()
         self._graph_version = 0  # bumped when a static tensor of the captured step is replaced
