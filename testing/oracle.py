@@ -156,3 +156,13 @@ def stacked_layer_jacobians(layer: Callable[[Tensor, Tensor, Optional[Tensor]], 
         else:
             Js.append(vmap(grad(loss), in_dims=(None, None, 0, 0))(w, None, I[:, l], G[:, l]).flatten(1))
     return torch.stack(Js)
+
+
+def newton_schulz_reference(m: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """``U diag(pˢ(σ/‖M‖_F)) Vᵀ``: the quintic applied to the singular values by the SVD."""
+    a, b, c = 3.4445, -4.7750, 2.0315  # Muon's quintic, written out: independent of the library
+    left, sv, right = torch.linalg.svd(m, full_matrices=False)
+    x = sv / sv.square().sum().sqrt()
+    for _ in range(steps):
+        x = a * x + b * x ** 3 + c * x ** 5
+    return left * x @ right

@@ -14,7 +14,9 @@ Methods (``METHODS``; ``--methods all`` = every one):
   paper's Fashion-MNIST settings (SGD: lr 0.03, weight decay 1e-3, momentum 0.9; TENGraD:
   MC Fisher, curvature every 100 steps, KL clip 0.01; K-FAC: MC Fisher, statistics every
   20 steps, inversion every 100, KL clip 0.01). TENGraD and K-FAC train a model prepared
-  by ``tengrad_fx.prepare``.
+  by ``tengrad_fx.prepare``. ``tengrad-orth``: the preset ``"orthogonal"`` (each weight's
+  NGD update replaced by its exact polar factor at RMS 0.2, RMSProp-grafted biases, lr 1e-3);
+  ``tengrad-orth-ns``: the same with Muon's five Newton–Schulz steps for the polar factor.
 * ``adamw``: ``torch.optim.AdamW`` at torch's defaults (lr 1e-3, betas (0.9, 0.999),
   weight decay 0.01).
 * ``muon``, ``soap``, ``shampoo``, ``psgd``: ``pytorch_optimizer``'s ``Muon``, ``SOAP``,

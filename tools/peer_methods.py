@@ -81,6 +81,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("tengrad-orth", 1e-3, lambda mdl, lr: make_optimizer("tengrad", mdl, _FM, preset="orthogonal", lr=lr),
            "TENGraD's preset \"orthogonal\": the paper's settings with each weight's NGD update orthogonalized "
            "(RMS 0.2), RMSProp-grafted biases, lr 1e-3", prepared=True),
+    Method("tengrad-orth-ns", 1e-3, lambda mdl, lr: make_optimizer("tengrad", mdl, _FM, preset="orthogonal", lr=lr,
+                                                                    orthogonalize="newton-schulz"),
+           "\"tengrad-orth\" with Muon's five Newton-Schulz steps for the polar factor (no eigensolver: no host "
+           "read, CUDA graphs)", prepared=True),
     Method("kfac", 0.003, lambda mdl, lr: make_optimizer("kfac", mdl, _FM, lr=lr),
            "paper's Fashion-MNIST K-FAC: MC Fisher, statistics every 20 steps, inversion every 100, "
            "KL clip 0.01, damping 0.1, weight decay 1e-3, momentum 0.9", prepared=True),

@@ -140,7 +140,7 @@ PAPER_FASHION = "fashion-mnist"  # the paper's headline benchmark: the dataset o
 # "orthogonal": the weights' NGD updates orthogonalized (Muon's direction), RMSProp-grafted biases.
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "tengrad": {"fast": {"graft": "rmsprop", "lr": 3e-4, "damping": 0.01},
-                "orthogonal": {"graft": "rmsprop", "orthogonalize": True, "lr": 1e-3}},
+                "orthogonal": {"graft": "rmsprop", "orthogonalize": "eigh", "lr": 1e-3}},
 }
 
 

@@ -4,8 +4,9 @@
   scalar reads (``aten._local_scalar_dense`` — ``.item()``, ``bool(t)``, ``float(t)`` —,
   ``is_nonzero``, ``equal``, ``Tensor.tolist``), the linalg error checks that read
   ``info`` on the host (``_linalg_check_errors``, ``torch.linalg.cholesky`` without
-  ``_ex``), ops whose output shape depends on the data (``nonzero``, boolean-mask
-  indexing, ``masked_select``, ``unique``, ``repeat_interleave`` without a size), and
+  ``_ex``, ``torch.linalg.eigh``, whose kernel checks inside), ops whose output shape
+  depends on the data (``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``,
+  ``repeat_interleave`` without a size), and
   blocking copies from a non-CPU device to the CPU. On a CPU-only machine nothing really
   waits, but every one of these WOULD wait on a GPU, so counting them on CPU tells.
 * :class:`OpCounter` counts every aten op dispatched, and separately the ops that launch a
@@ -27,6 +28,7 @@ SYNC_OPS = {
     _aten._linalg_check_errors.default, _aten.nonzero.default, _aten.masked_select.default,
     _aten._unique2.default, _aten.unique_dim.default, _aten.unique_consecutive.default,
     _aten.repeat_interleave.Tensor, _aten.allclose.default,
+    _aten._linalg_eigh.default,  # its kernel reads the eigensolver's info on the host
 }
 _INDEX_OPS = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default,
               _aten._index_put_impl_.default}

@@ -6,7 +6,8 @@ a warm-up step is the dense block NGD step of its own batch, the first step afte
 warm-up reuses the last batch's Fisher; a grafted step is the dense NGD update of each
 parameter rescaled to the norm of SGD's, resp. RMSProp's direction (computed here from
 the gradients, independently of ``tengrad_fx.optim.tengrad.graft``); an orthogonalized
-step is that update's polar factor from ``torch.linalg.svd``.
+step is that update's polar factor from ``torch.linalg.svd`` (``"newton-schulz"``: the SVD with
+Muon's quintic applied to the singular values, ``testing.oracle.newton_schulz_reference``).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from tengrad_fx.optim import TENGraD
 from tengrad_fx.optim.tengrad.schedule import CurvatureSchedule
 from tengrad_fx.solve import POLAR_FLOOR
+from testing.oracle import newton_schulz_reference
 from testing.tengrad_step import (
     assert_matches, batch, dense_u, forward_backward, full_grad, layer_params, setup, snapshot, step_delta,
 )
@@ -101,9 +103,16 @@ def _svd_polar(u: torch.Tensor) -> torch.Tensor:
     return (q * (0.2 * max(mat.shape) ** 0.5)).reshape(u.shape)
 
 
+def _ns_polar(u: torch.Tensor) -> torch.Tensor:
+    """Muon's five quintic steps on ``u`` viewed ``[shape[0], -1]`` (by the SVD), at RMS 0.2."""
+    mat = u.reshape(u.shape[0], -1)
+    return (newton_schulz_reference(mat) * (0.2 * max(mat.shape) ** 0.5)).reshape(u.shape)
+
+
 @pytest.mark.parametrize("graft,orthogonalize", [("sgd", False), ("rmsprop", False), (None, True),
-                                                  ("rmsprop", True)])
-def test_shaped_step_equals_dense_ngd_reference(graft, orthogonalize: bool) -> None:
+                                                  ("rmsprop", True), (None, "newton-schulz"),
+                                                  ("rmsprop", "newton-schulz")])
+def test_shaped_step_equals_dense_ngd_reference(graft, orthogonalize) -> None:
     """Two curvature steps, KL-clipped: per parameter ``u = û·‖a‖/‖û‖`` with grafting (``û``
     the dense NGD update, ``a`` SGD's / RMSProp's direction), then, orthogonalizing, each
     weight's ``u`` is the SVD polar factor at RMS 0.2 (1-D parameters keep theirs)."""
@@ -122,7 +131,8 @@ def test_shaped_step_equals_dense_ngd_reference(graft, orthogonalize: bool) -> N
             a = {n: g[n] if graft == "sgd" else _rms_direction(history[n]) for n in ref}
             ref = {n: u * (a[n].norm() / u.norm()) for n, u in ref.items()}
         if orthogonalize:
-            ref = {n: _svd_polar(u) if u.ndim >= 2 else u for n, u in ref.items()}
+            polar = _ns_polar if orthogonalize == "newton-schulz" else _svd_polar
+            ref = {n: polar(u) if u.ndim >= 2 else u for n, u in ref.items()}
         ug = sum(float((ref[n] * g[n]).sum()) for n in ref)
         nu = min(1.0, (0.5 / (0.3 ** 2 * ug)) ** 0.5)  # the KL clip on the shaped update
         assert_matches(step_delta(model, opt), {n: nu * u for n, u in ref.items()})
@@ -185,3 +195,14 @@ def test_orthogonalize_refuses_cuda_graphs() -> None:
     with pytest.raises(ValueError, match="orthogonalize=True, cuda_graph=True"):
         setup("mlp", orthogonalize=True, cuda_graph=True)
     assert setup("mlp", orthogonalize=True)[2].cuda_graph is False
+
+
+def test_newton_schulz_allows_cuda_graphs_and_bad_values_are_named() -> None:
+    """Newton–Schulz has no host read: ``cuda_graph=True`` is accepted with it; a method that
+    does not exist is a ValueError naming ``orthogonalize``."""
+    opt = setup("mlp", orthogonalize="newton-schulz", cuda_graph=True)[2]
+    assert opt.cuda_graph is True and opt.orthogonalize == "newton-schulz"
+    assert setup("mlp", orthogonalize=True)[2].orthogonalize == "eigh"
+    with pytest.raises(ValueError, match="orthogonalize must be"):
+        setup("mlp", orthogonalize="svd")
+

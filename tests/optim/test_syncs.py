@@ -60,6 +60,7 @@ CASES = {
     "woodbury-T1": dict(update_form="woodbury"),
     "fused-T3": dict(fused=True, curvature_every=3),
     "no-clip-no-momentum": dict(kl_clip=None, momentum=0.0, weight_decay=0.0, curvature_every=2),
+    "newton-schulz-T3": dict(curvature_every=3, orthogonalize="newton-schulz", graft="rmsprop"),
 }
 
 

@@ -1,11 +1,15 @@
 """The floored polar factor against the thin SVD's ``U diag(σ / max(σ, δσ₁)) Vᵀ`` (float64,
-fresh random matrices: full rank, rank-deficient, with a singular value below the floor)."""
+fresh random matrices: full rank, rank-deficient, with a singular value below the floor), and
+the Newton–Schulz approximation against the SVD with its quintic applied to the singular values."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tengrad_fx.solve import POLAR_FLOOR, polar_factor
+from tengrad_fx.solve import NEWTON_SCHULZ_STEPS, POLAR_FLOOR, newton_schulz_polar, \
+    polar_factor
+from tengrad_fx.utils.dispatch import SyncCounter
+from testing.oracle import newton_schulz_reference
 
 
 def svd_reference(m: torch.Tensor, floor: float = POLAR_FLOOR) -> torch.Tensor:
@@ -62,3 +66,46 @@ def test_low_precision_matches_float64(dtype: torch.dtype) -> None:
     assert q.dtype == dtype
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(q.double(), polar_factor(m), rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("shape", [(5, 9), (9, 5), (7, 7), (1, 6)])
+@pytest.mark.parametrize("steps", [1, NEWTON_SCHULZ_STEPS])
+def test_newton_schulz_maps_singular_values_by_the_quintic(shape: tuple[int, int], steps: int) -> None:
+    m = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(11 + sum(shape)))
+    torch.testing.assert_close(newton_schulz_polar(m, steps), newton_schulz_reference(m, steps), rtol=0, atol=1e-12)
+    torch.testing.assert_close(newton_schulz_polar(m, scale=0.5), 0.5 * newton_schulz_reference(m),
+                               rtol=0, atol=1e-12)
+
+
+def test_newton_schulz_is_near_orthogonal_and_leaves_tiny_directions_small() -> None:
+    """After five steps the singular values ≥ 1e-2·‖M‖ lie in [0.6, 1.25]; one at 1e-6 stays < 1e-2."""
+    gen = torch.Generator().manual_seed(5)
+    a, b = (torch.linalg.qr(torch.randn(n, 5, dtype=torch.float64, generator=gen))[0] for n in (8, 30))
+    m = a * torch.tensor([3.0, 1.0, 0.3, 0.05, 3e-6], dtype=torch.float64) @ b.mT
+    sv = torch.linalg.svdvals(newton_schulz_polar(m))
+    assert ((sv[:4] > 0.6) & (sv[:4] < 1.25)).all(), sv
+    assert sv[4] < 1e-2, sv
+
+
+def test_newton_schulz_zero_nonfinite_dtype_and_shape_errors() -> None:
+    assert newton_schulz_polar(torch.zeros(3, 4)).abs().max() == 0
+    m = torch.randn(5, 3)
+    m[1, 2] = float("nan")
+    assert newton_schulz_polar(m).isnan().all()
+    m = torch.randn(4, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    q = newton_schulz_polar(m.to(torch.bfloat16))
+    assert q.dtype == torch.bfloat16
+    torch.testing.assert_close(q.double(), newton_schulz_polar(m), rtol=0, atol=3e-2)
+    with pytest.raises(ValueError, match="2-D"):
+        newton_schulz_polar(torch.zeros(2, 3, 4))
+
+
+def test_only_the_eigensolver_reads_back() -> None:
+    """The exact factor's eigensolver checks its status on the host; Newton–Schulz has no host read."""
+    m = torch.randn(6, 10)
+    with SyncCounter() as sc:
+        newton_schulz_polar(m)
+    assert sc.count == 0, dict(sc.ops)
+    with SyncCounter() as sc:
+        polar_factor(m)
+    assert sc.count >= 1

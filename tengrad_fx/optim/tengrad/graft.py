@@ -23,8 +23,11 @@ update, as a matrix ``U [out, in·k…]``, is replaced by its orthogonal polar f
 (:func:`tengrad_fx.solve.polar_factor`, Muon's direction taken from TENGraD's update
 instead of the momentum) times ``0.2·√max(out, in·k…)``, which gives it an RMS of 0.2 per
 entry, about AdamW's (Moonlight's scaling), so one Adam-sized lr serves the weights and
-the (grafted or raw) biases. Uses an eigendecomposition per weight, which on CUDA reads
-its status on the host.
+the (grafted or raw) biases. ``"eigh"`` (``orthogonalize=True``) computes the polar factor
+exactly, with an eigendecomposition per weight that on CUDA reads its status on the host (no
+CUDA graph); ``"newton-schulz"`` takes Muon's five quintic Newton–Schulz steps instead
+(:func:`tengrad_fx.solve.newton_schulz_polar`: singular values in about [0.7, 1.2], matmuls
+only, no host read, capturable).
 """
 from __future__ import annotations
 
@@ -36,12 +39,13 @@ from torch import Tensor
 from ... import solve
 from ..step.checks import check_choice
 
-__all__ = ["GRAFTS", "GRAFT_BETA2", "GRAFT_EPS", "ORTHO_RMS", "check_graft", "graft_updates",
-           "orthogonalize_updates", "orthogonalized"]
+__all__ = ["GRAFTS", "GRAFT_BETA2", "GRAFT_EPS", "ORTHO_RMS", "POLAR_METHODS", "check_graft", "check_orthogonalize",
+           "graft_updates", "orthogonalize_updates", "orthogonalized"]
 
 GRAFTS = ("sgd", "rmsprop")
 GRAFT_BETA2, GRAFT_EPS = 0.999, 1e-8  # Adam's
 ORTHO_RMS = 0.2  # per-entry RMS of an orthogonalized update (Moonlight's match to AdamW)
+POLAR_METHODS = ("eigh", "newton-schulz")
 
 
 def check_graft(graft: Optional[str], beta2: float, eps: float) -> None:
@@ -99,12 +103,26 @@ def orthogonalized(p: Tensor, updates: dict[Tensor, Tensor]) -> bool:
     return p.ndim >= 2 and p in updates
 
 
-def orthogonalize_updates(updates: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
+def check_orthogonalize(value: Any) -> Optional[str]:
+    """``orthogonalize`` as a method name: False/None → None, True → ``"eigh"``, or one of
+    :data:`POLAR_METHODS`; anything else is a ValueError naming the argument."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "eigh"
+    if value not in POLAR_METHODS:
+        raise ValueError(f"orthogonalize must be False, True (= 'eigh'), 'eigh' or 'newton-schulz', got {value!r}")
+    return str(value)
+
+
+def orthogonalize_updates(updates: dict[Tensor, Tensor], method: str = "eigh") -> dict[Tensor, Tensor]:
     """``updates`` with every ≥ 2-D parameter's ``u`` (viewed ``[shape[0], -1]``) replaced by
-    ``ORTHO_RMS·√max(rows, cols)·polar(u)``; other entries as they are (module docstring)."""
+    ``ORTHO_RMS·√max(rows, cols)·polar(u)``, ``polar`` by ``method`` (:data:`POLAR_METHODS`);
+    other entries as they are (module docstring)."""
+    polar = solve.polar_factor if method == "eigh" else solve.newton_schulz_polar
     out = dict(updates)
     for p, u in updates.items():
         if orthogonalized(p, updates):
             mat = u.reshape(u.shape[0], -1)
-            out[p] = solve.polar_factor(mat, scale=ORTHO_RMS * max(mat.shape) ** 0.5).reshape(u.shape)
+            out[p] = polar(mat, scale=ORTHO_RMS * max(mat.shape) ** 0.5).reshape(u.shape)
     return out

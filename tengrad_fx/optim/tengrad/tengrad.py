@@ -46,7 +46,8 @@ from .jacobian_sites import JacobianSites
 from .group_cost import reuse_cost
 from .tengrad_groups import LayerGroup, precondition_groups, tf32_matmuls
 from .fused_step import FusedStep
-from .graft import GRAFT_BETA2, GRAFT_EPS, check_graft, graft_updates, orthogonalize_updates, orthogonalized
+from .graft import GRAFT_BETA2, GRAFT_EPS, check_graft, check_orthogonalize, graft_updates, orthogonalize_updates, \
+    orthogonalized
 from .schedule import CurvatureSchedule
 from .subsample import check_curvature_samples
 
@@ -81,7 +82,9 @@ class TENGraD(CurvatureResume, ReuseGraphs, JacobianSites, StepSkeleton):
         graft: ``None``, ``"sgd"`` or ``"rmsprop"``: each parameter's update rescaled to the norm of that
             method's step (:mod:`.graft`; lr in that method's units).
         orthogonalize: each ≥ 2-D weight's update replaced by its orthogonal polar factor at an RMS of 0.2
-            (after any graft; :mod:`.graft`; lr in AdamW's units). Default off: the update is NGD's.
+            (after any graft; :mod:`.graft`; lr in AdamW's units). ``True`` or ``"eigh"``: exact (an
+            eigendecomposition per weight: a host read on CUDA, no CUDA graphs); ``"newton-schulz"``:
+            Muon's five quintic steps (matmuls only; capturable). Default off: the update is NGD's.
         curvature_samples: ``k``: the curvature of the first ``k`` samples of each curvature batch
             (:mod:`.subsample`; reuse steps cost ``∝ k``); every update is ``(F_k + αI)⁻¹ g``. None: all.
         fisher: ``"empirical"`` (G from the training loss), ``"mc"`` (labels sampled from the model's
@@ -109,7 +112,7 @@ class TENGraD(CurvatureResume, ReuseGraphs, JacobianSites, StepSkeleton):
             CUDA graph per step kind and replay it (:mod:`tengrad_fx.optim.tengrad.graphs`); eager
             with one warning if capture fails; on a CPU the same code runs eagerly.
             Default (None): on when the parameters are on a CUDA device at construction, except
-            under ``orthogonalize`` (its eigendecomposition cannot be captured; ``True`` there
+            under ``orthogonalize=True`` (its eigendecomposition cannot be captured; ``True`` there
             is a ValueError).
         gram_tf32: compute the curvature steps' Grams ``J Jᵀ`` of float32 layers with TF32
             tensor cores on CUDA (``tengrad_groups.tf32_matmuls``; ~1e-3 relative error in
@@ -135,7 +138,7 @@ class TENGraD(CurvatureResume, ReuseGraphs, JacobianSites, StepSkeleton):
         curvature_warmup: int = 0,
         curvature_growth: Optional[float] = None,
         graft: Optional[str] = None,
-        orthogonalize: bool = False,
+        orthogonalize: bool | str = False,
         curvature_samples: Optional[int] = None,
         fisher: Literal["empirical", "mc", "gauss-newton"] = "empirical",
         mc_loss: Literal["cross_entropy", "mse"] = "cross_entropy",
@@ -167,7 +170,8 @@ class TENGraD(CurvatureResume, ReuseGraphs, JacobianSites, StepSkeleton):
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
         super().__init__(optimizer_params(model, params, type(self).__name__), defaults)
         self._init_skeleton(model, info, grad_scaler)
-        self.curvature_every, self.graft, self.orthogonalize = curvature_every, graft, bool(orthogonalize)
+        self.curvature_every, self.graft = curvature_every, graft
+        self.orthogonalize: str | Literal[False] = check_orthogonalize(orthogonalize) or False
         self.fisher = fisher
         self.mc_loss = mc_loss
         self.kl_clip = kl_clip
@@ -181,12 +185,13 @@ class TENGraD(CurvatureResume, ReuseGraphs, JacobianSites, StepSkeleton):
         self.jacobian_budget = None if jacobian_budget_mb is None else jacobian_budget_mb * 2**20
         self.strategy = strategy
         self.compile = bool(compile)
-        if cuda_graph and self.orthogonalize:
+        eigh = self.orthogonalize == "eigh"
+        if cuda_graph and eigh:
             raise ValueError("TENGraD(orthogonalize=True, cuda_graph=True): the polar factor's eigendecomposition "
                              "(cuSOLVER) cannot be captured in a CUDA graph; pass cuda_graph=False or leave it None "
-                             "(off with orthogonalize)")
-        # default: on when the parameters live on a CUDA device, off under orthogonalize (graphs.py)
-        self.cuda_graph = not self.orthogonalize and any(p.is_cuda for p in self._group_params()) \
+                             "(off with orthogonalize), or orthogonalize='newton-schulz' (capturable)")
+        # default: on when the parameters live on a CUDA device, off under an eigh polar factor (graphs.py)
+        self.cuda_graph = not eigh and any(p.is_cuda for p in self._group_params()) \
             if cuda_graph is None else bool(cuda_graph)
         self.gram_tf32 = bool(gram_tf32)
         self._graphs = StepGraphs()
@@ -377,7 +382,7 @@ class TENGraD(CurvatureResume, ReuseGraphs, JacobianSites, StepSkeleton):
             grafted = graft_updates(updates, params, self.state, self.graft, GRAFT_BETA2, GRAFT_EPS)
             updates, self._ug = {**updates, **grafted}, None
         if self.orthogonalize:
-            updates, self._ug = orthogonalize_updates(updates), None
+            updates, self._ug = orthogonalize_updates(updates, self.orthogonalize), None
         return updates
 
     def _device_flags(self) -> Optional[Tensor]:
