@@ -33,7 +33,7 @@ ROWS=sgd,tengrad,tengrad-mc,tengrad-mc-T100,tengrad-mc-T100-eager
 step "bench 3c1f"
 timeout 60 $PY -m tools.bench --device cuda --model 3c1f --m 128 --methods $ROWS \
   --steps 15 --warmup 5 --json "$J/bench-3c1f.json" 2>&1 | grep -v Warn | tee -a "$L"
-PEERS=sgd,adamw,tengrad,tengrad-orth,muon,soap,shampoo,psgd
+PEERS=sgd,adamw,tengrad,tengrad-orth,tengrad-orth-ns,muon,soap,shampoo,psgd
 for model in 3c1f resnet18 mixer; do
   step "peer bench $model on CUDA (300 steps, lockstep, CUDA-synchronized step times)"
   timeout 100 $PY -m tools.peer_bench --device cuda --model "$model" --data-dir .data/fashion-mnist \
