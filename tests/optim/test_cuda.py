@@ -21,7 +21,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 KINDS = {"empirical-T1": dict(curvature_every=1), "mc-T1": dict(fisher="mc", curvature_every=1),
          "empirical-T3": dict(curvature_every=3), "mc-T100": dict(fisher="mc", curvature_every=100, kl_clip=0.01),
-         "newton-schulz-T3": dict(curvature_every=3, orthogonalize="newton-schulz", graft="rmsprop")}
+         "newton-schulz-T3": dict(curvature_every=3, orthogonalize="newton-schulz", graft="rmsprop"),
+         "subsampled-T3": dict(curvature_every=3, curvature_samples=16)}
 
 
 def _net() -> nn.Module:
@@ -75,7 +76,7 @@ def test_cuda_step_equals_cpu_step(kind: str) -> None:
         torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-10)
 
 
-@pytest.mark.parametrize("kind", ["empirical-T3", "mc-T100", "newton-schulz-T3"])
+@pytest.mark.parametrize("kind", ["empirical-T3", "mc-T100", "newton-schulz-T3", "subsampled-T3"])
 def test_cuda_graph_replay_equals_eager(kind: str) -> None:
     """5+ reuse steps replayed from a captured CUDA graph equal the eager ones to 1e-6.
     10 steps: at T=3 the reuse steps are 1, 2, 4, 5, 7, 8; the first is the eager warm-up."""

@@ -61,6 +61,8 @@ CASES = {
     "fused-T3": dict(fused=True, curvature_every=3),
     "no-clip-no-momentum": dict(kl_clip=None, momentum=0.0, weight_decay=0.0, curvature_every=2),
     "newton-schulz-T3": dict(curvature_every=3, orthogonalize="newton-schulz", graft="rmsprop"),
+    "graft-sgd-T3": dict(curvature_every=3, graft="sgd"),
+    "subsampled-T3": dict(curvature_every=3, curvature_samples=4, fisher="mc"),
 }
 
 
