@@ -69,8 +69,10 @@ def newton_schulz_polar(m: Tensor, steps: int = NEWTON_SCHULZ_STEPS, scale: floa
     work = m.float() if m.dtype in (torch.float16, torch.bfloat16) else m
     # scale-invariant (a grafted norm would not change it); m = 0 stays 0
     x = work / torch.linalg.vector_norm(work).clamp(min=torch.finfo(work.dtype).tiny)
-    for _ in range(steps):
+    if not steps:
+        return (x * scale).to(m.dtype)
+    for i in range(steps):
         gram = x @ x.mT  # [A, A]
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return (x * scale).to(m.dtype)
-
+        last = scale if i == steps - 1 else 1.0  # the scale folded into the last step: no extra A×B pass
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a * last, alpha=last)
+    return x.to(m.dtype)
