@@ -13,17 +13,26 @@ from tengrad_fx import TENGraD
 from tengrad_fx.optim.tengrad.graphs import StepGraphs
 
 
-def _run(cuda_graph: bool, **kw):
+def _run(cuda_graph: bool, schedule: bool = False, two_groups: bool = False, **kw):
+    """7 steps (curvature every 3); ``schedule``: the lr changes at every step (each group
+    its own with ``two_groups``). Returns the parameters, the optimizer, each step's groups."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(),
                         nn.Flatten(), nn.Linear(4 * 6 * 6, 8), nn.ReLU(), nn.Linear(8, 5))
     g = torch.Generator().manual_seed(1)
     data = [(torch.randn(8, 1, 6, 6, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(7)]
     pm = tengrad_fx.prepare(net, example_inputs=(data[0][0][:2],))
+    if two_groups:
+        ps = list(pm.parameters())
+        kw["params"] = [dict(params=ps[:2]), dict(params=ps[2:], lr=0.02)]
     opt = TENGraD(pm, lr=0.05, damping=0.1, momentum=0.9, weight_decay=1e-3, kl_clip=1e-3,
                   curvature_every=3, cuda_graph=cuda_graph, **kw)
+    base = [grp["lr"] for grp in opt.param_groups]
     groups = []
     for t, (x, y) in enumerate(data):
+        if schedule:  # a decaying lr, as an lr scheduler sets it
+            for grp, lr in zip(opt.param_groups, base):
+                grp["lr"] = lr * (1.0 - 0.07 * t)
         opt.zero_grad()
         out = pm(x)
         torch.manual_seed(10 + t)
@@ -56,7 +65,7 @@ def test_cuda_graph_default_is_off_on_cpu() -> None:
 
 
 def test_step_graphs_stop_capturing_after_max_keys() -> None:
-    """An lr that changes every step makes every key new: after MAX_KEYS warm-ups the
+    """A damping that changes every step makes every key new: after MAX_KEYS warm-ups the
     runner gives up capturing (one warning) instead of capturing a graph per step. The
     warm-up of a key is eager, so no CUDA call is made before the cap."""
     graphs, calls = StepGraphs(), []
@@ -67,3 +76,27 @@ def test_step_graphs_stop_capturing_after_max_keys() -> None:
     with pytest.warns(RuntimeWarning, match="step kinds"):
         graphs.run(("reuse", "new"), lambda: calls.append(1), dev)
     assert graphs.failed and len(calls) == StepGraphs.MAX_KEYS + 1 and not graphs.graphs
+
+
+@pytest.mark.parametrize("two_groups", [False, True])
+def test_lr_schedule_replays_one_graph_and_equals_eager(two_groups: bool) -> None:
+    """An lr that changes at every step (with two groups, a different one per group, which
+    takes the KL clip's weighted form): the graph path reads the lrs from static device
+    scalars refilled before each run, so every reuse step has the same graph key (one graph
+    for the whole schedule), and its steps equal ``cuda_graph=False``'s bit for bit."""
+    ref, _, _ = _run(False, schedule=True, two_groups=two_groups)
+    keys = []
+    real_key = TENGraD._graph_key
+
+    def spy(self, params):
+        keys.append(real_key(self, params))
+        return keys[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TENGraD, "_graph_key", spy)
+        got, opt, _ = _run(True, schedule=True, two_groups=two_groups)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    assert len(keys) == 4 and len(set(keys)) == 1  # the 4 reuse steps: one key
+    assert float(opt._lr_buf[0]) == 0.05 * (1.0 - 0.07 * 5)  # the last reuse step's (t = 5) lr, exactly
+

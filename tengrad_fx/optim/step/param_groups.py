@@ -19,7 +19,7 @@ layer's).
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -29,7 +29,7 @@ from .checks import check_nonneg, check_positive, check_unit
 from .update import update_dot
 
 __all__ = ["Damping", "FrozenWatch", "optimizer_params", "check_group", "group_params", "group_index", "groups_damping",
-           "layer_damping", "layer_dampings", "grouped_layers", "in_groups", "weighted_update_dot"]
+           "layer_damping", "layer_dampings", "grouped_layers", "in_groups", "same_lr", "weighted_update_dot"]
 
 Damping = Union[float, tuple[float, ...]]
 """One damping for every layer, or one per param group (group order)."""
@@ -118,14 +118,22 @@ def in_groups(updates: dict[Tensor, Tensor], index: dict[Tensor, int]) -> dict[T
     return {p: u for p, u in updates.items() if p in index}
 
 
-def weighted_update_dot(updates: dict[Tensor, Tensor], groups: list[dict[str, Any]]) -> Optional[Tensor]:
+def same_lr(groups: list[dict[str, Any]]) -> bool:
+    """Do all groups have the first group's ``lr`` (the KL clip then takes ``lr²·Σ u·g``)?"""
+    return all(g["lr"] == groups[0]["lr"] for g in groups)
+
+
+def weighted_update_dot(updates: dict[Tensor, Tensor], groups: list[dict[str, Any]],
+                        lrs: Sequence[float | Tensor]) -> Optional[Tensor]:
     """``Σ_G lr_G²·Σ_{p∈G} u_p·g_p`` over the preconditioned parameters (a device scalar;
-    None without updates): the KL clip's ``lr²·Σ u·g`` when the groups' ``lr`` differ."""
+    None without updates): the KL clip's ``lr²·Σ u·g`` when the groups' ``lr`` differ.
+    ``lrs``: each group's lr (floats, or 0-d device tensors)."""
     total: Optional[Tensor] = None
-    for g in groups:
+    for g, lr in zip(groups, lrs):
         mine = {p: updates[p] for p in g["params"] if p in updates}
         if mine:
-            part = update_dot(mine) * (g["lr"] * g["lr"])
+            dot = update_dot(mine)
+            part = dot * ((lr * lr).to(dot.dtype) if isinstance(lr, Tensor) else lr * lr)
             total = part if total is None else total + part
     return total
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -38,8 +38,7 @@ from ...capture.prepare import capturing
 from .amp import loss_scale, scaler_enabled, scaler_flags, unscale_grads
 from .update import all_finite, apply_momentum_step, finite_flag, kl_clip_factor
 from .param_groups import (Damping, FrozenWatch, check_group, group_index, group_params, groups_damping, in_groups,
-                           optimizer_params,
-                           weighted_update_dot)
+                           optimizer_params, same_lr, weighted_update_dot)
 from .mc import MCState, SampleRNG
 from .host import HostMirror, SkipStep
 from .reduction_check import check_loss_reduction
@@ -67,6 +66,7 @@ class StepSkeleton(torch.optim.Optimizer):
     fisher: str
     kl_clip: Optional[float]
     state: defaultdict[Any, Any]
+    _lr_static: Optional[list[Tensor]] = None  # the groups' lr as device scalars while a CUDA graph runs
 
     def _init_skeleton(self, model: torch.nn.Module, info: PrepareInfo, grad_scaler: Any = None) -> None:
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
@@ -397,9 +397,11 @@ class StepSkeleton(torch.optim.Optimizer):
             ok = ok & extra
         if not self.SYNC_FREE and not bool(ok):
             raise SkipStep("non-finite preconditioned update")
-        lr = groups[0]["lr"]
-        if any(g["lr"] != lr for g in groups):  # ν from Σ_G lr_G²·Σ u·g (.param_groups)
-            lr, ug = 1.0, (weighted_update_dot(updates, groups) if self.kl_clip is not None else None)
+        # each group's lr: the floats, or a CUDA graph's static device tensors (graphs.py)
+        lrs: Sequence[float | Tensor] = self._lr_static or [g["lr"] for g in groups]
+        lr = lrs[0]
+        if not same_lr(groups):  # ν from Σ_G lr_G²·Σ u·g (.param_groups)
+            lr, ug = 1.0, (weighted_update_dot(updates, groups, lrs) if self.kl_clip is not None else None)
         nu = kl_clip_factor(updates, lr, self.kl_clip, ug)
         if nu is not None:  # counted on the device, in place (no sync; graph-safe); read by kl_clipped_steps
             if self._kl_clipped is None:
@@ -407,8 +409,8 @@ class StepSkeleton(torch.optim.Optimizer):
             self._kl_clipped.add_((nu < 1.0) & ok)
         # each group its own lr, momentum, weight decay; a warm-up read of ok (the same flag
         # for every group) that finds a skip leaves every group unchanged (masked or not applied)
-        reads = [apply_momentum_step(self.state, g["params"], updates, g["lr"], g["momentum"], g["weight_decay"],
-                                     nu, ok if self.SYNC_FREE else None) for g in groups]
+        reads = [apply_momentum_step(self.state, g["params"], updates, glr, g["momentum"], g["weight_decay"],
+                                     nu, ok if self.SYNC_FREE else None) for g, glr in zip(groups, lrs)]
         if any(r is False for r in reads):  # the warm-up host read found a skip
             raise SkipStep("non-finite gradient, curvature or update")
         if self.SYNC_FREE:

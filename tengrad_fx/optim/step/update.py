@@ -51,7 +51,7 @@ def update_dot(updates: dict[Tensor, Tensor]) -> Tensor:
     return torch.cat([t.reshape(-1) for t in prods]).sum()
 
 
-def kl_clip_factor(updates: dict[Tensor, Tensor], lr: float, kl_clip: Optional[float],
+def kl_clip_factor(updates: dict[Tensor, Tensor], lr: float | Tensor, kl_clip: Optional[float],
                    ug: Optional[Tensor] = None) -> Optional[Tensor]:
     """``ν`` of the KL clip over the preconditioned parameters as a device scalar, 1 where
     ``Σ u·g ≤ 0`` (NaN where it is NaN: such a step is skipped by its finiteness flag);
@@ -62,7 +62,10 @@ def kl_clip_factor(updates: dict[Tensor, Tensor], lr: float, kl_clip: Optional[f
     if ug is None:
         ug = update_dot(updates)
     # 1/ν = max(1, sqrt(lr²·max(Σ u·g, 0) / kl_clip)): ν = 1 where Σ u·g ≤ 0
-    return (ug.clamp(min=0.0) * (lr * lr / kl_clip)).sqrt().clamp(min=1.0).reciprocal()
+    coef = lr * lr / kl_clip  # a float64 device scalar for a static lr: rounded once, like a Python float
+    if isinstance(coef, Tensor):
+        coef = coef.to(ug.dtype)
+    return (ug.clamp(min=0.0) * coef).sqrt().clamp(min=1.0).reciprocal()
 
 
 def _sanitized(ds: list[Tensor], ok: Tensor) -> list[Tensor]:
@@ -98,7 +101,7 @@ def _fusable(ps: list[Tensor], ds: list[Tensor], state: dict[Any, Any], momentum
     return True
 
 
-def _fused_momentum_step(state: dict[Any, Any], ps: list[Tensor], ds: list[Tensor], lr: float, momentum: float,
+def _fused_momentum_step(state: dict[Any, Any], ps: list[Tensor], ds: list[Tensor], lr: float | Tensor, momentum: float,
                          weight_decay: float, ok: Optional[Tensor], inv_nu: Optional[Tensor] = None,
                          scaled: frozenset[int] = frozenset()) -> None:
     """The update by ``aten::_fused_sgd_`` (the kernel of ``torch.optim.SGD(fused=True)``),
@@ -122,6 +125,8 @@ def _fused_momentum_step(state: dict[Any, Any], ps: list[Tensor], ds: list[Tenso
         b[1].append(d)
         if momentum:
             b[2].append(state[p]["momentum_buffer"])
+    if isinstance(lr, Tensor) and lr.is_cuda:  # the CUDA kernel reads a tensor lr as float32 (the CPU one as double)
+        lr = lr.to(torch.float32)
     for (device, _, first, sc), (bp, bd, bb) in buckets.items():
         torch._fused_sgd_(bp, bd, bb, weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=0.0,
                           nesterov=False, maximize=False, is_first_step=first,
@@ -137,7 +142,7 @@ def _shares_grad(p: Tensor, d: Tensor) -> bool:
 
 @torch.no_grad()
 def apply_momentum_step(state: dict[Any, Any], params: list[Tensor], updates: dict[Tensor, Tensor],
-                        lr: float, momentum: float, weight_decay: float, nu: Optional[Tensor] = None,
+                        lr: float | Tensor, momentum: float, weight_decay: float, nu: Optional[Tensor] = None,
                         ok: Optional[Tensor] = None) -> Optional[bool]:
     """Apply the step to every parameter with a gradient; momentum buffers
     live in ``state[p]["momentum_buffer"]`` as in ``torch.optim.SGD``.
@@ -158,6 +163,8 @@ def apply_momentum_step(state: dict[Any, Any], params: list[Tensor], updates: di
     On CPU and CUDA with contiguous tensors all of this is aten's fused SGD kernel
     (:func:`_fused_momentum_step`: one pass, the skip read on the device); elsewhere
     ``_foreach`` ops in the masked form above.
+
+    ``lr`` may be a 0-d device tensor (a CUDA graph's static lr, refilled before each replay).
 
     Momentum buffers are created on a parameter's first update (``buf = d``, as SGD);
     while one is missing the flag is read on the host once (warm-up, a sync), so a
@@ -189,6 +196,8 @@ def apply_momentum_step(state: dict[Any, Any], params: list[Tensor], updates: di
         return read
     if ok is not None:
         ds = _sanitized(ds, ok)
+    if isinstance(lr, Tensor):
+        lr = lr.to(ds[0].dtype)
     if weight_decay:
         ds = torch._foreach_add(ds, ps, alpha=weight_decay)  # type: ignore[assignment]
     if momentum:
@@ -214,7 +223,10 @@ def apply_momentum_step(state: dict[Any, Any], params: list[Tensor], updates: di
                 torch._foreach_sub_(old_bufs, a)
         ds = bufs
     if ok is None:
-        torch._foreach_add_(ps, ds, alpha=-lr)
+        if isinstance(lr, Tensor):
+            torch._foreach_sub_(ps, torch._foreach_mul(ds, lr))
+        else:
+            torch._foreach_add_(ps, ds, alpha=-lr)
     else:
         b = torch._foreach_mul(ds, ok.to(ds[0].dtype) * lr)
         torch._foreach_add_(b, 0.0)

@@ -7,13 +7,15 @@ weight decay, KL clip, and a version that changes when the static tensors are re
 
 * the first step of a key runs eagerly (warm-up), the second is captured and replayed, later
   ones replay;
+* the lr is not in the key: each group's lr is a static 0-d device tensor that is refilled
+  before every run, so an lr schedule replays one graph;
 * the inputs are static: gradients are copied into static buffers that then serve as
   ``p.grad`` (``TENGraD._static_grads``), and a curvature step copies its stacked ``P``
   (or ``I``, ``G``) and factors into the previous ones when the shapes match;
 * if capture fails, one warning, and every later step runs eagerly;
-* at most ``MAX_KEYS`` keys are captured: an lr schedule that changes the lr on every
-  step makes every key new, so after ``MAX_KEYS`` distinct keys the step runs eagerly
-  (one warning) rather than capturing a graph per step.
+* at most ``MAX_KEYS`` keys are captured: a damping, momentum or weight decay that changes
+  on every step makes every key new, so after ``MAX_KEYS`` distinct keys the step runs
+  eagerly (one warning) rather than capturing a graph per step.
 
 Only reuse steps (no new curvature) are captured; curvature steps run eagerly. On a CPU
 the same code runs, eagerly (``run`` calls the function; the static-buffer copies still
@@ -28,7 +30,7 @@ from typing import Any, Callable, Hashable, Optional
 import torch
 from torch import Tensor
 
-from ..step.param_groups import group_params
+from ..step.param_groups import group_params, same_lr
 
 __all__ = ["ReuseGraphs", "StepGraphs"]
 
@@ -57,8 +59,8 @@ class StepGraphs:
         if hit is None:
             if key not in self.seen and len(self.seen) >= self.MAX_KEYS:
                 self.failed = True
-                warnings.warn(f"TENGraD(cuda_graph=True): more than {self.MAX_KEYS} step kinds (an lr or "
-                              "damping that changes every step?); running eagerly", RuntimeWarning)
+                warnings.warn(f"TENGraD(cuda_graph=True): more than {self.MAX_KEYS} step kinds (a damping, "
+                              "momentum or weight decay that changes every step?); running eagerly", RuntimeWarning)
                 self.eager_runs += 1
                 return fn()
             if key not in self.seen:  # warm-up: eager, allocations settle
@@ -92,6 +94,8 @@ class ReuseGraphs:
     timings: dict[str, float]
     _graphs: StepGraphs
     _gbuf: dict[Tensor, Tensor]
+    _lr_buf: list[Tensor]
+    _lr_static: Optional[list[Tensor]]
     _graph_version: int
     _chol: Optional[Tensor]
     _t_apply: float
@@ -104,12 +108,35 @@ class ReuseGraphs:
                                              if p.grad is not None) for g in self.param_groups):
             return fn()
         self._static_grads(params)
-        hyper = tuple((g["lr"], g["damping"], g["momentum"], g["weight_decay"], len(g["params"]))
-                      for g in self.param_groups)
-        key = ("reuse", hyper, self.kl_clip, self._graph_version, tuple(id(p) for p in params))
+        lrs = self._static_lrs(params[0])
+        key = self._graph_key(params)
         # a replay runs no Python of the step: its whole device time is reported as "apply"
         self.timings, self._t_apply = {"gram": 0.0, "factorize": 0.0, "solve": 0.0}, time.perf_counter()
-        return self._graphs.run(key, fn, params[0].device)
+        self._lr_static = lrs
+        try:
+            return self._graphs.run(key, fn, params[0].device)
+        finally:
+            self._lr_static = None
+
+    def _graph_key(self, params: list[Tensor]) -> Hashable:
+        """What a captured reuse step bakes in: every group's damping, momentum, weight decay
+        and size, whether the lrs are equal (not their values), the KL clip, the static
+        tensors' version and the parameters with a gradient."""
+        hyper = tuple((g["damping"], g["momentum"], g["weight_decay"], len(g["params"])) for g in self.param_groups)
+        return ("reuse", hyper, same_lr(self.param_groups), self.kl_clip, self._graph_version,
+                tuple(id(p) for p in params))
+
+    def _static_lrs(self, like: Tensor) -> list[Tensor]:
+        """Each group's lr in a static 0-d float64 tensor on ``like``'s device (the Python
+        float's value), refilled now: a captured graph reads the current lr."""
+        dtype = torch.float64
+        if len(self._lr_buf) != len(self.param_groups) or self._lr_buf[0].device != like.device \
+                or self._lr_buf[0].dtype != dtype:
+            self._lr_buf = [torch.zeros((), dtype=dtype, device=like.device) for _ in self.param_groups]
+            self._graph_version += 1
+        for t, g in zip(self._lr_buf, self.param_groups):
+            t.fill_(g["lr"])
+        return self._lr_buf
 
     def _static_grads(self, params: list[Tensor]) -> None:
         """Copy the gradients into static buffers that become ``p.grad`` (a captured graph

@@ -197,6 +197,7 @@ class TENGraD(CurvatureResume, ReuseGraphs, JacobianSites, StepSkeleton):
         self._graphs = StepGraphs()
         self._graph_version = 0  # bumped when a static tensor of the captured step is replaced
         self._gbuf: dict[Tensor, Tensor] = {}  # static gradient buffers (cuda_graph)
+        self._lr_buf: list[Tensor] = []  # static lr per group (cuda_graph)
         self._fused = FusedStep((compile if not isinstance(compile, bool) else "inductor") if self.compile else None)
         self._layers = grouped_layers(model, self.param_groups)  # weight in a group: curvature
         self._initial_jacobian_sites()
