@@ -100,3 +100,20 @@ def test_lr_schedule_replays_one_graph_and_equals_eager(two_groups: bool) -> Non
     assert len(keys) == 4 and len(set(keys)) == 1  # the 4 reuse steps: one key
     assert float(opt._lr_buf[0]) == 0.05 * (1.0 - 0.07 * 5)  # the last reuse step's (t = 5) lr, exactly
 
+
+def test_step_graphs_do_not_capture_a_step_that_reads_back() -> None:
+    """A warm-up that reads a value back from the device (here ``.item()``) cannot be
+    captured: it does not count as a warm-up; after MAX_SYNC_WARMUPS such runs the runner
+    gives up (one warning naming the op) before any capture is tried. A sync-free warm-up
+    of another key is seen."""
+    graphs, dev = StepGraphs(), torch.device("cuda")
+    t = torch.ones(2)
+    for _ in range(StepGraphs.MAX_SYNC_WARMUPS - 1):
+        graphs.run("reads", lambda: torch.tensor(t.sum().item()), dev)
+    assert not graphs.failed and "reads" not in graphs.seen
+    graphs.run("free", lambda: t * 2, dev)
+    assert "free" in graphs.seen
+    with pytest.warns(RuntimeWarning, match="_local_scalar_dense"):
+        graphs.run("reads", lambda: torch.tensor(t.sum().item()), dev)
+    assert graphs.failed and not graphs.graphs and graphs.eager_runs == StepGraphs.MAX_SYNC_WARMUPS + 1
+

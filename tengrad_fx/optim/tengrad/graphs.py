@@ -6,7 +6,10 @@ per key (the step kind and every Python number baked into it: lr, damping, momen
 weight decay, KL clip, and a version that changes when the static tensors are replaced):
 
 * the first step of a key runs eagerly (warm-up), the second is captured and replayed, later
-  ones replay;
+  ones replay; a warm-up that reads anything back from the device (counted by
+  :class:`tengrad_fx.utils.dispatch.SyncCounter`: such a step cannot be captured) does not
+  count, and after ``MAX_SYNC_WARMUPS`` of them the step runs eagerly (one warning naming
+  the ops) instead of failing in the capture;
 * the lr is not in the key: each group's lr is a static 0-d device tensor that is refilled
   before every run, so an lr schedule replays one graph;
 * the inputs are static: gradients are copied into static buffers that then serve as
@@ -30,6 +33,7 @@ from typing import Any, Callable, Hashable, Optional
 import torch
 from torch import Tensor
 
+from ...utils.dispatch import SyncCounter
 from ..step.param_groups import group_params, same_lr
 
 __all__ = ["ReuseGraphs", "StepGraphs"]
@@ -39,10 +43,12 @@ class StepGraphs:
     """CUDA graphs of a step's device part, by key (module docstring)."""
 
     MAX_KEYS = 16
+    MAX_SYNC_WARMUPS = 3
 
     def __init__(self) -> None:
         self.graphs: dict[Hashable, tuple[Any, Tensor]] = {}
         self.seen: set[Hashable] = set()
+        self.sync_warmups: dict[Hashable, int] = {}
         self.failed = False
         self.replays = 0
         self.eager_runs = 0
@@ -64,9 +70,7 @@ class StepGraphs:
                 self.eager_runs += 1
                 return fn()
             if key not in self.seen:  # warm-up: eager, allocations settle
-                self.seen.add(key)
-                self.eager_runs += 1
-                return fn()
+                return self._warm_up(key, fn)
             try:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
@@ -81,6 +85,23 @@ class StepGraphs:
         hit[0].replay()
         self.replays += 1
         return hit[1]
+
+    def _warm_up(self, key: Hashable, fn: Callable[[], Tensor]) -> Tensor:
+        """An eager run of a new key; ``key`` is seen (captured next time) only if the run read
+        nothing back from the device."""
+        self.eager_runs += 1
+        with SyncCounter() as sc:
+            out = fn()
+        if not sc.count:
+            self.seen.add(key)
+            return out
+        n = self.sync_warmups[key] = self.sync_warmups.get(key, 0) + 1
+        if n >= self.MAX_SYNC_WARMUPS:
+            self.failed = True
+            warnings.warn(f"TENGraD(cuda_graph=True): the step reads back from the device ({dict(sc.ops)}), "
+                          "so it cannot be captured; running eagerly (pass cuda_graph=False to skip the check)",
+                          RuntimeWarning)
+        return out
 
 
 class ReuseGraphs:
