@@ -233,7 +233,7 @@ def _check_model(name: str, case: Case) -> None:
     rep = tengrad_fx.report(prepared)
     n_cov, n_fb = len(info.covered), len(info.fallback)
     assert (rep.n_covered, rep.n_fallback) == (n_cov, n_fb)
-    # issue 10's target: ≥ 99 % of the parameters (by count) preconditioned exactly; a model
+    # the coverage target: ≥ 99 % of the parameters (by count) preconditioned exactly; a model
     # below it names the reason (windows folded into the batch)
     assert rep.fraction_params >= 0.99 or case.folded, (rep.fraction_params, rep.fallbacks)
     n_lin_fb = sum(1 for n, mod in ref.named_modules() if isinstance(mod, _BASES) and n not in ordinary)

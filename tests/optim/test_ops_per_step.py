@@ -33,7 +33,7 @@ every step of both models, and the KL clip from the ``m``-vectors and one finite
 a few more, so the same per-layer ops weigh more in the ratio: reuse 629 against 267
 kernels). With ``"materialize"`` both models' steps are now the same kernels (96 / 70 /
 43: every layer in one packed group).
-The issue asked for ≤ 4×.
+The bound asked of this test is ≤ 4×.
 """
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ def test_param_count(models: dict[str, Any], name: str) -> None:
 def test_param_count_table() -> None:
     assert PARAM_COUNTS == {
         "3c1f": 5_485_958,
-        "3c1f-bn": 5_486_726,  # 3c1f + a BatchNorm2d(128) after each conv (issue 10's training check)
+        "3c1f-bn": 5_486_726,  # 3c1f + a BatchNorm2d(128) after each conv (the norm-layer training check)
         "wrn-28-4": 5_849_050,
         "densenet-19": 2_939_610,
         "mobilenetv2": 2_296_922,
