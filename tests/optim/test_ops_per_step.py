@@ -21,11 +21,9 @@ step shrank (one batched ``cholesky_ex`` for all jitter tries: WRN-10's MC curva
 229 -> 199 kernels), so the ratio rose from 1.027 / 1.042 with the same difference.
 The last stage's maps are 2 × 2, so its stacks take ``J g`` and ``Jᵀ c`` by ``bmm``
 (:mod:`tengrad_fx.curvature.conv_stack_bmm`): a curvature step builds their unfolded
-operands, and the deep model's stacks of several layers rewrite the kept ones in place (3
-kernels more than the shallow model's, whose single-layer stacks are made anew), so the
-curvature steps' ratios are 1.039 / 1.063 (348 / 335, 219 / 206 kernels) and the bound
-with ``"auto"`` 1.07; the reuse steps dispatch 9 kernels fewer than with convolutions
-(108 / 106).
+operands anew (rewritten in place only for a captured CUDA graph), so the curvature steps'
+ratios are 1.036 / 1.058 (347 / 335, 218 / 206 kernels); the reuse steps dispatch 9
+kernels fewer than with convolutions (108 / 106).
 With ``strategy="factor"`` every BatchNorm is factored too, and norm layers by factor
 still go one layer at a time (25 against 7): 2.34 / 2.32 / 2.36× (it was 2.96× before the
 conv stacks; the fused final update, ``update._fused_momentum_step``, took 15 kernels off
@@ -64,7 +62,7 @@ def _kernels_per_step(pm: torch.nn.Module, strategy: str, T: int, fisher: str) -
 
 
 @pytest.mark.parametrize("fisher", ["empirical", "mc"])
-@pytest.mark.parametrize("strategy,bound", [("materialize", 1.03), ("auto", 1.07), ("factor", 2.4)])
+@pytest.mark.parametrize("strategy,bound", [("materialize", 1.03), ("auto", 1.06), ("factor", 2.4)])
 def test_deep_step_dispatches_about_what_shallow_does(prepared, fisher: str, strategy: str, bound: float) -> None:
     shallow = _kernels_per_step(prepared[10], strategy, 2, fisher)
     deep = _kernels_per_step(prepared[28], strategy, 2, fisher)

@@ -336,10 +336,12 @@ def build_groups(layers: list[CoveredLayer], strategy: str, budget: Optional[flo
     while plans:  # each plan's members are released once it is stacked
         (kind, key, members), old = plans.pop(0), olds.pop(0)  # type: ignore[assignment]
         if old is not None:
+            old.static = static
             old.refill([(mb[1], mb[2]) for mb in members])
             grp = old
         else:
             grp = _packed_group(members) if kind == "packed" else _group(key, members)
+            grp.static = static
         grp.point_records()
         groups.append(grp)
         del grp, old, members

@@ -162,9 +162,9 @@ class ConvStackGroup(LayerGroup):
     def bmm_operands(self) -> Optional[conv_stack_bmm.Operands]:
         """The ``bmm`` form's operands of the stacks ``A``, ``B``, or None where that form does
         not apply (:func:`~tengrad_fx.curvature.conv_stack_bmm.applies`). Kept while the
-        stacks are the same tensors, unwritten (their version counters); stacks written in
-        place (:meth:`refill`) have the kept operands rewritten in place, so the tensors a
-        captured CUDA graph reads stay the same."""
+        stacks are the same tensors, unwritten (their version counters); for a ``static``
+        group (a captured CUDA graph reads them) stacks written in place (:meth:`refill`)
+        have the kept operands rewritten in place, otherwise new ones are made."""
         A, B = self.A, self.B
         assert A is not None and B is not None
         kept = self._bmm
@@ -173,18 +173,21 @@ class ConvStackGroup(LayerGroup):
         spec = self.layers[0].spec
         ops = conv_stack_bmm.operands(spec, A, B) if conv_stack_bmm.applies(spec, A, B) else None
         old = kept[4] if kept is not None else None
-        if ops is not None and old is not None and all(o.shape == n.shape and o.dtype == n.dtype
-                                                       for o, n in zip(old, ops)):
+        if ops is not None and old is not None and self.static \
+                and all(o.shape == n.shape and o.dtype == n.dtype for o, n in zip(old, ops)):
             torch._foreach_copy_(list(old), list(ops))
             ops = old
         self._bmm = (A, B, A._version, B._version, ops)
         return ops
 
     def refill(self, parts: list[tuple[Tensor, Optional[Tensor]]]) -> None:
-        """:meth:`LayerGroup.refill`, then the kept ``bmm`` operands rewritten in place."""
+        """:meth:`LayerGroup.refill`, then the kept ``bmm`` operands rewritten in place
+        (``static``) or dropped (made anew when next used)."""
         super().refill(parts)
-        if self._bmm is not None:
+        if self._bmm is not None and self.static:
             self.bmm_operands()
+        else:
+            self._bmm = None
 
     def gram(self) -> Tensor:
         assert self.A is not None and self.B is not None

@@ -139,6 +139,7 @@ class LayerGroup:
     strategy: str = "auto"  # "layer", "conv": Gram strategy
     chol: Optional[Tensor] = None  # [L, m, m]: factors of K + mαI
     cols: Optional[list[tuple[int, int]]] = None  # packed "P": (n_w, n_b) per layer
+    static: bool = False  # a captured CUDA graph reads this group's tensors: they keep their addresses
     _pairs: Optional[list[tuple[Tensor, Optional[Tensor]]]] = field(default=None, init=False, repr=False)
     _gpack: Optional[tuple[Tensor, list[Tensor]]] = field(default=None, init=False, repr=False)
     _fill: Optional[list[Tensor]] = field(default=None, repr=False)  # packed: the views refill copies into
