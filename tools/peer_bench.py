@@ -5,6 +5,7 @@
                                [--tengrad 'NAME:key=value,...' ...]
                                [--steps 300] [--batch-size 128] [--subset N] [--eval-every 25]
                                [--eval-subset 2000] [--targets 0.85,0.88] [--lr-grid 1|3|5]
+                               [--schedule constant|cosine]
                                [--warmup 2] [--seed 0] [--device cpu|cuda] [--threads N]
                                [--out DIR] [--plot]
 
@@ -28,6 +29,9 @@ Methods (``METHODS``; ``--methods all`` = every one):
 
 ``--tengrad 'k32:curvature_samples=32'`` adds a TENGraD variant: the paper's settings with
 those keyword overrides (``preset=NAME`` stands for a preset's options), as in ``tools.ablate``.
+
+``--schedule cosine`` gives every run the same lr schedule (``LambdaLR``: its lr times
+``½(1 + cos(π·t/steps))`` after ``t`` steps, down to 0 at ``--steps``); default constant.
 
 ``--lr-grid K`` (odd K) trains every method at its default lr × 3^j for j = −K//2 … K//2
 (``3`` = default × {1/3, 1, 3}); the summary keeps, per method, the lr with the best final
@@ -98,6 +102,7 @@ class Run:
     times: list[float] = field(default_factory=list)
     curve: list[dict[str, float]] = field(default_factory=list)
     diverged_at: int | None = None
+    sched: Any = None  # a torch.optim.lr_scheduler stepped after every step (--schedule)
 
     @property
     def name(self) -> str:
@@ -116,16 +121,33 @@ class Run:
         self.opt.step()
         sync()
         self.times.append(time.perf_counter() - t0)
+        if self.sched is not None:
+            self.sched.step()
         if not math.isfinite(float(loss.detach())):
             self.diverged_at = len(self.times)
 
 
-def make_run(method: Method, lr: float, base: nn.Module, example: torch.Tensor) -> Run:
-    """A run of ``method`` at ``lr`` on a copy of ``base`` (prepared where the method needs it)."""
+def lr_multiplier(schedule: str, steps: int) -> Callable[[int], float]:
+    """``--schedule``: the factor on every group's lr after ``t`` steps: ``"constant"`` 1,
+    ``"cosine"`` ``½(1 + cos(π·t/steps))`` (from 1 to 0 over the run)."""
+    if schedule == "constant":
+        return lambda t: 1.0
+    if schedule == "cosine":
+        return lambda t: 0.5 * (1.0 + math.cos(math.pi * min(t, steps) / steps))
+    raise ValueError(f"--schedule must be 'constant' or 'cosine', got {schedule!r}")
+
+
+def make_run(method: Method, lr: float, base: nn.Module, example: torch.Tensor, schedule: str = "constant",
+             steps: int = 1) -> Run:
+    """A run of ``method`` at ``lr`` on a copy of ``base`` (prepared where the method needs it),
+    its lr following ``schedule`` over ``steps`` (:func:`lr_multiplier`)."""
     model = copy.deepcopy(base)
     if method.prepared:
         model = tengrad_fx.prepare(model, example_inputs=(example[:2],))
-    return Run(method, lr, model, method.build(model, lr))
+    opt = method.build(model, lr)
+    sched = None if schedule == "constant" else \
+        torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(schedule, steps))  # type: ignore[arg-type]
+    return Run(method, lr, model, opt, sched=sched)
 
 
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 1000) -> tuple[float, float]:
@@ -173,7 +195,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if "sgd" not in names:
         names.insert(0, "sgd")  # the timing reference
     methods = [METHODS[m] for m in names] + [tengrad_method(*parse_variant(s)) for s in args.tengrad]
-    runs = [make_run(m, float(f"{m.lr * f:.6g}"), base, train_set.x[:2]) for m in methods
+    runs = [make_run(m, float(f"{m.lr * f:.6g}"), base, train_set.x[:2], args.schedule, args.steps) for m in methods
             for f in lr_factors(args.lr_grid)]
     ref = next(r for r in runs if r.method.name == "sgd" and r.lr == METHODS["sgd"].lr)
     order = batch_order(len(train_set), args.batch_size, args.steps, args.seed)
@@ -342,6 +364,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--targets", default="0.85,0.88", help="test accuracies (fractions)")
     ap.add_argument("--lr-grid", type=int, default=1, help="odd K: default lr × 3^j, j = -K//2..K//2")
     ap.add_argument("--warmup", type=int, default=2, help="rounds left out of the step-cost ratios")
+    ap.add_argument("--schedule", default="constant", choices=["constant", "cosine"],
+                    help="every method's lr: constant, or cosine from its lr to 0 over --steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")

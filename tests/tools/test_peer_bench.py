@@ -86,3 +86,24 @@ def test_lr_factors_and_batch_order() -> None:
     assert [len(i) for i in order] == [4] * 5  # two per epoch (the partial batch dropped)
     assert set(order[0].tolist()).isdisjoint(order[1].tolist())
     assert all((a == b).all() for a, b in zip(order, peer_bench.batch_order(10, 4, 5, seed=0)))
+
+
+def test_cosine_schedule(data_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--schedule cosine``: every run's lr times ½(1 + cos(π·t/steps)), 0 after the last step
+    (here TENGraD's too); the config records it."""
+    import torch
+    import torch.nn as nn
+
+    f = peer_bench.lr_multiplier("cosine", 4)
+    assert [f(t) for t in range(5)] == pytest.approx([1.0, 0.5 + 0.5 ** 1.5, 0.5, 0.5 - 0.5 ** 1.5, 0.0])
+    assert peer_bench.lr_multiplier("constant", 4)(3) == 1.0
+    base = nn.Sequential(nn.Flatten(), nn.Linear(4, 3))
+    x, y = torch.randn(6, 1, 2, 2), torch.tensor([0, 1, 2, 0, 1, 2])
+    run = peer_bench.make_run(peer_bench.METHODS["sgd"], 0.1, base, x, "cosine", 4)
+    for t in range(4):
+        assert run.opt.param_groups[0]["lr"] == pytest.approx(0.1 * f(t))
+        run.step(x, y, lambda: None)
+    assert run.opt.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
+    res = _run(data_dir, tmp_path, "sgd,tengrad", "--schedule", "cosine")
+    _check(res, ["sgd", "tengrad"], 1)
+    assert res["config"]["schedule"] == "cosine"
