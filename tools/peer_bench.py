@@ -146,7 +146,7 @@ def make_run(method: Method, lr: float, base: nn.Module, example: torch.Tensor, 
         model = tengrad_fx.prepare(model, example_inputs=(example[:2],))
     opt = method.build(model, lr)
     sched = None if schedule == "constant" else \
-        torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(schedule, steps))  # type: ignore[arg-type]
+        torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(schedule, steps))
     return Run(method, lr, model, opt, sched=sched)
 
 
