@@ -2,8 +2,9 @@
 
 A warmed-up TENGraD step reads nothing back from the device (``tests/optim/test_syncs.py``),
 so its device part can be captured. :class:`StepGraphs` keeps one ``torch.cuda.CUDAGraph``
-per key (the step kind and every Python number baked into it: lr, damping, momentum,
-weight decay, KL clip, and a version that changes when the static tensors are replaced):
+per key (the step kind and every Python number baked into it: damping, momentum, weight
+decay, KL clip, whether the groups' lrs are equal, and a version that changes when the
+static tensors are replaced; :meth:`ReuseGraphs._graph_key`):
 
 * the first step of a key runs eagerly (warm-up), the second is captured and replayed, later
   ones replay; a warm-up that reads anything back from the device (counted by
