@@ -3,7 +3,8 @@
     python -m tools.ablate [--variants paper,lr3,...] [--tengrad 'NAME:key=value,key=value']...
                            [--peers sgd,muon,soap] [--seeds 0,1,2] [--steps 300] [--batch-size 128]
                            [--eval-every 25] [--eval-subset 2000] [--targets 0.85,0.88]
-                           [--at 25,100,300] [--threads 1] [--data-dir DIR] [--out DIR]
+                           [--at 25,100,300] [--schedule constant|cosine] [--threads 1]
+                           [--data-dir DIR] [--out DIR]
 
 Every TENGraD variant is ``make_optimizer("tengrad", model, "fashion-mnist", **opts)`` (an
 option ``preset=NAME`` stands for that preset's options, ``registry.PRESETS``): the
@@ -15,7 +16,8 @@ variants are ``VARIANTS``; ``--tengrad 'name:curvature_every=1,damping=0.03'`` a
 or, written ``muon@0.06``, at that lr.
 
 Per seed, every run starts from the same initial weights and sees the same batches, in
-lockstep (:mod:`tools.peer_bench`'s ``Run``); test accuracy on a fixed ``--eval-subset``
+lockstep (:mod:`tools.peer_bench`'s ``Run``), every lr following ``--schedule`` over
+``--steps`` (``tools.peer_bench.lr_multiplier``; default constant); test accuracy on a fixed ``--eval-subset``
 of the test set every ``--eval-every`` steps. The table gives, per variant over the
 seeds, mean ± half the range (min–max / 2) of the steps to each target (the first
 evaluation at or above it; a seed that never reaches it counts as missing, and the
@@ -77,7 +79,7 @@ def run_seed(args: argparse.Namespace, methods: list[Method], seed: int) -> list
     train_set, xt, yt = load_data(args, torch.device("cpu"))
     torch.manual_seed(seed)
     base = build_model(args.model)[0]
-    runs: list[Run] = [make_run(m, m.lr, base, train_set.x[:2]) for m in methods]
+    runs: list[Run] = [make_run(m, m.lr, base, train_set.x[:2], args.schedule, args.steps) for m in methods]
     for run in runs:
         if hasattr(run.opt, "seed_mc"):
             run.opt.seed_mc(seed)
@@ -147,6 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--eval-subset", type=int, default=2000)
     ap.add_argument("--targets", default="0.85,0.88")
     ap.add_argument("--at", default="25,100,300", help="steps whose accuracy the table shows")
+    ap.add_argument("--schedule", default="constant", choices=["constant", "cosine"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--verbose", action="store_true")
