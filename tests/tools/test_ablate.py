@@ -45,6 +45,27 @@ def test_end_to_end(data_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert rows == ["| variant", "| paper", "| w", "| sgd"]
 
 
+def test_cosine_schedule_reaches_every_run(data_dir, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """``--schedule cosine``: every run's lr (TENGraD's and the peer's) follows the cosine over
+    ``--steps``, down to 0 after the last step; the config records it."""
+    runs = []
+
+    def recording_make_run(*args, **kwargs):  # type: ignore[no-untyped-def]
+        runs.append(make_run(*args, **kwargs))
+        return runs[-1]
+
+    make_run = ablate.make_run
+    monkeypatch.setattr(ablate, "make_run", recording_make_run)
+    res = ablate.main(["--model", "tiny", "--data-dir", str(data_dir), "--variants", "paper", "--peers", "sgd",
+                       "--steps", "4", "--batch-size", "8", "--eval-every", "2", "--eval-subset", "16",
+                       "--at", "4", "--schedule", "cosine", "--threads", "1"])
+    assert res["config"]["schedule"] == "cosine"
+    assert [r.method.name for r in runs] == ["paper", "sgd"]
+    for r in runs:
+        assert r.sched is not None and len(r.times) == 4
+        assert all(g["lr"] == pytest.approx(0.0, abs=1e-12) for g in r.opt.param_groups)
+
+
 def test_preset_variant_takes_the_preset_lr() -> None:
     from tengrad_fx.optim.registry import PRESETS
 
