@@ -48,13 +48,12 @@ def test_end_to_end(data_dir, tmp_path) -> None:  # type: ignore[no-untyped-def]
 def test_cosine_schedule_reaches_every_run(data_dir, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """``--schedule cosine``: every run's lr (TENGraD's and the peer's) follows the cosine over
     ``--steps``, down to 0 after the last step; the config records it."""
-    runs = []
+    runs, make_run = [], ablate.make_run
 
     def recording_make_run(*args, **kwargs):  # type: ignore[no-untyped-def]
         runs.append(make_run(*args, **kwargs))
         return runs[-1]
 
-    make_run = ablate.make_run
     monkeypatch.setattr(ablate, "make_run", recording_make_run)
     res = ablate.main(["--model", "tiny", "--data-dir", str(data_dir), "--variants", "paper", "--peers", "sgd",
                        "--steps", "4", "--batch-size", "8", "--eval-every", "2", "--eval-subset", "16",
