@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from tengrad_fx.zoo.bench_models import build_model
-from tools.peer_bench import Run, batch_order, evaluate, load_data, make_run, to_target
+from tools.peer_bench import SCHEDULES, Run, batch_order, evaluate, load_data, make_run, to_target
 from tools.peer_methods import METHODS, Method, parse_variant, tengrad_method
 
 _FM = "fashion-mnist"
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--eval-subset", type=int, default=2000)
     ap.add_argument("--targets", default="0.85,0.88")
     ap.add_argument("--at", default="25,100,300", help="steps whose accuracy the table shows")
-    ap.add_argument("--schedule", default="constant", choices=["constant", "cosine"])
+    ap.add_argument("--schedule", default="constant", choices=SCHEDULES)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--verbose", action="store_true")

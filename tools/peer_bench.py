@@ -127,6 +127,10 @@ class Run:
             self.diverged_at = len(self.times)
 
 
+SCHEDULES = ("constant", "cosine")
+"""The ``--schedule`` choices of this benchmark and ``tools.ablate`` (:func:`lr_multiplier`)."""
+
+
 def lr_multiplier(schedule: str, steps: int) -> Callable[[int], float]:
     """``--schedule``: the factor on every group's lr after ``t`` steps: ``"constant"`` 1,
     ``"cosine"`` ``½(1 + cos(π·t/steps))`` (from 1 to 0 over the run)."""
@@ -364,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--targets", default="0.85,0.88", help="test accuracies (fractions)")
     ap.add_argument("--lr-grid", type=int, default=1, help="odd K: default lr × 3^j, j = -K//2..K//2")
     ap.add_argument("--warmup", type=int, default=2, help="rounds left out of the step-cost ratios")
-    ap.add_argument("--schedule", default="constant", choices=["constant", "cosine"],
+    ap.add_argument("--schedule", default="constant", choices=SCHEDULES,
                     help="every method's lr: constant, or cosine from its lr to 0 over --steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
