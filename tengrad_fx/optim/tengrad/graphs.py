@@ -151,10 +151,8 @@ class ReuseGraphs:
     def _static_lrs(self, like: Tensor) -> list[Tensor]:
         """Each group's lr in a static 0-d float64 tensor on ``like``'s device (the Python
         float's value), refilled now: a captured graph reads the current lr."""
-        dtype = torch.float64
-        if len(self._lr_buf) != len(self.param_groups) or self._lr_buf[0].device != like.device \
-                or self._lr_buf[0].dtype != dtype:
-            self._lr_buf = [torch.zeros((), dtype=dtype, device=like.device) for _ in self.param_groups]
+        if len(self._lr_buf) != len(self.param_groups) or self._lr_buf[0].device != like.device:
+            self._lr_buf = [torch.zeros((), dtype=torch.float64, device=like.device) for _ in self.param_groups]
             self._graph_version += 1
         for t, g in zip(self._lr_buf, self.param_groups):
             t.fill_(g["lr"])
