@@ -14,48 +14,58 @@ from tengrad_fx.optim.step import update
 from tengrad_fx.utils.dispatch import SyncCounter
 
 
-def _tensors(seed: int, channels_last: bool, dtype: torch.dtype = torch.float64,
+def _tensors(seed: int, channels_last: bool, dtype: torch.dtype = torch.float64, device: str = "cpu",
              ) -> tuple[list[torch.Tensor], dict[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     shapes = [(4, 3, 3, 3), (4,), (5, 4), (5,)]
-    ps = [torch.randn(s, generator=g, dtype=dtype) for s in shapes]
+    ps = [torch.randn(s, generator=g, dtype=dtype).to(device) for s in shapes]
     if channels_last:
         ps[0] = ps[0].to(memory_format=torch.channels_last)
     for p in ps:
-        p.grad = torch.randn(p.shape, generator=g, dtype=dtype)
+        p.grad = torch.randn(p.shape, generator=g, dtype=dtype).to(device)
     # preconditioned updates for the weights; the biases keep u = g
-    updates = {ps[i]: torch.randn(ps[i].shape, generator=g, dtype=dtype) for i in (0, 2)}
+    updates = {ps[i]: torch.randn(ps[i].shape, generator=g, dtype=dtype).to(device) for i in (0, 2)}
     return ps, updates
 
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("lr_as", ["float", "tensor"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["fused", "foreach"])
 @pytest.mark.parametrize("kl", [False, True])
-def test_update_matches_formula_over_steps(channels_last: bool, kl: bool, dtype: torch.dtype) -> None:
+def test_update_matches_formula_over_steps(channels_last: bool, kl: bool, dtype: torch.dtype, lr_as: str,
+                                           device: str) -> None:
+    """``lr`` as a Python float or as a 0-d float64 device tensor (a CUDA graph's static lr):
+    float64 steps to 1e-13 either way (a tensor lr read as float32 is off by ~1e-8)."""
     tol = 1e-13 if dtype == torch.float64 else 2e-6
-    ps, _ = _tensors(0, channels_last, dtype)
+    ps, _ = _tensors(0, channels_last, dtype, device)
     state: dict = {p: {} for p in ps}
-    lr, mu, wd = 0.3, 0.9, 1e-2
+    lr_value, mu, wd = 0.3, 0.9, 1e-2
+    lr = lr_value if lr_as == "float" else torch.tensor(lr_value, dtype=torch.float64, device=device)
+    fusable = not channels_last and not (device == "cuda" and lr_as == "tensor" and dtype == torch.float64)
     w = [p.detach().clone() for p in ps]
     buf: list = [None] * len(ps)
     for t in range(3):
-        _, updates = _tensors(100 + t, channels_last, dtype)
+        _, updates = _tensors(100 + t, channels_last, dtype, device)
         updates = {p: u for p, u in zip([ps[0], ps[2]], updates.values())}
         grads = [p.grad.clone() for p in ps]
         us = {p: u.clone() for p, u in updates.items()}
-        nu = torch.tensor(0.37, dtype=dtype) if kl else None
-        ok = torch.tensor(True)
-        assert update._fusable(ps, [updates.get(p, p.grad) for p in ps], state, mu) == (not channels_last)
+        nu = torch.tensor(0.37, dtype=dtype, device=device) if kl else None
+        ok = torch.tensor(True, device=device)
+        assert update._fusable(ps, [updates.get(p, p.grad) for p in ps], state, mu, lr) == fusable
         update.apply_momentum_step(state, ps, updates, lr, mu, wd, nu, ok)
         for i, p in enumerate(ps):
             u = us[p] if p in us else grads[i]
             d = (u * nu if (kl and p in updates) else u) + wd * w[i]
             buf[i] = d if buf[i] is None else mu * buf[i] + d
-            w[i] = w[i] - lr * buf[i]
+            w[i] = w[i] - lr_value * buf[i]
             torch.testing.assert_close(p.detach(), w[i], rtol=tol, atol=tol)
             torch.testing.assert_close(state[p]["momentum_buffer"], buf[i], rtol=tol, atol=tol)
             assert torch.equal(p.grad, grads[i]), "a plain gradient was written"
-            if p in us and kl and dtype == torch.float32 and not channels_last:  # the kernel's ν·u
+            if p in us and kl and dtype == torch.float32 and fusable:  # the kernel's ν·u
                 torch.testing.assert_close(updates[p], us[p] * nu, rtol=1e-6, atol=1e-7)
             elif p in us:
                 assert torch.equal(updates[p], us[p]), "an update was written"

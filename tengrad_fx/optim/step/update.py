@@ -87,10 +87,15 @@ FUSED_DEVICES = ("cpu", "cuda")
 """Devices whose ``aten::_fused_sgd_`` kernel takes the update (:func:`_fused_momentum_step`)."""
 
 
-def _fusable(ps: list[Tensor], ds: list[Tensor], state: dict[Any, Any], momentum: float) -> bool:
+def _fusable(ps: list[Tensor], ds: list[Tensor], state: dict[Any, Any], momentum: float,
+             lr: float | Tensor) -> bool:
     """Can :func:`_fused_momentum_step` apply this step? Its kernel walks each tensor's
     storage in order, so parameter, update and buffer must all be contiguous (a
-    channels-last parameter takes the ``_foreach`` path), of one dtype, on a fused device."""
+    channels-last parameter takes the ``_foreach`` path), of one dtype, on a fused device.
+    The CUDA kernel reads a tensor ``lr`` as float32: a float64 parameter would step with
+    an lr rounded to float32 (2e-8 relative), so float64 with a CUDA tensor lr is not fused."""
+    if isinstance(lr, Tensor) and lr.is_cuda and any(p.dtype == torch.float64 for p in ps):
+        return False
     for p, d in zip(ps, ds):
         if p.device.type not in FUSED_DEVICES or not p.is_floating_point() or d.dtype != p.dtype \
                 or d.device != p.device or not (p.is_contiguous() and d.is_contiguous()):
@@ -125,7 +130,7 @@ def _fused_momentum_step(state: dict[Any, Any], ps: list[Tensor], ds: list[Tenso
         b[1].append(d)
         if momentum:
             b[2].append(state[p]["momentum_buffer"])
-    if isinstance(lr, Tensor) and lr.is_cuda:  # the CUDA kernel reads a tensor lr as float32 (the CPU one as double)
+    if isinstance(lr, Tensor) and lr.is_cuda:  # the CUDA kernel reads a tensor lr as float32 (float64: not fused)
         lr = lr.to(torch.float32)
     for (device, _, first, sc), (bp, bd, bb) in buckets.items():
         torch._fused_sgd_(bp, bd, bb, weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=0.0,
@@ -181,7 +186,7 @@ def apply_momentum_step(state: dict[Any, Any], params: list[Tensor], updates: di
         if not read:
             return False
         ok = None
-    fused = _fusable(ps, ds, state, momentum)
+    fused = _fusable(ps, ds, state, momentum, lr)
     pre = [i for i, p in enumerate(ps) if p in updates] if nu is not None else []
     if fused and pre and all(ds[i].dtype == torch.float32 and not _shares_grad(ps[i], ds[i]) for i in pre):
         # ν inside the kernel: grad_scale = 1/ν (float32 only), the updates overwritten with ν·u
