@@ -1,13 +1,16 @@
 """The floored polar factor against the thin SVD's ``U diag(σ / max(σ, δσ₁)) Vᵀ`` (float64,
 fresh random matrices: full rank, rank-deficient, with a singular value below the floor), and
-the Newton–Schulz approximation against the SVD with its quintic applied to the singular values."""
+the Newton–Schulz approximation against the SVD with its quintic applied to the singular values
+(both of its forms: steps on ``X``, and on the Gram of a wide matrix)."""
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tengrad_fx.solve import NEWTON_SCHULZ_STEPS, POLAR_FLOOR, newton_schulz_polar, \
     polar_factor
+from tengrad_fx.solve.polar import GRAM_SIDE_RATIO, _newton_schulz_direct
 from tengrad_fx.utils.dispatch import SyncCounter
 from testing.oracle import newton_schulz_reference
 
@@ -68,13 +71,49 @@ def test_low_precision_matches_float64(dtype: torch.dtype) -> None:
     torch.testing.assert_close(q.double(), polar_factor(m), rtol=0, atol=tol)
 
 
-@pytest.mark.parametrize("shape", [(5, 9), (9, 5), (7, 7), (1, 6)])
+@pytest.mark.parametrize("shape", [(5, 9), (9, 5), (7, 7), (1, 6), (4, 30), (30, 4)])
 @pytest.mark.parametrize("steps", [0, 1, NEWTON_SCHULZ_STEPS])
 def test_newton_schulz_maps_singular_values_by_the_quintic(shape: tuple[int, int], steps: int) -> None:
     m = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(11 + sum(shape)))
     torch.testing.assert_close(newton_schulz_polar(m, steps), newton_schulz_reference(m, steps), rtol=0, atol=1e-12)
     torch.testing.assert_close(newton_schulz_polar(m, scale=0.5), 0.5 * newton_schulz_reference(m),
                                rtol=0, atol=1e-12)
+
+
+class _WideProducts(TorchDispatchMode):
+    """Counts the matrix products with an operand of ``width`` columns (the ``A × A × B`` ones)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width, self.count = width, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            self.count += any(isinstance(a, torch.Tensor) and self.width in a.shape for a in args)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("shape", [(6, 40), (40, 6)])
+def test_newton_schulz_on_the_gram_equals_the_direct_steps_with_two_wide_products(shape: tuple[int, int]) -> None:
+    """A wide ``[A, B]`` (``B > GRAM_SIDE_RATIO·A``) iterates on its ``A × A`` Gram: the direct
+    steps' result to 1e-13 (float64; a low-rank matrix as a natural-gradient update of a wide
+    layer is), with 2 ``A × A × B`` products instead of 2 per step."""
+    gen = torch.Generator().manual_seed(13)
+    a, b = min(shape), max(shape)
+    assert b > GRAM_SIDE_RATIO * a
+    for m in (torch.randn(a, b, dtype=torch.float64, generator=gen),
+              torch.randn(a, 3, dtype=torch.float64, generator=gen) @ torch.randn(3, b, dtype=torch.float64,
+                                                                                   generator=gen)):
+        x = m / torch.linalg.vector_norm(m)
+        direct = _newton_schulz_direct(x, NEWTON_SCHULZ_STEPS, 0.7)
+        m = m if shape[0] == a else m.mT.contiguous()
+        with _WideProducts(b) as wp:
+            q = newton_schulz_polar(m, scale=0.7)
+        assert wp.count == 2
+        torch.testing.assert_close(q if shape[0] == a else q.mT, direct, rtol=0, atol=1e-13)
+    with _WideProducts(b) as wp:
+        _newton_schulz_direct(x, NEWTON_SCHULZ_STEPS, 1.0)
+    assert wp.count == 2 * NEWTON_SCHULZ_STEPS
 
 
 def test_newton_schulz_is_near_orthogonal_and_leaves_tiny_directions_small() -> None:
@@ -88,10 +127,11 @@ def test_newton_schulz_is_near_orthogonal_and_leaves_tiny_directions_small() -> 
 
 
 def test_newton_schulz_zero_nonfinite_dtype_and_shape_errors() -> None:
-    assert newton_schulz_polar(torch.zeros(3, 4)).abs().max() == 0
-    m = torch.randn(5, 3)
-    m[1, 2] = float("nan")
-    assert newton_schulz_polar(m).isnan().all()
+    for shape in ((3, 4), (3, 40)):  # the direct steps and the Gram's
+        assert newton_schulz_polar(torch.zeros(shape)).abs().max() == 0
+        m = torch.randn(shape[1], shape[0])
+        m[1, 2] = float("nan")
+        assert newton_schulz_polar(m).isnan().all()
     m = torch.randn(4, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     q = newton_schulz_polar(m.to(torch.bfloat16))
     assert q.dtype == torch.bfloat16
