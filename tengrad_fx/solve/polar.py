@@ -29,13 +29,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["NEWTON_SCHULZ_COEFFS", "NEWTON_SCHULZ_STEPS", "POLAR_FLOOR", "newton_schulz_polar",
-           "polar_factor"]
+__all__ = ["GRAM_SIDE_MIN_SAVING", "NEWTON_SCHULZ_COEFFS", "NEWTON_SCHULZ_STEPS", "POLAR_FLOOR", "gram_side_saving",
+           "newton_schulz_polar", "polar_factor"]
 
 POLAR_FLOOR = 1e-3  # δ: singular values below δ·σ_max are shrunk, not raised to 1
 NEWTON_SCHULZ_COEFFS = (3.4445, -4.7750, 2.0315)  # Muon's quintic (a, b, c)
 NEWTON_SCHULZ_STEPS = 5
-GRAM_SIDE_RATIO = 2.0  # B > ratio·A: Newton–Schulz on the A × A Gram (fewer FLOPs from B ≈ 1.5A on)
+GRAM_SIDE_MIN_SAVING = 2 ** 27  # FLOPs the Gram form must save (it launches ~2 more kernels per step)
 
 
 def polar_factor(m: Tensor, floor: float = POLAR_FLOOR, scale: float = 1.0) -> Tensor:
@@ -61,9 +61,9 @@ def polar_factor(m: Tensor, floor: float = POLAR_FLOOR, scale: float = 1.0) -> T
 def newton_schulz_polar(m: Tensor, steps: int = NEWTON_SCHULZ_STEPS, scale: float = 1.0) -> Tensor:
     """``scale·X_s`` of ``m [A, B]``: ``steps`` quintic Newton–Schulz steps (module docstring),
     on the ``min(A, B)`` side; same shape and dtype (float16 / bfloat16 computed in float32).
-    A non-finite ``m`` gives all NaN; ``m = 0`` gives ``0``. With ``A ≤ B``, a matrix wider
-    than ``GRAM_SIDE_RATIO·A`` iterates on its ``A × A`` Gram (:func:`_newton_schulz_gram`,
-    the same polynomial in fewer FLOPs); a squarer one on ``X`` itself."""
+    A non-finite ``m`` gives all NaN; ``m = 0`` gives ``0``. With ``A ≤ B``, a wide matrix
+    iterates on its ``A × A`` Gram (:func:`_newton_schulz_gram`, the same polynomial) where
+    that saves at least ``GRAM_SIDE_MIN_SAVING`` FLOPs; any other on ``X`` itself."""
     if m.ndim != 2:
         raise ValueError(f"newton_schulz_polar takes a 2-D tensor, got shape {tuple(m.shape)}")
     if m.shape[0] > m.shape[1]:
@@ -73,8 +73,14 @@ def newton_schulz_polar(m: Tensor, steps: int = NEWTON_SCHULZ_STEPS, scale: floa
     x = work / torch.linalg.vector_norm(work).clamp(min=torch.finfo(work.dtype).tiny)
     if not steps:
         return (x * scale).to(m.dtype)
-    wide = x.shape[1] > GRAM_SIDE_RATIO * x.shape[0]
-    return (_newton_schulz_gram if wide else _newton_schulz_direct)(x, steps, scale).to(m.dtype)
+    gram_side = gram_side_saving(x.shape[0], x.shape[1], steps) >= GRAM_SIDE_MIN_SAVING
+    return (_newton_schulz_gram if gram_side else _newton_schulz_direct)(x, steps, scale).to(m.dtype)
+
+
+def gram_side_saving(a: int, b: int, steps: int = NEWTON_SCHULZ_STEPS) -> int:
+    """FLOPs the Gram form saves on ``[a, b]`` (``a ≤ b``): ``s·(4a²b + 2a³) − (4a²b + 8sa³)``
+    (negative where the direct steps cost less, e.g. ``b < 1.5a``)."""
+    return steps * (4 * a * a * b + 2 * a ** 3) - (4 * a * a * b + 8 * steps * a ** 3)
 
 
 def _newton_schulz_direct(x: Tensor, steps: int, scale: float) -> Tensor:

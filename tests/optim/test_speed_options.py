@@ -16,8 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from tengrad_fx.optim import TENGraD
+from tengrad_fx.optim.tengrad.graft import graft_updates
 from tengrad_fx.optim.tengrad.schedule import CurvatureSchedule
 from tengrad_fx.solve import POLAR_FLOOR
+from tengrad_fx.utils.dispatch import OpCounter
 from testing.oracle import newton_schulz_reference
 from testing.tengrad_step import (
     assert_matches, batch, dense_u, forward_backward, full_grad, layer_params, setup, snapshot, step_delta,
@@ -206,3 +208,32 @@ def test_newton_schulz_allows_cuda_graphs_and_bad_values_are_named() -> None:
     with pytest.raises(ValueError, match="orthogonalize must be"):
         setup("mlp", orthogonalize="svd")
 
+
+
+@pytest.mark.parametrize("graft", ["sgd", "rmsprop"])
+def test_graft_launches_the_same_ops_for_any_number_of_parameters(graft: str) -> None:
+    """``graft_updates`` runs ``_foreach`` ops over all parameters: 3 parameters and 12
+    dispatch the same ops (a per-parameter loop would grow with them), and a step with a
+    non-finite gradient leaves every RMSProp moment and count bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+
+    def run(n: int, bad: bool = False) -> tuple[OpCounter, list[dict], dict]:
+        ps = [torch.randn(4, 3, generator=gen) if i % 2 else torch.randn(5, generator=gen) for i in range(n)]
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen)
+        updates = {p: torch.randn(p.shape, generator=gen) for p in ps[::2]}
+        state: dict = {p: {} for p in ps}
+        graft_updates(updates, ps, state, graft)  # moments exist
+        before = [{k: v.clone() for k, v in state[p].items()} for p in ps]
+        if bad:
+            ps[-1].grad[0] = float("nan")
+        with OpCounter() as oc:
+            graft_updates(updates, ps, state, graft)
+        return oc, before, state
+
+    few, many = run(3)[0], run(12)[0]
+    assert few.ops == many.ops and few.kernels <= 30, (few.ops, many.ops)
+    if graft == "rmsprop":
+        _, before, state = run(4, bad=True)
+        after = list(state.values())
+        assert all(torch.equal(b[k], a[k]) for b, a in zip(before, after) for k in ("graft_sq", "graft_t"))

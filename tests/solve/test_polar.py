@@ -10,7 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tengrad_fx.solve import NEWTON_SCHULZ_STEPS, POLAR_FLOOR, newton_schulz_polar, \
     polar_factor
-from tengrad_fx.solve.polar import GRAM_SIDE_RATIO, _newton_schulz_direct
+from tengrad_fx.solve import polar
+from tengrad_fx.solve.polar import GRAM_SIDE_MIN_SAVING, _newton_schulz_direct, gram_side_saving
 from tengrad_fx.utils.dispatch import SyncCounter
 from testing.oracle import newton_schulz_reference
 
@@ -71,9 +72,17 @@ def test_low_precision_matches_float64(dtype: torch.dtype) -> None:
     torch.testing.assert_close(q.double(), polar_factor(m), rtol=0, atol=tol)
 
 
+@pytest.fixture(params=["auto", "gram"])
+def gram_side(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """``"gram"``: every matrix the Gram form saves FLOPs on takes it, however small."""
+    if request.param == "gram":
+        monkeypatch.setattr(polar, "GRAM_SIDE_MIN_SAVING", 1)
+    return str(request.param)
+
+
 @pytest.mark.parametrize("shape", [(5, 9), (9, 5), (7, 7), (1, 6), (4, 30), (30, 4)])
 @pytest.mark.parametrize("steps", [0, 1, NEWTON_SCHULZ_STEPS])
-def test_newton_schulz_maps_singular_values_by_the_quintic(shape: tuple[int, int], steps: int) -> None:
+def test_newton_schulz_maps_singular_values_by_the_quintic(shape: tuple[int, int], steps: int, gram_side: str) -> None:
     m = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(11 + sum(shape)))
     torch.testing.assert_close(newton_schulz_polar(m, steps), newton_schulz_reference(m, steps), rtol=0, atol=1e-12)
     torch.testing.assert_close(newton_schulz_polar(m, scale=0.5), 0.5 * newton_schulz_reference(m),
@@ -94,13 +103,15 @@ class _WideProducts(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("shape", [(6, 40), (40, 6)])
-def test_newton_schulz_on_the_gram_equals_the_direct_steps_with_two_wide_products(shape: tuple[int, int]) -> None:
-    """A wide ``[A, B]`` (``B > GRAM_SIDE_RATIO·A``) iterates on its ``A × A`` Gram: the direct
-    steps' result to 1e-13 (float64; a low-rank matrix as a natural-gradient update of a wide
-    layer is), with 2 ``A × A × B`` products instead of 2 per step."""
+def test_newton_schulz_on_the_gram_equals_the_direct_steps_with_two_wide_products(
+        shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wide ``[A, B]`` iterates on its ``A × A`` Gram: the direct steps' result to 1e-13
+    (float64; a low-rank matrix as a natural-gradient update of a wide layer is), with 2
+    ``A × A × B`` products instead of 2 per step."""
+    monkeypatch.setattr(polar, "GRAM_SIDE_MIN_SAVING", 1)
     gen = torch.Generator().manual_seed(13)
     a, b = min(shape), max(shape)
-    assert b > GRAM_SIDE_RATIO * a
+    assert gram_side_saving(a, b) > 0
     for m in (torch.randn(a, b, dtype=torch.float64, generator=gen),
               torch.randn(a, 3, dtype=torch.float64, generator=gen) @ torch.randn(3, b, dtype=torch.float64,
                                                                                    generator=gen)):
@@ -117,10 +128,11 @@ def test_newton_schulz_on_the_gram_equals_the_direct_steps_with_two_wide_product
 
 
 @pytest.mark.parametrize("smallest", [1e-2, 1e-6])
-def test_newton_schulz_float32_error_on_the_gram(smallest: float) -> None:
+def test_newton_schulz_float32_error_on_the_gram(smallest: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """Float32 on the Gram of a wide matrix: within 1e-3 (relative, Frobenius) of the float64
     steps for singular values spread down to ``smallest``·σ_max (about 3e-4 measured; the
     direct steps: 1e-5), so the cheaper form does not change a step's direction."""
+    monkeypatch.setattr(polar, "GRAM_SIDE_MIN_SAVING", 1)
     gen = torch.Generator().manual_seed(3)
     a, b = 40, 400
     left = torch.linalg.qr(torch.randn(a, a, dtype=torch.float64, generator=gen))[0]
@@ -129,6 +141,17 @@ def test_newton_schulz_float32_error_on_the_gram(smallest: float) -> None:
     ref = newton_schulz_polar(m)
     err = torch.linalg.norm(newton_schulz_polar(m.float()).double() - ref) / torch.linalg.norm(ref)
     assert err < 1e-3, err
+
+
+def test_gram_side_where_it_saves_enough() -> None:
+    """The Gram form where it saves ≥ ``GRAM_SIDE_MIN_SAVING`` FLOPs: 3C1F's 500 × 10368 hidden
+    Linear (under a third of the direct steps' FLOPs) and its 128 × 1600 conv, not its
+    10 × 500 head or a square matrix."""
+    direct = NEWTON_SCHULZ_STEPS * (4 * 500 ** 2 * 10368 + 2 * 500 ** 3)
+    assert gram_side_saving(500, 10368) > 0.65 * direct
+    assert gram_side_saving(128, 1600) >= GRAM_SIDE_MIN_SAVING
+    assert gram_side_saving(10, 500) < GRAM_SIDE_MIN_SAVING
+    assert gram_side_saving(64, 64) < 0
 
 
 def test_newton_schulz_is_near_orthogonal_and_leaves_tiny_directions_small() -> None:

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["finite_flag", "all_finite", "update_dot", "kl_clip_factor", "apply_momentum_step"]
+__all__ = ["finite_flag", "all_finite", "update_dot", "kl_clip_factor", "apply_momentum_step", "zeroed_unless"]
 
 
 def finite_flag(ts: Iterable[Tensor], extra: Optional[Tensor] = None) -> Optional[Tensor]:
@@ -68,7 +68,7 @@ def kl_clip_factor(updates: dict[Tensor, Tensor], lr: float | Tensor, kl_clip: O
     return (ug.clamp(min=0.0) * coef).sqrt().clamp(min=1.0).reciprocal()
 
 
-def _sanitized(ds: list[Tensor], ok: Tensor) -> list[Tensor]:
+def zeroed_unless(ds: list[Tensor], ok: Tensor) -> list[Tensor]:
     """``ds`` with every entry zeroed where ``ok`` is False (a select, so NaN/inf go too):
     one ``cat`` + one ``where`` per dtype."""
     out: list[Optional[Tensor]] = [None] * len(ds)
@@ -200,7 +200,7 @@ def apply_momentum_step(state: dict[Any, Any], params: list[Tensor], updates: di
         _fused_momentum_step(state, ps, ds, lr, momentum, weight_decay, ok)
         return read
     if ok is not None:
-        ds = _sanitized(ds, ok)
+        ds = zeroed_unless(ds, ok)
     if isinstance(lr, Tensor):
         lr = lr.to(ds[0].dtype)
     if weight_decay:

@@ -10,7 +10,7 @@ where ``u_p`` is the natural-gradient update ((F + αI)⁻¹ g of its layer, res
 * ``"sgd"``: ``a = g``: the step is as long as SGD's at the same lr;
 * ``"rmsprop"``: ``a = g / (√v̂ + ε)``, ``v ← β₂ v + (1 − β₂) g²``, ``v̂ = v / (1 − β₂ᵗ)``
   (Adam's second moment; the heavy-ball momentum that follows plays Adam's first moment);
-  a parameter's non-finite gradient (a step the optimizer skips) does not enter ``v``.
+  a step with a non-finite gradient (which the optimizer skips) leaves every ``v`` and ``t``.
 
 Parameters without a preconditioned update (no curvature record) get ``u = a``. Runs on
 the device without a host read; ``v`` and the count ``t`` live in the optimizer's
@@ -38,6 +38,7 @@ from torch import Tensor
 
 from ... import solve
 from ..step.checks import check_choice
+from ..step.update import zeroed_unless, finite_flag
 
 __all__ = ["GRAFTS", "GRAFT_BETA2", "GRAFT_EPS", "ORTHO_RMS", "POLAR_METHODS", "check_graft", "check_orthogonalize",
            "graft_updates", "orthogonalize_updates", "orthogonalized"]
@@ -61,20 +62,31 @@ def check_graft(graft: Optional[str], beta2: float, eps: float) -> None:
 
 def _rmsprop_directions(grads: list[Tensor], state: Any, params: list[Tensor], beta2: float,
                         eps: float) -> list[Tensor]:
-    """``g / (√v̂ + ε)`` per parameter, updating ``v`` and ``t`` in ``state[p]``."""
-    out = []
+    """``g / (√v̂ + ε)`` per parameter, updating ``v`` and ``t`` in ``state[p]``; a step with
+    a non-finite gradient (which the optimizer skips) leaves every ``v`` and ``t``. A fixed
+    number of ``_foreach`` launches, whatever the number of parameters."""
     for p, g in zip(params, grads):
         st = state[p]
         if "graft_sq" not in st:
             st["graft_sq"] = torch.zeros_like(g)
             st["graft_t"] = torch.zeros((), dtype=g.dtype, device=g.device)
-        v, t = st["graft_sq"], st["graft_t"]
-        ok = torch.isfinite(g).all()  # a skipped non-finite step leaves v and t as they were
-        t.add_(ok.to(t.dtype))
-        v.copy_(torch.where(ok, v * beta2 + (1 - beta2) * g * g, v))
-        v_hat = v / (1 - torch.pow(torch.full_like(t, beta2), t))
-        out.append(g / (v_hat.sqrt() + eps))
-    return out
+    vs = [state[p]["graft_sq"] for p in params]
+    ts = [state[p]["graft_t"] for p in params]
+    ok = finite_flag(grads)
+    if ok is None:  # only empty gradients
+        ok = torch.ones((), dtype=torch.bool, device=grads[0].device)
+    safe = zeroed_unless(grads, ok)  # zero where the step is skipped: v·1 + 0 keeps v's bits
+    okf = ok.to(vs[0].dtype)
+    torch._foreach_add_(ts, [okf] * len(ts))  # a list: the 0-d Tensor overload reads it on the host
+    torch._foreach_mul_(vs, torch.where(ok, beta2, 1.0).to(vs[0].dtype))
+    torch._foreach_addcmul_(vs, safe, safe, value=1 - beta2)
+    bias = torch._foreach_pow(beta2, ts)  # β₂ᵗ
+    torch._foreach_neg_(bias)
+    torch._foreach_add_(bias, 1.0)  # 1 − β₂ᵗ (> 0 once v has a term: t ≥ 1)
+    denom = torch._foreach_div(vs, bias)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    return list(torch._foreach_div(grads, denom))
 
 
 def graft_updates(updates: dict[Tensor, Tensor], params: list[Tensor], state: Any, graft: str,
@@ -84,6 +96,8 @@ def graft_updates(updates: dict[Tensor, Tensor], params: list[Tensor], state: An
     direction itself where ``updates`` has none (module docstring)."""
     ps = [p for p in params if p.grad is not None]
     grads: list[Tensor] = [p.grad for p in ps]  # type: ignore[misc]
+    if not ps:
+        return {}
     dirs = list(grads) if graft == "sgd" else _rmsprop_directions(grads, state, ps, beta2, eps)
     pre = [i for i, p in enumerate(ps) if p in updates]
     out = {p: d for p, d in zip(ps, dirs)}
@@ -92,9 +106,10 @@ def graft_updates(updates: dict[Tensor, Tensor], params: list[Tensor], state: An
         a_norm = torch._foreach_norm([dirs[i] for i in pre])
         u_norm = torch._foreach_norm(us)
         tiny = torch.finfo(us[0].dtype).tiny
-        scale = [a / n.clamp(min=tiny) for a, n in zip(a_norm, u_norm)]
-        for i, u, s in zip(pre, us, scale):
-            out[ps[i]] = u * s.to(u.dtype)
+        torch._foreach_clamp_min_(u_norm, tiny)
+        scale = torch._foreach_div(a_norm, u_norm)
+        for i, u in zip(pre, torch._foreach_mul(us, scale)):
+            out[ps[i]] = u
     return out
 
 
