@@ -141,3 +141,15 @@ def test_cuda_orthogonalized_steps_equal_cpu() -> None:
     for a, b in zip(cpu, gpu):
         torch.testing.assert_close(b, a, rtol=1e-7, atol=1e-9)
 
+
+
+def test_cuda_newton_schulz_on_the_gram_equals_cpu() -> None:
+    """A wide matrix's Newton–Schulz polar factor on its Gram (3C1F's hidden Linear takes
+    that form; the test network's layers are too small for it) equals the CPU one (float64)."""
+    from tengrad_fx.solve import newton_schulz_polar
+    from tengrad_fx.solve.polar import GRAM_SIDE_MIN_SAVING, gram_side_saving
+
+    assert gram_side_saving(256, 4096) >= GRAM_SIDE_MIN_SAVING
+    m = torch.randn(256, 4096, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(newton_schulz_polar(m.cuda(), scale=0.3).cpu(), newton_schulz_polar(m, scale=0.3),
+                               rtol=1e-10, atol=1e-12)

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ... import solve
 from ..step.checks import check_choice
-from ..step.update import zeroed_unless, finite_flag
+from ..step.update import finite_flag, zeroed_unless
 
 __all__ = ["GRAFTS", "GRAFT_BETA2", "GRAFT_EPS", "ORTHO_RMS", "POLAR_METHODS", "check_graft", "check_orthogonalize",
            "graft_updates", "orthogonalize_updates", "orthogonalized"]
