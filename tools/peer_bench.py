@@ -54,7 +54,13 @@ mean step (after warm-up), the time a quieter machine would give each method if 
 ratios hold; steps and both seconds to each ``--targets`` accuracy (the first evaluation
 at or above it). A run whose loss turns non-finite stops there (``diverged_at``).
 
-Outputs under ``--out``: ``results.json`` (config, every run, the summary),
+The verdict (printed under the table, ``verdict`` in ``results.json``): per target, the
+fastest TENGraD run (any ``tengrad*`` method or ``--tengrad`` variant) against the fastest
+rival (``adamw``, ``muon``, ``soap``, ``shampoo``, ``psgd``: what users pick instead; SGD and
+K-FAC are the paper's baselines) in estimated seconds, and their ratio; and the best final
+accuracy of each.
+
+Outputs under ``--out``: ``results.json`` (config, every run, the summary, the verdict),
 ``curves.csv`` (one row per evaluation), ``summary.csv`` (one row per method), and with
 ``--plot`` ``curves.png`` (matplotlib, optional: skipped with a note when missing).
 """
@@ -78,8 +84,8 @@ import torch.nn.functional as F
 import tengrad_fx
 from tengrad_fx import zoo
 from tengrad_fx.zoo.bench_models import MODEL_NAMES, build_model
-from tools.peer_methods import (METHODS, PEER_PACKAGE, PEERS, Method, parse_variant, peer_library, peer_versions,
-                                tengrad_method)
+from tools.peer_methods import (METHODS, PEER_PACKAGE, PEERS, RIVALS, Method, parse_variant, peer_library,
+                                peer_versions, tengrad_method)
 
 DEFAULT_METHODS = "sgd,adamw,tengrad,kfac,muon,soap,shampoo,psgd"
 
@@ -250,6 +256,7 @@ def summarize(args: argparse.Namespace, runs: list[Run], ref: Run, dev: torch.de
             c["est_seconds"] = c["step"] * r * sgd_step
         row: dict[str, Any] = {
             "method": run.method.name, "lr": run.lr, "lr_default": run.method.lr, "settings": run.method.settings,
+            "family": family(run.method),
             "ratio_to_sgd": r, "step_seconds_mean": statistics.fmean(run.times) if run.times else float("nan"),
             "step_seconds_median": statistics.median(run.times) if run.times else float("nan"),
             "steps": len(run.times), "seconds": sum(run.times), "diverged_at": run.diverged_at,
@@ -273,7 +280,33 @@ def summarize(args: argparse.Namespace, runs: list[Run], ref: Run, dev: torch.de
                   lr_factors=lr_factors(args.lr_grid), versions=peer_versions())
     summary = {m: {k: v for k, v in row.items() if k != "curve"} | {"lr_won": row["lr"]}
                for m, row in best.items()}
-    return {"config": config, "runs": out_runs, "summary": summary}
+    return {"config": config, "runs": out_runs, "summary": summary,
+            "verdict": verdict(summary, [f"{t:g}" for t in args.targets])}
+
+
+def family(method: Method) -> str:
+    """``"tengrad"`` (any TENGraD), ``"rival"`` (what users pick instead: ``RIVALS``) or ``"baseline"``."""
+    return "tengrad" if method.tengrad else "rival" if method.name in RIVALS else "baseline"
+
+
+def verdict(summary: dict[str, dict[str, Any]], targets: list[str]) -> dict[str, Any]:
+    """The fastest TENGraD against the fastest rival (by estimated seconds) to each target,
+    and the best final accuracy of each; ``ratio`` = TENGraD's seconds over the rival's (None
+    where either reached no target, or either family did not run)."""
+    groups = {f: {m: s for m, s in summary.items() if s["family"] == f} for f in ("tengrad", "rival")}
+    out: dict[str, Any] = {"targets": {}, "final_acc": {}}
+    for t in targets:
+        best: dict[str, Any] = {}
+        for f, group in groups.items():
+            hits = [(s["targets"][t]["est_seconds"], m) for m, s in group.items() if s["targets"][t]]
+            best[f] = None if not hits else {"method": min(hits)[1], "est_seconds": min(hits)[0]}
+        ratio_ = best["tengrad"]["est_seconds"] / best["rival"]["est_seconds"] \
+            if best["tengrad"] and best["rival"] and best["rival"]["est_seconds"] > 0 else None
+        out["targets"][t] = {**best, "ratio": ratio_}
+    for f, group in groups.items():
+        top = max(group, key=lambda m: group[m]["final_acc"], default=None)
+        out["final_acc"][f] = None if top is None else {"method": top, "final_acc": group[top]["final_acc"]}
+    return out
 
 
 CURVE_COLUMNS = ["method", "lr", "step", "seconds", "est_seconds", "test_acc", "test_loss"]
@@ -349,7 +382,23 @@ def report(res: dict[str, Any]) -> str:
             hit = s["targets"][t]
             row += f"{'-':>11}{'-':>11}" if hit is None else f"{hit['steps']:>11d}{hit['est_seconds']:>11.1f}"
         lines.append(row + (f"  diverged at {s['diverged_at']}" if s["diverged_at"] else ""))
-    return "\n".join(lines)
+    return "\n".join(lines + verdict_lines(res.get("verdict")))
+
+
+def verdict_lines(v: dict[str, Any] | None) -> list[str]:
+    """The verdict as lines (none when TENGraD or no rival ran)."""
+    if not v or not all(v["final_acc"].values()):
+        return []
+    lines = ["fastest TENGraD against the fastest of " + ", ".join(RIVALS) + " (those run), estimated seconds:"]
+    for t, hit in v["targets"].items():
+        tg, rv = hit["tengrad"], hit["rival"]
+        both = f"{tg['method']} {tg['est_seconds']:.3g} s, {rv['method']} {rv['est_seconds']:.3g} s" if tg and rv else \
+            f"{tg['method'] if tg else 'no TENGraD'} against {rv['method'] if rv else 'no rival'}"
+        ratio_ = f": {hit['ratio']:.2f}x" if hit["ratio"] is not None else ""
+        lines.append(f"  to {t}: {both}{ratio_}")
+    tg, rv = v["final_acc"]["tengrad"], v["final_acc"]["rival"]
+    lines.append(f"  final accuracy: {tg['method']} {tg['final_acc']:.4f}, {rv['method']} {rv['final_acc']:.4f}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

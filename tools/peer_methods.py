@@ -14,11 +14,12 @@ import torch.nn as nn
 from tengrad_fx.optim.registry import PAPER_DEFAULTS, PRESETS, make_optimizer
 from tengrad_fx.utils.optional import require
 
-__all__ = ["METHODS", "PEERS", "PEER_PACKAGE", "Method", "parse_variant", "peer_library", "peer_versions",
+__all__ = ["METHODS", "PEERS", "PEER_PACKAGE", "RIVALS", "Method", "parse_variant", "peer_library", "peer_versions",
            "tengrad_method"]
 
 PEER_PACKAGE = "pytorch-optimizer"
 PEERS = ("muon", "soap", "shampoo", "psgd")
+RIVALS = ("adamw",) + PEERS  # what users pick instead of TENGraD (SGD and K-FAC are the paper's baselines)
 _FM = "fashion-mnist"
 
 
@@ -48,6 +49,7 @@ class Method:
     settings: str
     prepared: bool = False
     peer: bool = False
+    tengrad: bool = False
 
 
 def _head(model: nn.Module) -> set[nn.Parameter]:
@@ -77,14 +79,14 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "torch.optim.AdamW defaults: betas (0.9, 0.999), eps 1e-8, weight decay 0.01"),
     Method("tengrad", 0.003, lambda mdl, lr: make_optimizer("tengrad", mdl, _FM, lr=lr),
            "paper's Fashion-MNIST TENGraD: MC Fisher, curvature every 100 steps, KL clip 0.01, "
-           "damping 0.1, weight decay 1e-3, momentum 0.9", prepared=True),
+           "damping 0.1, weight decay 1e-3, momentum 0.9", prepared=True, tengrad=True),
     Method("tengrad-orth", 1e-3, lambda mdl, lr: make_optimizer("tengrad", mdl, _FM, preset="orthogonal", lr=lr),
            "TENGraD's preset \"orthogonal\": the paper's settings with each weight's NGD update orthogonalized "
-           "(RMS 0.2), RMSProp-grafted biases, lr 1e-3", prepared=True),
+           "(RMS 0.2), RMSProp-grafted biases, lr 1e-3", prepared=True, tengrad=True),
     Method("tengrad-orth-ns", 1e-3, lambda mdl, lr: make_optimizer("tengrad", mdl, _FM, preset="orthogonal", lr=lr,
                                                                     orthogonalize="newton-schulz"),
            "\"tengrad-orth\" with Muon's five Newton-Schulz steps for the polar factor (no eigensolver: no host "
-           "read, CUDA graphs)", prepared=True),
+           "read, CUDA graphs)", prepared=True, tengrad=True),
     Method("kfac", 0.003, lambda mdl, lr: make_optimizer("kfac", mdl, _FM, lr=lr),
            "paper's Fashion-MNIST K-FAC: MC Fisher, statistics every 20 steps, inversion every 100, "
            "KL clip 0.01, damping 0.1, weight decay 1e-3, momentum 0.9", prepared=True),
@@ -137,4 +139,4 @@ def tengrad_method(name: str, opts: dict[str, Any]) -> Method:
     lr = float(opts.get("lr", PAPER_DEFAULTS["tengrad"][_FM]["3c1f"]["lr"]))
     kw = {k: v for k, v in opts.items() if k != "lr"}
     return Method(name, lr, lambda mdl, lr_: make_optimizer("tengrad", mdl, _FM, lr=lr_, **kw),
-                  f"paper settings + {opts}", prepared=True)
+                  f"paper settings + {opts}", prepared=True, tengrad=True)

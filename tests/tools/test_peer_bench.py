@@ -12,8 +12,9 @@ from testing.repo_tools import tool
 
 peer_bench = tool("peer_bench")
 
-RUN_KEYS = {"method", "lr", "lr_default", "settings", "ratio_to_sgd", "step_seconds_mean", "step_seconds_median",
-            "steps", "seconds", "diverged_at", "final_acc", "final_loss", "acc_at", "curve", "targets"}
+RUN_KEYS = {"method", "lr", "lr_default", "settings", "family", "ratio_to_sgd", "step_seconds_mean",
+            "step_seconds_median", "steps", "seconds", "diverged_at", "final_acc", "final_loss", "acc_at", "curve",
+            "targets"}
 CONFIG_KEYS = {"model", "dataset", "methods", "steps", "batch_size", "eval_every", "eval_subset", "targets",
                "lr_grid", "lr_factors", "warmup", "seed", "device", "threads", "torch", "date_utc",
                "sgd_step_seconds", "versions"}
@@ -53,6 +54,10 @@ def test_project_methods_run_without_the_peers_extra(data_dir, tmp_path, monkeyp
     monkeypatch.setitem(sys.modules, "pytorch_optimizer", None)
     res = _run(data_dir, tmp_path, "adamw,tengrad,kfac")
     _check(res, ["sgd", "adamw", "tengrad", "kfac"], 1)
+    assert {r["method"]: r["family"] for r in res["runs"]} == {"sgd": "baseline", "adamw": "rival",
+                                                               "tengrad": "tengrad", "kfac": "baseline"}
+    assert res["verdict"]["final_acc"]["tengrad"]["method"] == "tengrad"
+    assert "fastest TENGraD against the fastest of adamw" in peer_bench.report(res)
     assert {"results.json", "curves.csv", "summary.csv"} <= {p.name for p in tmp_path.iterdir()}
     lines = (tmp_path / "curves.csv").read_text().splitlines()
     assert lines[0].split(",") == peer_bench.CURVE_COLUMNS and len(lines) == 1 + 4 * 3
@@ -107,3 +112,25 @@ def test_cosine_schedule(data_dir, tmp_path) -> None:  # type: ignore[no-untyped
     res = _run(data_dir, tmp_path, "sgd,tengrad", "--schedule", "cosine")
     _check(res, ["sgd", "tengrad"], 1)
     assert res["config"]["schedule"] == "cosine"
+
+
+def test_verdict_names_the_fastest_tengrad_and_rival() -> None:
+    """Per target the fastest TENGraD and the fastest rival by estimated seconds (SGD, a
+    baseline, is faster than both and is not counted), their ratio, and the best final
+    accuracy of each family; a target only one family reached has no ratio."""
+    def row(family: str, acc: float, *hits: float | None) -> dict:  # type: ignore[type-arg]
+        return {"family": family, "final_acc": acc,
+                "targets": {t: None if h is None else {"est_seconds": h} for t, h in zip(("0.85", "0.88"), hits)}}
+    summary = {"sgd": row("baseline", 0.95, 0.1, 0.2), "tengrad": row("tengrad", 0.90, 3.0, None),
+               "tengrad-orth": row("tengrad", 0.91, 2.0, None), "adamw": row("rival", 0.92, 4.0, 5.0),
+               "muon": row("rival", 0.93, 1.0, 6.0)}
+    v = peer_bench.verdict(summary, ["0.85", "0.88"])
+    assert v["targets"]["0.85"] == {"tengrad": {"method": "tengrad-orth", "est_seconds": 2.0},
+                                    "rival": {"method": "muon", "est_seconds": 1.0}, "ratio": 2.0}
+    assert v["targets"]["0.88"] == {"tengrad": None, "rival": {"method": "adamw", "est_seconds": 5.0}, "ratio": None}
+    assert v["final_acc"] == {"tengrad": {"method": "tengrad-orth", "final_acc": 0.91},
+                              "rival": {"method": "muon", "final_acc": 0.93}}
+    lines = peer_bench.verdict_lines(v)
+    assert lines[1] == "  to 0.85: tengrad-orth 2 s, muon 1 s: 2.00x"
+    assert lines[2] == "  to 0.88: no TENGraD against adamw"
+    assert peer_bench.verdict_lines(peer_bench.verdict({"sgd": summary["sgd"]}, ["0.85"])) == []
