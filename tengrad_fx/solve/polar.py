@@ -59,21 +59,23 @@ def polar_factor(m: Tensor, floor: float = POLAR_FLOOR, scale: float = 1.0) -> T
 
 
 def newton_schulz_polar(m: Tensor, steps: int = NEWTON_SCHULZ_STEPS, scale: float = 1.0) -> Tensor:
-    """``scale·X_s`` of ``m [A, B]``: ``steps`` quintic Newton–Schulz steps (module docstring),
-    on the ``min(A, B)`` side; same shape and dtype (float16 / bfloat16 computed in float32).
-    A non-finite ``m`` gives all NaN; ``m = 0`` gives ``0``. With ``A ≤ B``, a wide matrix
-    iterates on its ``A × A`` Gram (:func:`_newton_schulz_gram`, the same polynomial) where
-    that saves at least ``GRAM_SIDE_MIN_SAVING`` FLOPs; any other on ``X`` itself."""
-    if m.ndim != 2:
-        raise ValueError(f"newton_schulz_polar takes a 2-D tensor, got shape {tuple(m.shape)}")
-    if m.shape[0] > m.shape[1]:
+    """``scale·X_s`` of ``m [..., A, B]`` (a matrix, or a batch of equal-shaped ones):
+    ``steps`` quintic Newton–Schulz steps (module docstring) on the ``min(A, B)`` side; same
+    shape and dtype (float16 / bfloat16 computed in float32). A non-finite matrix gives all
+    NaN; ``0`` gives ``0``. With ``A ≤ B``, a wide matrix iterates on its ``A × A`` Gram
+    (:func:`_newton_schulz_gram`, the same polynomial) where that saves at least
+    ``GRAM_SIDE_MIN_SAVING`` FLOPs per matrix; any other on ``X`` itself."""
+    if m.ndim not in (2, 3):
+        raise ValueError(f"newton_schulz_polar takes a matrix [A, B] or a batch [k, A, B], got shape {tuple(m.shape)}")
+    if m.shape[-2] > m.shape[-1]:
         return newton_schulz_polar(m.mT, steps, scale).mT
     work = m.float() if m.dtype in (torch.float16, torch.bfloat16) else m
     # scale-invariant (a grafted norm would not change it); m = 0 stays 0
-    x = work / torch.linalg.vector_norm(work).clamp(min=torch.finfo(work.dtype).tiny)
+    norm = torch.linalg.vector_norm(work, dim=(-2, -1), keepdim=True)
+    x = work / norm.clamp(min=torch.finfo(work.dtype).tiny)
     if not steps:
         return (x * scale).to(m.dtype)
-    gram_side = gram_side_saving(x.shape[0], x.shape[1], steps) >= GRAM_SIDE_MIN_SAVING
+    gram_side = gram_side_saving(x.shape[-2], x.shape[-1], steps) >= GRAM_SIDE_MIN_SAVING
     return (_newton_schulz_gram if gram_side else _newton_schulz_direct)(x, steps, scale).to(m.dtype)
 
 
@@ -83,19 +85,25 @@ def gram_side_saving(a: int, b: int, steps: int = NEWTON_SCHULZ_STEPS) -> int:
     return steps * (4 * a * a * b + 2 * a ** 3) - (4 * a * a * b + 8 * steps * a ** 3)
 
 
+def _addmm(bias: Tensor, m1: Tensor, m2: Tensor, beta: float, alpha: float) -> Tensor:
+    """``beta·bias + alpha·m1 @ m2`` in one kernel, for matrices or batches of them."""
+    fn = torch.addmm if bias.ndim == 2 else torch.baddbmm
+    return fn(bias, m1, m2, beta=beta, alpha=alpha)
+
+
 def _newton_schulz_direct(x: Tensor, steps: int, scale: float) -> Tensor:
-    """``scale·X_s`` from ``X₀ = x [A, B]`` by ``X ← aX + (bXXᵀ + c(XXᵀ)²)X``: per step two
-    ``A × A × B`` products and one ``A × A × A`` (``≈ 4A²B + 2A³`` FLOPs)."""
+    """``scale·X_s`` from ``X₀ = x [..., A, B]`` by ``X ← aX + (bXXᵀ + c(XXᵀ)²)X``: per step
+    two ``A × A × B`` products and one ``A × A × A`` (``≈ 4A²B + 2A³`` FLOPs)."""
     a, b, c = NEWTON_SCHULZ_COEFFS
     for i in range(steps):
-        gram = x @ x.mT  # [A, A]
+        gram = x @ x.mT  # [..., A, A]
         last = scale if i == steps - 1 else 1.0  # the scale folded into the last step: no extra A×B pass
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a * last, alpha=last)
+        x = _addmm(x, _addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a * last, alpha=last)
     return x
 
 
 def _newton_schulz_gram(x: Tensor, steps: int, scale: float) -> Tensor:
-    """The same ``scale·X_s`` from ``X₀ = x [A, B]``, iterated on ``A × A`` matrices.
+    """The same ``scale·X_s`` from ``X₀ = x [..., A, B]``, iterated on ``A × A`` matrices.
 
     Every ``X_k = P_k X₀`` with ``P_k`` a polynomial in ``S₀ = X₀X₀ᵀ`` (symmetric, commuting
     with ``S₀``), so with ``S_k = X_k X_kᵀ`` and ``Q_k = aI + bS_k + cS_k²``::
@@ -108,11 +116,11 @@ def _newton_schulz_gram(x: Tensor, steps: int, scale: float) -> Tensor:
     direct form: about 3e-4 of the result (relative, Frobenius) for singular values spread
     over six decades, against 1e-5 (``tests/solve/test_polar.py``)."""
     a, b, c = NEWTON_SCHULZ_COEFFS
-    s_k = x @ x.mT  # [A, A]
+    s_k = x @ x.mT  # [..., A, A]
     p_k: Tensor | None = None
     for i in range(steps):
-        q = torch.addmm(s_k, s_k, s_k, beta=b, alpha=c)
-        q.diagonal().add_(a)
+        q = _addmm(s_k, s_k, s_k, beta=b, alpha=c)
+        q.diagonal(dim1=-2, dim2=-1).add_(a)
         p_k = q if p_k is None else q @ p_k
         if i < steps - 1:
             s_k = q @ s_k @ q

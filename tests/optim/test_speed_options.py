@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from tengrad_fx.optim import TENGraD
-from tengrad_fx.optim.tengrad.graft import graft_updates
+from tengrad_fx.optim.tengrad.graft import graft_updates, orthogonalize_updates
 from tengrad_fx.optim.tengrad.schedule import CurvatureSchedule
-from tengrad_fx.solve import POLAR_FLOOR
+from tengrad_fx.solve import POLAR_FLOOR, newton_schulz_polar
 from tengrad_fx.utils.dispatch import OpCounter
 from testing.oracle import newton_schulz_reference
 from testing.tengrad_step import (
@@ -237,3 +237,27 @@ def test_graft_launches_the_same_ops_for_any_number_of_parameters(graft: str) ->
         _, before, state = run(4, bad=True)
         after = list(state.values())
         assert all(torch.equal(b[k], a[k]) for b, a in zip(before, after) for k in ("graft_sq", "graft_t"))
+
+
+def test_newton_schulz_takes_equal_shapes_as_one_batch() -> None:
+    """``orthogonalize="newton-schulz"``: three weights of one shape launch the matrix products
+    of one (a batch), and each gets its own factor (float64, against one at a time); a weight
+    of another shape, and a 1-D parameter, are not batched with them."""
+    gen = torch.Generator().manual_seed(4)
+    ws = [torch.zeros(8, 2, 5, dtype=torch.float64) for _ in range(3)] + [torch.zeros(6, 7, dtype=torch.float64)]
+    bias = torch.zeros(8, dtype=torch.float64)
+    updates = {p: torch.randn(p.shape, dtype=torch.float64, generator=gen) for p in ws + [bias]}
+    products = ("aten.mm.default", "aten.addmm.default", "aten.baddbmm.default", "aten.bmm.default")
+
+    def count(ups: dict) -> int:  # type: ignore[type-arg]
+        with OpCounter() as oc:
+            orthogonalize_updates(ups, "newton-schulz")
+        return sum(oc.ops[k] for k in products)
+
+    assert count({p: updates[p] for p in ws[:3]}) == count({ws[0]: updates[ws[0]]})
+    out = orthogonalize_updates(updates, "newton-schulz")
+    for p in ws:
+        mat = updates[p].reshape(p.shape[0], -1)
+        ref = newton_schulz_polar(mat, scale=0.2 * max(mat.shape) ** 0.5).reshape(p.shape)
+        torch.testing.assert_close(out[p], ref, rtol=0, atol=1e-13)
+    assert out[bias] is updates[bias]

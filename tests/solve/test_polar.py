@@ -143,6 +143,22 @@ def test_newton_schulz_float32_error_on_the_gram(smallest: float, monkeypatch: p
     assert err < 1e-3, err
 
 
+@pytest.mark.parametrize("shape", [(5, 9), (9, 5), (4, 30)])
+def test_newton_schulz_batch_equals_each_matrix(shape: tuple[int, int], gram_side: str) -> None:
+    """A batch ``[k, A, B]`` gives each matrix's own factor (each normalized by its own norm;
+    a zero and a non-finite matrix in the batch stay 0 and NaN without touching the others)."""
+    gen = torch.Generator().manual_seed(17)
+    batch = torch.randn(4, *shape, dtype=torch.float64, generator=gen)
+    batch[1] *= 1e3
+    batch[2] = 0.0
+    batch[3, 0, 0] = float("nan")
+    q = newton_schulz_polar(batch, scale=0.4)
+    assert q.shape == batch.shape
+    for i in range(2):
+        torch.testing.assert_close(q[i], newton_schulz_polar(batch[i], scale=0.4), rtol=0, atol=1e-13)
+    assert q[2].abs().max() == 0 and q[3].isnan().all()
+
+
 def test_gram_side_where_it_saves_enough() -> None:
     """The Gram form where it saves ≥ ``GRAM_SIDE_MIN_SAVING`` FLOPs: 3C1F's 500 × 10368 hidden
     Linear (under a third of the direct steps' FLOPs) and its 128 × 1600 conv, not its
@@ -174,8 +190,9 @@ def test_newton_schulz_zero_nonfinite_dtype_and_shape_errors() -> None:
     q = newton_schulz_polar(m.to(torch.bfloat16))
     assert q.dtype == torch.bfloat16
     torch.testing.assert_close(q.double(), newton_schulz_polar(m), rtol=0, atol=3e-2)
-    with pytest.raises(ValueError, match="2-D"):
-        newton_schulz_polar(torch.zeros(2, 3, 4))
+    for bad in (torch.zeros(4), torch.zeros(2, 2, 3, 4)):
+        with pytest.raises(ValueError, match=r"a matrix \[A, B\] or a batch \[k, A, B\]"):
+            newton_schulz_polar(bad)
 
 
 def test_only_the_eigensolver_reads_back() -> None:

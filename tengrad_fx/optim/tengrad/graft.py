@@ -31,6 +31,7 @@ only, no host read, capturable).
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -133,11 +134,22 @@ def check_orthogonalize(value: Any) -> Optional[str]:
 def orthogonalize_updates(updates: dict[Tensor, Tensor], method: str = "eigh") -> dict[Tensor, Tensor]:
     """``updates`` with every ≥ 2-D parameter's ``u`` (viewed ``[shape[0], -1]``) replaced by
     ``ORTHO_RMS·√max(rows, cols)·polar(u)``, ``polar`` by ``method`` (:data:`POLAR_METHODS`);
-    other entries as they are (module docstring)."""
-    polar = solve.polar_factor if method == "eigh" else solve.newton_schulz_polar
+    other entries as they are (module docstring). ``"newton-schulz"`` takes the weights of
+    one matrix shape (and dtype, device) as one batch: its launches grow with the number of
+    distinct shapes, not of weights."""
     out = dict(updates)
+    groups: dict[tuple[Any, ...], list[Tensor]] = {}
     for p, u in updates.items():
         if orthogonalized(p, updates):
-            mat = u.reshape(u.shape[0], -1)
-            out[p] = polar(mat, scale=ORTHO_RMS * max(mat.shape) ** 0.5).reshape(u.shape)
+            groups.setdefault((u.shape[0], math.prod(u.shape[1:]), u.dtype, u.device), []).append(p)
+    for (rows, cols, _, _), ps in groups.items():
+        scale = ORTHO_RMS * max(rows, cols) ** 0.5
+        if method == "eigh":
+            for p in ps:
+                out[p] = solve.polar_factor(updates[p].reshape(rows, cols), scale=scale).reshape(p.shape)
+            continue
+        mats = [updates[p].reshape(rows, cols) for p in ps]
+        q = solve.newton_schulz_polar(mats[0] if len(ps) == 1 else torch.stack(mats), scale=scale)
+        for p, qp in zip(ps, [q] if len(ps) == 1 else q.unbind(0)):
+            out[p] = qp.reshape(p.shape)
     return out
