@@ -91,6 +91,9 @@ METHODS: dict[str, tuple[Callable[[nn.Module], torch.optim.Optimizer], bool | di
                      True),
     "tengrad-mc-T100-linconv": (lambda mdl: make_optimizer("tengrad", mdl, _FM, fisher="mc", curvature_every=100,
                                                           kl_clip=0.01), {"only_linear_conv": True}),
+    # the preset "orthogonal" (RMSProp-grafted biases) with Newton-Schulz polar factors, at the paper's T = 100
+    "tengrad-orth-ns-T100": (lambda mdl: make_optimizer("tengrad", mdl, _FM, preset="orthogonal",
+                                                        orthogonalize="newton-schulz"), True),
     # every layer's J kept (4 GiB budget): reuse steps by GEMVs on P only, no factored convs
     "tengrad-mc-T100-budget4g": (lambda mdl: make_optimizer("tengrad", mdl, _FM, fisher="mc", curvature_every=100,
                                                            kl_clip=0.01, jacobian_budget_mb=4096), True),
