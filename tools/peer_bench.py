@@ -299,7 +299,8 @@ def verdict(summary: dict[str, dict[str, Any]], targets: list[str]) -> dict[str,
         best: dict[str, Any] = {}
         for f, group in groups.items():
             hits = [(s["targets"][t]["est_seconds"], m) for m, s in group.items() if s["targets"][t]]
-            best[f] = None if not hits else {"method": min(hits)[1], "est_seconds": min(hits)[0]}
+            fastest = min(hits, default=None)
+            best[f] = None if fastest is None else {"method": fastest[1], "est_seconds": fastest[0]}
         ratio_ = best["tengrad"]["est_seconds"] / best["rival"]["est_seconds"] \
             if best["tengrad"] and best["rival"] and best["rival"]["est_seconds"] > 0 else None
         out["targets"][t] = {**best, "ratio": ratio_}
