@@ -1,0 +1,164 @@
+"""Several seeds of ``tools.peer_bench`` as one table: mean ± spread per method, and the verdict.
+
+    python -m tools.peer_seeds OUT_SEED0 OUT_SEED1 OUT_SEED2 [--out table.md]
+
+Each argument is a ``--out`` directory (or its ``results.json``) of one ``tools.peer_bench``
+run, all with the same model, methods and targets and one seed each. Per method, over the
+runs (``n`` seeds):
+
+* ``cost``: the mean of the runs' ``ratio_to_sgd`` (each an interleaved ratio measured in
+  its own run);
+* ``steps to T``: mean ± half the min–max range of the steps to target accuracy ``T`` over
+  the seeds that reached it, with ``(k of n)`` when only ``k`` did;
+* ``time to T``: mean steps × mean cost, in SGD steps; only where every seed reached ``T``
+  (a method that misses a target on one seed has no time to it);
+* ``acc.``: mean ± half the range of the final test accuracy.
+
+The verdict: per target, the TENGraD method (``family == "tengrad"`` in ``results.json``)
+with the least time against the rival (AdamW and the peers) with the least, and their ratio
+(TENGraD's time over the rival's); then the best mean final accuracy of each family. It is
+printed under the table and written as JSON with ``--json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from typing import Any
+
+from tools.peer_methods import RIVALS
+
+
+def load(path: str) -> dict[str, Any]:
+    """The ``results.json`` of a ``tools.peer_bench`` output directory (or the file itself)."""
+    file = os.path.join(path, "results.json") if os.path.isdir(path) else path
+    with open(file) as f:
+        return json.load(f)
+
+
+def _family(method: str, row: dict[str, Any]) -> str:
+    """The row's ``family``; for results written before it was stored, from the method's name."""
+    if "family" in row:
+        return str(row["family"])
+    return "tengrad" if method.startswith("tengrad") else "rival" if method in RIVALS else "baseline"
+
+
+def _spread(xs: list[float]) -> tuple[float, float]:
+    """(mean, half the min–max range) of ``xs``."""
+    return statistics.fmean(xs), (max(xs) - min(xs)) / 2
+
+
+def aggregate(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per method (in the first run's order) over the runs: cost, steps and time to each target,
+    final accuracy (module docstring). Every run must hold the same methods and targets."""
+    if not results:
+        raise ValueError("peer_seeds: give at least one tools.peer_bench output")
+    methods = list(results[0]["summary"])
+    targets = list(next(iter(results[0]["summary"].values()))["targets"]) if methods else []
+    for i, res in enumerate(results[1:], 1):
+        if list(res["summary"]) != methods:
+            raise ValueError(f"peer_seeds: run {i} has methods {list(res['summary'])}, run 0 has {methods}: "
+                             "give runs of the same --methods")
+    out: dict[str, dict[str, Any]] = {}
+    for m in methods:
+        rows = [res["summary"][m] for res in results]
+        cost = statistics.fmean(r["ratio_to_sgd"] for r in rows)
+        per_target = {}
+        for t in targets:
+            steps = [r["targets"][t]["steps"] for r in rows if r["targets"].get(t)]
+            mean, half = _spread(steps) if steps else (None, None)
+            per_target[t] = {"steps_mean": mean, "steps_spread": half, "reached": len(steps),
+                             "time": mean * cost if steps and len(steps) == len(rows) else None}
+        acc_mean, acc_half = _spread([r["final_acc"] for r in rows])
+        out[m] = {"family": _family(m, rows[0]), "cost": cost, "targets": per_target,
+                  "final_acc_mean": acc_mean, "final_acc_spread": acc_half, "seeds": len(rows)}
+    return out
+
+
+def verdict(agg: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per target the fastest TENGraD and the fastest rival by time and TENGraD's ratio
+    (None where a family has no time to it); the best mean final accuracy of each family."""
+    targets = list(next(iter(agg.values()))["targets"]) if agg else []
+    fams = {f: {m: a for m, a in agg.items() if a["family"] == f} for f in ("tengrad", "rival")}
+    out: dict[str, Any] = {"targets": {}, "final_acc": {}}
+    for t in targets:
+        best: dict[str, Any] = {}
+        for f, group in fams.items():
+            timed = [(a["targets"][t]["time"], m) for m, a in group.items() if a["targets"][t]["time"] is not None]
+            top = min(timed, default=None)
+            best[f] = None if top is None else {"method": top[1], "time": top[0]}
+        ok = best["tengrad"] is not None and best["rival"] is not None and best["rival"]["time"] > 0
+        out["targets"][t] = {**best, "ratio": best["tengrad"]["time"] / best["rival"]["time"] if ok else None}
+    for f, group in fams.items():
+        top = max(group, key=lambda m: group[m]["final_acc_mean"], default=None)
+        out["final_acc"][f] = None if top is None else {"method": top, "final_acc": group[top]["final_acc_mean"]}
+    return out
+
+
+def _pct(t: str) -> str:
+    return f"{float(t) * 100:g} %"
+
+
+def table(agg: dict[str, dict[str, Any]]) -> str:
+    """The markdown table of ``aggregate``'s result."""
+    targets = list(next(iter(agg.values()))["targets"]) if agg else []
+    n = max((a["seeds"] for a in agg.values()), default=0)
+    head = ["method", "step cost × SGD"] + [f"steps to {_pct(t)}" for t in targets] + \
+        [f"time to {_pct(t)}" for t in targets] + ["final acc."]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for m, a in agg.items():
+        steps, times = [], []
+        for t in targets:
+            hit = a["targets"][t]
+            if hit["steps_mean"] is None:
+                steps.append("–")
+            else:
+                k = "" if hit["reached"] == a["seeds"] else f" ({hit['reached']} of {a['seeds']})"
+                steps.append(f"{hit['steps_mean']:.0f} ± {hit['steps_spread']:.0f}{k}")
+            times.append("–" if hit["time"] is None else f"{hit['time']:.0f}")
+        acc = f"{a['final_acc_mean'] * 100:.1f} ± {a['final_acc_spread'] * 100:.1f} %"
+        lines.append("| " + " | ".join([m, f"{a['cost']:.2f}", *steps, *times, acc]) + " |")
+    lines.append(f"\n{n} seed(s); mean ± half the min–max range; time = mean steps × mean cost, in SGD steps.")
+    return "\n".join(lines)
+
+
+def verdict_lines(v: dict[str, Any]) -> list[str]:
+    """``verdict``'s result as lines."""
+    lines = ["fastest TENGraD against the fastest rival, time in SGD steps:"]
+    for t, hit in v["targets"].items():
+        tg, rv = hit["tengrad"], hit["rival"]
+        if tg and rv:
+            lines.append(f"  to {t}: {tg['method']} {tg['time']:.0f}, {rv['method']} {rv['time']:.0f}: "
+                         f"{hit['ratio']:.2f}x")
+        else:
+            lines.append(f"  to {t}: {tg['method'] if tg else 'no TENGraD'} against "
+                         f"{rv['method'] if rv else 'no rival'} (on every seed)")
+    tg, rv = v["final_acc"]["tengrad"], v["final_acc"]["rival"]
+    if tg and rv:
+        lines.append(f"  final accuracy (mean): {tg['method']} {tg['final_acc']:.4f}, "
+                     f"{rv['method']} {rv['final_acc']:.4f}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("runs", nargs="+", help="tools.peer_bench --out directories (or results.json files), one per seed")
+    ap.add_argument("--out", default=None, help="write the table and the verdict to this markdown file")
+    ap.add_argument("--json", default=None, help="write the aggregate and the verdict to this JSON file")
+    args = ap.parse_args(argv)
+    agg = aggregate([load(p) for p in args.runs])
+    v = verdict(agg)
+    text = table(agg) + "\n\n" + "\n".join(verdict_lines(v)) + "\n"
+    print(text, end="")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"methods": agg, "verdict": v}, f, indent=2)
+    return {"methods": agg, "verdict": v}
+
+
+if __name__ == "__main__":
+    main()
