@@ -289,20 +289,20 @@ def family(method: Method) -> str:
     return "tengrad" if method.tengrad else "rival" if method.name in RIVALS else "baseline"
 
 
-def verdict(summary: dict[str, dict[str, Any]], targets: list[str]) -> dict[str, Any]:
-    """The fastest TENGraD against the fastest rival (by estimated seconds) to each target,
-    and the best final accuracy of each; ``ratio`` = TENGraD's seconds over the rival's (None
-    where either reached no target, or either family did not run)."""
+def verdict(summary: dict[str, dict[str, Any]], targets: list[str], key: str = "est_seconds") -> dict[str, Any]:
+    """The fastest TENGraD against the fastest rival (by ``targets[t][key]``, estimated seconds)
+    to each target, and the best final accuracy of each; ``ratio`` = TENGraD's time over the
+    rival's (None where either reached no target, or either family did not run)."""
     groups = {f: {m: s for m, s in summary.items() if s["family"] == f} for f in ("tengrad", "rival")}
     out: dict[str, Any] = {"targets": {}, "final_acc": {}}
     for t in targets:
         best: dict[str, Any] = {}
         for f, group in groups.items():
-            hits = [(s["targets"][t]["est_seconds"], m) for m, s in group.items() if s["targets"][t]]
+            hits = [(s["targets"][t][key], m) for m, s in group.items() if s["targets"][t]]
             fastest = min(hits, default=None)
-            best[f] = None if fastest is None else {"method": fastest[1], "est_seconds": fastest[0]}
-        ratio_ = best["tengrad"]["est_seconds"] / best["rival"]["est_seconds"] \
-            if best["tengrad"] and best["rival"] and best["rival"]["est_seconds"] > 0 else None
+            best[f] = None if fastest is None else {"method": fastest[1], key: fastest[0]}
+        tg, rv = best["tengrad"], best["rival"]
+        ratio_ = tg[key] / rv[key] if tg and rv and rv[key] > 0 else None
         out["targets"][t] = {**best, "ratio": ratio_}
     for f, group in groups.items():
         top = max(group, key=lambda m: group[m]["final_acc"], default=None)

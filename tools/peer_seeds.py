@@ -27,6 +27,7 @@ import os
 import statistics
 from typing import Any
 
+from tools.peer_bench import verdict as peer_verdict
 from tools.peer_methods import RIVALS
 
 
@@ -77,23 +78,14 @@ def aggregate(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def verdict(agg: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """Per target the fastest TENGraD and the fastest rival by time and TENGraD's ratio
-    (None where a family has no time to it); the best mean final accuracy of each family."""
+    """``tools.peer_bench.verdict`` over the seeds: per target the fastest TENGraD and the fastest
+    rival by ``time`` (where every seed reached it) and TENGraD's ratio; the best mean final
+    accuracy of each family."""
+    summary = {m: {"family": a["family"], "final_acc": a["final_acc_mean"],
+                   "targets": {t: hit if hit["time"] is not None else None for t, hit in a["targets"].items()}}
+               for m, a in agg.items()}
     targets = list(next(iter(agg.values()))["targets"]) if agg else []
-    fams = {f: {m: a for m, a in agg.items() if a["family"] == f} for f in ("tengrad", "rival")}
-    out: dict[str, Any] = {"targets": {}, "final_acc": {}}
-    for t in targets:
-        best: dict[str, Any] = {}
-        for f, group in fams.items():
-            timed = [(a["targets"][t]["time"], m) for m, a in group.items() if a["targets"][t]["time"] is not None]
-            top = min(timed, default=None)
-            best[f] = None if top is None else {"method": top[1], "time": top[0]}
-        ok = best["tengrad"] is not None and best["rival"] is not None and best["rival"]["time"] > 0
-        out["targets"][t] = {**best, "ratio": best["tengrad"]["time"] / best["rival"]["time"] if ok else None}
-    for f, group in fams.items():
-        top = max(group, key=lambda m: group[m]["final_acc_mean"], default=None)
-        out["final_acc"][f] = None if top is None else {"method": top, "final_acc": group[top]["final_acc_mean"]}
-    return out
+    return peer_verdict(summary, targets, key="time")
 
 
 def _pct(t: str) -> str:
