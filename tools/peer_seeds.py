@@ -1,15 +1,16 @@
 """Several seeds of ``tools.peer_bench`` as one table: mean ± spread per method, and the verdict.
 
-    python -m tools.peer_seeds OUT_SEED0 OUT_SEED1 OUT_SEED2 [--out table.md]
+    python -m tools.peer_seeds OUT_SEED0 OUT_SEED1 OUT_SEED2 [--targets 0.85,0.88] [--out table.md]
 
 Each argument is a ``--out`` directory (or its ``results.json``) of one ``tools.peer_bench``
-run, all with the same model, methods and targets and one seed each. Per method, over the
+run, all with the same model and methods and one seed each. Per method, over the
 runs (``n`` seeds):
 
 * ``cost``: the mean of the runs' ``ratio_to_sgd`` (each an interleaved ratio measured in
   its own run);
-* ``steps to T``: mean ± half the min–max range of the steps to target accuracy ``T`` over
-  the seeds that reached it, with ``(k of n)`` when only ``k`` did;
+* ``steps to T``: mean ± half the min–max range of the steps to target accuracy ``T`` (the
+  first evaluation at or above it; ``--targets``, default the runs' own) over the seeds that
+  reached it, with ``(k of n)`` when only ``k`` did;
 * ``time to T``: mean steps × mean cost, in SGD steps; only where every seed reached ``T``
   (a method that misses a target on one seed has no time to it);
 * ``acc.``: mean ± half the range of the final test accuracy.
@@ -50,13 +51,25 @@ def _spread(xs: list[float]) -> tuple[float, float]:
     return statistics.fmean(xs), (max(xs) - min(xs)) / 2
 
 
-def aggregate(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Per method (in the first run's order) over the runs: cost, steps and time to each target,
-    final accuracy (module docstring). Every run must hold the same methods and targets."""
+def steps_to(row: dict[str, Any], target: str) -> int | None:
+    """Steps of ``row`` (a method's summary) to test accuracy ``target``: the first evaluation
+    (``acc_at``) at or above it, else the stored ``targets`` entry; None if not reached."""
+    if "acc_at" in row:
+        return next((int(k) for k, a in sorted(row["acc_at"].items(), key=lambda kv: int(kv[0]))
+                     if a >= float(target)), None)
+    hit = row["targets"].get(target)
+    return None if hit is None else int(hit["steps"])
+
+
+def aggregate(results: list[dict[str, Any]], targets: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    """Per method (in the first run's order) over the runs: cost, steps and time to each target
+    (default: the runs' own ``--targets``), final accuracy (module docstring). Every run must
+    hold the same methods."""
     if not results:
         raise ValueError("peer_seeds: give at least one tools.peer_bench output")
     methods = list(results[0]["summary"])
-    targets = list(next(iter(results[0]["summary"].values()))["targets"]) if methods else []
+    if targets is None:
+        targets = list(next(iter(results[0]["summary"].values()))["targets"]) if methods else []
     for i, res in enumerate(results[1:], 1):
         if list(res["summary"]) != methods:
             raise ValueError(f"peer_seeds: run {i} has methods {list(res['summary'])}, run 0 has {methods}: "
@@ -67,7 +80,7 @@ def aggregate(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         cost = statistics.fmean(r["ratio_to_sgd"] for r in rows)
         per_target = {}
         for t in targets:
-            steps = [r["targets"][t]["steps"] for r in rows if r["targets"].get(t)]
+            steps = [n for n in (steps_to(r, t) for r in rows) if n is not None]
             mean, half = _spread(steps) if steps else (None, None)
             per_target[t] = {"steps_mean": mean, "steps_spread": half, "reached": len(steps),
                              "time": mean * cost if steps and len(steps) == len(rows) else None}
@@ -136,10 +149,13 @@ def verdict_lines(v: dict[str, Any]) -> list[str]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", help="tools.peer_bench --out directories (or results.json files), one per seed")
+    ap.add_argument("--targets", default=None,
+                    help="comma-separated test accuracies (default: the runs' own), e.g. 0.85,0.87,0.88")
     ap.add_argument("--out", default=None, help="write the table and the verdict to this markdown file")
     ap.add_argument("--json", default=None, help="write the aggregate and the verdict to this JSON file")
     args = ap.parse_args(argv)
-    agg = aggregate([load(p) for p in args.runs])
+    targets = None if args.targets is None else [f"{float(t):g}" for t in args.targets.split(",")]
+    agg = aggregate([load(p) for p in args.runs], targets)
     v = verdict(agg)
     text = table(agg) + "\n\n" + "\n".join(verdict_lines(v)) + "\n"
     print(text, end="")

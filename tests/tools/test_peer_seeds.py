@@ -80,3 +80,21 @@ def test_main_reads_output_directories_and_writes_the_table(tmp_path: Path, caps
     assert "to 0.88: tengrad-x 130, muon 160: 0.81x" in text
     assert (tmp_path / "t.md").read_text() == text
     assert json.loads((tmp_path / "v.json").read_text())["verdict"] == out["verdict"]
+
+
+def test_other_targets_from_the_evaluations() -> None:
+    def run(curve: list[float], cost: float) -> dict[str, Any]:
+        acc_at = {str(25 * i): a for i, a in enumerate(curve)}
+        return {"summary": {"tengrad": {"family": "tengrad", "ratio_to_sgd": cost, "final_acc": curve[-1],
+                                        "acc_at": acc_at, "targets": {"0.85": None}},
+                            "soap": {"family": "rival", "ratio_to_sgd": 1.0, "final_acc": 0.86,
+                                     "acc_at": {"0": 0.1, "25": 0.86, "50": 0.86}, "targets": {"0.85": None}}}}
+
+    seeds = [run([0.1, 0.8, 0.875], 1.2), run([0.1, 0.87, 0.88], 1.4)]
+    agg = peer_seeds.aggregate(seeds, ["0.87", "0.9"])
+    assert agg["tengrad"]["targets"]["0.87"] == {"steps_mean": 37.5, "steps_spread": 12.5, "reached": 2,
+                                                 "time": pytest.approx(37.5 * 1.3)}
+    assert agg["tengrad"]["targets"]["0.9"]["reached"] == 0 and agg["soap"]["targets"]["0.87"]["time"] is None
+    v = peer_seeds.verdict(agg)
+    assert v["targets"]["0.87"] == {"tengrad": {"method": "tengrad", "time": pytest.approx(48.75)}, "rival": None,
+                                    "ratio": None}
