@@ -386,14 +386,15 @@ def report(res: dict[str, Any]) -> str:
     return "\n".join(lines + verdict_lines(res.get("verdict")))
 
 
-def verdict_lines(v: dict[str, Any] | None) -> list[str]:
-    """The verdict as lines (none when TENGraD or no rival ran)."""
+def verdict_lines(v: dict[str, Any] | None, key: str = "est_seconds", unit: str = "s",
+                  what: str = "estimated seconds") -> list[str]:
+    """The verdict (times under ``key``, in ``unit``) as lines (none when TENGraD or no rival ran)."""
     if not v or not all(v["final_acc"].values()):
         return []
-    lines = ["fastest TENGraD against the fastest of " + ", ".join(RIVALS) + " (those run), estimated seconds:"]
+    lines = ["fastest TENGraD against the fastest of " + ", ".join(RIVALS) + f" (those run), {what}:"]
     for t, hit in v["targets"].items():
         tg, rv = hit["tengrad"], hit["rival"]
-        both = f"{tg['method']} {tg['est_seconds']:.3g} s, {rv['method']} {rv['est_seconds']:.3g} s" if tg and rv else \
+        both = f"{tg['method']} {tg[key]:.3g} {unit}, {rv['method']} {rv[key]:.3g} {unit}" if tg and rv else \
             f"{tg['method'] if tg else 'no TENGraD'} against {rv['method'] if rv else 'no rival'}"
         ratio_ = f": {hit['ratio']:.2f}x" if hit["ratio"] is not None else ""
         lines.append(f"  to {t}: {both}{ratio_}")

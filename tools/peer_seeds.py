@@ -29,6 +29,7 @@ import statistics
 from typing import Any
 
 from tools.peer_bench import verdict as peer_verdict
+from tools.peer_bench import verdict_lines as peer_verdict_lines
 from tools.peer_methods import RIVALS
 
 
@@ -128,24 +129,6 @@ def table(agg: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def verdict_lines(v: dict[str, Any]) -> list[str]:
-    """``verdict``'s result as lines."""
-    lines = ["fastest TENGraD against the fastest rival, time in SGD steps:"]
-    for t, hit in v["targets"].items():
-        tg, rv = hit["tengrad"], hit["rival"]
-        if tg and rv:
-            lines.append(f"  to {t}: {tg['method']} {tg['time']:.0f}, {rv['method']} {rv['time']:.0f}: "
-                         f"{hit['ratio']:.2f}x")
-        else:
-            lines.append(f"  to {t}: {tg['method'] if tg else 'no TENGraD'} against "
-                         f"{rv['method'] if rv else 'no rival'} (on every seed)")
-    tg, rv = v["final_acc"]["tengrad"], v["final_acc"]["rival"]
-    if tg and rv:
-        lines.append(f"  final accuracy (mean): {tg['method']} {tg['final_acc']:.4f}, "
-                     f"{rv['method']} {rv['final_acc']:.4f}")
-    return lines
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("runs", nargs="+", help="tools.peer_bench --out directories (or results.json files), one per seed")
@@ -157,7 +140,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     targets = None if args.targets is None else [f"{float(t):g}" for t in args.targets.split(",")]
     agg = aggregate([load(p) for p in args.runs], targets)
     v = verdict(agg)
-    text = table(agg) + "\n\n" + "\n".join(verdict_lines(v)) + "\n"
+    lines = peer_verdict_lines(v, key="time", unit="SGD steps",
+                               what="time in SGD steps where every seed reached the target, mean final accuracy")
+    text = table(agg) + "\n\n" + "\n".join(lines) + "\n"
     print(text, end="")
     if args.out:
         with open(args.out, "w") as f:

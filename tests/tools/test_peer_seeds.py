@@ -77,7 +77,8 @@ def test_main_reads_output_directories_and_writes_the_table(tmp_path: Path, caps
     text = capsys.readouterr().out
     assert "| tengrad-x | 1.30 | 62 ± 12 | 100 ± 0 | 81 | 130 | 92.0 ± 1.0 % |" in text
     assert "| adamw | 1.00 | 100 ± 0 | 150 ± 0 (1 of 2) | 100 | – | 88.0 ± 1.0 % |" in text
-    assert "to 0.88: tengrad-x 130, muon 160: 0.81x" in text
+    assert "to 0.88: tengrad-x 130 SGD steps, muon 160 SGD steps: 0.81x" in text
+    assert "final accuracy: tengrad-x 0.9200, muon 0.9100" in text
     assert (tmp_path / "t.md").read_text() == text
     assert json.loads((tmp_path / "v.json").read_text())["verdict"] == out["verdict"]
 
