@@ -28,9 +28,10 @@ import os
 import statistics
 from typing import Any
 
+from tools.peer_bench import family as peer_family
 from tools.peer_bench import verdict as peer_verdict
 from tools.peer_bench import verdict_lines as peer_verdict_lines
-from tools.peer_methods import RIVALS
+from tools.peer_methods import METHODS
 
 
 def load(path: str) -> dict[str, Any]:
@@ -41,10 +42,14 @@ def load(path: str) -> dict[str, Any]:
 
 
 def _family(method: str, row: dict[str, Any]) -> str:
-    """The row's ``family``; for results written before it was stored, from the method's name."""
+    """The row's ``family``; for results written before it was stored, ``tools.peer_bench.family``
+    of the registered method of that name (a ``--tengrad`` variant's name says nothing)."""
     if "family" in row:
         return str(row["family"])
-    return "tengrad" if method.startswith("tengrad") else "rival" if method in RIVALS else "baseline"
+    if method not in METHODS:
+        raise ValueError(f"peer_seeds: method {method!r} has no 'family' in its results.json (written before "
+                         "tools.peer_bench stored it) and is no registered method: rerun it with tools.peer_bench")
+    return peer_family(METHODS[method])
 
 
 def _spread(xs: list[float]) -> tuple[float, float]:

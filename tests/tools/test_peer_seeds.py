@@ -53,11 +53,16 @@ def test_verdict_takes_the_least_time_of_each_family() -> None:
     assert v["final_acc"]["rival"] == {"method": "muon", "final_acc": pytest.approx(0.91)}
 
 
-def test_family_from_the_name_when_not_stored() -> None:
-    old = [{"summary": {m: {k: v for k, v in s.items() if k != "family"} for m, s in r["summary"].items()}}
-           for r in SEEDS]
-    agg = peer_seeds.aggregate(old)
+def test_family_of_a_registered_method_when_not_stored() -> None:
+    def without_family(rename: dict[str, str]) -> list[dict[str, Any]]:
+        return [{"summary": {rename.get(m, m): {k: v for k, v in s.items() if k != "family"}
+                             for m, s in r["summary"].items()}} for r in SEEDS]
+
+    agg = peer_seeds.aggregate(without_family({"tengrad-x": "tengrad-orth-ns"}))
     assert [a["family"] for a in agg.values()] == ["baseline", "tengrad", "rival", "rival"]
+    # a --tengrad variant's name says nothing about it: refused, not guessed
+    with pytest.raises(ValueError, match="'tengrad-x' has no 'family'"):
+        peer_seeds.aggregate(without_family({}))
 
 
 def test_runs_of_other_methods_are_refused() -> None:
