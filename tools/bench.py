@@ -103,11 +103,12 @@ METHODS: dict[str, tuple[Callable[[nn.Module], torch.optim.Optimizer], bool | di
     "tengrad-mc-grouped": (lambda mdl: make_optimizer("tengrad", mdl, _FM, curvature_every=1, fisher="mc"), True),
     "tengrad-unfold": (lambda mdl: make_optimizer("tengrad", mdl, _FM, curvature_every=1, **_EMP), True),
     # baselines at T = 1 (statistics and inverses every step) and at their paper intervals
-    "kfac-T1": (lambda mdl: make_optimizer("kfac", mdl, _FM, TCov=1, TInv=1, **_EMP), True),
+    "kfac-T1": (lambda mdl: make_optimizer("kfac", mdl, _FM, curvature_every=1, inverse_every=1, **_EMP), True),
     "kfac": (lambda mdl: make_optimizer("kfac", mdl, _FM, **_EMP), True),
-    "ekfac-T1": (lambda mdl: make_optimizer("ekfac", mdl, _FM, TCov=1, TInv=1, TScal=1, **_EMP), True),
+    "ekfac-T1": (lambda mdl: make_optimizer("ekfac", mdl, _FM, curvature_every=1, inverse_every=1, rescale_every=1,
+                                            **_EMP), True),
     "ekfac": (lambda mdl: make_optimizer("ekfac", mdl, _FM, **_EMP), True),
-    "kbfgs-T1": (lambda mdl: make_optimizer("kbfgs", mdl, _FM, TCov=1, TInv=1), True),
+    "kbfgs-T1": (lambda mdl: make_optimizer("kbfgs", mdl, _FM, curvature_every=1, inverse_every=1), True),
     "kbfgs": (lambda mdl: make_optimizer("kbfgs", mdl, _FM), True),
 }
 CONV_METHOD = {"tengrad-grouped": "grouped", "tengrad-mc-grouped": "grouped", "tengrad-unfold": "unfold"}

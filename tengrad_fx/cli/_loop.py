@@ -7,7 +7,7 @@ Files written to ``--out`` (default ``runs/<model>-<dataset>-<optimizer>-s<seed>
 ``config.json``
     every resolved argument (defaults filled in) plus ``n_params``, ``steps_per_epoch``,
     ``n_train``, ``n_test``, ``optimizer_kwargs`` (what the optimizer was built with,
-    e.g. K-FAC's ``TCov``/``TInv``); nothing that differs between repeats of one experiment.
+    e.g. K-FAC's ``curvature_every``/``inverse_every``); nothing that differs between repeats of one experiment.
 ``steps.jsonl`` -- one JSON object per training step, written at log points (every
 ``--log-every`` steps, before an evaluation, at the end of an epoch or run; see below):
     ``step`` (1-based, global), ``epoch`` (1-based epoch the step belongs to),

@@ -235,7 +235,7 @@ def resolve_config(args: argparse.Namespace) -> dict[str, Any]:
                               + ("" if key != "curvature_every" else "; it uses the paper's statistics/inversion "
                                  "periods (tengrad_fx.optim.registry.PAPER_INTERVALS)"))
     for key in ("lr", "weight_decay", "damping", "curvature_every", "fisher", "kl_clip"):
-        if cfg[key] is None:
+        if cfg[key] is None and key not in not_for:
             cfg[key] = defaults.get(key)
     if cfg["kl_clip"] == 0:
         cfg["kl_clip"] = None

@@ -9,13 +9,16 @@ settings (:func:`paper_settings`):
 * ``PAPER_DEFAULTS[name][dataset][model_name]``: the appendix's tuned ``lr``,
   ``weight_decay``, ``damping``; momentum 0.9;
 * ``PAPER_INTERVALS``: TENGraD's curvature every 100 steps; K-FAC / EK-FAC / KBFGS
-  statistics every 20 steps (EK-FAC rescaling every 20), inversion every 100;
+  statistics every 20 steps (``curvature_every``; EK-FAC rescaling every 20,
+  ``rescale_every``), inversion every 100 (``inverse_every``);
 * ``PAPER_OPTIONS``: MC Fisher (one sampled label per example, drawn by the optimizer)
   for TENGraD, K-FAC, EK-FAC, and KL clip 0.01 for all four (the authors' code).
 
 ``paper=True`` is ``dataset="fashion-mnist"`` when no dataset is named. ``preset`` (a key of
 ``PRESETS[name]``, e.g. TENGraD's ``"fast"``) starts from the paper's settings of the dataset
-(default Fashion-MNIST) and puts the preset's options on top. ``overrides`` win.
+(default Fashion-MNIST) and puts the preset's options on top. ``overrides`` win; they may
+use an optimizer's deprecated option names (e.g. K-FAC's ``TCov``), with the optimizer's
+``DeprecationWarning``.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import torch
 
 from .baselines import EKFAC, KBFGS, KFAC, NGD
 from .step.checks import check_nonneg, check_unit
+from .step.renamed import rename_keywords, renamed_of
 from .tengrad import TENGraD
 
 __all__ = ["OPTIMIZERS", "PRESETS", "PAPER_DEFAULTS", "PAPER_EPOCHS", "PAPER_FASHION", "PAPER_INTERVALS",
@@ -109,9 +113,9 @@ PAPER_DEFAULTS: dict[str, dict[str, dict[str, dict[str, float]]]] = {
 # (EK-FAC) every 20 and invert every 100.
 PAPER_INTERVALS: dict[str, dict[str, int]] = {
     "tengrad": {"curvature_every": 100},
-    "kfac": {"TCov": 20, "TInv": 100},
-    "ekfac": {"TCov": 20, "TScal": 20, "TInv": 100},
-    "kbfgs": {"TCov": 20, "TInv": 100},
+    "kfac": {"curvature_every": 20, "inverse_every": 100},
+    "ekfac": {"curvature_every": 20, "rescale_every": 20, "inverse_every": 100},
+    "kbfgs": {"curvature_every": 20, "inverse_every": 100},
 }
 
 # Fisher and KL clip of the authors' code (a K-FAC codebase): one label sampled per example
@@ -168,7 +172,9 @@ def make_optimizer(name: str, model: torch.nn.Module, dataset: Optional[str] = N
     """``OPTIMIZERS[name](model, **settings)``; with ``dataset`` (or ``paper=True`` / a
     ``preset``: Fashion-MNIST unless ``dataset`` says otherwise) the settings start from
     :func:`paper_settings` (``name``, ``dataset``, ``model_name``), then ``PRESETS[name][preset]``;
-    ``overrides`` win. Without any of them, the optimizer's own (library) defaults apply."""
+    ``overrides`` win. Without any of them, the optimizer's own (library) defaults apply.
+    Deprecated option names in ``overrides`` are translated first (``DeprecationWarning``),
+    so they replace the paper's value under the new name; old and new together: ``TypeError``."""
     if name not in OPTIMIZERS:
         raise ValueError(f"name must be one of {sorted(OPTIMIZERS)}, got {name!r}")
     presets = PRESETS.get(name, {})
@@ -178,5 +184,6 @@ def make_optimizer(name: str, model: torch.nn.Module, dataset: Optional[str] = N
         dataset = PAPER_FASHION
     kw: dict[str, Any] = paper_settings(name, dataset, model_name) if dataset is not None else {}
     kw.update(presets.get(preset, {}) if preset is not None else {})
-    kw.update(overrides)
-    return OPTIMIZERS[name](model, **kw)
+    cls = OPTIMIZERS[name]
+    kw.update(rename_keywords(overrides, renamed_of(cls), cls.__name__))
+    return cls(model, **kw)

@@ -35,7 +35,8 @@ def _setup(method: str, device: str, scaler: Optional[torch.amp.GradScaler], fis
         opt = tengrad_fx.TENGraD(pm, lr=0.05, damping=0.1, curvature_every=2, kl_clip=0.01, fisher=fisher,
                                  grad_scaler=scaler)
     else:
-        opt = tengrad_fx.KFAC(pm, lr=0.05, damping=0.1, TCov=2, TInv=2, fisher=fisher, grad_scaler=scaler)
+        opt = tengrad_fx.KFAC(pm, lr=0.05, damping=0.1, curvature_every=2, inverse_every=2, fisher=fisher,
+                              grad_scaler=scaler)
     return pm, opt
 
 

@@ -22,10 +22,12 @@ def model():
 COMMON = [("lr", -1.0), ("damping", 0.0), ("damping", float("nan")), ("momentum", 1.0),
           ("momentum", -0.1), ("weight_decay", -1e-3), ("kl_clip", 0.0)]
 BAD = {
-    KFAC: COMMON + [("stat_decay", 1.0), ("TCov", 0), ("TInv", 2.5), ("fisher", "true"),
-                    ("mc_loss", "nll"), ("factor_dtype", torch.int32)],
-    EKFAC: COMMON + [("TScal", 0), ("stat_decay", -0.5), ("fisher", "exact")],
-    KBFGS: COMMON + [("TCov", -1), ("powell", 1.0), ("secant", "other"), ("stat_decay", 2.0)],
+    KFAC: COMMON + [("stat_decay", 1.0), ("curvature_every", 0), ("inverse_every", 2.5), ("fisher", "true"),
+                    ("mc_loss", "nll"), ("solve_dtype", torch.int32)],
+    EKFAC: COMMON + [("rescale_every", 0), ("stat_decay", -0.5), ("fisher", "exact"), ("curvature_every", 0),
+                     ("solve_dtype", "float64")],
+    KBFGS: COMMON + [("curvature_every", -1), ("inverse_every", 0), ("powell", 1.0), ("secant", "other"),
+                     ("stat_decay", 2.0)],
     NGD: COMMON + [("curvature_every", 0), ("max_params", 0), ("fisher", "x"), ("solve_dtype", "float64")],
 }
 
@@ -59,11 +61,11 @@ def test_registry(model):
     for _method, rows in PAPER_DEFAULTS.items():  # values: tests/optim/test_paper_defaults.py
         assert set(rows) == {"fashion-mnist", "cifar10", "cifar100"}
     opt = make_optimizer("kbfgs", model, dataset="fashion-mnist")
-    assert isinstance(opt, KBFGS) and opt.TCov == 20 and opt.TInv == 100
+    assert isinstance(opt, KBFGS) and opt.curvature_every == 20 and opt.inverse_every == 100
     g = opt.param_groups[0]
     assert (g["lr"], g["weight_decay"], g["damping"], g["momentum"]) == (0.03, 0.01, 0.01, 0.9)
     opt = make_optimizer("ekfac", model, dataset="cifar10", lr=0.5)
-    assert opt.param_groups[0]["lr"] == 0.5 and opt.TScal == 20
+    assert opt.param_groups[0]["lr"] == 0.5 and opt.rescale_every == 20
     sgd = make_optimizer("sgd", model, dataset="fashion-mnist")
     assert isinstance(sgd, SGD) and sgd.param_groups[0]["momentum"] == 0.9
     with pytest.raises(ValueError, match="name"):

@@ -61,7 +61,7 @@ def test_scalings_schedule_and_reset_on_new_basis():
     net = cnn()
     x, y = batch(6, seed=5)
     _, model = prepared(net, x)
-    opt = EKFAC(model, lr=0.05, stat_decay=0.5, TCov=4, TScal=2, TInv=4, kl_clip=None)
+    opt = EKFAC(model, lr=0.05, stat_decay=0.5, curvature_every=4, rescale_every=2, inverse_every=4, kl_clip=None)
     for it in range(5):
         model.zero_grad()
         F.cross_entropy(model(x), y).backward()
@@ -72,9 +72,9 @@ def test_scalings_schedule_and_reset_on_new_basis():
                 est = projected_second_moment(opt.blocks[i], UA, UG)
                 want = 0.5 * dG.unsqueeze(2) * dA.unsqueeze(1) + 0.5 * est
                 assert rel(opt.scales[i], want) < 1e-12
-        if it in (1, 3):  # neither TScal nor TInv: scalings untouched
+        if it in (1, 3):  # neither a rescaling nor an inverse step: scalings untouched
             for i in s_prev:
                 assert torch.equal(s_prev[i], opt.scales[i])
-        if it == 2:  # TScal only
+        if it == 2:  # a rescaling step only
             assert any(not torch.equal(s_prev[i], opt.scales[i]) for i in s_prev)
     assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -73,7 +73,8 @@ def _least_squares():
 @pytest.mark.parametrize("secant", ["consecutive", "same_batch"])
 def test_converges_on_convex_quadratic(secant):
     model, loss_fn, best = _least_squares()
-    opt = KBFGS(model, lr=0.5, momentum=0.0, damping=1e-6, stat_decay=0.0, TCov=1, TInv=1, secant=secant)
+    opt = KBFGS(model, lr=0.5, damping=1e-6, momentum=0.0, stat_decay=0.0, curvature_every=1, inverse_every=1,
+                secant=secant)
 
     def closure():
         opt.zero_grad()
@@ -99,7 +100,7 @@ def test_same_batch_requires_closure_and_conv_runs():
     net = cnn()
     x, y = batch(6, seed=7)
     _, model = prepared(net, x)
-    opt = KBFGS(model, lr=0.05, TCov=1, secant="same_batch")
+    opt = KBFGS(model, lr=0.05, curvature_every=1, secant="same_batch")
     model.zero_grad()
     torch.nn.functional.cross_entropy(model(x), y).backward()
     with pytest.raises(RuntimeError, match="closure"):

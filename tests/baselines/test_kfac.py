@@ -73,7 +73,8 @@ def test_first_step_equals_dense_kronecker_solve():
 def test_running_averages_and_inverse_schedule():
     net = cnn()
     template, model = prepared(net, batch(2)[0])
-    opt = KFAC(model, lr=0.1, momentum=0.0, stat_decay=0.7, kl_clip=None, TCov=1, TInv=2, damping=0.1)
+    opt = KFAC(model, lr=0.1, damping=0.1, momentum=0.0, stat_decay=0.7, kl_clip=None, curvature_every=1,
+               inverse_every=2)
     seen = []
     for it in range(3):
         x, y = batch(5, seed=10 + it)
@@ -82,7 +83,7 @@ def test_running_averages_and_inverse_schedule():
         io, grads = reference_io(ref, x, y)
         seen.append({i: explicit_factors(mod, inp, g)[:2] for i, (inp, g, mod) in io.items()})
         eig_before = {i: e[0].clone() for i, e in opt.eig.items()}
-        if it == 1:  # a TCov step that is not a TInv step: the previous basis is kept
+        if it == 1:  # a curvature step that is not an inverse step: the previous basis is kept
             u = {n: d / 0.1 for n, d in step_delta(model, opt).items()}
             for i, e in opt.eig.items():
                 assert torch.equal(e[0], eig_before[i])
@@ -109,7 +110,7 @@ def test_capture_only_on_statistics_steps():
     net = cnn()
     x, y = batch(4)
     _, model = prepared(net, x)
-    opt = KFAC(model, lr=0.01, TCov=3, TInv=3)
+    opt = KFAC(model, lr=0.01, curvature_every=3, inverse_every=3)
     store = tengrad_fx.get_info(model).store
     gens = []
     for _ in range(6):

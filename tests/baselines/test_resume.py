@@ -13,8 +13,9 @@ from tengrad_fx.optim.registry import make_optimizer
 
 from ._helpers import batch, cnn
 
-KW = {"kfac": dict(TCov=2, TInv=3), "ekfac": dict(TCov=2, TScal=3, TInv=4),
-      "kbfgs": dict(TCov=2, TInv=3), "ngd": dict(curvature_every=2)}
+KW = {"kfac": dict(curvature_every=2, inverse_every=3),
+      "ekfac": dict(curvature_every=2, rescale_every=3, inverse_every=4),
+      "kbfgs": dict(curvature_every=2, inverse_every=3), "ngd": dict(curvature_every=2)}
 
 
 def _run(model, opt, seeds):

@@ -15,8 +15,10 @@ from ._helpers import need_fmnist
 
 METHODS = ["tengrad", "kfac", "ekfac", "kbfgs", "ngd", "sgd"]
 # statistics every few steps so a few dozen steps exercise every schedule
-FAST = {"kfac": dict(TCov=5, TInv=10), "ekfac": dict(TCov=5, TScal=5, TInv=10),
-        "kbfgs": dict(TCov=5, TInv=10), "ngd": dict(curvature_every=3), "tengrad": dict(curvature_every=3)}
+FAST = {"kfac": dict(curvature_every=5, inverse_every=10),
+        "ekfac": dict(curvature_every=5, rescale_every=5, inverse_every=10),
+        "kbfgs": dict(curvature_every=5, inverse_every=10), "ngd": dict(curvature_every=3),
+        "tengrad": dict(curvature_every=3)}
 
 
 def small_cnn() -> nn.Module:
@@ -55,7 +57,7 @@ def test_trains_small_cnn_on_fashion_mnist(name):
 def test_kfac_mc_fisher_trains():
     X, Y = need_fmnist()
     model = tengrad_fx.prepare(small_cnn(), example_inputs=(X[:2],))
-    opt = make_optimizer("kfac", model, dataset="fashion-mnist", fisher="mc", TCov=5, TInv=10)
+    opt = make_optimizer("kfac", model, dataset="fashion-mnist", fisher="mc", curvature_every=5, inverse_every=10)
     with torch.no_grad():
         before = F.cross_entropy(model(X[:256]), Y[:256]).item()
     for it in range(20):
@@ -95,7 +97,7 @@ def test_runs_on_timm_model(name, timm_model):
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
     opt = make_optimizer(name, model, lr=0.01, damping=0.1,
-                         **({"TCov": 1} if name in FAST and "TCov" in FAST[name] else {}))
+                         **({"curvature_every": 1} if name in FAST and "curvature_every" in FAST[name] else {}))
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no skipped step
         for _ in range(2):

@@ -97,7 +97,8 @@ def test_conv1d_kronecker_baselines_match_linear(method):
     deltas = []
     for net in (conv, lin):
         pm = prepare(net, example_inputs=(x[:2],))
-        opt = getattr(tengrad_fx, method)(pm, lr=1.0, momentum=0.0, damping=0.1, kl_clip=None, TCov=1, TInv=1)
+        opt = getattr(tengrad_fx, method)(pm, lr=1.0, damping=0.1, momentum=0.0, kl_clip=None, curvature_every=1,
+                                          inverse_every=1)
         before = {n: p.detach().clone() for n, p in pm.named_parameters()}
         F.cross_entropy(pm(x), y).backward()
         opt.step()

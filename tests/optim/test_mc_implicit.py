@@ -198,8 +198,9 @@ def test_mc_capture_through_wrapper(wrap: Callable[[Any], Any]) -> None:
     assert all(torch.equal(a, b) for a, b in zip(*params))
 
 
-@pytest.mark.parametrize("name,kw", [("tengrad", {"curvature_every": 2}), ("kfac", {"TCov": 1, "TInv": 2}),
-                                     ("ekfac", {"TCov": 1, "TScal": 1, "TInv": 2})])
+@pytest.mark.parametrize("name,kw", [("tengrad", {"curvature_every": 2}),
+                                     ("kfac", {"curvature_every": 1, "inverse_every": 2}),
+                                     ("ekfac", {"curvature_every": 1, "rescale_every": 1, "inverse_every": 2})])
 def test_paper_settings_train_in_plain_loop(name: str, kw: dict[str, Any]) -> None:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))

@@ -57,10 +57,10 @@ def test_appendix_cell(dataset: str, model_name: str, method: str, cell: tuple, 
     if method == "tengrad":
         assert (opt.fisher, opt.curvature_every) == ("mc", 100)
     elif method in ("kfac", "ekfac"):
-        assert (opt.fisher, opt.TCov, opt.TInv) == ("mc", 20, 100)
-        assert method == "kfac" or opt.TScal == 20
+        assert (opt.fisher, opt.curvature_every, opt.inverse_every) == ("mc", 20, 100)
+        assert method == "kfac" or opt.rescale_every == 20
     else:  # kbfgs: no Fisher
-        assert (opt.TCov, opt.TInv) == (20, 100)
+        assert (opt.curvature_every, opt.inverse_every) == (20, 100)
 
 
 def test_every_table_cell_is_checked() -> None:

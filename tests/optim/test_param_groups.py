@@ -20,9 +20,9 @@ from testing.oracle import dense_layer_updates
 # every optimizer with per-step curvature, no KL clip (exact per-step updates)
 EXACT: dict[str, tuple[type, dict[str, Any]]] = {
     "tengrad": (TENGraD, dict(curvature_every=1, kl_clip=None)),
-    "kfac": (KFAC, dict(kl_clip=None, TCov=1, TInv=1)),
-    "ekfac": (EKFAC, dict(kl_clip=None, TCov=1, TInv=1, TScal=1)),
-    "kbfgs": (KBFGS, dict(kl_clip=None, TCov=1, TInv=1)),
+    "kfac": (KFAC, dict(kl_clip=None, curvature_every=1, inverse_every=1)),
+    "ekfac": (EKFAC, dict(kl_clip=None, curvature_every=1, inverse_every=1, rescale_every=1)),
+    "kbfgs": (KBFGS, dict(kl_clip=None, curvature_every=1, inverse_every=1)),
     "ngd": (NGD, dict(kl_clip=None)),
 }
 LAYERS = ("0", "2", "4")  # the Linears of _mlp
@@ -239,7 +239,7 @@ def test_state_dict_round_trip_with_two_groups(name: str) -> None:
     """Save after 3 steps (momentum buffers, curvature kept between steps), load into a
     fresh optimizer over a copy: the next steps are bit for bit the original's."""
     template = _mlp()
-    kw: dict[str, Any] = dict(curvature_every=2) if name == "tengrad" else dict(TCov=2, TInv=2)
+    kw: dict[str, Any] = dict(curvature_every=2) if name == "tengrad" else dict(curvature_every=2, inverse_every=2)
     cls = TENGraD if name == "tengrad" else KFAC
 
     def build(model: nn.Module) -> torch.optim.Optimizer:

@@ -39,7 +39,7 @@ def test_fmnist_end_to_end(data_dir: Path, tmp_path: Path, monkeypatch: pytest.M
     # paper settings reached every run: TENGraD MC + T=100 + clip, K-FAC's intervals
     cfg = json.loads((out / "tengrad-s0" / "config.json").read_text())
     assert (cfg["fisher"], cfg["curvature_every"], cfg["kl_clip"], cfg["lr"]) == ("mc", 100, 0.01, 0.003)
-    assert json.loads((out / "kfac-s0" / "config.json").read_text())["optimizer_kwargs"]["TInv"] == 100
+    assert json.loads((out / "kfac-s0" / "config.json").read_text())["optimizer_kwargs"]["inverse_every"] == 100
 
     # a second call reuses finished runs and adds only the new seed
     res2 = R.reproduce([*common, "--methods", "sgd,tengrad", "--seeds", "2"])

@@ -140,7 +140,7 @@ def test_tengrad_defaults_resolved(data_dir: Path) -> None:
     assert (cfg["lr"], cfg["damping"]) == (0.01, 0.3) and "no row for timm:resnet18" in cfg["defaults_from"]
     cfg = T.resolve_config(T.build_parser().parse_args(["--optimizer", "kfac", "--kl-clip", "0"]))
     assert cfg["kl_clip"] is None and cfg["fisher"] == "mc"
-    assert T.optimizer_kwargs(cfg)["TCov"] == 20
+    assert T.optimizer_kwargs(cfg)["curvature_every"] == 20
 
 
 def test_lr_schedules() -> None:

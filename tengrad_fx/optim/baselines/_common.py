@@ -40,7 +40,7 @@ from ...curvature.tensors import DEFAULT_BLOCK_BYTES
 
 __all__ = ["Block", "Stats", "CurvatureOptimizer", "SkipStep", "layer_stats",
            "per_sample_grad_chunks", "check_positive", "check_nonneg", "check_interval",
-           "check_unit", "check_choice"]
+           "check_unit", "check_choice", "check_float_dtype"]
 
 
 # --------------------------------------------------------------------------- layer blocks
@@ -221,6 +221,13 @@ def per_sample_grad_chunks(block: Block, dtype: Optional[torch.dtype] = None) ->
 
 
 # --------------------------------------------------------------------------- base optimizer
+def check_float_dtype(name: str, v: Any) -> Optional[torch.dtype]:
+    """``v``: a floating ``torch.dtype`` or ``None`` (ValueError naming ``name`` otherwise)."""
+    if v is not None and not (isinstance(v, torch.dtype) and v.is_floating_point):
+        raise ValueError(f"{name} must be a floating torch.dtype or None, got {v!r}")
+    return v
+
+
 class CurvatureOptimizer(StepSkeleton):
     """Common part of the baselines: param groups over the model's parameters
     (:mod:`tengrad_fx.optim.step.param_groups`; a layer's damping is its weight's group's), the
@@ -231,6 +238,9 @@ class CurvatureOptimizer(StepSkeleton):
     covered parameter from :meth:`_precondition` (``u = g`` for fallback parameters), the
     KL clip, weight decay and momentum. Capture is switched on only before steps that need
     statistics. Counters live in ``self.state[<method name>]``.
+
+    Subclasses take ``(model, lr, damping, *, ...)``: every option after ``damping`` is
+    keyword-only (:mod:`tengrad_fx.optim.step.renamed` keeps renamed options' old names).
     """
 
     NAME = "curvature"

@@ -1,8 +1,8 @@
 """``EKFAC``: eigenvalue-corrected K-FAC (George et al. 2018) over a prepared model.
 
 Factors ``A, G`` and their eigenbases ``U_A, U_G`` exactly as :class:`~.kfac.KFAC` (same
-scaling convention, running averages every ``TCov`` steps, eigendecompositions every
-``TInv`` steps, one Kronecker pair per conv group). The K-FAC eigenvalues ``d_G d_Aᵀ`` are
+scaling convention, running averages every ``curvature_every`` steps, eigendecompositions
+every ``inverse_every`` steps, one Kronecker pair per conv group). The K-FAC eigenvalues ``d_G d_Aᵀ`` are
 replaced by the diagonal second moment of the per-sample gradients in that basis,
 
     s = E_i[(U_Gᵀ ∇W_i U_A)²]      ([g, o, f + b], elementwise square)
@@ -14,24 +14,29 @@ The update is
 
     u = (U_G ⊗ U_A) (diag(s) + λ)⁻¹ (U_G ⊗ U_A)ᵀ vec(∇W).
 
-``s`` is re-estimated every ``TScal`` steps into a running average (``stat_decay``).
+``s`` is re-estimated every ``rescale_every`` steps into a running average (``stat_decay``).
 Whenever the eigenbasis changes, ``s`` restarts from ``d_G d_Aᵀ`` — the K-FAC scalings in
 the new basis, as in alecwangcq/KFAC-Pytorch — and the same step's estimate (if it is a
-``TScal`` step; step 0 always is) is averaged in. With ``stat_decay = 0`` the scalings
+``rescale_every`` step; step 0 always is) is averaged in. With ``stat_decay = 0`` the scalings
 are exactly the current batch's. ``fisher="mc"`` uses ``G`` from :meth:`mc_capture`'s
 sampled targets for both the factors and ``s``.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Literal, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..step.renamed import RenamedAttribute, renamed_keywords
 from ._common import Block, SkipStep, check_interval, per_sample_grad_chunks, running
-from .kfac import KFAC
+from .kfac import KFAC, KFAC_RENAMED
 
-__all__ = ["EKFAC", "ekfac_precondition", "projected_second_moment"]
+__all__ = ["EKFAC", "EKFAC_RENAMED", "ekfac_precondition", "projected_second_moment"]
+
+# Deprecated keyword names of EK-FAC's options -> their names here (K-FAC's, plus the
+# rescaling interval).
+EKFAC_RENAMED = {**KFAC_RENAMED, "TScal": "rescale_every"}
 
 
 def projected_second_moment(block: Block, UA: Tensor, UG: Tensor) -> Tensor:
@@ -54,42 +59,39 @@ def ekfac_precondition(grad: Tensor, UA: Tensor, UG: Tensor, s: Tensor, damping:
 
 
 class EKFAC(KFAC):
-    """EKFAC over a prepared model. Arguments as :class:`~.kfac.KFAC`, plus
-    ``TScal``: re-estimate the eigenbasis scalings every ``TScal`` steps."""
+    """EK-FAC over a prepared model.
+
+    Args:
+        model, lr, damping: as :class:`~.kfac.KFAC` (same defaults).
+
+    Keyword-only:
+        rescale_every: re-estimate the eigenbasis scalings ``s [g, o, f+b]`` every
+            ``rescale_every`` steps (module docstring).
+        kfac_options: every other option of :class:`~.kfac.KFAC`, with its default there:
+            ``momentum``, ``stat_decay``, ``kl_clip``, ``weight_decay``, ``curvature_every``,
+            ``inverse_every``, ``fisher``, ``mc_loss``, ``solve_dtype``, ``grad_scaler``,
+            ``params``.
+
+    Deprecated names, as keywords and as attributes: ``TScal`` → ``rescale_every`` and
+    K-FAC's (``TCov``, ``TInv``, ``factor_dtype``).
+    """
 
     NAME = "ekfac"
     CURVATURE = ("factors", "eig", "scales")  # type: ignore[assignment]
+    TScal = RenamedAttribute("rescale_every")
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        lr: float = 0.001,
-        momentum: float = 0.9,
-        stat_decay: float = 0.95,
-        damping: float = 0.001,
-        kl_clip: Optional[float] = 0.001,
-        weight_decay: float = 0.0,
-        TCov: int = 10,
-        TScal: int = 20,
-        TInv: int = 100,
-        fisher: Literal["empirical", "mc"] = "empirical",
-        mc_loss: Literal["cross_entropy", "mse"] = "cross_entropy",
-        factor_dtype: Optional[torch.dtype] = None,
-        grad_scaler: Optional[torch.amp.GradScaler] = None,
-        params: Optional[Iterable[Any]] = None,
-    ):
-        self.TScal = check_interval("TScal", TScal)
-        super().__init__(model, lr=lr, momentum=momentum, stat_decay=stat_decay, damping=damping,
-                         kl_clip=kl_clip, weight_decay=weight_decay, TCov=TCov, TInv=TInv,
-                         fisher=fisher, mc_loss=mc_loss, factor_dtype=factor_dtype, grad_scaler=grad_scaler,
-                         params=params)
+    @renamed_keywords(**EKFAC_RENAMED)
+    def __init__(self, model: torch.nn.Module, lr: float = 0.001, damping: float = 0.001, *,
+                 rescale_every: int = 20, **kfac_options: Any):
+        self.rescale_every = check_interval("rescale_every", rescale_every)
+        super().__init__(model, lr, damping, **kfac_options)
 
     def _reset_curvature(self) -> None:
         super()._reset_curvature()
         self.scales: dict[int, Tensor] = {}  # block index -> s [g, o, f+b]
 
     def _needs_capture(self, step: int) -> bool:
-        return super()._needs_capture(step) or step % self.TScal == 0
+        return super()._needs_capture(step) or step % self.rescale_every == 0
 
     def _update_curvature(self, step: int, captured: bool) -> None:
         if captured and super()._needs_capture(step):
@@ -98,7 +100,7 @@ class EKFAC(KFAC):
             _, dA, _, dG = self.eig[i]
             self.scales[i] = dG.unsqueeze(2) * dA.unsqueeze(1)
         new_s: dict[int, Tensor] = {}
-        if captured and step % self.TScal == 0:
+        if captured and step % self.rescale_every == 0:
             live = set(map(id, self._live_blocks()))
             for i, b in enumerate(self.blocks):
                 if i in self.eig and id(b) in live:

@@ -4,8 +4,8 @@ Per covered layer (matrix form ``[g, o, f + b]``, bias = homogeneous last column
 pair per conv group) the update is ``u = H_G ∇W H_A`` with
 
 * ``H_A = (A + √λ·I)⁻¹`` — ``A`` the K-FAC input factor of :mod:`.kfac` (mean over samples
-  and positions of ``ã ãᵀ``, running average ``stat_decay`` every ``TCov`` steps), inverted
-  by Cholesky every ``TInv`` steps (and when ``damping`` changes);
+  and positions of ``ã ãᵀ``, running average ``stat_decay`` every ``curvature_every`` steps),
+  inverted by Cholesky every ``inverse_every`` steps (and when ``damping`` changes);
 * ``H_G ≈ (G + √λ·I)⁻¹`` — maintained by damped BFGS on the pair
 
       s = Δ h̄,  y = Δ ḡ,   h̄ = mean_{i,s} of the pre-activation = W̃ ā,
@@ -25,7 +25,7 @@ definite. Then the BFGS inverse update ``H ← (I − ρ s yᵀ) H (I − ρ y s
 ``ρ = 1/sᵀy``, satisfies the secant equation ``H y = s`` for the damped pair.
 
 **Simplifications** (stated): full BFGS on the ``o × o`` ``H_G`` (not L-BFGS); the pairs
-come from captures only, i.e. every ``TCov`` steps (the paper updates every step). With
+come from captures only, i.e. every ``curvature_every`` steps (the paper updates every step). With
 ``secant="consecutive"`` (default) the pair is the difference between this capture and
 the previous one — different minibatches, no extra pass. With ``secant="same_batch"``
 (the paper's scheme) pass ``step(closure)``: after the update the closure is called
@@ -42,10 +42,14 @@ import torch
 from torch import Tensor
 
 from ...capture.prepare import capturing
+from ..step.renamed import RenamedAttribute, renamed_keywords
 from ._common import (Block, CurvatureOptimizer, Damping, SkipStep, check_choice, check_interval, check_unit,
                       layer_stats, running)
 
-__all__ = ["KBFGS", "damped_bfgs_update"]
+__all__ = ["KBFGS", "KBFGS_RENAMED", "damped_bfgs_update"]
+
+# Deprecated keyword names of K-BFGS's options -> their names here.
+KBFGS_RENAMED = {"TCov": "curvature_every", "TInv": "inverse_every"}
 
 
 def damped_bfgs_update(H: Tensor, s: Tensor, y: Tensor, powell: float = 0.2,
@@ -91,40 +95,49 @@ class KBFGS(CurvatureOptimizer):
     """K-BFGS over a prepared model.
 
     Args:
-        model: the prepared model.
-        lr, momentum, weight_decay, kl_clip: as :class:`~.kfac.KFAC` (``kl_clip`` off by default).
+        model, lr: as :class:`~.kfac.KFAC`.
         damping: ``λ > 0``, split ``√λ`` / ``√λ`` (module docstring).
+
+    Keyword-only:
+        momentum, weight_decay, kl_clip: as :class:`~.kfac.KFAC` (``kl_clip`` off by default).
         stat_decay: running-average decay of ``A``, in ``[0, 1)``.
-        TCov: capture (``A`` statistics and a BFGS pair) every ``TCov`` steps.
-        TInv: recompute ``H_A`` every ``TInv`` steps.
+        curvature_every: capture (``A`` statistics and a BFGS pair) every ``curvature_every`` steps.
+        inverse_every: recompute ``H_A`` every ``inverse_every`` steps.
         powell: Powell damping ``μ₁`` in ``(0, 1)``.
         secant: ``"consecutive"`` or ``"same_batch"`` (needs ``step(closure)``).
         grad_scaler, params: as :class:`~.kfac.KFAC`.
+
+    Deprecated names, as keywords and as attributes: ``TCov`` → ``curvature_every``,
+    ``TInv`` → ``inverse_every``.
     """
 
     NAME = "kbfgs"
     CURVATURE = ("A", "HA", "HG", "_HA_damping", "_prev", "pairs")
     SUPPORTS_MC = False
+    TCov = RenamedAttribute("curvature_every")
+    TInv = RenamedAttribute("inverse_every")
 
+    @renamed_keywords(**KBFGS_RENAMED)
     def __init__(
         self,
         model: torch.nn.Module,
         lr: float = 0.001,
+        damping: float = 0.001,
+        *,
         momentum: float = 0.9,
         stat_decay: float = 0.95,
-        damping: float = 0.001,
         kl_clip: Optional[float] = None,
         weight_decay: float = 0.0,
-        TCov: int = 10,
-        TInv: int = 100,
+        curvature_every: int = 10,
+        inverse_every: int = 100,
         powell: float = 0.2,
         secant: Literal["consecutive", "same_batch"] = "consecutive",
         grad_scaler: Optional[torch.amp.GradScaler] = None,
         params: Optional[Iterable[Any]] = None,
     ):
         self.stat_decay = check_unit("stat_decay", stat_decay)
-        self.TCov = check_interval("TCov", TCov)
-        self.TInv = check_interval("TInv", TInv)
+        self.curvature_every = check_interval("curvature_every", curvature_every)
+        self.inverse_every = check_interval("inverse_every", inverse_every)
         if not (isinstance(powell, float) and 0 < powell < 1):
             raise ValueError(f"powell must be a float in (0, 1), got {powell!r}")
         self.powell = powell
@@ -143,7 +156,7 @@ class KBFGS(CurvatureOptimizer):
         self.pairs = 0  # BFGS updates done (all layers)
 
     def _needs_capture(self, step: int) -> bool:
-        return step % self.TCov == 0 or len(self.A) < len(self.blocks)
+        return step % self.curvature_every == 0 or len(self.A) < len(self.blocks)
 
     def _means(self, blocks: dict[int, Block]) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
         """``{i: (A, h̄ [g, o], ḡ [g, o])}`` of the captured batch at the current weights."""
@@ -184,7 +197,7 @@ class KBFGS(CurvatureOptimizer):
                     self._prev[i] = (hbar, gbar)
                 else:
                     self._pending[i] = (hbar, gbar)
-        if step % self.TInv == 0 or damping != self._HA_damping or len(self.HA) < len(self.A):
+        if step % self.inverse_every == 0 or damping != self._HA_damping or len(self.HA) < len(self.A):
             for i, A in self.A.items():
                 eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device)
                 L, info = torch.linalg.cholesky_ex(A + lms[i] * eye)

@@ -11,21 +11,22 @@ homogeneous last column, ``ã = (a, 1)``), the Fisher block of each group is ``G
 
 **Scaling convention.** ``G ⊗ A = (1/S)·E[Σ_s ggᵀ] ⊗ E[Σ_s ããᵀ]``, exactly KFC's ``Ω ⊗ Γ``
 and exactly the product of the factors of alecwangcq/KFAC-Pytorch (``ComputeCovA`` /
-``ComputeCovG`` with ``batch_averaged=True``, the code base whose ``TCov``/``TInv``/
-``stat_decay``/``kl_clip`` defaults this class takes). That code splits the scalar
+``ComputeCovG`` with ``batch_averaged=True``, the code base whose ``TCov``/``TInv``
+(here ``curvature_every``/``inverse_every``), ``stat_decay`` and ``kl_clip`` defaults this
+class takes). That code splits the scalar
 differently (its ``A`` is ours ``/S``, its ``G`` ours ``·S``); since damping is applied
 to the product (below), every update is the same. For Linear (``S = 1``) the factors
 themselves coincide.
 
 **Damping.** Not split between the factors: with ``A = U_A diag(d_A) U_Aᵀ`` and
-``G = U_G diag(d_G) U_Gᵀ`` (eigendecompositions every ``TInv`` steps),
+``G = U_G diag(d_G) U_Gᵀ`` (eigendecompositions every ``inverse_every`` steps),
 
     u = U_G [ (U_Gᵀ ∇W U_A) / (d_G d_Aᵀ + λ) ] U_Aᵀ  =  (G ⊗ A + λI)⁻¹ vec(∇W),
 
 the exactly-damped Kronecker product (as KFAC-Pytorch does). Negative round-off
 eigenvalues are clamped to 0.
 
-**Statistics.** Every ``TCov`` steps the captured batch's ``A, G`` enter running averages
+**Statistics.** Every ``curvature_every`` steps the captured batch's ``A, G`` enter running averages
 ``F ← stat_decay·F + (1 − stat_decay)·F_batch``; the first estimate initializes them
 (KFAC-Pytorch starts from the identity instead). Capture is switched off on the other
 steps. ``fisher="mc"`` takes ``G`` from targets sampled by :meth:`mc_capture`.
@@ -34,7 +35,7 @@ steps. ``fisher="mc"`` takes ``G`` from targets sampled by :meth:`mc_capture`.
 is block-diagonal over groups: different groups share no weights or inputs).
 
 Differences from KFAC-Pytorch besides the above: weight decay is applied from the first
-step (not after ``20·TCov`` steps), conv1d/conv3d, dilation, grouped convs and Linear on
+step (not after ``20·curvature_every`` steps), conv1d/conv3d, dilation, grouped convs and Linear on
 ``[m, *, d]`` inputs are covered, and non-finite steps are skipped.
 """
 from __future__ import annotations
@@ -44,9 +45,14 @@ from typing import Any, Iterable, Literal, Optional
 import torch
 from torch import Tensor
 
-from ._common import Block, CurvatureOptimizer, Damping, SkipStep, check_interval, check_unit, layer_stats, running
+from ..step.renamed import RenamedAttribute, renamed_keywords
+from ._common import (Block, CurvatureOptimizer, Damping, SkipStep, check_interval, check_unit, layer_stats, running,
+                      check_float_dtype)
 
-__all__ = ["KFAC", "kfac_precondition", "sym_eig"]
+__all__ = ["KFAC", "KFAC_RENAMED", "kfac_precondition", "sym_eig"]
+
+# Deprecated keyword names of K-FAC's options (KFAC-Pytorch's names) -> their names here.
+KFAC_RENAMED = {"TCov": "curvature_every", "TInv": "inverse_every", "factor_dtype": "solve_dtype"}
 
 
 def sym_eig(M: Tensor) -> tuple[Tensor, Tensor]:
@@ -85,51 +91,60 @@ class KFAC(CurvatureOptimizer):
     Args:
         model: the prepared model.
         lr: learning rate (``>= 0``).
-        momentum: heavy-ball ``μ`` in ``[0, 1)``.
-        stat_decay: running-average decay of the factors, in ``[0, 1)``.
         damping: ``λ > 0`` added to the Kronecker product (also ``param_groups[i]["damping"]``:
             a layer takes its weight's group's).
+
+    Keyword-only:
+        momentum: heavy-ball ``μ`` in ``[0, 1)``.
+        stat_decay: running-average decay of the factors, in ``[0, 1)``.
         kl_clip: KL-clip threshold (``None``: no clipping).
         weight_decay: ``λ_wd >= 0``: ``d = ν·u + λ_wd·w``.
-        TCov: factor statistics every ``TCov`` steps (capture on only then).
-        TInv: eigendecompositions every ``TInv`` steps.
+        curvature_every: factor statistics every ``curvature_every`` steps (capture on only then).
+        inverse_every: eigendecompositions every ``inverse_every`` steps.
         fisher: ``"empirical"`` or ``"mc"`` (the sampled backward runs when the training backward
             reaches the model's output, or at :meth:`mc_capture` before it).
         mc_loss: ``"cross_entropy"`` or ``"mse"`` (MC target distribution).
-        factor_dtype: dtype of factors and eigendecompositions (default: the parameters').
+        solve_dtype: dtype of factors and eigendecompositions (default: the parameters').
         grad_scaler: the loop's ``torch.amp.GradScaler`` (step with ``scaler.step(opt)``;
             the records are unscaled with it, :mod:`tengrad_fx.optim.step.amp`). Every baseline
             takes it.
         params: the parameters to train, or param group dicts, as
             :class:`~tengrad_fx.optim.tengrad.TENGraD`'s (every baseline takes it).
+
+    Deprecated names, as keywords and as attributes (``DeprecationWarning``; a keyword
+    given under both names is a ``TypeError``): ``TCov`` → ``curvature_every``, ``TInv`` →
+    ``inverse_every``, ``factor_dtype`` → ``solve_dtype``.
     """
 
     NAME = "kfac"
     CURVATURE = ("factors", "eig")
+    TCov = RenamedAttribute("curvature_every")
+    TInv = RenamedAttribute("inverse_every")
+    factor_dtype = RenamedAttribute("solve_dtype")
 
+    @renamed_keywords(**KFAC_RENAMED)
     def __init__(
         self,
         model: torch.nn.Module,
         lr: float = 0.001,
+        damping: float = 0.001,
+        *,
         momentum: float = 0.9,
         stat_decay: float = 0.95,
-        damping: float = 0.001,
         kl_clip: Optional[float] = 0.001,
         weight_decay: float = 0.0,
-        TCov: int = 10,
-        TInv: int = 100,
+        curvature_every: int = 10,
+        inverse_every: int = 100,
         fisher: Literal["empirical", "mc"] = "empirical",
         mc_loss: Literal["cross_entropy", "mse"] = "cross_entropy",
-        factor_dtype: Optional[torch.dtype] = None,
+        solve_dtype: Optional[torch.dtype] = None,
         grad_scaler: Optional[torch.amp.GradScaler] = None,
         params: Optional[Iterable[Any]] = None,
     ):
         self.stat_decay = check_unit("stat_decay", stat_decay)
-        self.TCov = check_interval("TCov", TCov)
-        self.TInv = check_interval("TInv", TInv)
-        if factor_dtype is not None and not (isinstance(factor_dtype, torch.dtype) and factor_dtype.is_floating_point):
-            raise ValueError(f"factor_dtype must be a floating torch.dtype or None, got {factor_dtype!r}")
-        self.factor_dtype = factor_dtype
+        self.curvature_every = check_interval("curvature_every", curvature_every)
+        self.inverse_every = check_interval("inverse_every", inverse_every)
+        self.solve_dtype = check_float_dtype("solve_dtype", solve_dtype)
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
         super().__init__(model, defaults, kl_clip=kl_clip, fisher=fisher, mc_loss=mc_loss,
                          grad_scaler=grad_scaler, params=params)
@@ -141,7 +156,7 @@ class KFAC(CurvatureOptimizer):
         self.eig: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}  # -> (UA, dA, UG, dG)
 
     def _needs_capture(self, step: int) -> bool:
-        return step % self.TCov == 0 or not all(i in self.factors for i in range(len(self.blocks)))
+        return step % self.curvature_every == 0 or not all(i in self.factors for i in range(len(self.blocks)))
 
     def _batch_factors(self) -> dict[int, tuple[Tensor, Tensor]]:
         """``{block index: (A, G)}`` of the captured batch for blocks with a gradient."""
@@ -150,7 +165,7 @@ class KFAC(CurvatureOptimizer):
         for i, b in enumerate(self.blocks):
             if id(b) not in live:
                 continue
-            st = layer_stats(b, self.factor_dtype)
+            st = layer_stats(b, self.solve_dtype)
             if not (torch.isfinite(st.A).all() and torch.isfinite(st.G).all()):
                 raise SkipStep(f"non-finite K-FAC factors in layer '{b.layer.name}'")
             new[i] = (st.A, st.G)
@@ -163,11 +178,11 @@ class KFAC(CurvatureOptimizer):
                                running(old[1] if old else None, G, self.stat_decay))
 
     def _update_eigen(self, step: int) -> list[int]:
-        """Eigendecompose the running factors on ``TInv`` steps (or where missing).
+        """Eigendecompose the running factors on ``inverse_every`` steps (or where missing).
         Returns the block indices whose basis changed."""
         changed = []
         for i, (A, G) in self.factors.items():
-            if step % self.TInv == 0 or i not in self.eig:
+            if step % self.inverse_every == 0 or i not in self.eig:
                 dA, UA = sym_eig(A)
                 dG, UG = sym_eig(G)
                 self.eig[i] = (UA, dA, UG, dG)

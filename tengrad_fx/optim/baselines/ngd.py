@@ -19,7 +19,7 @@ from typing import Any, Iterable, Literal, Optional
 import torch
 from torch import Tensor
 
-from ._common import CurvatureOptimizer, Damping, SkipStep, check_interval
+from ._common import CurvatureOptimizer, Damping, SkipStep, check_float_dtype, check_interval
 
 __all__ = ["NGD"]
 
@@ -31,6 +31,8 @@ class NGD(CurvatureOptimizer):
         model: the prepared model.
         lr: learning rate (``>= 0``).
         damping: ``α > 0``.
+
+    Keyword-only:
         momentum, weight_decay, kl_clip: as :class:`~tengrad_fx.optim.tengrad.TENGraD`.
         curvature_every: rebuild ``F`` every ``curvature_every`` steps.
         fisher, mc_loss: ``"empirical"`` / ``"mc"`` (see :meth:`mc_capture`).
@@ -47,6 +49,7 @@ class NGD(CurvatureOptimizer):
         model: torch.nn.Module,
         lr: float,
         damping: float,
+        *,
         momentum: float = 0.9,
         weight_decay: float = 0.0,
         kl_clip: Optional[float] = None,
@@ -60,9 +63,7 @@ class NGD(CurvatureOptimizer):
     ):
         self.curvature_every = check_interval("curvature_every", curvature_every)
         self.max_params = check_interval("max_params", max_params)
-        if solve_dtype is not None and not (isinstance(solve_dtype, torch.dtype) and solve_dtype.is_floating_point):
-            raise ValueError(f"solve_dtype must be a floating torch.dtype or None, got {solve_dtype!r}")
-        self.solve_dtype = solve_dtype
+        self.solve_dtype = check_float_dtype("solve_dtype", solve_dtype)
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
         super().__init__(model, defaults, kl_clip=kl_clip, fisher=fisher, mc_loss=mc_loss,
                          grad_scaler=grad_scaler, params=params)
