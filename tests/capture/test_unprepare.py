@@ -72,6 +72,27 @@ class Branchy(nn.Module):
         return self.fc2(torch.tanh(self.ln(self.fc1(x)) + self.pos))
 
 
+class Leaf(nn.Module):
+    """A forward torch.fx cannot trace, kept as a leaf of the fx graph (timm's notrace
+    registry, as timm's attention modules): its Linear is covered by surgery on the fx
+    path; ``x [m, 4, 4]`` -> ``[m, 4, 4]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = int(x.shape[1])
+        return torch.softmax(self.q(x) @ x.transpose(1, 2) / n, -1) @ x
+
+
+def _with_leaf() -> nn.Module:
+    from timm.layers import _fx as timm_fx
+
+    timm_fx.register_notrace_module(Leaf)
+    return nn.Sequential(nn.Linear(4, 4), Leaf(), nn.Flatten(), nn.Linear(16, 3)).double()
+
+
 def _randn(*shape: int) -> Callable[[int, int], tuple[torch.Tensor, ...]]:
     def make(m: int, seed: int) -> tuple[torch.Tensor, ...]:
         return (torch.randn(m, *shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64),)
@@ -94,10 +115,11 @@ CASES: dict[str, Case] = {
         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)).double(), _randn(3, 8, 8)),
     "resnet18": (_resnet18, lambda m, seed: tuple(x.float() for x in _randn(3, 16, 16)(m, seed))),
     "block": (lambda: Block().double(), _tokens),
+    "leaf": (_with_leaf, _randn(4, 4)),
     "surgery": (lambda: Branchy().double(), _randn(6)),
 }
-METHOD = {"mlp": "fx", "cnn": "fx", "resnet18": "fx", "block": "fx", "surgery": "surgery"}
-SAVED = ("mlp", "cnn", "block", "surgery")  # (ResNet-18's 45 MB programs are checked in process only)
+METHOD = {"mlp": "fx", "cnn": "fx", "resnet18": "fx", "block": "fx", "leaf": "fx", "surgery": "surgery"}
+SAVED = ("mlp", "cnn", "block", "leaf", "surgery")  # (ResNet-18's 45 MB programs are checked in process only)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, msg: str = "") -> None:
@@ -115,6 +137,8 @@ def _prepared(name: str) -> tuple[nn.Module, nn.Module, list[torch.Tensor], tupl
     prepared = tengrad_fx.prepare(model, example_inputs=make(2, 1))
     assert get_info(prepared).method == METHOD[name]
     assert get_info(prepared).layers
+    if name == "leaf":
+        assert get_info(prepared).covered["1.q.weight"] == "1.q"  # by surgery inside the fx leaf
     return model, prepared, tensors, make(4, 2)
 
 
