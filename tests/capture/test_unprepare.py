@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx import get_info
+from testing.all_kinds import AllKinds, inputs
 
 Case = tuple[Callable[[], nn.Module], Callable[[int, int], tuple[torch.Tensor, ...]]]
 
@@ -105,7 +106,7 @@ def _tokens(m: int, seed: int) -> tuple[torch.Tensor, ...]:
 
 def _resnet18() -> nn.Module:
     import torchvision
-    return torchvision.models.resnet18(num_classes=4)
+    return torchvision.models.resnet18(num_classes=4).double()
 
 
 CASES: dict[str, Case] = {
@@ -113,29 +114,29 @@ CASES: dict[str, Case] = {
     "cnn": (lambda: nn.Sequential(
         nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3, stride=2), nn.BatchNorm2d(4),
         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)).double(), _randn(3, 8, 8)),
-    "resnet18": (_resnet18, lambda m, seed: tuple(x.float() for x in _randn(3, 16, 16)(m, seed))),
     "block": (lambda: Block().double(), _tokens),
     "leaf": (_with_leaf, _randn(4, 4)),
+    "allkinds": (lambda: AllKinds().double(), lambda m, seed: (inputs(m, seed)[0].double(), inputs(m, seed)[1])),
     "surgery": (lambda: Branchy().double(), _randn(6)),
 }
-METHOD = {"mlp": "fx", "cnn": "fx", "resnet18": "fx", "block": "fx", "leaf": "fx", "surgery": "surgery"}
-SAVED = ("mlp", "cnn", "block", "leaf", "surgery")  # (ResNet-18's 45 MB programs are checked in process only)
+METHOD = {"mlp": "fx", "cnn": "fx", "block": "fx", "leaf": "fx", "allkinds": "fx", "surgery": "surgery"}
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, msg: str = "") -> None:
-    """Equal to rounding: 1e-12 in float64, 1e-6 in float32 (ResNet-18)."""
+    """Equal to rounding: 1e-12 in float64, 1e-6 in float32."""
     tol = 1e-12 if b.dtype == torch.float64 else 1e-6
     torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=msg or None)
 
 
-def _prepared(name: str) -> tuple[nn.Module, nn.Module, list[torch.Tensor], tuple[torch.Tensor, ...]]:
+def _prepared(name: str, build: Callable[[], nn.Module] | None = None,
+              ) -> tuple[nn.Module, nn.Module, list[torch.Tensor], tuple[torch.Tensor, ...]]:
     """``(model, prepared, [its parameters and buffers], fresh inputs [4, ...])``."""
-    build, make = CASES[name]
+    build, make = (build, _randn(3, 16, 16)) if build is not None else CASES[name]
     torch.manual_seed(0)
     model = build()
     tensors = [*model.parameters(), *model.buffers()]
     prepared = tengrad_fx.prepare(model, example_inputs=make(2, 1))
-    assert get_info(prepared).method == METHOD[name]
+    assert get_info(prepared).method == METHOD.get(name, "fx")
     assert get_info(prepared).layers
     if name == "leaf":
         assert get_info(prepared).covered["1.q.weight"] == "1.q"  # by surgery inside the fx leaf
@@ -179,14 +180,15 @@ class Deployed:
     plain: nn.Module  # unprepare's result, in eval mode
     y_plain_train: torch.Tensor  # its output in train mode (on a deep copy)
     exported: dict[str, torch.export.ExportedProgram]  # capture_off, unprepared (eval mode)
+    exported_train: torch.export.ExportedProgram  # capture off, train mode (not run)
     error_again: str  # unprepare's error when called again
 
 
 def _deploy(name: str, out_dir: Path) -> Deployed:
     """Prepare case ``name``; its outputs in train and eval mode with capture on and off
-    (eval last: the train-mode forwards update BatchNorm's statistics); export it in eval
-    mode with capture off; unprepare and export that; save both programs with their inputs
-    and outputs under ``out_dir``."""
+    (eval last: the train-mode forwards update BatchNorm's statistics); export it with
+    capture off, in eval mode (and in train mode); unprepare and export that (eval mode);
+    save the eval-mode programs with their inputs and outputs under ``out_dir``."""
     model, prepared, tensors, xs = _prepared(name)
     y = {}
     for train in (True, False):
@@ -195,16 +197,18 @@ def _deploy(name: str, out_dir: Path) -> Deployed:
             y[train, on] = _outputs(prepared, xs, on)
     with tengrad_fx.capturing(prepared, False):
         exported = {"capture_off": torch.export.export(prepared, xs)}
+        exported_train = torch.export.export(prepared.train(), xs)
+    prepared.eval()
     keys = list(prepared.state_dict())
     plain = tengrad_fx.unprepare(prepared)
     exported["unprepared"] = torch.export.export(plain, xs)
-    for tag, ep in exported.items() if name in SAVED else ():
+    for tag, ep in exported.items():
         torch.export.save(ep, str(out_dir / f"{name}-{tag}.pt2"))
         torch.save((xs, y[False, True]), out_dir / f"{name}-{tag}.io")
     with pytest.raises(ValueError, match="not prepared") as again:
         tengrad_fx.unprepare(plain if name == "surgery" else prepared)
     return Deployed(model, tensors, keys, xs, y, plain, _outputs(copy.deepcopy(plain).train(), xs), exported,
-                    str(again.value))
+                    exported_train, str(again.value))
 
 
 @pytest.fixture(scope="module")
@@ -236,13 +240,12 @@ def test_nothing_of_tengrad_fx_left(deployed: tuple[dict[str, Deployed], Path], 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_jit_trace(deployed: tuple[dict[str, Deployed], Path], name: str) -> None:
-    """The trace's check (which a prepared model fails) on the small models; the block is
-    traced unchecked (nn.MultiheadAttention fails that check before prepare too), and so
-    is ResNet-18 (cost)."""
+    """With torch.jit.trace's check (which a prepared model fails); the block unchecked
+    (nn.MultiheadAttention fails that check before prepare too)."""
     d = deployed[0][name]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        traced = torch.jit.trace(d.plain, d.xs, check_trace=name not in ("block", "resnet18"))
+        traced = torch.jit.trace(d.plain, d.xs, check_trace=name != "block")
         scripted = torch.jit.script(d.plain) if name in ("mlp", "cnn") else None  # (nn.Sequential scripts)
     assert torch.equal(traced(*d.xs).detach(), _outputs(d.plain, d.xs))
     if scripted is not None:
@@ -252,6 +255,7 @@ def test_jit_trace(deployed: tuple[dict[str, Deployed], Path], name: str) -> Non
 @pytest.mark.parametrize("name", list(CASES))
 def test_exported_programs_are_aten_only(deployed: tuple[dict[str, Deployed], Path], name: str) -> None:
     d = deployed[0][name]
+    _aten_only(d.exported_train)
     for tag, ep in d.exported.items():
         _aten_only(ep)
         _close(ep.module()(*d.xs), d.y[False, True], tag)
@@ -276,7 +280,23 @@ def test_exported_programs_run_without_tengrad_fx(deployed: tuple[dict[str, Depl
     run = subprocess.run([sys.executable, "-c", _LOAD, str(deployed[1])], cwd=deployed[1], env=env,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.split() == sorted(f"{name}-{tag}" for name in SAVED for tag in ("capture_off", "unprepared"))
+    assert run.stdout.split() == sorted(f"{name}-{tag}" for name in CASES for tag in ("capture_off", "unprepared"))
+
+
+def test_resnet18() -> None:
+    """torchvision's ResNet-18 (float64): the same objects and outputs; both exported
+    programs hold aten ops only and compute the outputs."""
+    model, prepared, tensors, xs = _prepared("resnet18", _resnet18)
+    y = _outputs(prepared.eval(), xs, True)
+    with tengrad_fx.capturing(prepared, False):
+        eps = [torch.export.export(prepared, xs)]
+    plain = tengrad_fx.unprepare(prepared)
+    assert plain is model and all(a is b for a, b in zip([*plain.parameters(), *plain.buffers()], tensors))
+    _close(_outputs(plain, xs), y)
+    eps.append(torch.export.export(plain, xs))
+    for ep in eps:
+        _aten_only(ep)
+        _close(ep.module()(*xs), y)
 
 
 @pytest.mark.parametrize("name", ["cnn", "block", "surgery"])
