@@ -119,6 +119,7 @@ CASES: dict[str, Case] = {
     "allkinds": (lambda: AllKinds().double(), lambda m, seed: (inputs(m, seed)[0].double(), inputs(m, seed)[1])),
     "surgery": (lambda: Branchy().double(), _randn(6)),
 }
+SHAPES = {"resnet18": (3, 16, 16), "scaled": (5,)}  # the inputs of the models built outside CASES
 METHOD = {"mlp": "fx", "cnn": "fx", "block": "fx", "leaf": "fx", "allkinds": "fx", "surgery": "surgery"}
 
 
@@ -131,7 +132,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, msg: str = "") -> None:
 def _prepared(name: str, build: Callable[[], nn.Module] | None = None,
               ) -> tuple[nn.Module, nn.Module, list[torch.Tensor], tuple[torch.Tensor, ...]]:
     """``(model, prepared, [its parameters and buffers], fresh inputs [4, ...])``."""
-    build, make = (build, _randn(3, 16, 16)) if build is not None else CASES[name]
+    build, make = (build, _randn(*SHAPES[name])) if build is not None else CASES[name]
     torch.manual_seed(0)
     model = build()
     tensors = [*model.parameters(), *model.buffers()]
@@ -318,7 +319,7 @@ def test_trained_weights_kept(name: str) -> None:
     trained = [t.detach().clone() for t in tensors]
     plain = tengrad_fx.unprepare(prepared)
     got = [*plain.parameters(), *plain.buffers()]
-    assert all(a is b for a, b in zip(got, tensors))
+    assert len(got) == len(tensors) and all(a is b for a, b in zip(got, tensors))
     assert all(torch.equal(a, b) for a, b in zip(got, trained))
     assert any(not torch.equal(a, b) for a, b in zip(trained, before))
     assert torch.equal(_outputs(plain, xs), y)
@@ -333,16 +334,33 @@ def test_prepare_again_after_unprepare() -> None:
     assert any(get_info(again).store.records.values())
 
 
+class Scaled(nn.Module):
+    """A Linear whose output is scaled by a buffer of the root; ``x [m, 5]`` -> ``[m, 3]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+        self.register_buffer("scale", torch.tensor(0.5, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.scale
+
+
 def test_root_state_after_to_and_replaced_child() -> None:
     """FX path: the original module takes the prepared module's current root entries (a
-    child replaced after prepare) and its train/eval flag."""
-    model, prepared, _, xs = _prepared("mlp")
-    new_head = nn.Linear(9, 3).double()
-    prepared._modules["2"] = new_head
+    root buffer that ``.to()`` replaced, a child replaced after prepare) and its
+    train/eval flag."""
+    model, prepared, _, xs = _prepared("scaled", lambda: Scaled().double())
+    assert get_info(prepared).method == "fx"
+    prepared.to(torch.float32)
+    new_fc = nn.Linear(5, 3)
+    prepared._modules["fc"] = new_fc
     prepared.train(False)
+    xs = tuple(x.float() for x in xs)
     y = _outputs(prepared, xs, False)
     plain = tengrad_fx.unprepare(prepared)
-    assert plain[2] is new_head and not plain.training
+    assert plain is model and plain.fc is new_fc and not plain.training
+    assert plain.scale is prepared.scale and plain.scale.dtype == torch.float32
     assert torch.equal(_outputs(plain, xs), y)
 
 
