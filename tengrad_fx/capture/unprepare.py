@@ -6,8 +6,9 @@ What ``prepare`` returned, and what ``unprepare`` returns:
   ``GraphModule`` that shares every child module, Parameter and buffer of the original
   module and keeps that module (:data:`ORIGINAL`). ``unprepare`` returns the *original
   module object*: its own class and ``forward`` (a Hugging Face model keeps ``generate``),
-  with the prepared module's current root entries (parameters, buffers, children; after
-  ``.to()``, ``load_state_dict`` or a replaced child) and its train/eval flag. Covered
+  with the prepared module's current root entries (parameters, buffers, children: new
+  ones after ``.to()``, ``load_state_dict(assign=True)`` or a replaced child) and its
+  train/eval flag. Covered
   modules inside an fx leaf, whose classes ``prepare`` swapped, get their classes back.
 * **Module surgery** (``"surgery"``: the model could not be traced, e.g. ``prepare(DDP(model))``
   or a Hugging Face model): ``prepare`` changed the model in place; ``unprepare`` restores
@@ -18,9 +19,9 @@ Either way the result holds the same Parameter and buffer objects under the same
 ``state_dict`` keys, runs no capture op, and refers to nothing of ``tengrad_fx``: it
 deep-copies, pickles, and goes through ``torch.jit.trace`` and ``torch.export`` as the
 model did before ``prepare`` (its exported program holds aten ops only and loads without
-``tengrad_fx``). The prepared module is spent: its capture state is released and it is no
-longer prepared (an optimizer built on it records nothing); train further with
-``prepare(unprepare(model))`` and a new optimizer.
+``tengrad_fx``). The prepared module is spent: its capture state is released, it is no
+longer prepared, and a GraphModule of the FX path runs its plain program; train further
+with ``prepare(unprepare(model))`` and a new optimizer.
 """
 from __future__ import annotations
 

@@ -376,6 +376,20 @@ def test_wrapped_and_compiled_models() -> None:
     assert type(tengrad_fx.unprepare(compiled)) is nn.Sequential
 
 
+def test_root_layer() -> None:
+    """A root that is itself a covered layer: the layer back, exported to aten."""
+    layer = nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    prepared = tengrad_fx.prepare(layer, example_inputs=(x[:2],))
+    y = _outputs(prepared, (x,), True)
+    plain = tengrad_fx.unprepare(prepared)
+    assert plain is layer and type(plain) is nn.Linear
+    _no_tengrad_fx_left(plain)
+    ep = torch.export.export(plain, (x,))
+    _aten_only(ep)
+    _close(ep.module()(x), y)
+
+
 class Wrapper(nn.Module):
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
