@@ -182,13 +182,15 @@ class Deployed:
     y_plain_train: torch.Tensor  # its output in train mode (on a deep copy)
     exported: dict[str, torch.export.ExportedProgram]  # capture_off, unprepared (eval mode)
     exported_train: torch.export.ExportedProgram  # capture off, train mode (not run)
+    exported_no_grad: torch.export.ExportedProgram  # capture on under torch.no_grad(), eval mode
     error_again: str  # unprepare's error when called again
 
 
 def _deploy(name: str, out_dir: Path) -> Deployed:
     """Prepare case ``name``; its outputs in train and eval mode with capture on and off
     (eval last: the train-mode forwards update BatchNorm's statistics); export it with
-    capture off, in eval mode (and in train mode); unprepare and export that (eval mode);
+    capture off, in eval mode (and in train mode, and with capture on under
+    ``torch.no_grad()``); unprepare and export that (eval mode);
     save the eval-mode programs with their inputs and outputs under ``out_dir``."""
     model, prepared, tensors, xs = _prepared(name)
     y = {}
@@ -199,7 +201,8 @@ def _deploy(name: str, out_dir: Path) -> Deployed:
     with tengrad_fx.capturing(prepared, False):
         exported = {"capture_off": torch.export.export(prepared, xs)}
         exported_train = torch.export.export(prepared.train(), xs)
-    prepared.eval()
+    with torch.no_grad():
+        exported_no_grad = torch.export.export(prepared.eval(), xs)
     keys = list(prepared.state_dict())
     plain = tengrad_fx.unprepare(prepared)
     exported["unprepared"] = torch.export.export(plain, xs)
@@ -209,7 +212,7 @@ def _deploy(name: str, out_dir: Path) -> Deployed:
     with pytest.raises(ValueError, match="not prepared") as again:
         tengrad_fx.unprepare(plain if name == "surgery" else prepared)
     return Deployed(model, tensors, keys, xs, y, plain, _outputs(copy.deepcopy(plain).train(), xs), exported,
-                    exported_train, str(again.value))
+                    exported_train, exported_no_grad, str(again.value))
 
 
 @pytest.fixture(scope="module")
@@ -257,6 +260,8 @@ def test_jit_trace(deployed: tuple[dict[str, Deployed], Path], name: str) -> Non
 def test_exported_programs_are_aten_only(deployed: tuple[dict[str, Deployed], Path], name: str) -> None:
     d = deployed[0][name]
     _aten_only(d.exported_train)
+    _aten_only(d.exported_no_grad)
+    _close(d.exported_no_grad.module()(*d.xs), d.y[False, True])
     for tag, ep in d.exported.items():
         _aten_only(ep)
         _close(ep.module()(*d.xs), d.y[False, True], tag)
