@@ -19,6 +19,7 @@ from .store import CaptureStore
 from .added import check_sample_independence
 from .surgery import cover_in_leaves, prepare_surgery
 from .trace import trace
+from .unprepare import ORIGINAL
 from .verify import verify_samples
 
 __all__ = ["prepare", "capturing"]
@@ -343,6 +344,7 @@ def _prepare_fx(model, candidates, fallback, example_inputs, added_params=True):
         cover_in_leaves({k: v for k, v in candidates.items() if k not in odd}, layers, store.key, n_sites)
     store.n_sites = n_sites[0]
     gm.__dict__["_tengrad_store"] = store
+    gm.__dict__[ORIGINAL] = model  # for unprepare()
     note_functional_uses(gm, g_train, g_eval, layers, fallback)
     if added_params:
         functional.note_unmatched(model, layers, fallback)
