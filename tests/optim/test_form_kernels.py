@@ -1,7 +1,9 @@
 """Each stacked form's Gram, ``J g`` and ``Jᵀ c`` have one home in :mod:`tengrad_fx.curvature`
-(:mod:`~tengrad_fx.curvature.materialized`, :mod:`~tengrad_fx.curvature.factored`), and every
-TENGraD path calls it: the modular groups path, the fused path (``compile=True``, its
-function run eagerly) and distributed ``gram-blocks`` (one gloo rank, in process).
+(:mod:`~tengrad_fx.curvature.materialized`, :mod:`~tengrad_fx.curvature.factored`,
+:mod:`~tengrad_fx.curvature.conv_stack`), and every TENGraD path that has the form calls
+it: the modular groups path, the fused path (``compile=True``, its function run eagerly;
+materialized and factored Linear layers only) and distributed ``gram-blocks`` (one gloo
+rank, in process).
 
 Each kernel is wrapped in its module by a counter that calls the original; callers look
 them up there at call time, so a path that kept a private copy of a form's maths would
@@ -22,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tengrad_fx
-from tengrad_fx.curvature import factored, materialized
+from tengrad_fx.curvature import conv_stack, factored, materialized
 from tengrad_fx.optim.tengrad.tengrad_groups import LayerGroup
 from testing.distributed import free_port
 
@@ -33,9 +35,9 @@ GROUP_FORM = {"materialized": "P", "factored": "IG"}
 ROOT = pathlib.Path(tengrad_fx.__file__).parent
 
 
-@pytest.fixture
-def calls(monkeypatch) -> Counter:
-    """Counts of the calls of every form kernel, by ``"<module>.<function>"``."""
+def _count(monkeypatch, modules: dict[str, Any], names: tuple[str, ...]) -> Counter:
+    """Wrap ``names`` of each of ``modules`` by a counter that calls the original; the
+    counts by ``"<module>.<function>"``."""
     counts: Counter = Counter()
 
     def counting(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -44,10 +46,16 @@ def calls(monkeypatch) -> Counter:
             return fn(*args, **kwargs)
         return wrapped
 
-    for mod_name, mod in KERNELS.items():
-        for name in PRODUCTS:
+    for mod_name, mod in modules.items():
+        for name in names:
             monkeypatch.setattr(mod, name, counting(f"{mod_name}.{name}", getattr(mod, name)))
     return counts
+
+
+@pytest.fixture
+def calls(monkeypatch) -> Counter:
+    """Counts of the calls of every stacked form's kernel, by ``"<module>.<function>"``."""
+    return _count(monkeypatch, KERNELS, PRODUCTS)
 
 
 def _mlp() -> nn.Module:
@@ -55,12 +63,18 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3)).double()
 
 
-def _train(opt_factory: Callable[[nn.Module], torch.optim.Optimizer],
-           steps: int = 2) -> tuple[torch.Tensor, torch.optim.Optimizer]:
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)  # two convolutions of one shape: one "conv" stack of two layers
+    return nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.Tanh(), nn.Conv2d(3, 3, 3, padding=1), nn.Tanh(),
+                         nn.Conv2d(3, 3, 3, padding=1), nn.Flatten(), nn.Linear(3 * 5 * 5, 3)).double()
+
+
+def _train(opt_factory: Callable[[nn.Module], torch.optim.Optimizer], steps: int = 2,
+           conv: bool = False) -> tuple[torch.Tensor, torch.optim.Optimizer]:
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(4, 5, generator=g, dtype=torch.float64)
+    x = torch.randn(4, *((1, 5, 5) if conv else (5,)), generator=g, dtype=torch.float64)
     y = torch.randint(0, 3, (4,), generator=g)
-    pm = tengrad_fx.prepare(_mlp(), example_inputs=(x[:2],))
+    pm = tengrad_fx.prepare(_cnn() if conv else _mlp(), example_inputs=(x[:2],))
     opt = opt_factory(pm)
     for _ in range(steps):
         opt.zero_grad()
@@ -129,6 +143,25 @@ def test_gram_blocks_call_the_form_kernels(calls: Counter, one_rank: Any, form: 
     assert n["gram"] > 0 and n["jvp"] > 0 and n["vjp"] > 0, n  # the Gram, J_a g and J_aᵀ c_a
     ref, _ = _train(_tengrad(**SETTINGS[form]))
     assert (got - ref).abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("path", ["groups", "gram-blocks"])
+def test_conv_stacks_call_their_kernels(monkeypatch, request, path: str) -> None:
+    """Convolution stacks (no fused form) take their Gram, ``J g`` and ``Jᵀ c`` from
+    :mod:`tengrad_fx.curvature.conv_stack` on both paths that have them."""
+    calls = _count(monkeypatch, {"conv_stack": conv_stack}, ("gram", "jvp", "vjp"))
+    if path == "groups":
+        _, opt = _train(_tengrad(strategy="factor"), conv=True)
+    else:
+        from tengrad_fx.distributed import DistributedTENGraD
+
+        request.getfixturevalue("one_rank")
+        _, opt = _train(lambda pm: DistributedTENGraD(pm, lr=0.1, damping=0.05, mode="gram-blocks",
+                                                      curvature_every=1, kl_clip=None, strategy="factor"), conv=True)
+    stacks = [g for g in opt._curv if g.form == "conv"]
+    assert [len(g.layers) for g in stacks] == [1, 2]
+    n = {name: calls[f"conv_stack.{name}"] for name in ("gram", "jvp", "vjp")}
+    assert n["gram"] == 2 * len(stacks) and n["jvp"] >= 2 * len(stacks) and n["vjp"] >= 2 * len(stacks), n
 
 
 def _sources() -> dict[str, str]:

@@ -11,7 +11,7 @@
    its size, so many small groups (the norm layers' ``γ, β``: ``n = 2C``, the first
    convolution, a head) cost launches, not flops. The equal-shape ``"P"`` groups of one
    ``(k, dtypes)`` are therefore sorted by their layers' width ``n = n_w + n_b`` and merged
-   greedily in that order into *packed* groups (``LayerGroup.cols``; each layer's
+   greedily in that order into *packed* groups (``PackedGroup``, ``cols``; each layer's
    ``[P_w, P_b]`` side by side in ``[L, m, W]``, zero-padded to the widest ``W``; exact,
    see :mod:`.tengrad_groups`) while the packed stack stays
 
