@@ -17,8 +17,9 @@ aten call for the whole stack, whatever ``L``:
 * ``Jᵀ c``: one weight-gradient convolution of ``I`` with ``c``-weighted ``G``;
 * ``J Jᵀ``: ``"factor"`` by :func:`~tengrad_fx.curvature.tensors.gram_factor_stacked`
   (one ``bmm`` over ``L·g`` per sample block), ``"materialize"`` by per-sample gradients of
-  the ``m·L`` (sample, layer) pairs (:mod:`tengrad_fx.capture.per_sample_conv`) and one
-  ``bmm``, in chunks of layers holding at most :data:`STACK_BLOCK_BYTES` of them.
+  the ``m·L`` (sample, layer) pairs (:mod:`tengrad_fx.capture.per_sample_conv`) and their
+  Gram (:func:`~tengrad_fx.curvature.materialized.gram`, one ``bmm``), in chunks of layers
+  holding at most :data:`STACK_BLOCK_BYTES` of them.
 
 Stacks with few output positions per sample take ``J v`` and ``Jᵀ c`` by ``bmm`` over
 their unfolded inputs instead (:mod:`.conv_stack_bmm`, chosen by the group).
@@ -34,6 +35,7 @@ from torch import Tensor
 
 from ..capture.match import LayerSpec
 from ..capture.per_sample_conv import per_sample_conv_weight_grads
+from . import materialized
 from .conv import unfold
 from .tensors import DEFAULT_BLOCK_BYTES, gram_factor_stacked
 
@@ -136,6 +138,6 @@ def _gram_materialize(spec: LayerSpec, I: Tensor, G: Tensor) -> Tensor:
         P = per_sample_conv_weight_grads(G[:, l0:l1].flatten(0, 1), I[:, l0:l1].flatten(0, 1), w.shape,
                                          geo[0], geo[1], geo[2], spec.groups)  # [m·Lc, n], (sample, layer)
         P = P.reshape(m, l1 - l0, n).transpose(0, 1)
-        parts.append(torch.bmm(P, P.transpose(1, 2)))
+        parts.append(materialized.gram(P, None, 1.0))
         del P  # freed before the next chunk's P is made
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -198,7 +198,8 @@ class CoveredLayer:
             else:
                 w, b = self._kernel.per_sample_grads(self.spec, r.I, r.G)
             dW = w.reshape(m, -1) if dW is None else dW + w.reshape(m, -1)
-            db = b.reshape(m, -1) if db is None else db + b.reshape(m, -1)  # type: ignore[union-attr]
+            if b is not None:
+                db = b.reshape(m, -1) if db is None else db + b.reshape(m, -1)
         assert dW is not None and db is not None
         k = self._scale()
         dW = (dW * k).reshape(m, *self.weight.shape)
@@ -240,10 +241,11 @@ class CoveredLayer:
             _check_shape(self, "v_b", v_b, self.bias)
         out = None
         for r in self.records():
-            if r.P is not None:
-                o = r.P @ v_w.reshape(-1)
-                if v_b is not None:
-                    o = o + r.Gsum @ v_b  # type: ignore[operator]
+            P, Gsum = r.P, r.Gsum
+            if P is not None:
+                o = P @ v_w.reshape(-1)
+                if v_b is not None and Gsum is not None:
+                    o = o + Gsum @ v_b
             else:
                 o = self._kernel.jvp(self.spec, r.I, r.G, v_w, v_b)
             out = o if out is None else out + o
@@ -256,8 +258,9 @@ class CoveredLayer:
             raise ValueError(f"layer '{self.name}': c must have shape ({self.m},), got {tuple(c.shape)}")
         gW = gb = None
         for r in self.records():
-            if r.P is not None:
-                w, b = r.P.T @ c, r.Gsum.T @ c  # type: ignore[union-attr]
+            P, Gsum = r.P, r.Gsum
+            if P is not None and Gsum is not None:
+                w, b = P.T @ c, Gsum.T @ c
             else:
                 w, b = self._kernel.vjp(self.spec, r.I, r.G, c)
             gW = w.reshape(-1) if gW is None else gW + w.reshape(-1)

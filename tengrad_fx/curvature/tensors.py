@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import factored
+
 __all__ = [
     "per_sample_grads", "gram_factor", "gram_factor_stacked", "gram_materialize", "gram_bias", "jvp", "vjp",
     "DEFAULT_BLOCK_BYTES",
@@ -63,7 +65,7 @@ def gram_factor_stacked(A: Tensor, B: Tensor, block_bytes: int = DEFAULT_BLOCK_B
     o = B.shape[-1]
     if S == 1:
         a, b = A[..., 0, :].reshape(L * g, m, f), B[..., 0, :].reshape(L * g, m, o)
-        return (torch.bmm(a, a.transpose(1, 2)) * torch.bmm(b, b.transpose(1, 2))).view(L, g, m, m).sum(1)
+        return factored.gram(a, b).view(L, g, m, m).sum(1)
     per_pair = 2 * L * g * S * S * A.element_size()
     blk = max(1, min(m, int(math.sqrt(block_bytes / per_pair))))
     K = A.new_zeros(L, m, m)
@@ -73,10 +75,9 @@ def gram_factor_stacked(A: Tensor, B: Tensor, block_bytes: int = DEFAULT_BLOCK_B
         bi = B[:, :, i0:i1].reshape(L * g, -1, o)
         for j0 in range(i0, m, blk):
             j1 = min(m, j0 + blk)
-            aa = torch.bmm(ai, A[:, :, j0:j1].reshape(L * g, -1, f).transpose(1, 2))
-            bb = torch.bmm(bi, B[:, :, j0:j1].reshape(L * g, -1, o).transpose(1, 2))
-            # in place: 2 buffers
-            blkK = aa.mul_(bb).reshape(L, g, i1 - i0, S, j1 - j0, S).sum((1, 3, 5))
+            aabb = factored.gram(ai, bi, A2=A[:, :, j0:j1].reshape(L * g, -1, f),
+                                 B2=B[:, :, j0:j1].reshape(L * g, -1, o))  # (a_i a_jᵀ) ⊙ (b_i b_jᵀ)
+            blkK = aabb.reshape(L, g, i1 - i0, S, j1 - j0, S).sum((1, 3, 5))
             K[:, i0:i1, j0:j1] = blkK
             if j0 != i0:
                 K[:, j0:j1, i0:i1] = blkK.transpose(1, 2)

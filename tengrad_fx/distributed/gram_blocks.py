@@ -2,11 +2,14 @@
 
 With ``W`` ranks of ``m`` samples, the global ``J`` (``[M, n]``, ``M = W·m``) is the
 stack of the ranks' row blocks ``J_a`` (``[m, n]``), and ``K = J Jᵀ`` has the blocks
-``K_ab = J_a J_bᵀ`` — for a Linear layer ``(I_a I_bᵀ + 1) ⊙ (G_a G_bᵀ)``, for a
-convolution the same with the positions (the single-process factorization). The Gram is
+``K_ab = J_a J_bᵀ`` — for a Linear layer ``(I_a I_bᵀ + 1) ⊙ (G_a G_bᵀ)``
+(:func:`tengrad_fx.curvature.factored.gram` of the two row sets), for a convolution the
+same with the positions (the single-process factorization). The Gram is
 formed where the layer is solved, from the ranks' ``I``, ``G`` (all-gathered, or gathered
 to the owner: :mod:`.optimizer`); no per-sample gradient is ever sent, and afterwards
-every rank keeps only its own records, i.e. its rows ``J_a``. Each step then runs
+every rank keeps only its own records, i.e. its rows ``J_a``. The Gram (all blocks at
+once), ``J_a g`` and ``J_aᵀ c_a`` are the layer groups' products, i.e. each form's one
+kernel in :mod:`tengrad_fx.curvature`, as on a single process. Each step then runs
 data-parallel (:class:`GramBlocksStep`)::
 
     rank a:  v_a = J_a g                       [m]    (its own rows; g: DDP's averaged gradient)
@@ -153,10 +156,10 @@ class GramBlocksStep:
             C, beta, gamma = solve.woodbury_coefficients(torch.stack([cs[lay.name][rows] for lay in grp.layers]),
                                                          alpha, ok, 1.0, gw.dtype)  # C: [L, m]
             self.coefs.append((beta, gamma))
-            w, b = grp.vjp(C.to(_record_dtype(grp.layers[0], dtype)))  # type: ignore[assignment]
-            partial += [w.to(dtype).reshape(-1)] + ([b.to(dtype).reshape(-1)] if b is not None else [])  # type: ignore[attr-defined]
-            self.shapes.append((w.shape, b.shape if b is not None else None))  # type: ignore[attr-defined]
-            n = w.shape[1] + (b.shape[1] if b is not None else 0)  # type: ignore[attr-defined]
+            jw, jb = grp.vjp(C.to(_record_dtype(grp.layers[0], dtype)))  # J_aᵀ c_a: [L, n_w], [L, n_b]
+            partial += [jw.to(dtype).reshape(-1)] + ([jb.to(dtype).reshape(-1)] if jb is not None else [])
+            self.shapes.append((jw.shape, jb.shape if jb is not None else None))
+            n = jw.shape[1] + (jb.shape[1] if jb is not None else 0)
             for lay in grp.layers:
                 self.count(lay.name, int(2 * (self.world - 1) / self.world * n * self.es))  # ring all-reduce
         self.total = torch.cat(partial)
@@ -179,7 +182,9 @@ class GramBlocksStep:
                 JTc = self.total[off: off + k].view(shape)
                 off += k
                 us.append(solve.woodbury_combine(g, JTc, beta, gamma) if g is not None else None)
-            out.update(grp.split(us[0], us[1]))  # type: ignore[arg-type]
+            uw, ub = us
+            assert uw is not None, "every group has a weight part"
+            out.update(grp.split(uw, ub))
         return out
 
 

@@ -330,7 +330,7 @@ class DistributedTENGraD(UpdateSharing, TENGraD):
         self._curv, self._n_gather = gather + blocks, len(gather)
         self._factorize(damping)
         for grp in blocks:  # only the factor stays
-            grp.A = grp.B = grp.Pw = grp.Pb = None
+            grp.release()
         self._info.store.records.update({site: list(recs) for site, recs in self._local.items()})
         if self._rebuild_local:  # every rank: its own rows of every gram-blocks layer, grouped
             lays = [lay for lay in self._all_layers if self._mode.get(lay.name) == "gram-blocks"]

@@ -96,7 +96,7 @@ def test_kept_between_steps_is_at_most_each_layers_smaller_form() -> None:
 
 
 def _stack_bytes(opt) -> int:
-    return tensor_bytes([t for g in opt._curv for t in (g.Pw, g.Pb, g.A, g.B) if t is not None])
+    return tensor_bytes([t for g in opt._curv for t in g.stacks() if t is not None])
 
 
 @pytest.mark.parametrize("T", [1, 10])
@@ -148,4 +148,4 @@ def test_stacking_transient_is_bounded_by_stack_bytes(monkeypatch) -> None:
 
 def _stack_bytes_of(g) -> int:
     """The largest single stack of a group (its stacks are made one after the other)."""
-    return max(tensor_bytes([t]) for t in (g.Pw, g.Pb, g.A, g.B) if t is not None) if len(g.layers) > 1 else 0
+    return max(tensor_bytes([t]) for t in g.stacks() if t is not None) if len(g.layers) > 1 else 0

@@ -9,6 +9,10 @@ enter in one of two forms (both already scaled to per-sample gradients):
 * ``("IG", A [m, f], B [m, o], has_bias)`` — a Linear layer with one position per
   sample, by covariance factorization: ``K = (A Aᵀ + 1)⊙(B Bᵀ)``, ``Jᵀc = Bᵀ diag(c) A``.
 
+Each form's Gram, ``J g`` and ``Jᵀ c`` are the functions the layer groups use
+(:mod:`tengrad_fx.curvature.materialized`, :mod:`tengrad_fx.curvature.factored`), called
+on a stack of one layer (``k = 1``: the inputs are scaled already).
+
 ``mode="push_through"``: ``u = scale·Jᵀ(K + shift·I)⁻¹1`` (``g = Jᵀ1·scale/m`` is the
 same batch's gradient); ``mode="woodbury"``: ``u = (g − Jᵀ(K + shift·I)⁻¹ J g)/α``.
 The damped factorization (with its jitter retries), the Woodbury / push-through
@@ -24,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ... import solve
+from ...curvature import factored, materialized
 
 __all__ = ["fused_update", "LayerInput"]
 
@@ -42,33 +47,43 @@ def _update(K: Tensor, jvp: Callable[[Tensor], Tensor], vjp: Callable[[Tensor], 
     return solve.woodbury_combine(g, vjp(c.to(K.dtype)), beta, gamma), ok
 
 
+def _flat(w: Tensor, b: Optional[Tensor]) -> Tensor:
+    """One layer's ``[w, b]`` of a stacked ``(w [1, n_w], b [1, n_b] or None)``, flat."""
+    return w[0] if b is None else torch.cat([w[0], b[0]])
+
+
 def _update_materialized(Jw: Tensor, Jb: Tensor, g: Tensor, shift: float, scale: float,
                          damping: float, push_through: bool,
                          dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor]:
-    """One layer from materialized ``J``: ``(u [n_w + n_b], ok)``."""
+    """One layer from materialized ``J = [Jw, Jb]`` (``n_b = 0``: no bias part): ``(u [n_w + n_b], ok)``,
+    its products by :mod:`tengrad_fx.curvature.materialized` on a stack of one."""
     nw = Jw.shape[1]
-    return _update(Jw @ Jw.T + Jb @ Jb.T, lambda v: Jw @ v[:nw] + Jb @ v[nw:],
-                   lambda c: torch.cat([Jw.T @ c, Jb.T @ c]), g, shift, scale, damping, push_through, dtype)
+    Pw, Pb = Jw.unsqueeze(0), (Jb.unsqueeze(0) if Jb.shape[1] else None)
+
+    def jvp(v: Tensor) -> Tensor:
+        return materialized.jvp(Pw, Pb, v[:nw].unsqueeze(0), v[nw:].unsqueeze(0) if Pb is not None else None, 1.0)[0]
+
+    def vjp(c: Tensor) -> Tensor:
+        return _flat(*materialized.vjp(Pw, Pb, c.unsqueeze(0), 1.0))
+
+    return _update(materialized.gram(Pw, Pb, 1.0)[0], jvp, vjp, g, shift, scale, damping, push_through, dtype)
 
 
 def _update_factored(A: Tensor, B: Tensor, has_bias: bool, g: Tensor, shift: float, scale: float,
                      damping: float, push_through: bool,
                      dtype: Optional[torch.dtype]) -> tuple[Tensor, Tensor]:
-    """One single-position Linear layer by covariance factorization: ``(u, ok)``."""
-    AA = A @ A.T
-    o, f = B.shape[1], A.shape[1]
+    """One single-position Linear layer by covariance factorization: ``(u, ok)``, its
+    products by :mod:`tengrad_fx.curvature.factored` on a stack of one."""
+    A1, B1 = A.unsqueeze(0), B.unsqueeze(0)
+    nw = A.shape[1] * B.shape[1]
 
     def jvp(v: Tensor) -> Tensor:
-        Jg = ((B @ v[: o * f].view(o, f)) * A).sum(1)
-        return Jg + B @ v[o * f:] if has_bias else Jg
+        return factored.jvp(A1, B1, v[:nw].unsqueeze(0), v[nw:].unsqueeze(0) if has_bias else None, 1.0)[0]
 
     def vjp(c: Tensor) -> Tensor:
-        Bc = B * c.unsqueeze(1)
-        w = (Bc.T @ A).flatten()
-        return torch.cat([w, Bc.sum(0)]) if has_bias else w
+        return _flat(*factored.vjp(A1, B1, c.unsqueeze(0), 1.0, has_bias))
 
-    K = (AA + 1.0 if has_bias else AA) * (B @ B.T)
-    return _update(K, jvp, vjp, g, shift, scale, damping, push_through, dtype)
+    return _update(factored.gram(A1, B1, 1.0, has_bias)[0], jvp, vjp, g, shift, scale, damping, push_through, dtype)
 
 
 def fused_update(layers: Sequence[LayerInput], grads: Sequence[Tensor], shift: float, scale: float,
@@ -83,8 +98,8 @@ def fused_update(layers: Sequence[LayerInput], grads: Sequence[Tensor], shift: f
         if lay[0] == "J":
             groups.setdefault((tuple(lay[1].shape), tuple(lay[2].shape)), []).append(i)
         else:
-            u, ok = _update_factored(lay[1], lay[2], bool(lay[3]), grads[i], shift, scale,  # type: ignore[misc]
-                                       damping, push_through, dtype)
+            has_bias = bool(lay[3]) if len(lay) == 4 else True
+            u, ok = _update_factored(lay[1], lay[2], has_bias, grads[i], shift, scale, damping, push_through, dtype)
             out[i] = u
             oks.append(ok.reshape(1))
     for idx in groups.values():

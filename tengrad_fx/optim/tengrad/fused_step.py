@@ -83,7 +83,7 @@ class FusedStep:
         if any(cm != m for _, cm in used):
             return None
         scale = solve.push_through_scale(m, loss_reduction)
-        grads = [torch.cat([p.grad.flatten() for p in params]) for params, _ in used]  # type: ignore[union-attr]
+        grads = [torch.cat([p.grad.flatten() for p in params if p.grad is not None]) for params, _ in used]
         args = (ins, grads, m * damping, scale, damping, push_through, solve_dtype)
         try:
             us, ok = (self.fn or fused_update)(*args)

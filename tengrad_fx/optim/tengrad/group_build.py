@@ -11,7 +11,7 @@
    its size, so many small groups (the norm layers' ``γ, β``: ``n = 2C``, the first
    convolution, a head) cost launches, not flops. The equal-shape ``"P"`` groups of one
    ``(k, dtypes)`` are therefore sorted by their layers' width ``n = n_w + n_b`` and merged
-   greedily in that order into *packed* groups (``LayerGroup.cols``; each layer's
+   greedily in that order into *packed* groups (``PackedGroup``, ``cols``; each layer's
    ``[P_w, P_b]`` side by side in ``[L, m, W]``, zero-padded to the widest ``W``; exact,
    see :mod:`.tengrad_groups`) while the packed stack stays
 
@@ -40,13 +40,13 @@ an all-factored model; with a number (``jacobian_budget_mb``) every one within i
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import NamedTuple, Optional, cast
 
 from torch import Tensor
 
 from ...capture.store import Record
-from ...curvature.layer import KERNELS, CoveredLayer, choose_strategy
-from .group_forms import FORMS, ConvStackGroup, FactoredLinearGroup, MaterializedGroup, SingleLayerGroup
+from ...curvature.layer import KERNELS, CoveredLayer, Strategy, choose_strategy
+from .group_forms import ConvStackGroup, FactoredLinearGroup, MaterializedGroup, PackedGroup, SingleLayerGroup
 from .tengrad_groups import LayerGroup, pack_views, stack
 
 __all__ = ["build_groups", "initial_sites", "factored_bytes", "keeps_jacobian", "kept_sites", "previous_stacks",
@@ -70,9 +70,9 @@ def _materialized(layer: CoveredLayer, recs: list[Record], has_bias: bool,
                   k: float) -> tuple[Tensor, Optional[Tensor], float]:
     """``(Pw, Pb, k)`` with ``J = k·[Pw, Pb]``, without copying backward-made ``P``
     (``recs``: the layer's records, ``k``: its scale)."""
-    if len(recs) == 1 and recs[0].P is not None:
-        r = recs[0]
-        return r.P, (r.Gsum if has_bias else None), k  # type: ignore[return-value]
+    P = recs[0].P
+    if len(recs) == 1 and P is not None:
+        return P, (recs[0].Gsum if has_bias else None), k
     dW, db = layer.per_sample_grads()  # already scaled
     return dW.flatten(1), (db.flatten(1) if db is not None else None), 1.0
 
@@ -134,7 +134,7 @@ def initial_sites(layers: list[CoveredLayer], strategy: str, budget: Optional[fl
     return kept_sites(candidates, set(), budget)
 
 
-def _runs(key: tuple, members: list[_Member]) -> list[list[_Member]]:
+def _runs(members: list[_Member]) -> list[list[_Member]]:
     """Equal-shape ``members`` in runs whose stack is at most :data:`STACK_BYTES` (one
     member at least): each run is one group."""
     X, Y = members[0][1], members[0][2]
@@ -177,34 +177,38 @@ def pack_plan(units: list[list[_Member]]) -> list[list[int]]:
     return plans
 
 
-def _group(key: tuple, members: list[_Member]) -> LayerGroup:
-    """The unpacked group of equal-shape ``members`` (``key[0]`` = form)."""
-    lays = [mb[0] for mb in members]
-    dim = FORMS[key[0]].layer_axis  # "conv": the layer axis after the sample axis
+class _Plan(NamedTuple):
+    """One group to make: ``key`` (form first; a packed group's is ``("P",)``) and members."""
+
+    packed: bool
+    key: tuple
+    members: list[_Member]
+
+
+def _group(plan: _Plan) -> LayerGroup:
+    """The group of a plan: equal-shape members stacked, or several widths packed."""
+    members, form = plan.members, plan.key[0]
+    lays, k = [mb[0] for mb in members], members[0][3]
+    if plan.packed:
+        widths = _cols(members)
+        X, views = pack_views([[Pw, Pb] for _, Pw, Pb, _ in members], max(a + b for a, b in widths), members[0][1])
+        return PackedGroup(lays, X.shape[1], k, Pw=X, widths=widths, fill=views)
+    dim = ConvStackGroup.layer_axis if form == "conv" else 0  # "conv": the layer axis after the sample axis
     X = stack([mb[1] for mb in members], dim)
-    Y = stack([mb[2] for mb in members], dim) if members[0][2] is not None else None  # type: ignore[misc]
-    m, k = X.shape[1 - dim], members[0][3]
-    if key[0] == "P":
+    Ys = [Y for _, _, Y, _ in members if Y is not None]
+    Y = stack(Ys, dim) if Ys else None
+    m = X.shape[1 - dim]
+    if form == "P":
         return MaterializedGroup(lays, m, k, Pw=X, Pb=Y)
-    if key[0] == "conv":
-        return ConvStackGroup(lays, m, k, A=X, B=Y, strategy=key[1])
+    assert Y is not None, "a factored group stacks I and G"
+    if form == "conv":
+        return ConvStackGroup(lays, m, k, A=X, B=Y, strategy=plan.key[1])
     return FactoredLinearGroup(lays, m, k, A=X, B=Y)
 
 
 def _cols(members: list[_Member]) -> list[tuple[int, int]]:
     """``(n_w, n_b)`` per member of a packed ``"P"`` group (``LayerGroup.cols``)."""
     return [(Pw.shape[1], Pb.shape[1] if Pb is not None else 0) for _, Pw, Pb, _ in members]
-
-
-def _packed_group(members: list[_Member]) -> LayerGroup:
-    """One ``"P"`` group of layers of different widths, packed (module docstring)."""
-    cols = _cols(members)
-    Pw0 = members[0][1]
-    X, views = pack_views([[Pw, Pb] for _, Pw, Pb, _ in members], max(a + b for a, b in cols), Pw0)
-    return MaterializedGroup([mb[0] for mb in members], Pw0.shape[0], members[0][3], Pw=X, cols=cols, _fill=views)
-
-
-_Plan = tuple[str, Optional[tuple], list[_Member]]  # ("stack" | "packed", key, members)
 
 
 def previous_stacks(groups: list[LayerGroup]) -> dict[tuple, LayerGroup]:
@@ -218,8 +222,11 @@ def _identity(form: str, layers: list[CoveredLayer], cols: Optional[list[tuple[i
     return (form, tuple(id(lay) for lay in layers), tuple(cols or ()))
 
 
-def _stack_shape(X: Tensor, L: int, dim: int) -> tuple[int, ...]:
-    return (*X.shape[:dim], L, *X.shape[dim:])
+def _fits(S: Optional[Tensor], X: Optional[Tensor], L: int, dim: int) -> bool:
+    """Whether a stack ``S`` is one of ``L`` tensors like ``X`` along ``dim`` (both None: True)."""
+    if S is None or X is None:
+        return S is None and X is None
+    return S.dtype == X.dtype and tuple(S.shape) == (*X.shape[:dim], L, *X.shape[dim:])
 
 
 def _match(plan: _Plan, reuse: dict[tuple, LayerGroup], static: bool) -> Optional[LayerGroup]:
@@ -228,25 +235,82 @@ def _match(plan: _Plan, reuse: dict[tuple, LayerGroup], static: bool) -> Optiona
     dtypes; popped from ``reuse``. A single unpacked layer's stack is a view of its record
     (no copy), so it is only refilled where the tensors must keep their addresses
     (``static``: a captured CUDA graph reads them)."""
-    kind, key, members = plan
-    if not reuse or (kind == "stack" and len(members) == 1 and not static):
+    members = plan.members
+    if not reuse or (not plan.packed and len(members) == 1 and not static):
         return None
-    form = "P" if kind == "packed" else key[0]  # type: ignore[index]
-    old = reuse.pop(_identity(form, [mb[0] for mb in members], _cols(members) if kind == "packed" else None), None)
-    if old is None or old.k != members[0][3] or (form == "conv" and old.strategy != key[1]):  # type: ignore[index]
+    old = reuse.pop(_identity(plan.key[0], [mb[0] for mb in members], _cols(members) if plan.packed else None), None)
+    if old is None or old.k != members[0][3] or (isinstance(old, ConvStackGroup) and old.strategy != plan.key[1]):
         return None
     if any(w is not lay.weight or b is not lay.bias for lay, (w, b) in zip(old.layers, old.param_pairs())):
         return None  # a parameter was replaced: its kept pairs and gradient buffer are out of date
     X, Y = members[0][1], members[0][2]
     S, T = old.stacks()
-    if kind == "packed":
-        ok = S is not None and S.dtype == X.dtype and S.shape[1] == X.shape[0]
-    else:
-        dim = old.layer_axis
-        ok = S is not None and S.dtype == X.dtype and tuple(S.shape) == _stack_shape(X, len(members), dim) \
-            and (T is None) == (Y is None) \
-            and (T is None or (T.dtype == Y.dtype and tuple(T.shape) == _stack_shape(Y, len(members), dim)))  # type: ignore[arg-type, union-attr]
-    return old if ok else None
+    if plan.packed:
+        return old if S is not None and S.dtype == X.dtype and S.shape[1] == X.shape[0] else None
+    L, dim = len(members), old.layer_axis
+    return old if _fits(S, X, L, dim) and _fits(T, Y, L, dim) else None
+
+
+def _place(layer: CoveredLayer, strategy: Strategy, budget: Optional[float], sites: set[int],
+           keyed: dict[tuple, list[_Member]]) -> tuple[Optional[LayerGroup], Optional[float]]:
+    """Put ``layer`` (trainable, captured) under its stacking key in ``keyed`` (a kept
+    ``J``: its call sites added to ``sites``, its bytes taken from ``budget``), or make its
+    ``"layer"`` group; returns that group (or None) and the budget left. Each layer's
+    weight, bias and records are read once (host time per layer), and no record's tensor
+    outlives the call in a local."""
+    weight, bias = layer.weight, layer.bias  # bias: None when absent or frozen
+    recs = layer.records()
+    how = layer.choose(strategy, recs)
+    m, k = recs[0].m, layer._scale(recs[0].loss_batch)
+    I, G = recs[0].I, recs[0].G
+    if how == "materialize":
+        es = _itemsize(recs, weight)
+        ig = 0 if budget is not None else factored_bytes(layer, [r.in_shape for r in recs], es)
+        n = weight.numel() + (bias.numel() if bias is not None else 0)
+        if keeps_jacobian(m * n * es, ig, budget):  # (no P made for nothing)
+            Pw, Pb, kP = _materialized(layer, recs, bias is not None, k)
+            nbytes = (Pw.numel() + (Pb.numel() if Pb is not None else 0)) * Pw.element_size()
+            if keeps_jacobian(nbytes, ig, budget):
+                sites.update(layer.spec.sites)
+                key: tuple = ("P", Pw.shape[1], Pb.shape[1] if Pb is not None else 0, kP, Pw.dtype, weight.dtype)
+                keyed.setdefault(key, []).append((layer, Pw, Pb, kP))
+                return None, (None if budget is None else budget - nbytes)
+    elif layer.kind == "linear" and not layer.spec.transposed and len(recs) == 1 and I is not None \
+            and I.dim() == 2 and G is not None:
+        keyed.setdefault(("IG", I.shape[1], G.shape[1], bias is not None, k, I.dtype), []).append((layer, I, G, k))
+        return None, budget
+    if _stackable_conv(layer, recs) and I is not None and G is not None:  # factored, or beyond the budget
+        spec = layer.spec
+        key = ("conv", how, tuple(weight.shape), spec.stride, spec.padding, spec.dilation, spec.groups,
+               tuple(I.shape), tuple(G.shape), bias is not None, k, I.dtype)
+        keyed.setdefault(key, []).append((layer, I, G, k))
+        return None, budget
+    return SingleLayerGroup([layer], m, strategy=how), budget
+
+
+def _plans(keyed: dict[tuple, list[_Member]], packed: bool) -> list[_Plan]:
+    """The groups to make of the keyed members (consumed): ``"P"`` keys of one
+    ``(k, dtypes)`` merged by :func:`pack_plan` (``packed``), each other key in runs of
+    :func:`_runs`; a packed group goes where its first key was."""
+    by_kind: dict[tuple, list[tuple]] = {}
+    for key in keyed:
+        if key[0] == "P":
+            by_kind.setdefault(key[3:], []).append(key)
+    merged: dict[tuple, list[tuple]] = {}
+    for keys in by_kind.values():
+        for idx in pack_plan([keyed[key] for key in keys]) if packed else [[i] for i in range(len(keys))]:
+            for i in idx:
+                merged[keys[i]] = [keys[j] for j in idx]
+    plans: list[_Plan] = []
+    for key in list(keyed):
+        if key not in keyed:  # packed with an earlier key
+            continue
+        together = merged.get(key, [key])
+        if len(together) == 1:
+            plans.extend(_Plan(False, key, run) for run in _runs(keyed.pop(key)))
+        else:
+            plans.append(_Plan(True, ("P",), [mb for k2 in together for mb in keyed.pop(k2)]))
+    return plans
 
 
 def build_groups(layers: list[CoveredLayer], strategy: str, budget: Optional[float],
@@ -268,81 +332,26 @@ def build_groups(layers: list[CoveredLayer], strategy: str, budget: Optional[flo
     sites = set() if sites is None else set(sites)
     keyed: dict[tuple, list[_Member]] = {}
     single: list[LayerGroup] = []
-    for layer in layers:  # each layer's weight, bias and records read once (host time per layer)
-        weight, bias = layer.weight, layer.bias  # bias: None when absent or frozen
-        if not weight.requires_grad or not layer.captured:
+    for layer in layers:
+        if not layer.weight.requires_grad or not layer.captured:
             continue
-        recs = layer.records()
-        how = layer.choose(strategy, recs)  # type: ignore[arg-type]
-        m, k = recs[0].m, layer._scale(recs[0].loss_batch)
-        if how == "materialize":
-            es = _itemsize(recs, weight)
-            ig = 0 if budget is not None else factored_bytes(layer, [r.in_shape for r in recs], es)
-            n = weight.numel() + (bias.numel() if bias is not None else 0)
-            if keeps_jacobian(m * n * es, ig, budget):  # (no P made for nothing)
-                Pw, Pb, kP = _materialized(layer, recs, bias is not None, k)
-                nbytes = (Pw.numel() + (Pb.numel() if Pb is not None else 0)) * Pw.element_size()
-                if keeps_jacobian(nbytes, ig, budget):
-                    budget = None if budget is None else budget - nbytes
-                    sites.update(layer.spec.sites)
-                    key = ("P", Pw.shape[1], Pb.shape[1] if Pb is not None else 0, kP, Pw.dtype, weight.dtype)
-                    keyed.setdefault(key, []).append((layer, Pw, Pb, kP))
-                    del Pw, Pb  # no local may hold a record's tensor once it is stacked
-                    continue
-                del Pw, Pb
-        elif layer.kind == "linear" and not layer.spec.transposed and len(recs) == 1 and recs[0].I is not None \
-                and recs[0].I.dim() == 2:
-            I, G = recs[0].I, recs[0].G
-            assert G is not None
-            key = ("IG", I.shape[1], G.shape[1], bias is not None, k, I.dtype)  # type: ignore[assignment]
-            keyed.setdefault(key, []).append((layer, I, G, k))
-            del I, G, recs
-            continue
-        if _stackable_conv(layer, recs):  # factored, or materialized beyond the budget
-            I, G, spec = recs[0].I, recs[0].G, layer.spec  # type: ignore[assignment]
-            assert I is not None and G is not None
-            key = ("conv", how, tuple(weight.shape), spec.stride, spec.padding, spec.dilation, spec.groups,  # type: ignore[assignment]
-                   tuple(I.shape), tuple(G.shape), bias is not None, k, I.dtype)
-            keyed.setdefault(key, []).append((layer, I, G, k))
-            del I, G, recs
-            continue
-        del recs
-        single.append(SingleLayerGroup([layer], m, strategy=how))
-    # "P" keys of one (k, dtypes) -> their packing plan; a plan's group goes where its first key was
-    by_kind: dict[Any, list[tuple]] = {}
-    for key in keyed:
-        if key[0] == "P":
-            by_kind.setdefault(key[3:], []).append(key)
-    plan_of: dict[tuple, list[tuple]] = {}
-    for keys in by_kind.values():
-        for plan in pack_plan([keyed[key] for key in keys]) if packed else [[i] for i in range(len(keys))]:
-            for i in plan:
-                plan_of[keys[i]] = [keys[j] for j in plan]
-    plans: list[_Plan] = []
-    done: set[tuple] = set()
-    for key in list(keyed):
-        plan = plan_of.get(key, [key])  # type: ignore[assignment]
-        if key in done:
-            continue
-        done.update(plan)  # type: ignore[arg-type]
-        if len(plan) == 1:
-            plans.extend(("stack", key, run) for run in _runs(key, keyed.pop(key)))
-        else:
-            plans.append(("packed", None, [mb for k2 in plan for mb in keyed.pop(k2)]))  # type: ignore[call-overload]
+        own, budget = _place(layer, cast(Strategy, strategy), budget, sites, keyed)
+        if own is not None:
+            single.append(own)
+    plans = _plans(keyed, packed)
     olds = [_match(p, reuse, static) for p in plans] if reuse else [None] * len(plans)
     if reuse:
         reuse.clear()  # the groups not refilled are released before any new stack is made
     groups: list[LayerGroup] = []
     while plans:  # each plan's members are released once it is stacked
-        (kind, key, members), old = plans.pop(0), olds.pop(0)  # type: ignore[assignment]
+        plan, old = plans.pop(0), olds.pop(0)
         if old is not None:
-            old.static = static
-            old.refill([(mb[1], mb[2]) for mb in members])
+            old.refill([(mb[1], mb[2]) for mb in plan.members])
             grp = old
         else:
-            grp = _packed_group(members) if kind == "packed" else _group(key, members)
-            grp.static = static
+            grp = _group(plan)
+        grp.static = static
         grp.point_records()
         groups.append(grp)
-        del grp, old, members
+        del grp, old, plan
     return groups + single, sites

@@ -1,33 +1,44 @@
-"""The four forms of a :class:`~tengrad_fx.optim.tengrad.tengrad_groups.LayerGroup`, one
-class each, with their Gram ``K = J Jᵀ``, ``J g``, ``Jᵀ c``, the fused ``u = β·g + γ·Jᵀc``
-where one exists, and the push-through probe's coordinates (:mod:`.group_probe`):
+"""The forms of a :class:`~tengrad_fx.optim.tengrad.tengrad_groups.LayerGroup`, one class
+each with that form's stacks only. Each takes its Gram ``K = J Jᵀ``, ``J g``, ``Jᵀ c`` and
+fused ``u = β·g + γ·Jᵀc`` (where one exists) from the form's kernels in
+:mod:`tengrad_fx.curvature` (the fused and distributed paths call the same functions), and
+picks the push-through probe's coordinates (:mod:`.group_probe`):
 
-* :class:`MaterializedGroup` (``"P"``) — stacked (or packed) per-sample gradients;
-* :class:`FactoredLinearGroup` (``"IG"``) — single-position Linear layers by ``I``, ``G``;
-* :class:`ConvStackGroup` (``"conv"``) — convolutions kept as ``I``, ``G``;
+* :class:`MaterializedGroup` (``"P"``) — stacked per-sample gradients
+  (:mod:`tengrad_fx.curvature.materialized`);
+* :class:`PackedGroup` (``"P"``, ``cols`` set) — small layers of different widths side by
+  side in one zero-padded stack, the same kernels;
+* :class:`FactoredLinearGroup` (``"IG"``) — single-position Linear layers by ``I``, ``G``
+  (:mod:`tengrad_fx.curvature.factored`);
+* :class:`ConvStackGroup` (``"conv"``) — convolutions kept as ``I``, ``G``
+  (:mod:`tengrad_fx.curvature.conv_stack`, :mod:`tengrad_fx.curvature.conv_stack_bmm`);
 * :class:`SingleLayerGroup` (``"layer"``) — one layer through its ``CoveredLayer``.
 
 Shapes: :mod:`.tengrad_groups`' module docstring.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
-from ...curvature import conv_stack, conv_stack_bmm
+from ...curvature import conv_stack, conv_stack_bmm, factored, materialized
+from ...curvature.layer import Strategy
 from .group_probe import ProbeTerms, conv_probe_rows, probe_generator
-from .tengrad_groups import LayerGroup, scaled_bmm
+from .tengrad_groups import LayerGroup, column_views, pack
 
-__all__ = ["MaterializedGroup", "FactoredLinearGroup", "ConvStackGroup", "SingleLayerGroup", "FORMS"]
+__all__ = ["MaterializedGroup", "PackedGroup", "FactoredLinearGroup", "ConvStackGroup", "SingleLayerGroup", "FORMS"]
 
 
+@dataclass(eq=False, kw_only=True)
 class MaterializedGroup(LayerGroup):
-    """``"P"``: ``J = k·[Pw, Pb]`` (``Pw [L, m, n_w]``, ``Pb [L, m, n_b]`` or None); packed
-    (``cols`` set): ``Pw [L, m, W]``, each layer's ``[P_w, P_b]`` then zeros, ``Pb`` None."""
+    """``"P"``: ``J = k·[Pw, Pb]`` (``Pw [L, m, n_w]``, ``Pb [L, m, n_b]`` or None)."""
 
     form = "P"
+    Pw: Tensor
+    Pb: Optional[Tensor] = None
 
     @property
     def has_bias(self) -> bool:
@@ -36,6 +47,9 @@ class MaterializedGroup(LayerGroup):
     def stacks(self) -> tuple[Optional[Tensor], Optional[Tensor]]:
         return self.Pw, self.Pb
 
+    def release(self) -> None:
+        del self.Pw, self.Pb
+
     def _point_record(self, r: Any, x: Tensor, y: Optional[Tensor]) -> None:
         if r.P is not None:
             r.P = x
@@ -43,101 +57,118 @@ class MaterializedGroup(LayerGroup):
                 r.Gsum = y
 
     def gram(self) -> Tensor:
-        assert self.Pw is not None
-        kk = self.k * self.k
-        K = scaled_bmm(self.Pw, self.Pw.transpose(1, 2), kk)
-        if self.Pb is not None:
-            K = torch.baddbmm(K, self.Pb, self.Pb.transpose(1, 2), alpha=kk)
-        return K
+        return materialized.gram(self.Pw, self.Pb, self.k * self.k)
 
     def jvp(self, gw: Tensor, gb: Optional[Tensor]) -> Tensor:
-        assert self.Pw is not None
-        # row-vector form gᵀ Pᵀ ([L,1,n]·[L,n,m]): a batched GEMV that reads P once
-        # row-major (the column form P·g is 3–5× slower batched on CPU BLAS)
-        out = torch.baddbmm(self.Pw.new_empty(()), gw.unsqueeze(1), self.Pw.transpose(1, 2), beta=0.0, alpha=self.k)
-        if self.Pb is not None and gb is not None:
-            out = torch.baddbmm(out, gb.unsqueeze(1), self.Pb.transpose(1, 2), alpha=self.k)
-        return out.squeeze(1)
+        return materialized.jvp(self.Pw, self.Pb, gw, gb, self.k)
 
     def vjp(self, c: Tensor) -> tuple[Tensor, Optional[Tensor]]:
-        assert self.Pw is not None
-        c = c.to(self.Pw.dtype) * self.k
-        w = torch.bmm(c.unsqueeze(1), self.Pw).squeeze(1)  # cᵀ P, [L, 1, n_w]
-        b = torch.bmm(c.unsqueeze(1), self.Pb).squeeze(1) if self.Pb is not None else None
-        return w, b
+        return materialized.vjp(self.Pw, self.Pb, c, self.k)
 
     def _woodbury(self, c: Tensor, gw: Tensor, gb: Optional[Tensor], beta: float, gamma: float,
                   ) -> tuple[Tensor, Optional[Tensor]]:
-        assert self.Pw is not None
-        c3 = c.to(self.Pw.dtype).unsqueeze(1)  # [L, 1, m]: cᵀ P row form, as in jvp
-        uw = torch.baddbmm(gw.unsqueeze(1), c3, self.Pw, beta=beta, alpha=gamma * self.k)
-        ub = None
-        if self.Pb is not None and gb is not None:
-            ub = torch.baddbmm(gb.unsqueeze(1), c3, self.Pb, beta=beta, alpha=gamma * self.k)
-        return uw.squeeze(1), (ub.squeeze(1) if ub is not None else None)
+        return materialized.woodbury(self.Pw, self.Pb, c, gw, gb, beta, gamma, self.k)
 
     def _probe_terms(self, gw: Tensor, s: float, n_probe: int) -> ProbeTerms:
-        """Packed: every column (small layers only); else ``n_probe`` random weight
-        coordinates (an ``index_select``: a fraction of advanced indexing's host time) and
-        the whole bias."""
-        assert self.Pw is not None
-        if self.cols is not None:
-            return self.Pw.sum(1), gw, None, self.k * s
+        """``n_probe`` random weight coordinates (an ``index_select``: a fraction of advanced
+        indexing's host time) and the whole bias."""
         gen = probe_generator(gw.device)
         idx = torch.randint(0, gw.shape[1], (min(n_probe, gw.shape[1]),), device=gw.device, generator=gen)
         got_b = self.Pb.sum(1) if self.Pb is not None else None
         return self.Pw.index_select(2, idx).sum(1), gw.index_select(1, idx), got_b, self.k * s
 
 
+@dataclass(eq=False, kw_only=True)
+class PackedGroup(MaterializedGroup):
+    """``"P"``, packed: ``Pw [L, m, W]``, each layer's ``[P_w, P_b]`` from column 0 then
+    zeros (``widths``: its ``(n_w, n_b)``), ``Pb`` None; gradients and updates in the same
+    layout ``[L, W]``. ``fill``: the views of ``Pw`` a new capture is copied into."""
+
+    widths: list[tuple[int, int]]
+    fill: list[Tensor] = field(repr=False)
+    _gpack: Optional[tuple[Tensor, list[Tensor]]] = field(default=None, init=False, repr=False)
+
+    @property
+    def cols(self) -> Optional[list[tuple[int, int]]]:
+        return self.widths
+
+    def release(self) -> None:
+        super().release()
+        self.fill, self._gpack = [], None
+
+    def refill(self, parts: list[tuple[Tensor, Optional[Tensor]]]) -> None:
+        """The zero columns are never written, so they stay zero."""
+        torch._foreach_copy_(self.fill, [t for pair in parts for t in pair if t is not None])
+
+    def _layer_slice(self, X: Tensor, i: int, Y: Optional[Tensor] = None,
+                     records: bool = True) -> tuple[Tensor, Optional[Tensor]]:
+        """The columns ``[:n_w]`` and ``[n_w : n_w + n_b]`` of ``X[i]`` (None without a bias)."""
+        n_w, n_b = self.widths[i]
+        return X[i, ..., :n_w], (X[i, ..., n_w: n_w + n_b] if n_b else None)
+
+    def grads(self) -> tuple[Tensor, Optional[Tensor]]:
+        """``(g [L, W], None)``: each layer's ``[g_w, g_b]`` then zeros."""
+        pairs = self.param_pairs()
+        gs = [p.grad for pair in pairs for p in pair if p is not None]
+        if all(g is not None for g in gs):
+            return self._packed_grads(pairs, [g.reshape(-1) for g in gs if g is not None]), None
+        flat = [[p.grad.reshape(-1) if p is not None and p.grad is not None else None
+                 for p in pair] for pair in pairs]
+        for row, lay in zip(flat, self.layers):  # a missing weight gradient keeps its columns
+            if row[0] is None and row[1] is not None:
+                row[0] = torch.zeros_like(lay.weight).reshape(-1)
+        if all(t is None for row in flat for t in row):
+            return self.Pw.new_zeros(len(self.layers), self.Pw.shape[-1]), None
+        return pack(flat, self.Pw.shape[-1], self.layers[0].weight), None
+
+    def _packed_grads(self, pairs: list[tuple[Tensor, Optional[Tensor]]], flat: list[Tensor]) -> Tensor:
+        """``g [L, W]`` when every parameter has a gradient (``flat``: them, flat, in order):
+        one ``_foreach_copy_`` into a buffer kept by the group (its padding columns are zero
+        once and never written)."""
+        if self._gpack is None:
+            buf = self.Pw.new_zeros(len(pairs), self.Pw.shape[-1], dtype=pairs[0][0].dtype)
+            widths = [[p.numel() if p is not None else None for p in pair] for pair in pairs]
+            self._gpack = (buf, column_views(buf, widths))
+        buf, views = self._gpack
+        torch._foreach_copy_(views, flat)
+        return buf
+
+    def _probe_terms(self, gw: Tensor, s: float, n_probe: int) -> ProbeTerms:
+        """Every column (small layers only)."""
+        return self.Pw.sum(1), gw, None, self.k * s
+
+
+@dataclass(eq=False, kw_only=True)
 class FactoredLinearGroup(LayerGroup):
     """``"IG"``: inputs ``A [L, m, f]``, output gradients ``B [L, m, o]``,
     ``J_i = k·vec(B_i A_iᵀ, B_i)``."""
 
     form = "IG"
+    A: Tensor
+    B: Tensor
+
+    def stacks(self) -> tuple[Optional[Tensor], Optional[Tensor]]:
+        return self.A, self.B
+
+    def release(self) -> None:
+        del self.A, self.B
 
     def gram(self) -> Tensor:
-        """``k²·(AAᵀ + 1)⊙BBᵀ`` (one ``addcmul``; ``AAᵀ⊙BBᵀ`` without a bias)."""
-        assert self.A is not None and self.B is not None
-        AA = torch.bmm(self.A, self.A.transpose(1, 2))
-        BB = scaled_bmm(self.B, self.B.transpose(1, 2), self.k * self.k)
-        return torch.addcmul(BB, AA, BB) if self.has_bias else AA * BB
+        return factored.gram(self.A, self.B, self.k * self.k, self.has_bias)
 
     def jvp(self, gw: Tensor, gb: Optional[Tensor]) -> Tensor:
-        """``k·Σ (A Gwᵀ)⊙B`` or ``k·Σ (B Gw)⊙A``: the order with the smaller ``[m, min(o, f)]``
-        intermediate (equal flops ``m·o·f``)."""
-        A, B = self.A, self.B
-        assert A is not None and B is not None
-        Gw = gw.view(gw.shape[0], B.shape[2], A.shape[2])  # [L, o, f]
-        if B.shape[2] <= A.shape[2]:
-            out = (torch.bmm(A, Gw.transpose(1, 2)) * B).sum(2)
-        else:
-            out = (torch.bmm(B, Gw) * A).sum(2)
-        if gb is not None:
-            out = out + torch.bmm(B, gb.unsqueeze(2)).squeeze(2)
-        return out * self.k
+        return factored.jvp(self.A, self.B, gw, gb, self.k)
 
     def vjp(self, c: Tensor) -> tuple[Tensor, Optional[Tensor]]:
-        """``k·(B⊙c)ᵀ A`` and the bias part ``k·Σ B⊙c``."""
-        assert self.A is not None and self.B is not None
-        Bc = self.B * (c.to(self.B.dtype) * self.k).unsqueeze(2)
-        w = torch.bmm(Bc.transpose(1, 2), self.A).flatten(1)
-        return w, (Bc.sum(1) if self.has_bias else None)
+        return factored.vjp(self.A, self.B, c, self.k, self.has_bias)
 
     def _woodbury(self, c: Tensor, gw: Tensor, gb: Optional[Tensor], beta: float, gamma: float,
                   ) -> tuple[Tensor, Optional[Tensor]]:
-        assert self.A is not None and self.B is not None
-        Bc = self.B * c.to(self.B.dtype).unsqueeze(2)  # [L, m, o]
-        Gw = gw.view(gw.shape[0], self.B.shape[2], self.A.shape[2])  # [L, o, f]
-        uw = torch.baddbmm(Gw, Bc.transpose(1, 2), self.A, beta=beta, alpha=gamma * self.k).flatten(1)
-        ub = None
-        if gb is not None and self.has_bias:
-            ub = torch.add(gb * beta if beta != 1.0 else gb, Bc.sum(1), alpha=gamma * self.k)
-        return uw, ub
+        return factored.woodbury(self.A, self.B, c, gw, gb if self.has_bias else None, beta, gamma, self.k)
 
     def _probe_terms(self, gw: Tensor, s: float, n_probe: int) -> ProbeTerms:
         """``n_probe`` coordinates ``(t, j)``, each a row ``t`` of ``B`` and a column ``j`` of
         ``A``, and the whole bias."""
-        assert self.A is not None and self.B is not None
         gen = probe_generator(gw.device)
         o, f, n = self.B.shape[2], self.A.shape[2], min(n_probe, gw.shape[1])
         rows = torch.randint(0, o, (n,), device=gw.device, generator=gen)
@@ -147,9 +178,11 @@ class FactoredLinearGroup(LayerGroup):
         return got, gw.view(-1, o, f)[:, rows, cols], got_b, self.k * s
 
 
+@dataclass(eq=False, kw_only=True)
 class ConvStackGroup(LayerGroup):
     """``"conv"``: ``A = I [m, L, c_in, *sp]``, ``B = G [m, L, c_out, *sp_out]`` (the layer
-    axis after the sample axis); one convolution / ``bmm`` per group
+    axis after the sample axis), the Gram by ``strategy`` (``"factor"`` or
+    ``"materialize"``); one convolution / ``bmm`` per group
     (:mod:`tengrad_fx.curvature.conv_stack`). Stacks with few output positions per sample
     take ``J g``, ``Jᵀ c`` and the probe by ``bmm`` over their unfolded inputs
     (:mod:`tengrad_fx.curvature.conv_stack_bmm`), the operands made once per set of stacks
@@ -157,7 +190,25 @@ class ConvStackGroup(LayerGroup):
 
     form = "conv"
     layer_axis = 1
-    _bmm: Optional[tuple[Tensor, Tensor, int, int, Optional[conv_stack_bmm.Operands]]] = None
+    A: Tensor
+    B: Tensor
+    strategy: str = "auto"
+    _bmm: Optional[tuple[Tensor, Tensor, int, int, Optional[conv_stack_bmm.Operands]]] = \
+        field(default=None, init=False, repr=False)
+
+    def stacks(self) -> tuple[Optional[Tensor], Optional[Tensor]]:
+        return self.A, self.B
+
+    def release(self) -> None:
+        del self.A, self.B
+        self._bmm = None
+
+    def _layer_slice(self, X: Tensor, i: int, Y: Optional[Tensor] = None,
+                     records: bool = True) -> tuple[Tensor, Optional[Tensor]]:
+        """The records' stacks on the layer axis 1; gradient and update pairs on axis 0."""
+        if records:
+            return X[:, i], (Y[:, i] if Y is not None else None)
+        return super()._layer_slice(X, i, Y, records)
 
     def bmm_operands(self) -> Optional[conv_stack_bmm.Operands]:
         """The ``bmm`` form's operands of the stacks ``A``, ``B``, or None where that form does
@@ -166,7 +217,6 @@ class ConvStackGroup(LayerGroup):
         group (a captured CUDA graph reads them) stacks written in place (:meth:`refill`)
         have the kept operands rewritten in place, otherwise new ones are made."""
         A, B = self.A, self.B
-        assert A is not None and B is not None
         kept = self._bmm
         if kept is not None and kept[0] is A and kept[1] is B and kept[2] == A._version and kept[3] == B._version:
             return kept[4]
@@ -190,19 +240,16 @@ class ConvStackGroup(LayerGroup):
             self._bmm = None
 
     def gram(self) -> Tensor:
-        assert self.A is not None and self.B is not None
         K = conv_stack.gram(self.layers[0].spec, self.A, self.B, self.strategy, self.has_bias)
         return K * (self.k * self.k)
 
     def jvp(self, gw: Tensor, gb: Optional[Tensor]) -> Tensor:
-        assert self.A is not None and self.B is not None
         ops = self.bmm_operands()
         if ops is not None:
             return conv_stack_bmm.jvp(ops, gw, gb) * self.k
         return conv_stack.jvp(self.layers[0].spec, self.A, self.B, gw, gb) * self.k
 
     def vjp(self, c: Tensor) -> tuple[Tensor, Optional[Tensor]]:
-        assert self.A is not None and self.B is not None
         ops = self.bmm_operands()
         if ops is not None:
             w, b = conv_stack_bmm.vjp(ops, c * self.k)
@@ -225,7 +272,6 @@ class ConvStackGroup(LayerGroup):
         (:func:`~tengrad_fx.curvature.conv_stack.channel_sums`) or the ``bmm`` form's
         (:func:`~tengrad_fx.curvature.conv_stack_bmm.channel_sums`); the full ``Jᵀ1`` where
         too few channels are there to sample."""
-        assert self.A is not None and self.B is not None
         spec = self.layers[0].spec
         n_r = conv_probe_rows(spec, n_probe)
         if n_r is None:
@@ -242,17 +288,20 @@ class ConvStackGroup(LayerGroup):
         return sums.flatten(1), ref, got_b, self.k * s
 
 
+@dataclass(eq=False, kw_only=True)
 class SingleLayerGroup(LayerGroup):
     """``"layer"``: one layer through :class:`~tengrad_fx.curvature.layer.CoveredLayer`
-    (transposed convolutions, several calls of one module, sequences, norms by factor)."""
+    (transposed convolutions, several calls of one module, sequences, norms by factor),
+    its Gram by ``strategy``."""
 
     form = "layer"
+    strategy: Strategy = "auto"
 
     def point_records(self) -> None:
         """Its records stay the layer's own."""
 
     def gram(self) -> Tensor:
-        return self.layers[0].gram(self.strategy).unsqueeze(0)  # type: ignore[arg-type]
+        return self.layers[0].gram(self.strategy).unsqueeze(0)
 
     def jvp(self, gw: Tensor, gb: Optional[Tensor]) -> Tensor:
         lay = self.layers[0]
@@ -269,4 +318,4 @@ class SingleLayerGroup(LayerGroup):
 
 FORMS: dict[str, type[LayerGroup]] = {cls.form: cls for cls in
                                       (MaterializedGroup, FactoredLinearGroup, ConvStackGroup, SingleLayerGroup)}
-"""The group class of each form."""
+"""The group class of each form (a packed ``"P"`` group: :class:`PackedGroup`)."""

@@ -4,26 +4,31 @@ Per covered layer, ``J`` (``[m, n]``, rows = per-sample gradients) enters the up
 through ``K = J Jᵀ``, ``J g`` and ``Jᵀ c``. Layers of equal shape and form are stacked
 into a :class:`LayerGroup` (``L`` layers), so each of these is one ``bmm`` per group and
 the number of ops a step dispatches does not grow with depth. Forms (one subclass each,
-:mod:`.group_forms`):
+:mod:`.group_forms`, with that form's stacks only; each form's Gram, ``J g`` and ``Jᵀ c``
+is one function of :mod:`tengrad_fx.curvature`, which the fused and distributed paths call
+too):
 
 * ``"P"`` — materialized per-sample gradients (made by the backward in place of the
   weight gradient): ``Pw [L, m, n_w]``, ``Pb [L, m, n_b]`` (or None), ``J = k·[Pw, Pb]``.
-  ``J g`` and ``Jᵀ c`` are two GEMVs per layer over ``P`` (one ``bmm`` each per group).
-  *Packed* (``cols`` set): layers of different widths in one group, each layer's
-  ``[P_w, P_b]`` side by side in ``Pw [L, m, W]`` (``W`` = the widest layer's ``n_w + n_b``,
-  zeros after ``n_w + n_b``; ``Pb`` None), its gradient likewise in ``g [L, W]``. Zero
+  ``J g`` and ``Jᵀ c`` are two GEMVs per layer over ``P`` (one ``bmm`` each per group;
+  :mod:`tengrad_fx.curvature.materialized`). *Packed* (``PackedGroup``, ``cols`` set):
+  layers of different widths in one group, each layer's ``[P_w, P_b]`` side by side in
+  ``Pw [L, m, W]`` (``W`` = the widest layer's ``n_w + n_b``, zeros after ``n_w + n_b``;
+  ``Pb`` None), its gradient likewise in ``g [L, W]``. Zero
   columns add nothing to ``K = P Pᵀ`` or ``J g``, and the padded part of ``Jᵀ c`` / ``u``
   is zero and sliced away by :meth:`LayerGroup.split`, so packing is exact
   (which layers are packed: :mod:`tengrad_fx.optim.tengrad.group_build`).
 * ``"IG"`` — Linear layers with one position per sample, by factorization: inputs
   ``A [L, m, f]``, captured output gradients ``B [L, m, o]``, ``J_i = k·vec(B_i A_iᵀ, B_i)``.
   ``J g = k·Σ (A Gwᵀ)⊙B`` or ``k·Σ (B Gw)⊙A`` — the order with the smaller ``[m, min(o, f)]``
-  intermediate (equal flops ``m·o·f``); ``Jᵀ c = k·(B⊙c)ᵀ A``.
+  intermediate (equal flops ``m·o·f``); ``Jᵀ c = k·(B⊙c)ᵀ A``
+  (:mod:`tengrad_fx.curvature.factored`).
 * ``"conv"`` — convolutions kept as their captured ``I, G`` (factored by the cost model,
   or materialized beyond ``jacobian_budget_mb``), stacked along a layer axis after the
   sample axis: ``A = I [m, L, c_in, *sp]``, ``B = G [m, L, c_out, *sp_out]``; the Gram, ``J g``
   and ``Jᵀ c`` are one convolution / ``bmm`` per group
-  (:mod:`tengrad_fx.curvature.conv_stack`).
+  (:mod:`tengrad_fx.curvature.conv_stack`; few output positions by ``bmm``,
+  :mod:`tengrad_fx.curvature.conv_stack_bmm`).
 * ``"layer"`` — one layer through :class:`~tengrad_fx.curvature.layer.CoveredLayer`
   (transposed convolutions, several calls of one module, sequences, norms by factor).
 
@@ -41,6 +46,7 @@ import torch
 from torch import Tensor
 
 from ... import solve
+from ...curvature.batched import scaled_bmm
 from ...curvature.layer import CoveredLayer
 from .group_probe import ProbeTerms
 
@@ -68,21 +74,6 @@ def tf32_matmuls(enabled: bool) -> Iterator[None]:
             mm.fp32_precision = old
         else:
             mm.allow_tf32 = old
-
-
-_ZEROS: dict[tuple[torch.dtype, torch.device], Tensor] = {}
-
-
-def scaled_bmm(X: Tensor, Y: Tensor, alpha: float) -> Tensor:
-    """``alpha·(X @ Y)`` batched, as one GEMM (``beta = 0``: its 0-d input, made once per
-    dtype and device, is never read)."""
-    if alpha == 1.0:
-        return torch.bmm(X, Y)
-    key = (X.dtype, X.device)
-    zero = _ZEROS.get(key)
-    if zero is None:
-        zero = _ZEROS[key] = X.new_zeros(())
-    return torch.baddbmm(zero, X, Y, beta=0.0, alpha=alpha)
 
 
 def stack(ts: list[Tensor], dim: int = 0) -> Tensor:
@@ -124,26 +115,25 @@ def column_views(out: Tensor, widths: list[list[Optional[int]]]) -> list[Tensor]
 @dataclass(eq=False)
 class LayerGroup:
     """``L`` layers of one form and shape (module docstring). A subclass per form
-    (:mod:`.group_forms`) gives :meth:`gram`, :meth:`jvp`, :meth:`vjp` and the probe's
-    coordinates; this class holds the stacks, gradients and what all forms share."""
+    (:mod:`.group_forms`) holds that form's stacks and gives :meth:`stacks`, :meth:`gram`,
+    :meth:`jvp`, :meth:`vjp` and the probe's coordinates, each product by the form's one
+    kernel in :mod:`tengrad_fx.curvature`; this class holds what all forms share: the
+    layers, the batch ``m``, the scale ``k``, the factors and the gradient plumbing."""
 
     form: ClassVar[str]
     layer_axis: ClassVar[int] = 0  # the stacks' layer axis ("conv": 1, after the sample axis)
     layers: list[CoveredLayer]
     m: int
     k: float = 1.0
-    Pw: Optional[Tensor] = None  # "P": [L, m, n_w]
-    Pb: Optional[Tensor] = None  # "P": [L, m, n_b]
-    A: Optional[Tensor] = None  # "IG": [L, m, f]; "conv": I [m, L, c_in, *sp]
-    B: Optional[Tensor] = None  # "IG": [L, m, o]; "conv": G [m, L, c_out, *sp_out]
-    strategy: str = "auto"  # "layer", "conv": Gram strategy
     chol: Optional[Tensor] = None  # [L, m, m]: factors of K + mαI
-    cols: Optional[list[tuple[int, int]]] = None  # packed "P": (n_w, n_b) per layer
     static: bool = False  # a captured CUDA graph reads this group's tensors: they keep their addresses
     _pairs: Optional[list[tuple[Tensor, Optional[Tensor]]]] = field(default=None, init=False, repr=False)
-    _gpack: Optional[tuple[Tensor, list[Tensor]]] = field(default=None, init=False, repr=False)
-    _fill: Optional[list[Tensor]] = field(default=None, repr=False)  # packed: the views refill copies into
     _slices: Optional[list[tuple[Tensor, Optional[Tensor]]]] = field(default=None, init=False, repr=False)
+
+    @property
+    def cols(self) -> Optional[list[tuple[int, int]]]:
+        """``(n_w, n_b)`` per layer of a packed group (:class:`.group_forms.PackedGroup`); None."""
+        return None
 
     @property
     def has_bias(self) -> bool:
@@ -151,28 +141,29 @@ class LayerGroup:
         return self.layers[0].bias is not None
 
     def stacks(self) -> tuple[Optional[Tensor], Optional[Tensor]]:
-        """The group's pair of stacks: ``(Pw, Pb)`` for ``"P"``, else ``(A, B)``."""
-        return self.A, self.B
+        """The group's pair of stacks: ``(Pw, Pb)`` for ``"P"``, ``(A, B)`` for ``"IG"`` and
+        ``"conv"``; ``(None, None)`` for a form without stacks or a released group."""
+        return None, None
+
+    def release(self) -> None:
+        """Drop the stacks (and what is made from them): afterwards only :attr:`layers`,
+        :attr:`m`, :attr:`k` and :attr:`chol` are used (distributed ``gram-blocks`` keeps
+        only the factor of the global records)."""
 
     def refill(self, parts: list[tuple[Tensor, Optional[Tensor]]]) -> None:
         """Copy a new capture's tensors of the same layers (``parts``: per layer ``(X, Y)``
         = ``(P_w, P_b)`` or ``(I, G)``, of the stacked shapes and dtypes) into this group's
         stacks, in place: no new stack, and the tensors (and the record views of
-        :meth:`point_records`) keep their addresses, which a captured CUDA graph reads.
-        A packed group's zero columns are never written, so they stay zero."""
-        if self.cols is not None:
-            assert self._fill is not None
-            torch._foreach_copy_(self._fill, [t for pair in parts for t in pair if t is not None])
-            return
+        :meth:`point_records`) keep their addresses, which a captured CUDA graph reads."""
         dim = self.layer_axis
         for j, S in enumerate(self.stacks()):
             if S is None:
                 continue
-            ts = [pair[j] for pair in parts]
+            ts = [t for t in (pair[j] for pair in parts) if t is not None]
             if len(ts) == 1:  # the stack may be a strided view (of a record): copy_ takes any layout
-                S.copy_(ts[0].unsqueeze(dim))  # type: ignore[union-attr]
+                S.copy_(ts[0].unsqueeze(dim))
             else:
-                torch.stack(ts, dim, out=S)  # type: ignore[arg-type]
+                torch.stack(ts, dim, out=S)
 
     def point_records(self) -> None:
         """Point the store's records of layers captured as one call at their part of the
@@ -180,7 +171,8 @@ class LayerGroup:
         ``I``, ``G``) stays alive. Records whose ``P`` was formed here from ``I, G`` are
         left as they are."""
         X, Y = self.stacks()
-        assert X is not None
+        if X is None:
+            return
         if self._slices is None:
             self._slices = [self._layer_slice(X, i, Y) for i in range(len(self.layers))]
         for lay, (x, y) in zip(self.layers, self._slices):
@@ -196,39 +188,18 @@ class LayerGroup:
     def _layer_slice(self, X: Tensor, i: int, Y: Optional[Tensor] = None,
                      records: bool = True) -> tuple[Tensor, Optional[Tensor]]:
         """Layer ``i``'s parts of a pair of stacks ``(X, Y)``: ``(X[i], Y[i])``, for the
-        records' stacks (``Pw, Pb``; ``A, B``) on the layer axis 1 for ``"conv"``; with
-        ``records=False`` a gradient or update pair ``(w [L, n_w], b [L, n_b])``. Packed:
-        the columns ``[:n_w]`` and ``[n_w : n_w + n_b]`` of ``X[i]`` (None without a bias)."""
-        if self.cols is not None:
-            n_w, n_b = self.cols[i]
-            return X[i, ..., :n_w], (X[i, ..., n_w: n_w + n_b] if n_b else None)
-        if self.layer_axis == 1 and records:
-            return X[:, i], (Y[:, i] if Y is not None else None)
+        records' stacks (``Pw, Pb``; ``A, B``) or, ``records=False``, a gradient or update
+        pair ``(w [L, n_w], b [L, n_b])``."""
         return X[i], (Y[i] if Y is not None else None)
 
     # ------------------------------------------------------------------ gradients
     def grads(self) -> tuple[Tensor, Optional[Tensor]]:
-        """``(gw [L, n_w], gb [L, n_b] or None)``; a missing ``.grad`` counts as zeros.
-        Packed: ``(g [L, W], None)``, each layer's ``[g_w, g_b]`` then zeros."""
-        if self.cols is not None:
-            assert self.Pw is not None
-            pairs = self.param_pairs()
-            if all(p.grad is not None for pair in pairs for p in pair if p is not None):
-                return self._packed_grads(pairs), None
-            flat = [[p.grad.reshape(-1) if p is not None and p.grad is not None else None
-                     for p in pair] for pair in pairs]
-            for row, lay in zip(flat, self.layers):  # a missing weight gradient keeps its columns
-                if row[0] is None and row[1] is not None:
-                    row[0] = torch.zeros_like(lay.weight).reshape(-1)
-            if all(t is None for row in flat for t in row):
-                return self.Pw.new_zeros(len(self.layers), self.Pw.shape[-1]), None
-            return pack(flat, self.Pw.shape[-1], self.layers[0].weight), None
-
+        """``(gw [L, n_w], gb [L, n_b] or None)``; a missing ``.grad`` counts as zeros."""
         def one(p: Tensor) -> Tensor:  # flat: a "P" group may mix shapes of equal size
             return (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
         pairs = self.param_pairs()
         gw = stack([one(w) for w, _ in pairs])
-        gb = stack([one(b) for _, b in pairs]) if self.has_bias else None  # type: ignore[arg-type]
+        gb = stack([one(b) for _, b in pairs if b is not None]) if self.has_bias else None
         return gw, gb
 
     def param_pairs(self) -> list[tuple[Tensor, Optional[Tensor]]]:
@@ -236,18 +207,6 @@ class LayerGroup:
         if self._pairs is None:
             self._pairs = [(lay.weight, lay.bias) for lay in self.layers]
         return self._pairs
-
-    def _packed_grads(self, pairs: list[tuple[Tensor, Optional[Tensor]]]) -> Tensor:
-        """Packed ``g [L, W]`` when every parameter has a gradient: one ``_foreach_copy_``
-        into a buffer kept by the group (its padding columns are zero once and never written)."""
-        if self._gpack is None:
-            assert self.Pw is not None
-            buf = self.Pw.new_zeros(len(pairs), self.Pw.shape[-1], dtype=pairs[0][0].dtype)
-            widths = [[p.numel() if p is not None else None for p in pair] for pair in pairs]
-            self._gpack = (buf, column_views(buf, widths))
-        buf, views = self._gpack
-        torch._foreach_copy_(views, [p.grad.reshape(-1) for pair in pairs for p in pair if p is not None])  # type: ignore[union-attr]
-        return buf
 
     def sqnorms(self, gw: Tensor, gb: Optional[Tensor]) -> Tensor:
         """``‖g_l‖²`` per layer, ``[L]``: one read of the stacked gradients (batched dots)."""
