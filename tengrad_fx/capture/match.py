@@ -122,6 +122,19 @@ class LayerSpec:
     dynamic_same: bool = False  # pad_same_input() before the conv (timm Conv2dSame)
     # probed shapes of the (padded) inputs, per site, at the probe's batch size
     input_shapes: list[tuple[int, ...]] = field(default_factory=list)
+    # embedding, and a Linear tied to embeddings (:mod:`.sharing`): the lookups tied to
+    # this host spec until merge_tied_lookups folds their sites in, then their names
+    tied_lookups: list[LayerSpec] = field(default_factory=list, repr=False, compare=False)
+    tied_names: list[str] = field(default_factory=list)
+    # a module swapped by surgery inside a module the fx graph keeps as a leaf
+    in_leaf: bool = False
+    # "param" made by module surgery (:mod:`.added`): its per-sample use is checked
+    surgery: bool = False
+    # every kind, once dropped to the fallback (:func:`.sharing.drop_layer`): the sites its
+    # calls still run (recorded nothing), the reason for the layer, per-parameter reasons
+    dropped_sites: list[int] = field(default_factory=list)
+    fallback_reason: str = ""
+    param_reasons: dict[int, str] = field(default_factory=dict)  # id(parameter) -> reason
 
     @property
     def weight(self) -> Any:

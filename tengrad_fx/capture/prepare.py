@@ -121,7 +121,7 @@ def prepare(
         verify_samples(prepared, info, example_inputs)
         check_sample_independence(prepared, info.layers, info.store, example_inputs)
         for spec in info.layers:
-            if spec.__dict__.get("in_leaf") and spec.sites and not spec.input_shapes:
+            if spec.in_leaf and spec.sites and not spec.input_shapes:
                 drop_layer({spec.name: spec}, spec.name, "module not called as a layer in the traced graph "
                            "(inside a leaf module or used functionally)")
     info.layers = merge_tied_lookups(info.layers, info.store)
@@ -376,8 +376,7 @@ def _classify_params(model: nn.Module, info: PrepareInfo) -> None:
                 info.covered[pn] = spec.name
                 info.fallback.pop(pn, None)
             else:
-                info.fallback[pn] = spec.__dict__.get("param_reasons", {}).get(
-                    id(p), spec.__dict__.get("fallback_reason", "never called in forward"))
+                info.fallback[pn] = spec.param_reasons.get(id(p), spec.fallback_reason or "never called in forward")
         elif pn not in info.fallback:
             owner = owner_of.get(pn)
             kind, _ = match_module(owner) if owner is not None else (None, "")
@@ -387,7 +386,7 @@ def _classify_params(model: nn.Module, info: PrepareInfo) -> None:
             else:
                 info.fallback[pn] = f"{type(owner).__name__ if owner is not None else '?'}: no capture kernel"
     # fallback layers' calls still run the capture op: make them record nothing
-    info.store.ignored_sites = {site for s in info.layers for site in s.__dict__.get("dropped_sites", [])}
+    info.store.ignored_sites = {site for s in info.layers for site in s.dropped_sites}
     info.layers = [s for s in info.layers if s.sites]
 
 

@@ -95,7 +95,7 @@ def _tie_lookup(layers: dict[str, LayerSpec], names: list[str]) -> bool:
         return False
     if not lins and len({spec.module.padding_idx for spec in embs}) > 1:
         return False
-    host.__dict__["tied_lookups"] = [spec for spec in embs if spec is not host]
+    host.tied_lookups = [spec for spec in embs if spec is not host]
     return True
 
 
@@ -106,7 +106,7 @@ def merge_tied_lookups(layers: list[LayerSpec], store: Any) -> list[LayerSpec]:
     If any of them was uncovered (e.g. by the batch probe), all fall back."""
     out = list(layers)
     for host in layers:
-        embs = host.__dict__.pop("tied_lookups", None)
+        embs, host.tied_lookups = host.tied_lookups, []
         if not embs:
             continue
         off = next((spec for spec in (host, *embs) if not spec.sites), None)
@@ -124,7 +124,7 @@ def merge_tied_lookups(layers: list[LayerSpec], store: Any) -> list[LayerSpec]:
             else:
                 host.input_shapes += emb.input_shapes
             out.remove(emb)
-        host.__dict__["tied_names"] = [emb.name for emb in embs]
+        host.tied_names = [emb.name for emb in embs]
     return out
 
 
@@ -135,11 +135,11 @@ def drop_layer(layers: dict[str, LayerSpec], name: str, reason: str,
     weight|bias is <reason>"; without ``param`` every parameter gets ``reason``."""
     spec = layers.get(name)
     if spec is not None:
-        spec.__dict__.setdefault("dropped_sites", []).extend(spec.sites)
+        spec.dropped_sites.extend(spec.sites)
         spec.sites = []  # marks it uncovered; _classify_params records the reason
         if param is None:
-            spec.__dict__["fallback_reason"] = reason
+            spec.fallback_reason = reason
             return
         which = "weight" if param is spec.weight else "bias"
-        spec.__dict__["fallback_reason"] = f"layer '{name or '(root)'}' not covered: its {which} is {reason}"
-        spec.__dict__.setdefault("param_reasons", {})[id(param)] = param_reason
+        spec.fallback_reason = f"layer '{name or '(root)'}' not covered: its {which} is {reason}"
+        spec.param_reasons[id(param)] = param_reason

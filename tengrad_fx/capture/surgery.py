@@ -55,7 +55,7 @@ def cover_in_leaves(candidates: dict[str, nn.Module], layers: dict[str, LayerSpe
         kind, _ = match_module(mod)
         spec = LayerSpec(name=name, kind=kind, module=mod, sites=[next_site[0]], **spec_args(mod, kind))  # type: ignore[arg-type]
         next_site[0] += 1
-        spec.__dict__["in_leaf"] = True
+        spec.in_leaf = True
         mod.__class__ = _capturing_class(type(mod))
         mod.__dict__["_tengrad_call"] = (key, spec)
         layers[name] = spec
