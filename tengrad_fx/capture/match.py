@@ -21,7 +21,7 @@ import torch.nn as nn
 from .embedding import match_embedding
 from .norm import match_norm
 
-__all__ = ["LayerSpec", "match_module", "conv_call_args", "spec_args", "is_transposed_linear"]
+__all__ = ["LayerSpec", "match_module", "conv_call_args", "spec_args", "module_spec", "is_transposed_linear"]
 
 Kind = Literal["linear", "conv1d", "conv2d", "conv3d",
                "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
@@ -174,6 +174,15 @@ def spec_args(mod: nn.Module, kind: str) -> dict[str, Any]:
     if kind == "linear" and is_transposed_linear(mod):
         return dict(transposed=True)
     return {}
+
+
+def module_spec(name: str, mod: nn.Module, **fields: Any) -> LayerSpec:
+    """The :class:`LayerSpec` of the covered module ``mod`` (:func:`match_module` says
+    which), with its :func:`spec_args` and the other ``fields`` given."""
+    kind, why = match_module(mod)
+    if kind is None:
+        raise ValueError(f"module '{name}' ({type(mod).__name__}) is not covered: {why}")
+    return LayerSpec(name=name, kind=kind, module=mod, **fields, **spec_args(mod, kind))
 
 
 def conv_call_args(mod: nn.Module) -> dict[str, Any]:

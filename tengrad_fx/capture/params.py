@@ -31,7 +31,9 @@ from torch import Tensor
 
 from . import ops
 from .eager import capture_op, use_custom_ops
+from .context import RewriteContext
 from .match import LayerSpec
+from .sharing import OURS
 from .store import Record, lookup
 
 __all__ = ["rewrite_params", "batched", "expanded", "ParamHolder"]
@@ -163,32 +165,30 @@ def _uses(node: fx.Node) -> tuple[list[fx.Node], str]:
     return ends, ""
 
 
-def rewrite_params(graph: fx.Graph, model: nn.Module, skip: set[int], layers: dict[str, LayerSpec],
-                   key: int, next_site: list[int], batch_node: Optional[fx.Node],
-                   refused: dict[str, str], mark: str) -> None:
+def rewrite_params(graph: fx.Graph, ctx: RewriteContext, batch_node: Optional[fx.Node]) -> None:
     """Rewrite each coverable added parameter's uses (module docstring); parameters with
-    another use get their reason in ``refused``. ``skip``: ids of parameters that belong
-    to covered layers; ``mark``: the node-meta flag of capture arguments."""
-    params = dict(model.named_parameters())
+    another use get their reason in ``ctx.refused``. The covered layers' own parameters
+    (``ctx.layer_params``) are left alone."""
+    params = dict(ctx.model.named_parameters())
+    skip = ctx.layer_params
     for node in list(graph.nodes):
-        if node.op != "get_attr" or node.meta.get(mark) or node.target not in params:
+        if node.op != "get_attr" or node.meta.get(OURS) or node.target not in params:
             continue
         name = str(node.target)
         p = params[name]
-        if id(p) in skip or name in refused:
+        if id(p) in skip or name in ctx.refused:
             continue
         ends, why = _uses(node)
         if why or not ends:
-            refused[name] = why or "parameter never used"
+            ctx.refused[name] = why or "parameter never used"
             continue
-        spec = layers.get(name)
+        spec = ctx.layers.get(name)
         if spec is None:
-            spec = layers[name] = LayerSpec(name=name, kind="param", module=ParamHolder(p))  # type: ignore[arg-type]
+            spec = ctx.layers[name] = LayerSpec(name=name, kind="param", module=ParamHolder(p))  # type: ignore[arg-type]
         for u in ends:
-            site = next_site[0]
-            next_site[0] += 1
+            site = ctx.new_site()
             spec.sites.append(site)
-            kw = dict(key=key, site=site, batch=batch_node, name=name)
+            kw = dict(key=ctx.key, site=site, batch=batch_node, name=name)
             if u.target == "expand":
                 with graph.inserting_before(u):
                     new = graph.call_function(expanded, tuple(u.args), kw)  # type: ignore[arg-type]
@@ -200,7 +200,7 @@ def rewrite_params(graph: fx.Graph, model: nn.Module, skip: set[int], layers: di
             with graph.inserting_before(u):
                 new = graph.call_function(batched, (src, other), kw)  # type: ignore[arg-type]
             u.replace_input_with(src, new)  # type: ignore[arg-type]
-        node.meta[mark] = True
+        node.meta[OURS] = True
     graph.lint()
 
 
