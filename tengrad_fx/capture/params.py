@@ -22,7 +22,7 @@ with the use named in the reason.
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -77,12 +77,12 @@ def _param_batch_backward(grad: Tensor, p_shape: Sequence[int], key: int, site: 
     return P.sum(0).view(list(p_shape))
 
 
-def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
     p, out_shape, key, site = inputs
     ctx.conf = (list(p.shape), key, site)
 
 
-def _formula(backward, ctx, grad):  # type: ignore[no-untyped-def]
+def _formula(backward: Callable[..., Tensor], ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
     p_shape, key, site = ctx.conf
     return backward(grad, p_shape, key, site), None, None, None
 
@@ -92,12 +92,12 @@ _param_batch_op, _param_batch_backward_op, ParamBatchCapture = capture_op(
 
 
 @_param_batch_op.register_fake
-def _(p, out_shape, key, site):  # type: ignore[no-untyped-def]
+def _(p: Tensor, out_shape: Sequence[int], key: int, site: int) -> Tensor:
     return p.new_empty(list(out_shape))
 
 
 @_param_batch_backward_op.register_fake
-def _(grad, p_shape, key, site):  # type: ignore[no-untyped-def]
+def _(grad: Tensor, p_shape: Sequence[int], key: int, site: int) -> Tensor:
     return grad.new_empty(list(p_shape))
 
 
@@ -188,18 +188,19 @@ def rewrite_params(graph: fx.Graph, ctx: RewriteContext, batch_node: Optional[fx
         for u in ends:
             site = ctx.new_site()
             spec.sites.append(site)
-            kw = dict(key=ctx.key, site=site, batch=batch_node, name=name)
+            kw: dict[str, Any] = dict(key=ctx.key, site=site, batch=batch_node, name=name)
             if u.target == "expand":
                 with graph.inserting_before(u):
-                    new = graph.call_function(expanded, tuple(u.args), kw)  # type: ignore[arg-type]
+                    new = graph.call_function(expanded, tuple(u.args), kw)
                 u.replace_all_uses_with(new)
                 graph.erase_node(u)
                 continue
             src = next(a for a in u.args if _reaches(a, node))
+            assert isinstance(src, fx.Node)  # _reaches holds for nodes only
             other = u.args[1] if u.args[0] is src else u.args[0]
             with graph.inserting_before(u):
-                new = graph.call_function(batched, (src, other), kw)  # type: ignore[arg-type]
-            u.replace_input_with(src, new)  # type: ignore[arg-type]
+                new = graph.call_function(batched, (src, other), kw)
+            u.replace_input_with(src, new)
         node.meta[OURS] = True
     graph.lint()
 

@@ -4,10 +4,11 @@ class for one that hands its output to :func:`.output_hook.maybe_attach` on capt
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn as nn
+from torch import Tensor
 
 from . import embedding, norm, ops
 from .added import cover_added_params
@@ -59,7 +60,8 @@ def cover_in_leaves(candidates: dict[str, nn.Module], ctx: RewriteContext) -> No
 _CAPTURING: dict[type, type] = {}
 
 
-def _capturing_forward(self, input, output_size=None):  # type: ignore[no-untyped-def]  # torch's argument names
+def _capturing_forward(self: Any, input: Tensor, output_size: Optional[Sequence[int]] = None) -> Tensor:
+    # self: a covered module whose class _capturing_class swapped; torch's argument names
     x = input
     key, spec = self.__dict__["_tengrad_call"]
     if not spec.sites:  # dropped to the fallback (tied, or input not per sample): plain layer
@@ -92,7 +94,7 @@ def _capturing_class(cls: type) -> type:
 _OUTPUT: dict[type, type] = {}
 
 
-def _output_forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+def _output_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     key = self.__dict__["_tengrad_output_key"]
     if ops.NEEDS_SAMPLES.get(key, False):  # shared position ids, added parameters
         ops.SAMPLES[key] = leading_dim(args, kwargs)
