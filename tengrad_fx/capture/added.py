@@ -61,7 +61,7 @@ def cover_added_params(model: nn.Module, covered: set[int], fallback: dict[str, 
     return layers
 
 
-def _batched_getattr(self, name: str) -> Any:  # type: ignore[no-untyped-def]
+def _batched_getattr(self: Any, name: str) -> Any:
     value = self._tengrad_base_getattr(name)
     key, mine = self.__dict__["_tengrad_added"]
     spec = mine.get(name)
@@ -77,11 +77,11 @@ def _batched_getattr(self, name: str) -> Any:  # type: ignore[no-untyped-def]
 _ADDED: dict[type, type] = {}
 
 
-def _added_class(cls: type) -> type:
+def _added_class(cls: type[nn.Module]) -> type:
     """``cls`` whose ``__getattr__`` hands out its added parameters batched (module docstring)."""
     if cls not in _ADDED:
         _ADDED[cls] = type(cls.__name__, (cls,), {"__getattr__": _batched_getattr, "__module__": cls.__module__,
-                                                  "_tengrad_base_getattr": cls.__getattr__})  # type: ignore[attr-defined]
+                                                  "_tengrad_base_getattr": cls.__getattr__})
     return _ADDED[cls]
 
 

@@ -37,14 +37,15 @@ def reads_value(node: fx.Node) -> bool:
     return False
 
 
-def note_functional_uses(gm, g_train, g_eval, layers, fallback) -> None:  # type: ignore[no-untyped-def]
+def note_functional_uses(gm: fx.GraphModule, g_train: fx.Graph, g_eval: Optional[fx.Graph],
+                         layers: dict[str, LayerSpec], fallback: dict[str, str]) -> None:
     """A covered weight also read elsewhere (tied weights, functional use) is not exact."""
     owners = param_owners(layers.values())
     for graph in (g for g in (g_train, g_eval) if g is not None):
         for node in graph.nodes:
             if node.op == "get_attr" and not node.meta.get(OURS) and reads_value(node):
                 try:
-                    t = gm.get_parameter(node.target)
+                    t = gm.get_parameter(str(node.target))
                 except AttributeError:
                     continue
                 for name in owners.get(id(t), []):
