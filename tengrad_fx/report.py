@@ -123,9 +123,9 @@ def report(model: nn.Module, m: int = 128) -> Report:
             rows.append((pname, "covered", detail))
         else:
             rows.append((pname, "fallback", info.fallback.get(pname, "not covered")))
-    how = {"fx": "torch.fx graph", "fx-dual": "torch.fx graphs (train/eval differ)",  # type: ignore[assignment]
+    via = {"fx": "torch.fx graph", "fx-dual": "torch.fx graphs (train/eval differ)",
            "surgery": f"module surgery (fx failed: {info.trace_error})"}[info.method]
     check = "verified at batch 2 and 3" if info.verified else "checked at run time"
-    header = f"tengrad_fx.prepare: {len(info.layers)} layers via {how}; sample dim {check}"
+    header = f"tengrad_fx.prepare: {len(info.layers)} layers via {via}; sample dim {check}"
     notes = [BN_NOTE] if any(spec.kind == "batchnorm" for spec in info.layers) else []
     return Report(rows=rows, header=header, numel=numel, notes=notes)

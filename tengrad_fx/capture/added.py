@@ -49,8 +49,8 @@ def cover_added_params(model: nn.Module, covered: set[int], fallback: dict[str, 
                 continue
             site = store.n_sites
             store.n_sites += 1
-            spec = LayerSpec(name=full, kind="param", module=ParamHolder(p), sites=[site])  # type: ignore[arg-type]
-            spec.__dict__["surgery"] = True  # checked by check_sample_independence
+            spec = LayerSpec(name=full, kind="param", module=ParamHolder(p), sites=[site],  # type: ignore[arg-type]
+                             surgery=True)  # checked by check_sample_independence
             mine[pn] = spec
             layers.append(spec)
         if mine:
@@ -61,7 +61,7 @@ def cover_added_params(model: nn.Module, covered: set[int], fallback: dict[str, 
     return layers
 
 
-def _batched_getattr(self, name: str) -> Any:  # type: ignore[no-untyped-def]
+def _batched_getattr(self: Any, name: str) -> Any:
     value = self._tengrad_base_getattr(name)
     key, mine = self.__dict__["_tengrad_added"]
     spec = mine.get(name)
@@ -77,11 +77,11 @@ def _batched_getattr(self, name: str) -> Any:  # type: ignore[no-untyped-def]
 _ADDED: dict[type, type] = {}
 
 
-def _added_class(cls: type) -> type:
+def _added_class(cls: type[nn.Module]) -> type:
     """``cls`` whose ``__getattr__`` hands out its added parameters batched (module docstring)."""
     if cls not in _ADDED:
         _ADDED[cls] = type(cls.__name__, (cls,), {"__getattr__": _batched_getattr, "__module__": cls.__module__,
-                                                  "_tengrad_base_getattr": cls.__getattr__})  # type: ignore[attr-defined]
+                                                  "_tengrad_base_getattr": cls.__getattr__})
     return _ADDED[cls]
 
 
@@ -90,7 +90,7 @@ def check_sample_independence(prepared: nn.Module, layers: list[LayerSpec], stor
     """Drop the added parameters (kind ``"param"`` of :func:`cover_added_params`) whose
     recorded gradient rows are not per sample: at batch 3, a random cotangent on sample 0 of
     the output (its first floating tensor leaf with leading dim 3) must give zero rows 1, 2."""
-    checked = [spec for spec in layers if spec.sites and spec.__dict__.get("surgery")]
+    checked = [spec for spec in layers if spec.sites and spec.surgery]
     if not checked:
         return
     try:

@@ -12,6 +12,8 @@ weight, a convolution its input as well).
 """
 from __future__ import annotations
 
+from typing import Any, Callable, Optional
+
 import torch
 from torch import Tensor
 
@@ -52,11 +54,11 @@ def _backward(grad: Tensor, C: int, channel_first: bool, key: int, site: int) ->
     return _eager_backward(grad, C, channel_first, key, site).clone()
 
 
-def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
     ctx.conf = inputs[1:]
 
 
-def _formula(backward, ctx, grad):  # type: ignore[no-untyped-def]
+def _formula(backward: Callable[..., Tensor], ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
     return backward(grad, *ctx.conf), None, None, None, None
 
 
@@ -65,12 +67,12 @@ _op, _backward_op, BiasSite = capture_op("bias_site", _forward, _backward, _setu
 
 
 @_op.register_fake
-def _(y, C, channel_first, key, site):  # type: ignore[no-untyped-def]
+def _(y: Tensor, C: int, channel_first: bool, key: int, site: int) -> Tensor:
     return torch.empty_like(y)
 
 
 @_backward_op.register_fake
-def _(grad, C, channel_first, key, site):  # type: ignore[no-untyped-def]
+def _(grad: Tensor, C: int, channel_first: bool, key: int, site: int) -> Tensor:
     return torch.empty_like(grad)
 
 

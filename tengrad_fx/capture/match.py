@@ -12,7 +12,7 @@ SGD-momentum, with a reason.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, cast
 
 import sys
 
@@ -21,14 +21,14 @@ import torch.nn as nn
 from .embedding import match_embedding
 from .norm import match_norm
 
-__all__ = ["LayerSpec", "match_module", "conv_call_args", "spec_args", "is_transposed_linear"]
+__all__ = ["LayerSpec", "match_module", "conv_call_args", "spec_args", "module_spec", "is_transposed_linear"]
 
 Kind = Literal["linear", "conv1d", "conv2d", "conv3d",
                "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
                "batchnorm", "layernorm", "groupnorm", "rmsnorm", "layernorm2d", "rmsnorm2d", "param",
                "embedding"]
 
-_BASES: dict[type, Kind] = {
+_BASES: dict[type[nn.Module], Kind] = {
     nn.Linear: "linear",
     nn.Conv1d: "conv1d",
     nn.Conv2d: "conv2d",
@@ -62,12 +62,12 @@ def _dynamic_same() -> set[type]:
         return set()
 
 
-def _hf_conv1d() -> Optional[type]:
+def _hf_conv1d() -> Optional[type[nn.Module]]:
     """Hugging Face's ``transformers.pytorch_utils.Conv1D`` if transformers is loaded (a
     model holding one has loaded it; the library never imports transformers itself)."""
     mod = sys.modules.get("transformers.pytorch_utils")
     cls = getattr(mod, "Conv1D", None) if mod is not None else None
-    return cls if isinstance(cls, type) else None
+    return cls if isinstance(cls, type) and issubclass(cls, nn.Module) else None
 
 
 def is_transposed_linear(mod: nn.Module) -> bool:
@@ -80,7 +80,7 @@ def is_transposed_linear(mod: nn.Module) -> bool:
 def _match_transposed_linear(mod: nn.Module) -> tuple[Optional[Kind], str]:
     cls = _hf_conv1d()
     assert cls is not None
-    if type(mod).forward is not cls.forward and not type(mod).__dict__.get("_tengrad_capturing", False):  # type: ignore[attr-defined]
+    if type(mod).forward is not cls.forward and not type(mod).__dict__.get("_tengrad_capturing", False):
         return None, f"{type(mod).__name__} overrides Conv1D.forward (not provably exact)"
     w, b = getattr(mod, "weight", None), getattr(mod, "bias", None)
     if not isinstance(w, nn.Parameter) or w.dim() != 2 or not (b is None or isinstance(b, nn.Parameter)):
@@ -122,6 +122,19 @@ class LayerSpec:
     dynamic_same: bool = False  # pad_same_input() before the conv (timm Conv2dSame)
     # probed shapes of the (padded) inputs, per site, at the probe's batch size
     input_shapes: list[tuple[int, ...]] = field(default_factory=list)
+    # embedding, and a Linear tied to embeddings (:mod:`.sharing`): the lookups tied to
+    # this host spec until merge_tied_lookups folds their sites in, then their names
+    tied_lookups: list[LayerSpec] = field(default_factory=list, repr=False, compare=False)
+    tied_names: list[str] = field(default_factory=list)
+    # a module swapped by surgery inside a module the fx graph keeps as a leaf
+    in_leaf: bool = False
+    # "param" made by module surgery (:mod:`.added`): its per-sample use is checked
+    surgery: bool = False
+    # every kind, once dropped to the fallback (:func:`.sharing.drop_layer`): the sites its
+    # calls still run (recorded nothing), the reason for the layer, per-parameter reasons
+    dropped_sites: list[int] = field(default_factory=list)
+    fallback_reason: str = ""
+    param_reasons: dict[int, str] = field(default_factory=dict)  # id(parameter) -> reason
 
     @property
     def weight(self) -> Any:
@@ -137,7 +150,7 @@ def match_module(mod: nn.Module) -> tuple[Optional[Kind], str]:
     for base, kind in _BASES.items():
         if isinstance(mod, base):
             cls = type(mod)
-            if cls.forward is not base.forward and cls not in _exact_subclasses() | _dynamic_same():  # type: ignore[attr-defined]
+            if cls.forward is not base.forward and cls not in _exact_subclasses() | _dynamic_same():
                 return None, f"{cls.__name__} overrides {base.__name__}.forward (not provably exact)"
             if kind != "linear" and bool(getattr(mod, "transposed", False)) != kind.startswith("conv_transpose"):
                 return None, "convolution with a non-standard 'transposed' flag"
@@ -146,10 +159,11 @@ def match_module(mod: nn.Module) -> tuple[Optional[Kind], str]:
             return kind, ""
     if is_transposed_linear(mod):
         return _match_transposed_linear(mod)
-    kind, why = match_norm(mod)  # type: ignore[assignment]
-    if kind is not None or why:
-        return kind, why
-    return match_embedding(mod)
+    norm_kind, why = match_norm(mod)
+    if norm_kind is not None or why:
+        return cast(Optional[Kind], norm_kind), why  # one of norm.NORM_KINDS
+    emb_kind, why = match_embedding(mod)
+    return cast(Optional[Kind], emb_kind), why  # "embedding" or None
 
 
 def spec_args(mod: nn.Module, kind: str) -> dict[str, Any]:
@@ -163,6 +177,15 @@ def spec_args(mod: nn.Module, kind: str) -> dict[str, Any]:
     return {}
 
 
+def module_spec(name: str, mod: nn.Module, **fields: Any) -> LayerSpec:
+    """The :class:`LayerSpec` of the covered module ``mod`` (:func:`match_module` says
+    which), with its :func:`spec_args` and the other ``fields`` given."""
+    kind, why = match_module(mod)
+    if kind is None:
+        raise ValueError(f"module '{name}' ({type(mod).__name__}) is not covered: {why}")
+    return LayerSpec(name=name, kind=kind, module=mod, **fields, **spec_args(mod, kind))
+
+
 def conv_call_args(mod: nn.Module) -> dict[str, Any]:
     """Normalized capture-op arguments for a ConvNd / ConvTransposeNd module.
 
@@ -172,15 +195,15 @@ def conv_call_args(mod: nn.Module) -> dict[str, Any]:
     for a transposed convolution (zeros padding only, as in torch) also
     ``transposed=True`` and ``output_padding``.
     """
-    nd = mod.weight.dim() - 2  # type: ignore[operator]
+    conv = cast(nn.modules.conv._ConvNd, mod)  # a ConvNd / ConvTransposeNd, or a stand-in with its attributes
+    k, dil, stride = tuple(conv.kernel_size), tuple(conv.dilation), tuple(conv.stride)
+    nd = len(k)
+    pad = conv.padding
     if getattr(mod, "transposed", False):
-        return dict(stride=tuple(mod.stride), padding=tuple(int(p) for p in mod.padding),  # type: ignore[arg-type, union-attr]
-                    dilation=tuple(mod.dilation), groups=mod.groups, pre_pad=None, pad_mode="constant",  # type: ignore[arg-type]
-                    transposed=True, output_padding=tuple(mod.output_padding))  # type: ignore[arg-type]
-    k = tuple(mod.kernel_size)  # type: ignore[arg-type]
-    dil = tuple(mod.dilation)  # type: ignore[arg-type]
-    stride = tuple(mod.stride)  # type: ignore[arg-type]
-    pad = mod.padding
+        assert not isinstance(pad, str), "ConvTransposeNd has no string padding"
+        return dict(stride=stride, padding=tuple(int(p) for p in pad),
+                    dilation=dil, groups=conv.groups, pre_pad=None, pad_mode="constant",
+                    transposed=True, output_padding=tuple(conv.output_padding))
     if pad == "valid":
         lr = [(0, 0)] * nd
     elif pad == "same":
@@ -190,23 +213,23 @@ def conv_call_args(mod: nn.Module) -> dict[str, Any]:
             left = total // 2
             lr.append((left, total - left))
     else:
-        lr = [(int(p), int(p)) for p in pad]  # type: ignore[union-attr]
-    mode = mod.padding_mode
+        lr = [(int(p), int(p)) for p in pad]
+    mode = conv.padding_mode
     if mode != "zeros":
-        f_mode = {"reflect": "reflect", "replicate": "replicate", "circular": "circular"}.get(mode)  # type: ignore[call-overload]
+        f_mode = {"reflect": "reflect", "replicate": "replicate", "circular": "circular"}.get(mode)
         if f_mode is None:
             raise ValueError(f"unsupported padding_mode {mode!r}")
         pre = tuple(v for l, r in reversed(lr) for v in (l, r))
-        return dict(stride=stride, padding=(0,) * nd, dilation=dil, groups=mod.groups,
+        return dict(stride=stride, padding=(0,) * nd, dilation=dil, groups=conv.groups,
                     pre_pad=pre, pad_mode=f_mode)
     if type(mod) in _dynamic_same():
-        return dict(stride=stride, padding=(0,) * nd, dilation=dil, groups=mod.groups,
+        return dict(stride=stride, padding=(0,) * nd, dilation=dil, groups=conv.groups,
                     pre_pad=None, pad_mode="constant", dynamic_same=True)
     if all(l == r for l, r in lr):
         return dict(stride=stride, padding=tuple(l for l, _ in lr), dilation=dil,
-                    groups=mod.groups, pre_pad=None, pad_mode="constant")
+                    groups=conv.groups, pre_pad=None, pad_mode="constant")
     # asymmetric 'same': symmetric part in the conv, the extra on the right pre-padded
     sym = tuple(l for l, _ in lr)
     pre = tuple(v for l, r in reversed(lr) for v in (0, r - l))
-    return dict(stride=stride, padding=sym, dilation=dil, groups=mod.groups,
+    return dict(stride=stride, padding=sym, dilation=dil, groups=conv.groups,
                 pre_pad=pre, pad_mode="constant")

@@ -27,7 +27,7 @@ constants. In eval mode every per-sample gradient is exactly ``∂ℓ_i/∂θ``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 import torch.nn as nn
@@ -56,7 +56,7 @@ class NormEntry:
     module's forward through a capture op), and what the module does after the affine
     (timm's norm+act layers), ``post(mod, y)``."""
 
-    cls: type
+    cls: type[nn.Module]
     kind: str
     run: Run
     post: Optional[Callable[[nn.Module, Tensor], Tensor]] = None
@@ -66,7 +66,7 @@ class NormEntry:
         """The module's plain ``γ ⊙ x̂ + β`` (its own forward, or its norm base class's
         where ``post`` follows)."""
         base = self.cls if self.post is None else nn.modules.batchnorm._BatchNorm
-        return base.forward(mod, x)  # type: ignore[attr-defined]
+        return base.forward(mod, x)
 
 
 # --------------------------------------------------------------------------- forward per class
@@ -109,7 +109,7 @@ def _rms_norm(mod: Any, x: Tensor, key: int, site: int) -> Tensor:
     """``F.rms_norm`` computes ``x̂ ⊙ γ`` in float32 for a low-precision ``x`` and casts
     the product to ``x``'s dtype (after autocast's cast of ``aten::rms_norm``, :mod:`.amp`);
     the same here, so the output matches bit for bit."""
-    (x,) = cast_like_aten("aten::rms_norm", x)  # type: ignore[assignment]
+    x = cast(Tensor, cast_like_aten("aten::rms_norm", x)[0])  # x in, x (maybe float32) out
     xhat = F.rms_norm(acc(x), mod.normalized_shape, None, mod.eps)
     return as_dtype(norm_ops.affine(xhat, mod.weight, None, False, key, site), x.dtype)
 
@@ -136,7 +136,7 @@ def _drop_act(mod: Any, y: Tensor) -> Tensor:
     return mod.act(mod.drop(y))
 
 
-_TABLE: Optional[dict[type, NormEntry]] = None
+_TABLE: Optional[dict[type[nn.Module], NormEntry]] = None
 _ENTRIES: dict[type, Optional[NormEntry]] = {}  # norm_entry by module class (read per layer call)
 _PROBED: dict[type, NormEntry] = {}  # RMSNorm-shaped classes an instance of which passed the probe
 
@@ -145,7 +145,7 @@ def _table() -> dict[type, NormEntry]:
     """Classes whose forward is exactly ``post(γ ⊙ x̂ + β)`` as ``run`` computes it."""
     global _TABLE
     if _TABLE is None:
-        rows: list[tuple[type, str, Run, Optional[Callable[[nn.Module, Tensor], Tensor]]]] = [
+        rows: list[tuple[type[nn.Module], str, Run, Optional[Callable[[nn.Module, Tensor], Tensor]]]] = [
             (nn.BatchNorm1d, "batchnorm", _batch_norm, None),
             (nn.BatchNorm2d, "batchnorm", _batch_norm, None),
             (nn.BatchNorm3d, "batchnorm", _batch_norm, None),
@@ -182,12 +182,12 @@ def norm_entry(mod: nn.Module) -> Optional[NormEntry]:
     return _ENTRIES[cls]
 
 
-def _find_entry(mod_cls: type) -> Optional[NormEntry]:
+def _find_entry(mod_cls: type[nn.Module]) -> Optional[NormEntry]:
     table = _table()
     for cls in mod_cls.__mro__:
         entry = table.get(cls) or _PROBED.get(cls)
-        if entry is not None:
-            return entry if mod_cls.forward is cls.forward or _is_capturing(mod_cls) else None  # type: ignore[attr-defined]
+        if entry is not None:  # entry.cls is cls
+            return entry if mod_cls.forward is entry.cls.forward or _is_capturing(mod_cls) else None
     return None
 
 
@@ -240,7 +240,8 @@ def _match_rms_shaped(mod: nn.Module) -> tuple[Optional[str], str]:
         _PROBED[cls] = NormEntry(cls, "rmsnorm", run_form(form, eps_name), form=(form, eps_name))
         _ENTRIES.clear()  # classes cached without an entry are looked up again
     elif entry.form != (form, eps_name):
-        return None, f"{cls.__name__}: instances compute different RMSNorm forms on the probe ({entry.form[0]}, {form})"  # type: ignore[index]
+        first = entry.form[0] if entry.form is not None else entry.kind
+        return None, f"{cls.__name__}: instances compute different RMSNorm forms on the probe ({first}, {form})"
     return "rmsnorm", ""
 
 
@@ -248,7 +249,12 @@ def normalized_ndim(mod: nn.Module) -> int:
     """Number of trailing dims a trailing-kind norm layer normalizes (its weight's dims
     for an RMSNorm-shaped module without ``normalized_shape``)."""
     shape = getattr(mod, "normalized_shape", None)
-    return len(shape) if shape is not None else mod.weight.dim()  # type: ignore[operator]
+    return len(shape) if shape is not None else _weight(mod).dim()
+
+
+def _weight(mod: nn.Module) -> Tensor:
+    """A covered norm layer's ``γ`` (:func:`match_norm` checked it is a Parameter)."""
+    return cast(Tensor, mod.weight)
 
 
 def norm(x: Tensor, mod: nn.Module, key: int, site: int, batch: Optional[int] = None,
@@ -262,13 +268,13 @@ def norm(x: Tensor, mod: nn.Module, key: int, site: int, batch: Optional[int] = 
     assert entry is not None, f"{type(mod).__name__} is not a captured norm layer"
     if ops.PROBE is not None:
         ops.probe(key, site, x)
-    if not ops._active(key, x, mod.weight):  # type: ignore[arg-type]
+    if not ops._active(key, x, _weight(mod)):
         bias = getattr(mod, "bias", None)  # RMSNorm has none
         if bias is None or not (bias.requires_grad and ops.ENABLED.get(key, False) and torch.is_grad_enabled()):
-            return entry.cls.forward(mod, x)  # type: ignore[attr-defined]
+            return entry.cls.forward(mod, x)
         # a frozen γ and a trainable β: the plain affine output through the bias site
         channel_first = entry.kind in CHANNEL_FIRST or entry.kind == "layernorm2d"
-        keep = 0 if channel_first else len(mod.normalized_shape)  # type: ignore[arg-type]
+        keep = 0 if channel_first else normalized_ndim(mod)
         y = ops.bias_only(entry.affine(mod, x), bias, channel_first, keep, key, site, batch, name)
         return entry.post(mod, y) if entry.post is not None else y
     fold = FOLDS.get((key, site)) if FOLDS else None

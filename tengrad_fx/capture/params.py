@@ -22,7 +22,7 @@ with the use named in the reason.
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -31,7 +31,9 @@ from torch import Tensor
 
 from . import ops
 from .eager import capture_op, use_custom_ops
+from .context import RewriteContext
 from .match import LayerSpec
+from .sharing import OURS
 from .store import Record, lookup
 
 __all__ = ["rewrite_params", "batched", "expanded", "ParamHolder"]
@@ -75,12 +77,12 @@ def _param_batch_backward(grad: Tensor, p_shape: Sequence[int], key: int, site: 
     return P.sum(0).view(list(p_shape))
 
 
-def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+def _setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
     p, out_shape, key, site = inputs
     ctx.conf = (list(p.shape), key, site)
 
 
-def _formula(backward, ctx, grad):  # type: ignore[no-untyped-def]
+def _formula(backward: Callable[..., Tensor], ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
     p_shape, key, site = ctx.conf
     return backward(grad, p_shape, key, site), None, None, None
 
@@ -90,12 +92,12 @@ _param_batch_op, _param_batch_backward_op, ParamBatchCapture = capture_op(
 
 
 @_param_batch_op.register_fake
-def _(p, out_shape, key, site):  # type: ignore[no-untyped-def]
+def _(p: Tensor, out_shape: Sequence[int], key: int, site: int) -> Tensor:
     return p.new_empty(list(out_shape))
 
 
 @_param_batch_backward_op.register_fake
-def _(grad, p_shape, key, site):  # type: ignore[no-untyped-def]
+def _(grad: Tensor, p_shape: Sequence[int], key: int, site: int) -> Tensor:
     return grad.new_empty(list(p_shape))
 
 
@@ -163,44 +165,43 @@ def _uses(node: fx.Node) -> tuple[list[fx.Node], str]:
     return ends, ""
 
 
-def rewrite_params(graph: fx.Graph, model: nn.Module, skip: set[int], layers: dict[str, LayerSpec],
-                   key: int, next_site: list[int], batch_node: Optional[fx.Node],
-                   refused: dict[str, str], mark: str) -> None:
+def rewrite_params(graph: fx.Graph, ctx: RewriteContext, batch_node: Optional[fx.Node]) -> None:
     """Rewrite each coverable added parameter's uses (module docstring); parameters with
-    another use get their reason in ``refused``. ``skip``: ids of parameters that belong
-    to covered layers; ``mark``: the node-meta flag of capture arguments."""
-    params = dict(model.named_parameters())
+    another use get their reason in ``ctx.refused``. The covered layers' own parameters
+    (``ctx.layer_params``) are left alone."""
+    params = dict(ctx.model.named_parameters())
+    skip = ctx.layer_params
     for node in list(graph.nodes):
-        if node.op != "get_attr" or node.meta.get(mark) or node.target not in params:
+        if node.op != "get_attr" or node.meta.get(OURS) or node.target not in params:
             continue
         name = str(node.target)
         p = params[name]
-        if id(p) in skip or name in refused:
+        if id(p) in skip or name in ctx.refused:
             continue
         ends, why = _uses(node)
         if why or not ends:
-            refused[name] = why or "parameter never used"
+            ctx.refused[name] = why or "parameter never used"
             continue
-        spec = layers.get(name)
+        spec = ctx.layers.get(name)
         if spec is None:
-            spec = layers[name] = LayerSpec(name=name, kind="param", module=ParamHolder(p))  # type: ignore[arg-type]
+            spec = ctx.layers[name] = LayerSpec(name=name, kind="param", module=ParamHolder(p))  # type: ignore[arg-type]
         for u in ends:
-            site = next_site[0]
-            next_site[0] += 1
+            site = ctx.new_site()
             spec.sites.append(site)
-            kw = dict(key=key, site=site, batch=batch_node, name=name)
+            kw: dict[str, Any] = dict(key=ctx.key, site=site, batch=batch_node, name=name)
             if u.target == "expand":
                 with graph.inserting_before(u):
-                    new = graph.call_function(expanded, tuple(u.args), kw)  # type: ignore[arg-type]
+                    new = graph.call_function(expanded, tuple(u.args), kw)
                 u.replace_all_uses_with(new)
                 graph.erase_node(u)
                 continue
             src = next(a for a in u.args if _reaches(a, node))
+            assert isinstance(src, fx.Node)  # _reaches holds for nodes only
             other = u.args[1] if u.args[0] is src else u.args[0]
             with graph.inserting_before(u):
-                new = graph.call_function(batched, (src, other), kw)  # type: ignore[arg-type]
-            u.replace_input_with(src, new)  # type: ignore[arg-type]
-        node.meta[mark] = True
+                new = graph.call_function(batched, (src, other), kw)
+            u.replace_input_with(src, new)
+        node.meta[OURS] = True
     graph.lint()
 
 

@@ -1,7 +1,7 @@
 """``prepare``: the FX pass that makes every Linear/Conv call site record (I, G)."""
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence, cast
 
 import torch
 import torch.fx as fx
@@ -12,7 +12,8 @@ from .._compile import keep_saved_tensors
 from .plain import compiled_forward, drop_dead_attributes, install_forward, plain_graph
 from .info import ATTR, PrepareInfo, get_info
 from .inputs import as_call, leading_dim
-from .match import LayerSpec, match_module, pad_same_input, spec_args
+from .context import RewriteContext
+from .match import LayerSpec, match_module, module_spec, pad_same_input
 from .norm import NORM_KINDS
 from .sharing import OURS, drop_layer, merge_tied_lookups, note_functional_uses
 from .store import CaptureStore
@@ -65,15 +66,38 @@ def prepare(
         >>> net = tengrad_fx.prepare(net, example_inputs=(torch.randn(5, 4),))
         >>> print(tengrad_fx.report(net))  # doctest: +SKIP
     """
+    _check_arguments(model, loss_reduction)
+    if example_inputs is not None:
+        example_inputs = as_call(example_inputs)
+    candidates, fallback = _candidates(model, only_linear_conv)
+    info = PrepareInfo(layers=[], covered={}, fallback=fallback, store=CaptureStore(n_sites=0),
+                       loss_reduction=loss_reduction, method="fx", verified=example_inputs is not None)
+    prepared = _rewritten(model, candidates, info, example_inputs, added_params=not only_linear_conv)
+    prepared.__dict__[ATTR] = info
+    ops.ENABLED[info.store.key] = True
+    keep_saved_tensors()  # a compiled backward of this model may run twice (MC Fisher)
+    if example_inputs is not None:
+        _verify(prepared, info, example_inputs)
+    info.layers = merge_tied_lookups(info.layers, info.store)
+    info.store.site_names = {site: spec.name for spec in info.layers for site in spec.sites}
+    info.store.transposed_sites = frozenset(site for spec in info.layers if spec.kind == "linear" and spec.transposed
+                                            for site in spec.sites)
+    _classify_params(model, info)
+    return prepared
+
+
+def _check_arguments(model: nn.Module, loss_reduction: str) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"prepare() expects an nn.Module, got {type(model).__name__}")
     if ATTR in model.__dict__:
         raise ValueError("model is already prepared")
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-    if example_inputs is not None:
-        example_inputs = as_call(example_inputs)
 
+
+def _candidates(model: nn.Module, only_linear_conv: bool) -> tuple[dict[str, nn.Module], dict[str, str]]:
+    """The modules to cover, by name, and ``parameter name -> reason`` for the parameters of
+    the modules left out."""
     fallback: dict[str, str] = {}
     candidates: dict[str, nn.Module] = {}
     for name, mod in model.named_modules():
@@ -96,10 +120,17 @@ def prepare(
             f"{type(model).__name__} has no nn.Linear or nn.Conv1d/2d/3d (or norm) layer to cover{why}; "
             "use a plain torch.optim optimizer for it"
         )
+    return candidates, fallback
 
+
+def _rewritten(model: nn.Module, candidates: dict[str, nn.Module], info: PrepareInfo,
+               example_inputs: Optional[Sequence[Any]], added_params: bool) -> nn.Module:
+    """The fx-rewritten model, else (tracing failed, ``example_inputs`` given) ``model``
+    itself after module surgery; fills ``info``'s layers, store, method and trace error."""
+    ctx = RewriteContext(model=model, store=info.store, candidates=candidates, fallback=info.fallback,
+                         runtime_batch=example_inputs is None, added_params=added_params)
     try:
-        prepared, layers, method, err = _prepare_fx(model, candidates, fallback, example_inputs,
-                                                    added_params=not only_linear_conv)
+        prepared, dual = _prepare_fx(ctx)
     except _TraceFailed as exc:
         if example_inputs is None:
             raise RuntimeError(
@@ -107,30 +138,23 @@ def prepare(
                 "Pass example_inputs=(...) to prepare() to use the module-surgery fallback, whose "
                 "per-sample structure is verified on those inputs."
             ) from exc.__cause__
-        prepared, layers = prepare_surgery(model, candidates, fallback, added_params=not only_linear_conv)
-        method, err = "surgery", exc.reason
-
-    info = PrepareInfo(
-        layers=layers, covered={}, fallback=fallback, store=prepared.__dict__.pop("_tengrad_store"),
-        loss_reduction=loss_reduction, method=method, verified=example_inputs is not None,
-        trace_error=err,
-    )
-    prepared.__dict__[ATTR] = info
-    ops.ENABLED[info.store.key] = True
-    keep_saved_tensors()  # a compiled backward of this model may run twice (MC Fisher)
-    if example_inputs is not None:
-        verify_samples(prepared, info, example_inputs)
-        check_sample_independence(prepared, info.layers, info.store, example_inputs)
-        for spec in info.layers:
-            if spec.__dict__.get("in_leaf") and spec.sites and not spec.input_shapes:
-                drop_layer({spec.name: spec}, spec.name, "module not called as a layer in the traced graph "
-                           "(inside a leaf module or used functionally)")
-    info.layers = merge_tied_lookups(info.layers, info.store)
-    info.store.site_names = {site: spec.name for spec in info.layers for site in spec.sites}
-    info.store.transposed_sites = frozenset(site for spec in info.layers if spec.kind == "linear" and spec.transposed
-                                            for site in spec.sites)
-    _classify_params(model, info)
+        info.layers = prepare_surgery(model, candidates, info.fallback, info.store, added_params=added_params)
+        info.method, info.trace_error = "surgery", exc.reason
+        return model
+    info.layers = list(ctx.layers.values())
+    info.method = "fx-dual" if dual else "fx"
     return prepared
+
+
+def _verify(prepared: nn.Module, info: PrepareInfo, example_inputs: Sequence[Any]) -> None:
+    """Drop the layers whose inputs (or added parameters' uses) are not per sample on
+    ``example_inputs``, and the modules inside leaves that never ran."""
+    verify_samples(prepared, info, example_inputs)
+    check_sample_independence(prepared, info.layers, info.store, example_inputs)
+    for spec in info.layers:
+        if spec.in_leaf and spec.sites and not spec.input_shapes:
+            drop_layer({spec.name: spec}, spec.name, "module not called as a layer in the traced graph "
+                       "(inside a leaf module or used functionally)")
 
 
 class _TraceFailed(Exception):
@@ -196,82 +220,75 @@ def _graph_module(model: nn.Module, graph: fx.Graph, consts: Consts) -> fx.Graph
     return gm
 
 
-def _rewrite(graph: fx.Graph, candidates: dict[str, nn.Module], layers: dict[str, LayerSpec],
-             key: int, next_site: list[int], runtime_batch: bool, odd: set[str]) -> None:
+def _rewrite(graph: fx.Graph, ctx: RewriteContext) -> None:
     """Replace each ``call_module`` of a candidate by a capture-op call.
 
-    Candidates also called with another signature are collected in ``odd`` (their
+    Candidates also called with another signature are collected in ``ctx.odd`` (their
     other calls are not captured, so they must fall back)."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    batch_node = None
-    if runtime_batch and placeholders:
+    batch = None
+    if ctx.runtime_batch and placeholders:
         with graph.inserting_after(placeholders[-1]):
-            batch_node = graph.call_function(leading_dim, tuple(placeholders))
+            batch = graph.call_function(leading_dim, tuple(placeholders))
     for node in list(graph.nodes):
-        if node.op != "call_module" or node.target not in candidates:
+        if node.op != "call_module" or node.target not in ctx.candidates:
             continue
         name = str(node.target)
-        mod = candidates[name]
+        mod = ctx.candidates[name]
         x_arg, out_size = _call_arguments(node, mod)
         if x_arg is None:
-            odd.add(name)  # unusual call signature: leave it, its params fall back
+            ctx.odd.add(name)  # unusual call signature: leave it, its params fall back
             continue
-        spec = layers.get(name)
+        spec = ctx.layers.get(name)
         if spec is None:
-            kind, _ = match_module(mod)
-            spec = LayerSpec(name=name, kind=kind, module=mod, **spec_args(mod, kind))  # type: ignore[arg-type]
-            layers[name] = spec
-        site = next_site[0]
-        next_site[0] += 1
+            spec = ctx.layers[name] = module_spec(name, mod)
+        site = ctx.new_site()
         spec.sites.append(site)
-        if spec.kind in NORM_KINDS:
-            with graph.inserting_before(node):
-                mnode = graph.get_attr(name)
-                mnode.meta[OURS] = True
-                new = graph.call_function(norm.norm, (x_arg, mnode),
-                                          dict(key=key, site=site, batch=batch_node, name=name))
-            node.replace_all_uses_with(new)
-            graph.erase_node(node)
-            continue
-        if spec.kind == "embedding":
-            with graph.inserting_before(node):
-                w = graph.get_attr(f"{name}.weight" if name else "weight")
-                w.meta[OURS] = True
-                new = graph.call_function(embedding.embedding, (x_arg, w, mod.padding_idx),  # type: ignore[arg-type]
-                                          dict(key=key, site=site, batch=batch_node, name=name))
-            node.replace_all_uses_with(new)
-            graph.erase_node(node)
-            continue
+        kw: dict[str, Any] = dict(key=ctx.key, site=site, batch=batch, name=name)
         with graph.inserting_before(node):
-            w = graph.get_attr(f"{name}.weight" if name else "weight")
-            b = graph.get_attr(f"{name}.bias" if name else "bias") if mod.bias is not None else None
-            for n in (w, b):
-                if n is not None:
-                    n.meta[OURS] = True  # not a use outside the layer call
-            kw: dict[str, Any] = dict(key=key, site=site, batch=batch_node, name=name)
-            if spec.kind == "linear":
-                if spec.transposed:  # Hugging Face Conv1D: weight [d_in, d_out]
-                    kw.update(transposed=True)
-                new = graph.call_function(ops.linear, (x_arg, w, b), kw)
+            if spec.kind in NORM_KINDS:
+                new = graph.call_function(norm.norm, (x_arg, _own_attr(graph, name)), kw)
+            elif spec.kind == "embedding":
+                assert isinstance(mod, nn.Embedding)  # match_embedding covers nothing else
+                w = _own_attr(graph, f"{name}.weight" if name else "weight")
+                new = graph.call_function(embedding.embedding, (x_arg, w, mod.padding_idx), kw)
             else:
-                kw.update(pre_pad=spec.pre_pad, pad_mode=spec.pad_mode)
-                if spec.transposed:
-                    op: Any = spec.output_padding
-                    if out_size is not None:  # computed at run time, as torch does
-                        op = graph.call_function(_transposed_output_padding, (
-                            x_arg, out_size, spec.stride, spec.padding, tuple(mod.kernel_size), spec.dilation))  # type: ignore[arg-type]
-                    kw.update(transposed=True, output_padding=op)
-                if spec.dynamic_same:
-                    x_arg = graph.call_function(pad_same_input, (x_arg, tuple(mod.weight.shape[2:]),  # type: ignore[index]
-                                                                 spec.stride, spec.dilation))
-                new = graph.call_function(
-                    ops.conv,
-                    (x_arg, w, b, spec.stride, spec.padding, spec.dilation, spec.groups),
-                    kw,
-                )
+                new = _linear_conv_call(graph, spec, mod, x_arg, out_size, kw)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
     graph.lint()
+
+
+def _own_attr(graph: fx.Graph, target: str) -> fx.Node:
+    """A ``get_attr`` node of a capture call's own argument (not a use outside the layer)."""
+    node = graph.get_attr(target)
+    node.meta[OURS] = True
+    return node
+
+
+def _linear_conv_call(graph: fx.Graph, spec: LayerSpec, mod: nn.Module, x_arg: fx.node.Argument,
+                      out_size: Any, kw: dict[str, Any]) -> fx.Node:
+    """The capture-op call (:func:`.ops.linear` / :func:`.ops.conv`) of a Linear or Conv
+    layer's call on ``x_arg``; ``kw``: the capture arguments (key, site, batch, name)."""
+    prefix = f"{spec.name}." if spec.name else ""
+    w = _own_attr(graph, f"{prefix}weight")
+    b = _own_attr(graph, f"{prefix}bias") if spec.bias is not None else None
+    if spec.kind == "linear":
+        if spec.transposed:  # Hugging Face Conv1D: weight [d_in, d_out]
+            kw.update(transposed=True)
+        return graph.call_function(ops.linear, (x_arg, w, b), kw)
+    assert isinstance(mod, nn.modules.conv._ConvNd)  # every conv kind of match_module
+    kw.update(pre_pad=spec.pre_pad, pad_mode=spec.pad_mode)
+    if spec.transposed:
+        out_padding: Any = spec.output_padding
+        if out_size is not None:  # computed at run time, as torch does
+            out_padding = graph.call_function(_transposed_output_padding, (
+                x_arg, out_size, spec.stride, spec.padding, tuple(mod.kernel_size), spec.dilation))
+        kw.update(transposed=True, output_padding=out_padding)
+    x = x_arg
+    if spec.dynamic_same:
+        x = graph.call_function(pad_same_input, (x_arg, tuple(mod.weight.shape[2:]), spec.stride, spec.dilation))
+    return graph.call_function(ops.conv, (x, w, b, spec.stride, spec.padding, spec.dilation, spec.groups), kw)
 
 
 def _call_arguments(node: fx.Node, mod: nn.Module) -> tuple[Any, Any]:
@@ -294,8 +311,9 @@ def _transposed_output_padding(x: torch.Tensor, output_size: Sequence[int], stri
                                dilation: Sequence[int]) -> list[int]:
     """``output_padding`` of ``ConvTransposeNd(x, output_size)``, computed as torch does
     (torch's method reads nothing from the module when ``output_size`` is given)."""
+    no_module = cast(nn.modules.conv._ConvTransposeNd, None)  # read only without output_size
     return nn.modules.conv._ConvTransposeNd._output_padding(
-        None, x, list(output_size), list(stride), list(padding), list(kernel_size),  # type: ignore[arg-type]
+        no_module, x, list(output_size), list(stride), list(padding), list(kernel_size),
         len(stride), list(dilation))
 
 
@@ -303,60 +321,62 @@ def _batch_node(graph: fx.Graph) -> Optional[fx.Node]:
     return next((n for n in graph.nodes if n.op == "call_function" and n.target is leading_dim), None)
 
 
-def _prepare_fx(model, candidates, fallback, example_inputs, added_params=True):  # type: ignore[no-untyped-def]
+def _prepare_fx(ctx: RewriteContext) -> tuple[fx.GraphModule, bool]:
+    """The fx-rewritten model, and whether it has a separate eval graph; fills ``ctx``.
+    Raises :class:`_TraceFailed` when torch.fx cannot trace ``ctx.model``."""
+    model = ctx.model
     g_train, g_eval, c_train, c_eval = _trace_modes(model)
-    n_sites = [0]
-    store = CaptureStore(n_sites=0)
-    layers: dict[str, LayerSpec] = {}
-    runtime_batch = example_inputs is None
-    odd: set[str] = set()
-    refused: dict[str, str] = {}
-    skip = {id(p) for mod in candidates.values() for p in mod.parameters(recurse=False)}
     def rewritten(node: fx.Node) -> bool:  # as _rewrite: a candidate called with its input only
-        return str(node.target) in candidates and _call_arguments(node, candidates[str(node.target)])[0] is not None
-    plain = [plain_graph(g, model, rewritten, added_params) if g is not None else None for g in (g_train, g_eval)]
-    _rewrite(g_train, candidates, layers, store.key, n_sites, runtime_batch, odd)
-    if added_params:
-        functional.rewrite_functional_layers(g_train, model, layers, store.key, n_sites, _batch_node(g_train), OURS)
-        attention.rewrite_attention(g_train, model, layers, store.key, n_sites, _batch_node(g_train), OURS)
-        params.rewrite_params(g_train, model, skip, layers, store.key, n_sites, _batch_node(g_train), refused, OURS)
-    drop_dead_attributes(g_train)
+        mod = ctx.candidates.get(str(node.target))
+        return mod is not None and _call_arguments(node, mod)[0] is not None
+    plain = [plain_graph(g, model, rewritten, ctx.added_params) if g is not None else None for g in (g_train, g_eval)]
+    _rewrite_graph(g_train, ctx)
     gm = _graph_module(model, g_train, c_train)
-    method = "fx"
     eval_forward = None
     if g_eval is not None:
-        _rewrite(g_eval, candidates, layers, store.key, n_sites, runtime_batch, odd)
-        if added_params:
-            functional.rewrite_functional_layers(g_eval, model, layers, store.key, n_sites, _batch_node(g_eval), OURS)
-            attention.rewrite_attention(g_eval, model, layers, store.key, n_sites, _batch_node(g_eval), OURS)
-            params.rewrite_params(g_eval, model, skip, layers, store.key, n_sites, _batch_node(g_eval), refused, OURS)
-        drop_dead_attributes(g_eval)
+        _rewrite_graph(g_eval, ctx)
         gm_eval = _graph_module(model, g_eval, c_eval)
         for k, v in gm_eval._buffers.items():  # the eval graph runs on gm: give it gm_eval's extras
             if k not in gm._buffers and v is not None:
                 gm.register_buffer(k, v, persistent=False)
         eval_forward = type(gm_eval).forward
         gm.__dict__["_tengrad_eval_graph"] = gm_eval.graph
-        method = "fx-dual"
     plain_fwd = [compiled_forward(gm, g) if g is not None else None for g in plain]
-    install_forward(gm, store.key, eval_forward, plain_fwd[0], plain_fwd[1] if g_eval is not None else plain_fwd[0])
-    if not runtime_batch:  # verified on example_inputs: modules inside leaves too
-        cover_in_leaves({k: v for k, v in candidates.items() if k not in odd}, layers, store.key, n_sites)
-    store.n_sites = n_sites[0]
-    gm.__dict__["_tengrad_store"] = store
+    install_forward(gm, ctx.key, eval_forward, plain_fwd[0], plain_fwd[1] if g_eval is not None else plain_fwd[0])
+    if not ctx.runtime_batch:  # verified on example_inputs: modules inside leaves too
+        cover_in_leaves({k: v for k, v in ctx.candidates.items() if k not in ctx.odd}, ctx)
     gm.__dict__[ORIGINAL] = model  # for unprepare()
-    note_functional_uses(gm, g_train, g_eval, layers, fallback)
-    if added_params:
-        functional.note_unmatched(model, layers, fallback)
-    for name in odd:
-        if name not in layers:  # every call unusual: no layer was made
-            for pn, _ in candidates[name].named_parameters(prefix=name, recurse=False):
-                fallback[pn] = "module called with keyword or extra arguments (not captured)"
-        drop_layer(layers, name, "module also called with keyword or extra arguments (that call is not captured)")
-    for name, why in refused.items():  # e.g. coverable in the train graph, not in the eval graph
-        drop_layer(layers, name, why)
-        fallback.setdefault(name, why)
-    return gm, list(layers.values()), method, ""
+    note_functional_uses(gm, g_train, g_eval, ctx.layers, ctx.fallback)
+    if ctx.added_params:
+        functional.note_unmatched(model, ctx.layers, ctx.fallback)
+    _drop_odd_and_refused(ctx)
+    return gm, g_eval is not None
+
+
+def _rewrite_graph(graph: fx.Graph, ctx: RewriteContext) -> None:
+    """Every rewrite of one traced graph: covered module calls, then (``ctx.added_params``)
+    functional layer calls, exact attention calls and added parameters."""
+    _rewrite(graph, ctx)
+    if ctx.added_params:
+        for rewrite in (functional.rewrite_functional_layers, attention.rewrite_attention):
+            next_site = [ctx.store.n_sites]  # these rewriters count sites in a one-element list
+            rewrite(graph, ctx.model, ctx.layers, ctx.key, next_site, _batch_node(graph), OURS)
+            ctx.store.n_sites = next_site[0]
+        params.rewrite_params(graph, ctx, _batch_node(graph))
+    drop_dead_attributes(graph)
+
+
+def _drop_odd_and_refused(ctx: RewriteContext) -> None:
+    """Uncover the candidates also called with another signature (``ctx.odd``) and the
+    added parameters a graph could not cover (``ctx.refused``), with their reasons."""
+    for name in ctx.odd:
+        if name not in ctx.layers:  # every call unusual: no layer was made
+            for pn, _ in ctx.candidates[name].named_parameters(prefix=name, recurse=False):
+                ctx.fallback[pn] = "module called with keyword or extra arguments (not captured)"
+        drop_layer(ctx.layers, name, "module also called with keyword or extra arguments (that call is not captured)")
+    for name, why in ctx.refused.items():  # e.g. coverable in the train graph, not in the eval graph
+        drop_layer(ctx.layers, name, why)
+        ctx.fallback.setdefault(name, why)
 
 
 def _classify_params(model: nn.Module, info: PrepareInfo) -> None:
@@ -378,8 +398,7 @@ def _classify_params(model: nn.Module, info: PrepareInfo) -> None:
                 info.covered[pn] = spec.name
                 info.fallback.pop(pn, None)
             else:
-                info.fallback[pn] = spec.__dict__.get("param_reasons", {}).get(
-                    id(p), spec.__dict__.get("fallback_reason", "never called in forward"))
+                info.fallback[pn] = spec.param_reasons.get(id(p), spec.fallback_reason or "never called in forward")
         elif pn not in info.fallback:
             owner = owner_of.get(pn)
             kind, _ = match_module(owner) if owner is not None else (None, "")
@@ -389,7 +408,7 @@ def _classify_params(model: nn.Module, info: PrepareInfo) -> None:
             else:
                 info.fallback[pn] = f"{type(owner).__name__ if owner is not None else '?'}: no capture kernel"
     # fallback layers' calls still run the capture op: make them record nothing
-    info.store.ignored_sites = {site for s in info.layers for site in s.__dict__.get("dropped_sites", [])}
+    info.store.ignored_sites = {site for s in info.layers for site in s.dropped_sites}
     info.layers = [s for s in info.layers if s.sites]
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 import torch
 import torch.nn as nn
@@ -109,13 +109,14 @@ def probe_form(mod: nn.Module, eps_name: str) -> Optional[str]:
     if mod in _PROBED:
         return _PROBED[mod]
     cls = type(mod).__dict__.get("_tengrad_base", type(mod))  # a surgery-swapped class: its original
-    D = mod._parameters["weight"].shape[0]  # type: ignore[union-attr]
+    saved = mod._parameters["weight"]
+    assert saved is not None, "rms_shaped() admits modules with a weight Parameter only"
+    D = saved.shape[0]
     eps = float(getattr(mod, eps_name))
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, D, generator=gen, dtype=torch.float64)
     x = x * torch.tensor([1.0, math.sqrt(eps) if eps > 0 else 1e-3, 10.0], dtype=torch.float64)[:, None]
     w = nn.Parameter(torch.randn(D, generator=gen, dtype=torch.float64), requires_grad=False)
-    saved = mod._parameters["weight"]
     mod._parameters["weight"] = w
     try:
         with torch.no_grad():
@@ -147,6 +148,7 @@ def run_form(form: str, eps_name: str) -> Callable[[nn.Module, Tensor, int, int]
             dt = torch.promote_types(xhat.dtype, w.dtype)
             return norm_ops.affine(xhat.to(dt), w.to(dt), None, False, key, site)
 
-        return f(x, mod.weight, float(getattr(mod, eps_name)), mul)  # type: ignore[arg-type]
+        weight = cast(Tensor, mod.weight)  # rms_shaped(): a 1-d weight Parameter
+        return f(x, weight, float(getattr(mod, eps_name)), mul)
 
     return run

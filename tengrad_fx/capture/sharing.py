@@ -37,14 +37,15 @@ def reads_value(node: fx.Node) -> bool:
     return False
 
 
-def note_functional_uses(gm, g_train, g_eval, layers, fallback) -> None:  # type: ignore[no-untyped-def]
+def note_functional_uses(gm: fx.GraphModule, g_train: fx.Graph, g_eval: Optional[fx.Graph],
+                         layers: dict[str, LayerSpec], fallback: dict[str, str]) -> None:
     """A covered weight also read elsewhere (tied weights, functional use) is not exact."""
     owners = param_owners(layers.values())
     for graph in (g for g in (g_train, g_eval) if g is not None):
         for node in graph.nodes:
             if node.op == "get_attr" and not node.meta.get(OURS) and reads_value(node):
                 try:
-                    t = gm.get_parameter(node.target)
+                    t = gm.get_parameter(str(node.target))
                 except AttributeError:
                     continue
                 for name in owners.get(id(t), []):
@@ -95,7 +96,7 @@ def _tie_lookup(layers: dict[str, LayerSpec], names: list[str]) -> bool:
         return False
     if not lins and len({spec.module.padding_idx for spec in embs}) > 1:
         return False
-    host.__dict__["tied_lookups"] = [spec for spec in embs if spec is not host]
+    host.tied_lookups = [spec for spec in embs if spec is not host]
     return True
 
 
@@ -106,7 +107,7 @@ def merge_tied_lookups(layers: list[LayerSpec], store: Any) -> list[LayerSpec]:
     If any of them was uncovered (e.g. by the batch probe), all fall back."""
     out = list(layers)
     for host in layers:
-        embs = host.__dict__.pop("tied_lookups", None)
+        embs, host.tied_lookups = host.tied_lookups, []
         if not embs:
             continue
         off = next((spec for spec in (host, *embs) if not spec.sites), None)
@@ -124,7 +125,7 @@ def merge_tied_lookups(layers: list[LayerSpec], store: Any) -> list[LayerSpec]:
             else:
                 host.input_shapes += emb.input_shapes
             out.remove(emb)
-        host.__dict__["tied_names"] = [emb.name for emb in embs]
+        host.tied_names = [emb.name for emb in embs]
     return out
 
 
@@ -135,11 +136,11 @@ def drop_layer(layers: dict[str, LayerSpec], name: str, reason: str,
     weight|bias is <reason>"; without ``param`` every parameter gets ``reason``."""
     spec = layers.get(name)
     if spec is not None:
-        spec.__dict__.setdefault("dropped_sites", []).extend(spec.sites)
+        spec.dropped_sites.extend(spec.sites)
         spec.sites = []  # marks it uncovered; _classify_params records the reason
         if param is None:
-            spec.__dict__["fallback_reason"] = reason
+            spec.fallback_reason = reason
             return
         which = "weight" if param is spec.weight else "bias"
-        spec.__dict__["fallback_reason"] = f"layer '{name or '(root)'}' not covered: its {which} is {reason}"
-        spec.__dict__.setdefault("param_reasons", {})[id(param)] = param_reason
+        spec.fallback_reason = f"layer '{name or '(root)'}' not covered: its {which} is {reason}"
+        spec.param_reasons[id(param)] = param_reason

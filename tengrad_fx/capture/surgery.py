@@ -4,15 +4,17 @@ class for one that hands its output to :func:`.output_hook.maybe_attach` on capt
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn as nn
+from torch import Tensor
 
 from . import embedding, norm, ops
 from .added import cover_added_params
+from .context import RewriteContext
 from .inputs import leading_dim
-from .match import LayerSpec, match_module, pad_same_input, spec_args
+from .match import LayerSpec, module_spec, pad_same_input
 from .norm import NORM_KINDS
 from .output_hook import maybe_attach
 from .sharing import note_tied, param_owners
@@ -22,14 +24,14 @@ __all__ = ["prepare_surgery", "cover_in_leaves"]
 
 
 def prepare_surgery(model: nn.Module, candidates: dict[str, nn.Module], fallback: dict[str, str],
-                    added_params: bool = True) -> tuple[nn.Module, list[LayerSpec]]:
+                    store: CaptureStore, added_params: bool = True) -> list[LayerSpec]:
     """Tracing failed: swap each covered module's class for a capturing subclass (and, with
-    ``added_params``, other modules' ``[1, ...]`` parameters: :mod:`.added`)."""
-    store = CaptureStore(n_sites=len(candidates))
+    ``added_params``, other modules' ``[1, ...]`` parameters: :mod:`.added`), in place.
+    Returns the layers; their sites count on from ``store.n_sites``."""
     layers = []
-    for site, (name, mod) in enumerate(candidates.items()):
-        kind, _ = match_module(mod)
-        spec = LayerSpec(name=name, kind=kind, module=mod, sites=[site], **spec_args(mod, kind))  # type: ignore[arg-type]
+    for name, mod in candidates.items():
+        spec = module_spec(name, mod, sites=[store.n_sites])
+        store.n_sites += 1
         mod.__class__ = _capturing_class(type(mod))
         mod.__dict__["_tengrad_call"] = (store.key, spec)
         layers.append(spec)
@@ -38,33 +40,28 @@ def prepare_surgery(model: nn.Module, candidates: dict[str, nn.Module], fallback
         layers += cover_added_params(model, covered, fallback, store)
     model.__class__ = _output_class(type(model))
     model.__dict__["_tengrad_output_key"] = store.key
-    model.__dict__["_tengrad_store"] = store
     note_tied(model, {spec.name: spec for spec in layers}, param_owners(layers))
-    return model, layers
+    return layers
 
 
-def cover_in_leaves(candidates: dict[str, nn.Module], layers: dict[str, LayerSpec], key: int,
-                    next_site: list[int]) -> None:
+def cover_in_leaves(candidates: dict[str, nn.Module], ctx: RewriteContext) -> None:
     """Covered modules the fx graph does not call (they run inside a module it keeps as a
     leaf, e.g. timm's untraceable attention): their classes are swapped as module surgery
     does, with sites of the graph's store. Marked ``in_leaf``: ``prepare``'s probe drops
     those that never run (a weight used functionally, not through its module)."""
     for name, mod in candidates.items():
-        if name in layers:
+        if name in ctx.layers:
             continue
-        kind, _ = match_module(mod)
-        spec = LayerSpec(name=name, kind=kind, module=mod, sites=[next_site[0]], **spec_args(mod, kind))  # type: ignore[arg-type]
-        next_site[0] += 1
-        spec.__dict__["in_leaf"] = True
+        spec = ctx.layers[name] = module_spec(name, mod, sites=[ctx.new_site()], in_leaf=True)
         mod.__class__ = _capturing_class(type(mod))
-        mod.__dict__["_tengrad_call"] = (key, spec)
-        layers[name] = spec
+        mod.__dict__["_tengrad_call"] = (ctx.key, spec)
 
 
 _CAPTURING: dict[type, type] = {}
 
 
-def _capturing_forward(self, input, output_size=None):  # type: ignore[no-untyped-def]  # torch's argument names
+def _capturing_forward(self: Any, input: Tensor, output_size: Optional[Sequence[int]] = None) -> Tensor:
+    # self: a covered module whose class _capturing_class swapped; torch's argument names
     x = input
     key, spec = self.__dict__["_tengrad_call"]
     if not spec.sites:  # dropped to the fallback (tied, or input not per sample): plain layer
@@ -97,7 +94,7 @@ def _capturing_class(cls: type) -> type:
 _OUTPUT: dict[type, type] = {}
 
 
-def _output_forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+def _output_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     key = self.__dict__["_tengrad_output_key"]
     if ops.NEEDS_SAMPLES.get(key, False):  # shared position ids, added parameters
         ops.SAMPLES[key] = leading_dim(args, kwargs)

@@ -75,9 +75,9 @@ def _transformer(m: nn.Transformer, src: Any, tgt: Any, src_mask: Any = None, tg
                      tgt_is_causal=tgt_is_causal, memory_is_causal=memory_is_causal)
 
 
-_TRAIN_ONLY: dict[type, Callable[..., Any]] = {
+_TRAIN_ONLY: dict[type[nn.Module], Callable[..., Any]] = {
     nn.TransformerEncoderLayer: _encoder_layer, nn.TransformerEncoder: _encoder}
-_ALWAYS: dict[type, Optional[Callable[..., Any]]] = {
+_ALWAYS: dict[type[nn.Module], Optional[Callable[..., Any]]] = {
     nn.TransformerDecoderLayer: None, nn.TransformerDecoder: _decoder, nn.Transformer: _transformer}
 
 
@@ -86,7 +86,7 @@ def traced_forward(m: nn.Module) -> Optional[Callable[..., Any]]:
     is traceable), or None to keep ``m`` as torch.fx decides."""
     for table, train_only in ((_TRAIN_ONLY, True), (_ALWAYS, False), (_timm_substitutes(), False)):
         for cls, fn in table.items():
-            if isinstance(m, cls) and type(m).forward is cls.forward and (m.training or not train_only):  # type: ignore[attr-defined]
+            if isinstance(m, cls) and type(m).forward is cls.forward and (m.training or not train_only):
                 return m.forward if fn is None else partial(fn, m)
     return None
 
@@ -123,21 +123,21 @@ torch.fx.wrap("_mobilevit_unfold")
 torch.fx.wrap("_mobilevit_fold")
 
 
-def _mobilevit_block(m: nn.Module, x: Any) -> Any:
+def _mobilevit_block(m: Any, x: Any) -> Any:
     """timm ``MobileVitBlock.forward`` with its shape-dependent unfold/fold as graph leaves, so
     its convs, transformer blocks and norm are traced (the transformer's rows are the folded
-    batch ``[B·P, N, C]``; prepare's fold probe finds them)."""
+    batch ``[B·P, N, C]``; prepare's fold probe finds them). ``m``: a ``MobileVitBlock``."""
     shortcut = x
-    x = m.conv_1x1(m.conv_kxk(x))  # type: ignore[operator]
-    x, shape = _mobilevit_unfold(x, tuple(m.patch_size), m.patch_area)  # type: ignore[arg-type]
-    x = m.norm(m.transformer(x))  # type: ignore[operator]
-    x = m.conv_proj(_mobilevit_fold(x, shape, tuple(m.patch_size), m.patch_area))  # type: ignore[arg-type, operator]
+    x = m.conv_1x1(m.conv_kxk(x))
+    x, shape = _mobilevit_unfold(x, tuple(m.patch_size), m.patch_area)
+    x = m.norm(m.transformer(x))
+    x = m.conv_proj(_mobilevit_fold(x, shape, tuple(m.patch_size), m.patch_area))
     if m.conv_fusion is not None:
-        x = m.conv_fusion(torch.cat((shortcut, x), dim=1))  # type: ignore[operator]
+        x = m.conv_fusion(torch.cat((shortcut, x), dim=1))
     return x
 
 
-def _timm_substitutes() -> dict[type, Callable[..., Any]]:
+def _timm_substitutes() -> dict[type[nn.Module], Callable[..., Any]]:
     try:
         from timm.models.mobilevit import MobileVitBlock
     except Exception:  # pragma: no cover - timm missing or moved
