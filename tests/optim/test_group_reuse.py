@@ -139,7 +139,7 @@ def test_static_refill_with_cuda_graph_option_on_cpu_across_batch_sizes(T: int) 
             opt.zero_grad()
             F.cross_entropy(pm(x), y).backward()
             opt.step()
-            versions.append(opt._graph_version)
+            versions.append((opt.graph_runner.version + opt.curvature.version))
             ids.append([id(g) for g in opt._curv])
         return [p.detach().clone() for p in pm.parameters()], versions, ids
 
