@@ -6,5 +6,6 @@ from .registry import OPTIMIZERS, PAPER_DEFAULTS, PAPER_INTERVALS, make_optimize
 from .step.result import StepResult
 from .tengrad import CurvatureSchedule, Execution, SingleProcess, TENGraD
 
-__all__ = ["TENGraD", "CurvatureSchedule", "Execution", "SingleProcess", "StepResult", "KFAC", "EKFAC", "KBFGS", "NGD", "OPTIMIZERS", "PAPER_DEFAULTS",
+__all__ = ["TENGraD", "CurvatureSchedule", "Execution", "SingleProcess", "StepResult",
+           "KFAC", "EKFAC", "KBFGS", "NGD", "OPTIMIZERS", "PAPER_DEFAULTS",
            "PAPER_INTERVALS", "make_optimizer"]
