@@ -241,6 +241,11 @@ class TENGraD(StepSkeleton):
         return self.curvature.groups
 
     @property
+    def _K(self) -> list[Tensor]:
+        """The cached Grams (:attr:`curvature`)."""
+        return self.curvature.K
+
+    @property
     def _chol(self) -> Optional[Tensor]:
         """The cached factors (:attr:`curvature`)."""
         return self.curvature.chol
