@@ -98,7 +98,7 @@ from ..optim.step.mc import check_mask, sample_targets
 from ..optim.step.param_groups import Damping, layer_dampings
 from ..optim.step.result import StepResult
 from ..optim.step.update import finite_flag
-from ..optim.tengrad.distribution import SingleProcess
+from ..optim.tengrad.distribution import Host, SingleProcess
 from ..optim.tengrad.group_build import build_groups
 from ..optim.tengrad.tengrad import TENGraD
 from ..optim.tengrad.tengrad_groups import LayerGroup, precondition_groups
@@ -185,18 +185,18 @@ class GlobalBatch(SingleProcess):
             return model.module  # DDP(prepare(model)); prepare(DDP(model)) keeps its info on the wrapper
         return model
 
-    def bind(self, opt: TENGraD) -> None:
+    def bind(self, opt: Host) -> None:
         if opt._info.loss_reduction != "mean":
             raise ValueError("DistributedTENGraD: prepare(..., loss_reduction='mean') is required (DDP averages "
                              "the gradients over the ranks, i.e. the global loss is the mean over the global batch)")
 
-    def reset(self, opt: TENGraD) -> None:
+    def reset(self, opt: Host) -> None:
         self.forget()
 
-    def initial_sites(self, opt: TENGraD) -> set[int]:
+    def initial_sites(self, opt: Host) -> set[int]:
         return set()  # every rank records I and G: the records agree across ranks
 
-    def has_curvature(self, opt: TENGraD) -> bool:
+    def has_curvature(self, opt: Host) -> bool:
         return not self.fresh
 
     # ------------------------------------------------------------------ MC
@@ -209,7 +209,7 @@ class GlobalBatch(SingleProcess):
             self._generators[key] = torch.Generator(device=device).manual_seed(seed)
         return self._generators[key]
 
-    def mc_sample(self, opt: TENGraD, outputs: Tensor, targets: Optional[Tensor],
+    def mc_sample(self, opt: Host, outputs: Tensor, targets: Optional[Tensor],
                   mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[torch.Generator]]:
         """Labels sampled with this rank's generator (kept in :attr:`last_mc_targets`)
         unless ``targets`` are given."""
@@ -220,7 +220,7 @@ class GlobalBatch(SingleProcess):
         return targets, None
 
     # ------------------------------------------------------------------ step
-    def begin(self, opt: TENGraD, curvature_step: bool) -> None:
+    def begin(self, opt: Host, curvature_step: bool) -> None:
         t0 = time.perf_counter()
         self.sharing.reset(opt._layers)
         if curvature_step:
@@ -231,10 +231,10 @@ class GlobalBatch(SingleProcess):
             self.fresh = False
         self._seconds = (time.perf_counter() - t0, 0.0)
 
-    def solve_layers(self, opt: TENGraD) -> list[CoveredLayer]:
+    def solve_layers(self, opt: Host) -> list[CoveredLayer]:
         return self.layers
 
-    def _exchange_records(self, opt: TENGraD) -> None:
+    def _exchange_records(self, opt: Host) -> None:
         """Steps 1–3 of the module docstring: metadata, owners, modes, gathered records."""
         layers = opt._layers
         live = check_records(layers)
@@ -267,7 +267,7 @@ class GlobalBatch(SingleProcess):
         mine = gather_records(layers, live, owners, store, self.rank, self.world, keep, self.sharing.add_bytes)
         self.layers = [layers[i] for i in mine]
 
-    def build_groups(self, opt: TENGraD) -> list[LayerGroup]:
+    def build_groups(self, opt: Host) -> list[LayerGroup]:
         """The layers solved here, the ``gram-blocks`` layers in groups of their own (after the
         gather layers'); the backward keeps recording ``I, G`` on every rank."""
         mode = self.modes
@@ -280,7 +280,7 @@ class GlobalBatch(SingleProcess):
         self._n_gather = len(gather)
         return gather + blocks
 
-    def after_factorize(self, opt: TENGraD) -> None:
+    def after_factorize(self, opt: Host) -> None:
         """Only the ``gram-blocks`` layers' factors stay; every rank's store gets its own rows
         of them back (the global records are not kept), grouped for the per-step products."""
         for grp in opt.curvature.groups[self._n_gather:]:
@@ -293,7 +293,7 @@ class GlobalBatch(SingleProcess):
                 if lays else []
             self._rebuild_local = False
 
-    def precondition(self, opt: TENGraD, push_through: bool, damping: Damping) -> StepResult:
+    def precondition(self, opt: Host, push_through: bool, damping: Damping) -> StepResult:
         """``u`` of the gather layers solved here and of every ``gram-blocks`` layer
         (data-parallel, :class:`.gram_blocks.GramBlocksStep`), overlapped: the all-gather of
         the ``J_a g`` runs while this rank solves its gather layers; the broadcasts of their
@@ -328,7 +328,7 @@ class GlobalBatch(SingleProcess):
             out.update(step.finish())
         return StepResult(out, cache.ok)
 
-    def finish(self, opt: TENGraD, result: StepResult) -> StepResult:
+    def finish(self, opt: Host, result: StepResult) -> StepResult:
         """Step 5 (every rank gets every layer's ``u``, or ``local``'s mean), and the step's
         flag ANDed over the ranks: its gradients' finiteness and its factors (every rank
         skips together)."""
@@ -346,11 +346,11 @@ class GlobalBatch(SingleProcess):
     def timings(self, begin_seconds: float) -> dict[str, float]:
         return {"gather": begin_seconds, "share": self._seconds[1]}
 
-    def reuse_groups(self, opt: TENGraD) -> list[LayerGroup]:
+    def reuse_groups(self, opt: Host) -> list[LayerGroup]:
         """The gather layers solved here."""
         return opt.curvature.groups[:self._n_gather]
 
-    def layer_plan(self, opt: TENGraD) -> dict[str, dict[str, Any]]:
+    def layer_plan(self, opt: Host) -> dict[str, dict[str, Any]]:
         """:meth:`DistributedTENGraD.layer_plan`."""
         if self.mode == "local":
             return {lay.name: {"mode": "local", "placement": "replicate", "owner": None} for lay in opt._layers}

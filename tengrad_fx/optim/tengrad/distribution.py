@@ -10,22 +10,48 @@ moves before and after (``begin``, ``finish``), and how ranks agree on skips.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Literal, Optional, Protocol
 
 import torch
 from torch import Tensor
 
+from ...capture.info import PrepareInfo
 from ...curvature.layer import CoveredLayer
 from ..step.param_groups import Damping
+from ..step.mc import SampleRNG
 from ..step.result import StepResult
+from .cache import CurvatureCache
 from .group_build import build_groups, previous_stacks
 from .jacobian_sites import initial_jacobian_sites, uncaptured_sites
 from .tengrad_groups import LayerGroup, precondition_groups
 
-if TYPE_CHECKING:
-    from .tengrad import TENGraD
+__all__ = ["SingleProcess", "Host"]
 
-__all__ = ["SingleProcess"]
+
+class Host(Protocol):
+    """What a strategy reads of its :class:`~.tengrad.TENGraD` (and nothing else)."""
+
+    @property
+    def _layers(self) -> list[CoveredLayer]: ...  # every covered layer whose weight is in a group
+    @property
+    def _info(self) -> PrepareInfo: ...
+    @property
+    def _mc_rng(self) -> SampleRNG: ...
+    @property
+    def curvature(self) -> CurvatureCache: ...
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+    @property
+    def strategy(self) -> Literal["auto", "factor", "materialize"]: ...
+    @property
+    def jacobian_budget(self) -> Optional[float]: ...
+    @property
+    def kl_clip(self) -> Optional[float]: ...
+    @property
+    def mc_loss(self) -> Literal["cross_entropy", "mse"]: ...
+    @property
+    def curvature_every(self) -> int: ...
+    def _group_params(self) -> list[Tensor]: ...
 
 
 class SingleProcess:
@@ -52,33 +78,33 @@ class SingleProcess:
         """The prepared model the optimizer reads (``model`` itself here)."""
         return model
 
-    def bind(self, opt: TENGraD) -> None:
+    def bind(self, opt: Host) -> None:
         """Called once by TENGraD's constructor, after its options and layers are set."""
 
-    def reset(self, opt: TENGraD) -> None:
+    def reset(self, opt: Host) -> None:
         """The layers changed or a state was loaded: forget what was planned."""
 
-    def initial_sites(self, opt: TENGraD) -> set[int]:
+    def initial_sites(self, opt: Host) -> set[int]:
         """The sites the first backward materializes (:mod:`.jacobian_sites`)."""
         return initial_jacobian_sites(opt._layers, opt.strategy, opt.jacobian_budget)
 
-    def has_curvature(self, opt: TENGraD) -> bool:
+    def has_curvature(self, opt: Host) -> bool:
         """Is there curvature to reuse (else the next step takes it, whatever the schedule)?"""
         return bool(opt.curvature.groups)
 
-    def mc_sample(self, opt: TENGraD, outputs: Tensor, targets: Optional[Tensor],
+    def mc_sample(self, opt: Host, outputs: Tensor, targets: Optional[Tensor],
                   mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[torch.Generator]]:
         """The MC targets (None: sampled by :func:`~..step.mc.mc_capture`) and its generator."""
         return targets, opt._mc_rng.get(outputs.device)
 
-    def begin(self, opt: TENGraD, curvature_step: bool) -> None:
+    def begin(self, opt: Host, curvature_step: bool) -> None:
         """Before the step's curvature work (records move here on curvature steps)."""
 
-    def solve_layers(self, opt: TENGraD) -> list[CoveredLayer]:
+    def solve_layers(self, opt: Host) -> list[CoveredLayer]:
         """The layers this process solves (their uncaptured weights are counted)."""
         return opt._layers
 
-    def build_groups(self, opt: TENGraD) -> list[LayerGroup]:
+    def build_groups(self, opt: Host) -> list[LayerGroup]:
         """The groups of a curvature step, the last step's stacks refilled where the same
         layers were captured again (freed first otherwise); the store's materialized sites set."""
         cache, store = opt.curvature, opt._info.store
@@ -93,10 +119,10 @@ class SingleProcess:
         cache.set_groups(groups, kept)
         return groups
 
-    def after_factorize(self, opt: TENGraD) -> None:
+    def after_factorize(self, opt: Host) -> None:
         """After a curvature step's factorization."""
 
-    def precondition(self, opt: TENGraD, push_through: bool, damping: Damping) -> StepResult:
+    def precondition(self, opt: Host, push_through: bool, damping: Damping) -> StepResult:
         """``{param: u}`` of every covered layer with a gradient, from the cached groups and
         factors (:func:`.tengrad_groups.precondition_groups`; ``Σ u·g`` and the gradients'
         ``Σ‖g‖²`` from its ``m``-vectors when the KL clip wants them)."""
@@ -109,7 +135,7 @@ class SingleProcess:
         ug, gsq = dots if dots is not None else (None, None)
         return StepResult(out, cache.ok, ug, gsq)
 
-    def finish(self, opt: TENGraD, result: StepResult) -> StepResult:
+    def finish(self, opt: Host, result: StepResult) -> StepResult:
         """The step's result as every process applies it (updates shared, flags agreed)."""
         return result
 
@@ -117,6 +143,6 @@ class SingleProcess:
         """More entries of ``opt.timings`` for this step (``begin_seconds``: :meth:`begin`'s)."""
         return {}
 
-    def reuse_groups(self, opt: TENGraD) -> list[LayerGroup]:
+    def reuse_groups(self, opt: Host) -> list[LayerGroup]:
         """The cached groups a reuse step solves here (:meth:`TENGraD.reuse_cost`)."""
         return [g for g in opt.curvature.groups if isinstance(g, LayerGroup)]
