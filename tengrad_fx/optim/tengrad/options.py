@@ -12,7 +12,8 @@ import torch
 from ..step.checks import check_choice, check_nonneg
 from .schedule import CurvatureSchedule
 
-__all__ = ["Execution", "CurvatureSchedule", "resolve_schedule", "resolve_execution"]
+__all__ = ["Execution", "CurvatureSchedule", "resolve_schedule", "resolve_execution", "jacobian_budget_bytes",
+           "use_cuda_graph"]
 
 
 @dataclass(frozen=True)
@@ -79,3 +80,27 @@ def resolve_execution(execution: Optional[Execution], flat: dict[str, Any]) -> E
     return replace(execution, **_merged("execution", execution, Execution(), flat,
                                         {f.name: f.name for f in fields(Execution)}))
 
+
+
+def jacobian_budget_bytes(ex: Execution) -> Optional[float]:
+    """The bytes all kept ``J`` may take: ``jacobian_budget_mb``, or with
+    ``strategy="materialize"`` (every layer asked for as ``J``) a flat 1024 MiB; None: no
+    shared budget (each layer's own bound)."""
+    budget = ex.jacobian_budget_mb
+    if budget is None and ex.strategy == "materialize":
+        budget = 1024.0
+    return None if budget is None else budget * 2**20
+
+
+def use_cuda_graph(ex: Execution, eigh: bool, capturable: bool, on_cuda: bool) -> bool:
+    """``ex.cuda_graph``, or its default (None): on for parameters on a CUDA device (``on_cuda``)
+    where the distribution allows it (``capturable``), off under an eigh polar factor (``eigh``:
+    ``orthogonalize=True``, whose cuSOLVER call cannot be captured; ``cuda_graph=True`` there
+    is a ``ValueError``)."""
+    if ex.cuda_graph and eigh:
+        raise ValueError("TENGraD(orthogonalize=True, cuda_graph=True): the polar factor's eigendecomposition "
+                         "(cuSOLVER) cannot be captured in a CUDA graph; pass cuda_graph=False or leave it None "
+                         "(off with orthogonalize), or orthogonalize='newton-schulz' (capturable)")
+    if ex.cuda_graph is None:
+        return not eigh and capturable and on_cuda
+    return bool(ex.cuda_graph)

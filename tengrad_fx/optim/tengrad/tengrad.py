@@ -48,7 +48,7 @@ from .graft import GRAFT_BETA2, GRAFT_EPS, check_graft, check_orthogonalize, gra
 from .graphs import GraphRunner
 from .group_cost import reuse_cost
 from .jacobian_sites import marked_jacobian_sites
-from .options import Execution, resolve_execution, resolve_schedule
+from .options import Execution, jacobian_budget_bytes, resolve_execution, resolve_schedule, use_cuda_graph
 from .resume import restore_records, save_records
 from .schedule import CurvatureSchedule
 from .subsample import check_curvature_samples
@@ -198,7 +198,12 @@ class TENGraD(StepSkeleton):
         self.graft, self.fisher, self.mc_loss, self.kl_clip = graft, fisher, mc_loss, kl_clip
         self.orthogonalize: str | Literal[False] = check_orthogonalize(orthogonalize) or False
         self.update_form = update_form
-        self._set_execution(ex)
+        self.solve_dtype, self.strategy, self.gram_tf32, self.compile = \
+            ex.solve_dtype, ex.strategy, bool(ex.gram_tf32), bool(ex.compile)
+        self.jacobian_budget_mb = ex.jacobian_budget_mb  # as given (checked when a state_dict is loaded)
+        self.jacobian_budget = jacobian_budget_bytes(ex)
+        self.cuda_graph = use_cuda_graph(ex, self.orthogonalize == "eigh", dist.capturable,
+                                         any(p.is_cuda for p in self._group_params()))
         self.curvature = CurvatureCache(self.solve_dtype, self.gram_tf32, self.cuda_graph)
         self.graph_runner = GraphRunner(self.cuda_graph)
         self._fused = FusedStep((ex.compile if not isinstance(ex.compile, bool) else "inductor")
@@ -212,23 +217,6 @@ class TENGraD(StepSkeleton):
         info.store.jacobian_sites = dist.initial_sites(self)
         self._watch_output()
         capturing(model, True)
-
-    def _set_execution(self, ex: Execution) -> None:
-        """The :class:`Execution` fields as attributes (the cuda_graph default decided here)."""
-        self.solve_dtype, self.strategy, self.gram_tf32 = ex.solve_dtype, ex.strategy, bool(ex.gram_tf32)
-        self.jacobian_budget_mb = budget = ex.jacobian_budget_mb  # as given (checked when a state_dict is loaded)
-        if budget is None and ex.strategy == "materialize":
-            budget = 1024.0  # every layer asked for as J: a flat budget
-        self.jacobian_budget = None if budget is None else budget * 2**20
-        self.compile = bool(ex.compile)
-        eigh = self.orthogonalize == "eigh"
-        if ex.cuda_graph and eigh:
-            raise ValueError("TENGraD(orthogonalize=True, cuda_graph=True): the polar factor's eigendecomposition "
-                             "(cuSOLVER) cannot be captured in a CUDA graph; pass cuda_graph=False or leave it None "
-                             "(off with orthogonalize), or orthogonalize='newton-schulz' (capturable)")
-        # default: on when the parameters live on a CUDA device, off under an eigh polar factor (graphs.py)
-        self.cuda_graph = not eigh and self.distribution.capturable and any(p.is_cuda for p in self._group_params()) \
-            if ex.cuda_graph is None else bool(ex.cuda_graph)
 
     @property
     def curvature_every(self) -> int:
