@@ -94,7 +94,7 @@ def _local_error(base: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> flo
 
 def _auto_modes(opt: Any, world: int, m: int, bandwidth: float, flop_rate: float) -> dict[str, str]:
     """The mode ``mode="auto"`` picks per layer (the cost model on the captured shapes)."""
-    lays = [lay for lay in opt._all_layers if lay.captured]
+    lays = [lay for lay in opt._layers if lay.captured]
     M = world * m
     owners = assign_owners([solve_cost(M, lay.dims()) for lay in lays], world)
     ns = [sum(p.numel() for p in (lay.weight, lay.bias) if p is not None) for lay in lays]
@@ -140,7 +140,7 @@ def _rank_main(rank: int, world: int, model_name: str, m: int, steps: int, warmu
                   "tengrad_bytes": statistics.median(tg_bytes[meth]) if tg_bytes[meth] else 0.0}
            for meth in METHODS}
     blocks = runs["dist-tengrad-blocks"][1]
-    layer_n = {lay.name: sum(p.numel() for p in (lay.weight, lay.bias) if p is not None) for lay in blocks._all_layers}
+    layer_n = {lay.name: sum(p.numel() for p in (lay.weight, lay.bias) if p is not None) for lay in blocks._layers}
     return {"rank": rank, "results": res, "per_layer": per_layer, "n_params": n_params, "local_error": local_err,
             "layer_n": layer_n, "auto": _auto_modes(blocks, world, m, bandwidth, flop_rate),
             "rates": (bandwidth, flop_rate)}

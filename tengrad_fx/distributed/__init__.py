@@ -6,9 +6,9 @@ data shards (:mod:`.shard`).
 
 Sits above :mod:`tengrad_fx.optim` (imports run one way)."""
 from .comm import DistributedStepError
-from .optimizer import DistributedTENGraD, mc_seed
+from .optimizer import DistributedTENGraD, GlobalBatch, mc_seed
 from .plan import assign_owners, choose_modes, choose_placement, solve_cost
 from .shard import shard_indices
 
-__all__ = ["DistributedTENGraD", "DistributedStepError", "mc_seed", "assign_owners", "choose_modes",
+__all__ = ["DistributedTENGraD", "GlobalBatch", "DistributedStepError", "mc_seed", "assign_owners", "choose_modes",
            "choose_placement", "solve_cost", "shard_indices"]

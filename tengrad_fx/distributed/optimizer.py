@@ -1,5 +1,7 @@
 """``DistributedTENGraD``: TENGraD with the Fisher blocks of the global batch, on
-``torch.distributed`` (NCCL on GPUs, gloo on CPUs), layers solved on different ranks.
+``torch.distributed`` (NCCL on GPUs, gloo on CPUs), layers solved on different ranks:
+``TENGraD`` with the :class:`GlobalBatch` distribution (``TENGraD(..., distribution=GlobalBatch())``
+is the same optimizer).
 
 Setup (one process per rank, e.g. under ``torchrun``)::
 
@@ -91,23 +93,26 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ..capture.info import get_info
-from ..capture.prepare import capturing
 from ..curvature.layer import CoveredLayer
-from ..optim.step.mc import check_mask, mc_capture, sample_targets
-from ..optim.step.state_check import META
-from ..optim.step.param_groups import Damping, grouped_layers, layer_dampings
-from ..optim.tengrad.tengrad import TENGraD
-from ..optim.tengrad.group_build import build_groups
-from ..optim.tengrad.group_cost import reuse_cost
-from ..optim.tengrad.tengrad_groups import precondition_groups, tf32_matmuls
+from ..optim.step.mc import check_mask, sample_targets
+from ..optim.step.param_groups import Damping, layer_dampings
+from ..optim.step.result import StepResult
 from ..optim.step.update import finite_flag
-from .comm import Bucket, all_ok
+from ..optim.tengrad.distribution import Host, SingleProcess
+from ..optim.tengrad.group_build import build_groups
+from ..optim.tengrad.tengrad import TENGraD
+from ..optim.tengrad.tengrad_groups import LayerGroup, precondition_groups
+from .comm import all_ok
 from .gram_blocks import GramBlocksStep
-from .share import UpdateSharing
 from .plan import assign_owners, choose_modes, choose_placement, solve_cost
 from .records import REPLICATED, check_records, gather_records, record_bytes, sends_per_sample, to_per_sample
+from .share import UpdateSharing
 
-__all__ = ["DistributedTENGraD", "mc_seed"]
+__all__ = ["DistributedTENGraD", "GlobalBatch", "mc_seed"]
+
+Mode = Literal["gather", "gram-blocks", "auto", "local"]
+Placement = Literal["auto", "owner", "replicate"]
+
 
 def mc_seed(seed: int, rank: int) -> int:
     """The MC-sampling seed of ``rank`` derived from the global ``seed``."""
@@ -122,8 +127,249 @@ def _prepared(model: torch.nn.Module) -> bool:
     return True
 
 
-class DistributedTENGraD(UpdateSharing, TENGraD):
-    """TENGraD on the global batch of a ``torch.distributed`` job (module docstring).
+class GlobalBatch(SingleProcess):
+    """TENGraD's distribution over a ``torch.distributed`` job: the global batch's Fisher
+    (module docstring; arguments as :class:`DistributedTENGraD`'s). Every rank decides the
+    same curvature steps: TENGraD's schedule, and a skipped curvature step re-taken as the
+    all-reduced flag says (:attr:`agreed_skips`)."""
+
+    saves_records = False  # records are per owner: a resumed run takes curvature first
+    agreed_skips = True
+    capturable = False  # the step's collectives are not captured in CUDA graphs
+
+    def __init__(self, mode: Mode = "auto", placement: Placement = "auto", seed: int = 0,
+                 bandwidth: float = 50e9, flop_rate: float = 50e12):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DistributedTENGraD: call torch.distributed.init_process_group(...) first "
+                               "(e.g. run under torchrun)")
+        if mode not in ("gather", "gram-blocks", "auto", "local"):
+            raise ValueError("DistributedTENGraD: mode must be 'gather', 'gram-blocks', 'auto' or 'local', "
+                             f"got {mode!r}")
+        if placement not in ("auto", "owner", "replicate"):
+            raise ValueError(f"DistributedTENGraD: placement must be 'auto', 'owner' or 'replicate', got {placement!r}")
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.mode, self.placement, self.seed = mode, placement, int(seed)
+        self.bandwidth, self.flop_rate = float(bandwidth), float(flop_rate)
+        self.overlap = True  # False: the same collectives one after the other (tests: identical bits)
+        self.sharing = UpdateSharing(self.rank, self.world)
+        self.last_mc_targets: Optional[Tensor] = None
+        self._generators: dict[str, torch.Generator] = {}
+        self._seconds = (0.0, 0.0)  # (gather, share) of the last step
+        self.forget()
+
+    def forget(self) -> None:
+        """No curvature, owners or modes: the next step takes curvature on every rank."""
+        self.fresh = True  # no curvature yet (on any rank)
+        self.layers: list[CoveredLayer] = []  # the layers solved here (last curvature step)
+        self.owner: dict[str, int] = {}  # layer name -> owning rank, REPLICATED (last curvature step)
+        self.modes: dict[str, str] = {}  # layer name -> "gather" / "gram-blocks" (last curvature step)
+        self._local: dict[int, list[Any]] = {}  # site -> this rank's own records of gram-blocks layers
+        self._local_groups: list[Any] = []  # LayerGroups over them (every rank)
+        self._rebuild_local = False
+        self._n_gather = 0  # curvature.groups[:_n_gather]: groups of gather layers; the rest gram-blocks
+
+    # ------------------------------------------------------------------ construction
+    def check(self, options: dict[str, Any]) -> None:
+        for opt in ("compile", "cuda_graph"):
+            if options.get(opt):
+                raise ValueError(f"DistributedTENGraD: {opt}=True is not supported (the step's collectives are "
+                                 "not captured); leave it False")
+        if options.get("curvature_samples") is not None:
+            raise ValueError("DistributedTENGraD: curvature_samples is not supported (the global batch's records "
+                             "are gathered whole); leave it None, or use TENGraD on one process")
+        if options.get("fisher") == "gauss-newton":
+            raise ValueError("DistributedTENGraD: fisher='gauss-newton' is not supported; use 'empirical' or 'mc'")
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        if isinstance(model, DistributedDataParallel) and not _prepared(model):
+            return model.module  # DDP(prepare(model)); prepare(DDP(model)) keeps its info on the wrapper
+        return model
+
+    def bind(self, opt: Host) -> None:
+        if opt._info.loss_reduction != "mean":
+            raise ValueError("DistributedTENGraD: prepare(..., loss_reduction='mean') is required (DDP averages "
+                             "the gradients over the ranks, i.e. the global loss is the mean over the global batch)")
+
+    def reset(self, opt: Host) -> None:
+        self.forget()
+
+    def initial_sites(self, opt: Host) -> set[int]:
+        return set()  # every rank records I and G: the records agree across ranks
+
+    def has_curvature(self, opt: Host) -> bool:
+        return not self.fresh
+
+    # ------------------------------------------------------------------ MC
+    def _generator(self, device: torch.device, purpose: str = "mc") -> torch.Generator:
+        """This rank's MC-label generator, or (``purpose="probe"``) the push-through probe's
+        of the ``gram-blocks`` layers, seeded alike on every rank."""
+        key = f"{purpose}:{device}"
+        if key not in self._generators:
+            seed = mc_seed(self.seed, self.rank) if purpose == "mc" else 0
+            self._generators[key] = torch.Generator(device=device).manual_seed(seed)
+        return self._generators[key]
+
+    def mc_sample(self, opt: Host, outputs: Tensor, targets: Optional[Tensor],
+                  mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[torch.Generator]]:
+        """Labels sampled with this rank's generator (kept in :attr:`last_mc_targets`)
+        unless ``targets`` are given."""
+        if targets is None:
+            mask = check_mask(outputs, mask, opt.mc_loss)
+            targets = sample_targets(outputs, opt.mc_loss, self._generator(outputs.device), mask)
+        self.last_mc_targets = targets
+        return targets, None
+
+    # ------------------------------------------------------------------ step
+    def begin(self, opt: Host, curvature_step: bool) -> None:
+        t0 = time.perf_counter()
+        self.sharing.reset(opt._layers)
+        if curvature_step:
+            if self.mode == "local":
+                self.layers = [lay for lay in opt._layers if lay.captured]
+            else:
+                self._exchange_records(opt)
+            self.fresh = False
+        self._seconds = (time.perf_counter() - t0, 0.0)
+
+    def solve_layers(self, opt: Host) -> list[CoveredLayer]:
+        return self.layers
+
+    def _exchange_records(self, opt: Host) -> None:
+        """Steps 1–3 of the module docstring: metadata, owners, modes, gathered records."""
+        layers = opt._layers
+        live = check_records(layers)
+        self._local, self._local_groups, self._rebuild_local = {}, [], True
+        self.owner, self.modes = {}, {}
+        if not live:
+            self.layers = []
+            return
+        M = self.world * layers[live[0]].m
+        owners = assign_owners([solve_cost(M, layers[i].dims()) for i in live], self.world)
+        modes = [self.mode] * len(live)
+        if self.mode == "auto":
+            ns = [sum(p.numel() for p in (layers[i].weight, layers[i].bias) if p is not None) for i in live]
+            recs = [record_bytes(layers[i], M, opt.strategy) for i in live]
+            modes = choose_modes(M, ns, [layers[i].dims() for i in live], owners, self.world, self.bandwidth,  # type: ignore[assignment]
+                                 self.flop_rate, recs, opt.curvature_every)
+        keep = set()
+        store = opt._info.store
+        for q, i in enumerate(live):
+            lay = layers[i]
+            mode = self.modes[lay.name] = modes[q]
+            if mode == "gather" and sends_per_sample(lay, M, opt.strategy):
+                to_per_sample(lay)  # P is smaller than I, G and the owner would materialize anyway
+            if self._placement(lay, M, mode, opt.curvature_every) == "replicate":
+                owners[q] = REPLICATED
+            self.owner[lay.name] = owners[q]
+            if mode == "gram-blocks":
+                keep.add(i)
+                self._local.update({site: list(store.records.get(site, [])) for site in lay.spec.sites})
+        mine = gather_records(layers, live, owners, store, self.rank, self.world, keep, self.sharing.add_bytes)
+        self.layers = [layers[i] for i in mine]
+
+    def build_groups(self, opt: Host) -> list[LayerGroup]:
+        """The layers solved here, the ``gram-blocks`` layers in groups of their own (after the
+        gather layers'); the backward keeps recording ``I, G`` on every rank."""
+        mode = self.modes
+        gather, _ = build_groups([lay for lay in self.layers if mode.get(lay.name) != "gram-blocks"],
+                                 opt.strategy, opt.jacobian_budget)
+        blocks, _ = build_groups([lay for lay in self.layers if mode.get(lay.name) == "gram-blocks"],
+                                 opt.strategy, opt.jacobian_budget)
+        opt._info.store.jacobian_sites = set()
+        opt.curvature.set_groups(gather + blocks)
+        self._n_gather = len(gather)
+        return gather + blocks
+
+    def after_factorize(self, opt: Host) -> None:
+        """Only the ``gram-blocks`` layers' factors stay; every rank's store gets its own rows
+        of them back (the global records are not kept), grouped for the per-step products."""
+        for grp in opt.curvature.groups[self._n_gather:]:
+            grp.release()
+        opt._info.store.records.update({site: list(recs) for site, recs in self._local.items()})
+        if self._rebuild_local:
+            lays = [lay for lay in opt._layers if self.modes.get(lay.name) == "gram-blocks"]
+            # unpacked: the groups' J_a g and Jᵀc partial sums travel (no zero columns sent)
+            self._local_groups = build_groups(lays, opt.strategy, opt.jacobian_budget, packed=False)[0] \
+                if lays else []
+            self._rebuild_local = False
+
+    def precondition(self, opt: Host, push_through: bool, damping: Damping) -> StepResult:
+        """``u`` of the gather layers solved here and of every ``gram-blocks`` layer
+        (data-parallel, :class:`.gram_blocks.GramBlocksStep`), overlapped: the all-gather of
+        the ``J_a g`` runs while this rank solves its gather layers; the broadcasts of their
+        ``u`` run while it finishes the gram-blocks layers."""
+        cache, step = opt.curvature, None
+
+        def start_blocks() -> GramBlocksStep:  # computes J_a g, starts its all-gather
+            device = self._local_groups[0].layers[0].weight.device
+            return GramBlocksStep(self._local_groups, push_through, self._generator(device, "probe"),
+                                  self.sharing.add_bytes)
+
+        if self._local_groups and self.overlap:
+            step = start_blocks()
+        gather = cache.groups[:self._n_gather]
+        out: dict[Tensor, Tensor] = {}
+        alphas = cache.dampings(damping, opt.param_groups)  # float, or [L_total] in the groups' order
+        if gather and cache.chol is not None:
+            L = sum(len(grp.layers) for grp in gather)
+            out, _ = precondition_groups(gather, cache.chol[:L], push_through, alphas[:L] if isinstance(damping, tuple)
+                                         else alphas, opt._info.loss_reduction)
+        if self.mode != "local" and self.overlap:
+            self.sharing.start(opt._layers, self.owner, self.modes, out)  # the owners' u, in flight from here
+        if self._local_groups and step is None:
+            step = start_blocks()
+        if step is not None:
+            chol = {lay.name: grp.chol[i] for grp in cache.groups[self._n_gather:] if grp.chol is not None
+                    for i, lay in enumerate(grp.layers)}
+            alphas_of = damping if not isinstance(damping, tuple) else \
+                dict(zip([lay.name for lay in opt._layers],
+                         layer_dampings(damping, opt.param_groups, opt._layers).tolist()))
+            step.exchange(self.owner, chol, alphas_of)
+            out.update(step.finish())
+        return StepResult(out, cache.ok)
+
+    def finish(self, opt: Host, result: StepResult) -> StepResult:
+        """Step 5 (every rank gets every layer's ``u``, or ``local``'s mean), and the step's
+        flag ANDed over the ranks: its gradients' finiteness and its factors (every rank
+        skips together)."""
+        t0 = time.perf_counter()
+        if self.mode == "local":
+            updates = self.sharing.average(opt._layers, result.updates)
+        else:
+            updates = self.sharing.finish(opt._layers, self.owner, self.modes, result.updates)
+        ok = finite_flag([p.grad for p in opt._group_params() if p.grad is not None])
+        assert ok is not None
+        flag = all_ok(ok if result.ok is None else ok & result.ok)
+        self._seconds = (self._seconds[0], time.perf_counter() - t0)
+        return StepResult(updates, flag)
+
+    def timings(self, begin_seconds: float) -> dict[str, float]:
+        return {"gather": begin_seconds, "share": self._seconds[1]}
+
+    def reuse_groups(self, opt: Host) -> list[LayerGroup]:
+        """The gather layers solved here."""
+        return opt.curvature.groups[:self._n_gather]
+
+    def layer_plan(self, opt: Host) -> dict[str, dict[str, Any]]:
+        """:meth:`DistributedTENGraD.layer_plan`."""
+        if self.mode == "local":
+            return {lay.name: {"mode": "local", "placement": "replicate", "owner": None} for lay in opt._layers}
+        return {name: {"mode": self.modes[name], "placement": "replicate" if r == REPLICATED else "owner",
+                       "owner": None if r == REPLICATED else r} for name, r in self.owner.items()}
+
+    def _placement(self, lay: CoveredLayer, M: int, mode: str, every: int) -> str:
+        if self.placement != "auto":
+            return self.placement
+        recs = lay.records()
+        rec_bytes = sum(t.numel() * t.element_size() for r in recs for t in (r.I, r.G, r.P, r.Gsum) if t is not None)
+        n = sum(p.numel() for p in (lay.weight, lay.bias) if p is not None)
+        return choose_placement(M, n, rec_bytes, lay.dims(), self.world, every, self.bandwidth, self.flop_rate, mode)
+
+
+class DistributedTENGraD(TENGraD):
+    """TENGraD on the global batch of a ``torch.distributed`` job (module docstring):
+    ``TENGraD(model, lr, damping, distribution=GlobalBatch(mode, placement, seed, bandwidth,
+    flop_rate), **kwargs)``.
 
     Args:
         model: ``DDP(prepare(model))`` or ``prepare(DDP(model))`` (or the prepared model
@@ -136,263 +382,69 @@ class DistributedTENGraD(UpdateSharing, TENGraD):
         bandwidth, flop_rate: the cost models' bytes/s and flop/s per rank (``"auto"``).
         seed: global seed of the MC Fisher's label sampling (per-rank seeds :func:`mc_seed`).
         **kwargs: TENGraD's options (``compile`` and ``cuda_graph`` are off here: the
-            step's collectives are not captured in CUDA graphs; ``fisher="gauss-newton"``
-            is not supported).
+            step's collectives are not captured in CUDA graphs; ``curvature_samples`` and
+            ``fisher="gauss-newton"`` are not supported: ``ValueError``).
     """
 
-    def __init__(self, model: torch.nn.Module, lr: float, damping: float, *,
-                 mode: Literal["gather", "gram-blocks", "auto", "local"] = "auto",
-                 placement: Literal["auto", "owner", "replicate"] = "auto", seed: int = 0,
-                 bandwidth: float = 50e9, flop_rate: float = 50e12, **kwargs: Any):
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("DistributedTENGraD: call torch.distributed.init_process_group(...) first "
-                               "(e.g. run under torchrun)")
-        if mode not in ("gather", "gram-blocks", "auto", "local"):
-            raise ValueError("DistributedTENGraD: mode must be 'gather', 'gram-blocks', 'auto' or 'local', "
-                             f"got {mode!r}")
-        if placement not in ("auto", "owner", "replicate"):
-            raise ValueError(f"DistributedTENGraD: placement must be 'auto', 'owner' or 'replicate', got {placement!r}")
-        for opt in ("compile", "cuda_graph"):
-            if kwargs.get(opt):
-                raise ValueError(f"DistributedTENGraD: {opt}=True is not supported; leave it False")
-        kwargs["cuda_graph"] = False  # TENGraD's CUDA default would capture the step's collectives
-        if kwargs.get("curvature_samples") is not None:
-            raise ValueError("DistributedTENGraD: curvature_samples is not supported (the global batch's records "
-                             "are gathered whole); leave it None, or use TENGraD on one process")
-        if kwargs.get("fisher") == "gauss-newton":
-            raise ValueError("DistributedTENGraD: fisher='gauss-newton' is not supported; use 'empirical' or 'mc'")
-        module = model
-        if isinstance(model, DistributedDataParallel) and not _prepared(model):
-            module = model.module  # DDP(prepare(model)); prepare(DDP(model)) keeps its info on the wrapper
-        self.world = dist.get_world_size()
-        self.rank = dist.get_rank()
-        self.mode = mode
-        self.placement = placement
-        self.bandwidth, self.flop_rate = float(bandwidth), float(flop_rate)
-        self.seed = int(seed)
-        super().__init__(module, lr, damping, **kwargs)
-        if self._info.loss_reduction != "mean":
-            raise ValueError("DistributedTENGraD: prepare(..., loss_reduction='mean') is required (DDP averages "
-                             "the gradients over the ranks, i.e. the global loss is the mean over the global batch)")
-        self._all_layers: list[CoveredLayer] = grouped_layers(module, self.param_groups)
-        self._layers = []  # this rank's layers: set at each curvature step
-        self._owner: dict[str, int] = {}  # layer name -> owning rank, REPLICATED (last curvature step)
-        self._mode: dict[str, str] = {}  # layer name -> "gather" / "gram-blocks" (last curvature step)
-        self._local: dict[int, list[Any]] = {}  # site -> this rank's own records of gram-blocks layers
-        self._local_groups: list[Any] = []  # LayerGroups over them (every rank)
-        self._rebuild_local = False
-        self._n_gather = 0  # self._curv[:_n_gather]: groups of gather layers; the rest gram-blocks
-        self._sharing: Optional[tuple[list[Tensor], list[Bucket], list[Any]]] = None  # u broadcasts in flight
-        self._overlap = True  # False: the same collectives one after the other (tests: identical bits)
-        self._fresh = True  # no curvature yet (on any rank)
-        self._generators: dict[str, torch.Generator] = {}
-        self.last_mc_targets: Optional[Tensor] = None
-        self.comm_bytes: dict[str, int] = {}  # bytes this rank sent on the last step, per layer
+    distribution: GlobalBatch
 
-    # ------------------------------------------------------------------ schedule (rank-independent)
-    def _needs_capture(self, step: int) -> bool:
-        return self._fresh or self._recapture or step - self._curv_sched >= self.curvature_every
-
-    def _on_seen_skip(self) -> None:
-        """The host saw a skip through the non-blocking mirror: when that happens differs
-        between ranks, so it does not touch the schedule here (see :meth:`_after_flags`)."""
-
-    def _after_flags(self, stats_step: bool, ok: Tensor) -> None:
-        if stats_step and not bool(ok):  # one host read, curvature steps only; ok is all-reduced
-            self._recapture = True
-
-    def _initial_jacobian_sites(self, m: int = 128) -> None:
-        self._info.store.jacobian_sites = set()
-
-    # ------------------------------------------------------------------ MC
-    def _generator(self, device: torch.device, purpose: str = "mc") -> torch.Generator:
-        """This rank's MC-label generator, or (``purpose="probe"``) the push-through probe's
-        of the ``gram-blocks`` layers, seeded alike on every rank."""
-        key = f"{purpose}:{device}"
-        if key not in self._generators:
-            seed = mc_seed(self.seed, self.rank) if purpose == "mc" else 0
-            self._generators[key] = torch.Generator(device=device).manual_seed(seed)
-        return self._generators[key]
-
-    def _mc_backward(self, outputs: Tensor, targets: Optional[Tensor], mask: Optional[Tensor]) -> None:
-        """As :meth:`TENGraD.mc_capture`, labels sampled with this rank's generator
-        (kept in ``last_mc_targets``) unless ``targets`` are given."""
-        mask = check_mask(outputs, mask, self.mc_loss)
-        if targets is None:
-            targets = sample_targets(outputs, self.mc_loss, self._generator(outputs.device), mask)
-        self.last_mc_targets = targets
-        weights = [layer.weight for layer in self._all_layers if layer.weight.requires_grad]
-        mc_capture(self._info.store, outputs, self.mc_loss, weights, targets, self._loss_scale(), mask)
-
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """As TENGraD's, without the curvature records (they are per owner), saved as a
-        TENGraD state: it resumes on any world size, or in one process by ``TENGraD``;
-        the resumed run takes curvature at its first step."""
-        sd = super().state_dict()
-        sd.pop("curvature", None)
-        sd[META] = {**sd[META], "optimizer": "TENGraD"}
-        return sd
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of ``DistributedTENGraD`` (any world size) or ``TENGraD``
-        (its curvature records, if any, are dropped: the next step takes curvature)."""
-        sd = {k: v for k, v in state_dict.items() if k != "curvature"}
-        if isinstance(sd.get(META), dict) and sd[META].get("optimizer") == "TENGraD":
-            sd[META] = {**sd[META], "optimizer": type(self).__name__}
-        self._forget_plan()
-        super().load_state_dict(sd)
-        capturing(self.model, True)
-
-    def _forget_plan(self) -> None:
-        """No curvature, owners or modes: the next step takes curvature on every rank."""
-        self._fresh = True
-        self._layers, self._owner, self._mode, self._local, self._local_groups = [], {}, {}, {}, []
-
-    def _groups_changed(self) -> None:
-        """Parameters were added (on every rank alike): the layers are re-read and the
-        next step takes curvature and plans again."""
-        super()._groups_changed()
-        self._all_layers = self._layers
-        self._forget_plan()
-
-    # ------------------------------------------------------------------ step
-    def _natural_updates(self, step: int, curvature_step: bool, mc_step: bool,
-                         damping: Damping) -> dict[Tensor, Tensor]:
-        t0 = time.perf_counter()
-        self.comm_bytes = {}
-        self._sharing = None
-        if curvature_step:
-            if self.mode == "local":
-                self._layers = [lay for lay in self._all_layers if lay.captured]
-            else:
-                self._exchange_records()
-            self._fresh = False
-        t1 = time.perf_counter()
-        local = super()._natural_updates(step, curvature_step, mc_step, damping)
-        t2 = time.perf_counter()
-        updates = self._average_updates(local) if self.mode == "local" else self._share_updates(local)
-        # every rank skips together: its gradients' finiteness (the skeleton checks them
-        # again with the shared updates) and its factors, all-reduced
-        ok = finite_flag([p.grad for p in self._group_params() if p.grad is not None])
-        assert ok is not None
-        self._step_flag = all_ok(ok if self._chol_ok is None else ok & self._chol_ok)
-        self.timings = {**self.timings, "gather": t1 - t0, "share": time.perf_counter() - t2}
-        return updates
-
-    def _exchange_records(self) -> None:
-        """Steps 1–3 of the module docstring: metadata, owners, modes, gathered records."""
-        layers = self._all_layers
-        live = check_records(layers)
-        self._local, self._local_groups, self._rebuild_local = {}, [], True
-        self._owner, self._mode = {}, {}
-        if not live:
-            self._layers = []
-            return
-        M = self.world * layers[live[0]].m
-        owners = assign_owners([solve_cost(M, layers[i].dims()) for i in live], self.world)
-        modes = [self.mode] * len(live)
-        if self.mode == "auto":
-            ns = [sum(p.numel() for p in (layers[i].weight, layers[i].bias) if p is not None) for i in live]
-            recs = [record_bytes(layers[i], M, self.strategy) for i in live]
-            modes = choose_modes(M, ns, [layers[i].dims() for i in live], owners, self.world, self.bandwidth,  # type: ignore[assignment]
-                                 self.flop_rate, recs, self.curvature_every)
-        keep = set()
-        store = self._info.store
-        for q, i in enumerate(live):
-            lay = layers[i]
-            mode = self._mode[lay.name] = modes[q]
-            if mode == "gather" and sends_per_sample(lay, M, self.strategy):
-                to_per_sample(lay)  # P is smaller than I, G and the owner would materialize anyway
-            if self._placement(lay, M, mode) == "replicate":
-                owners[q] = REPLICATED
-            self._owner[lay.name] = owners[q]
-            if mode == "gram-blocks":
-                keep.add(i)
-                self._local.update({site: list(store.records.get(site, [])) for site in lay.spec.sites})
-        mine = gather_records(layers, live, owners, store, self.rank, self.world, keep, self._add_bytes)
-        self._layers = [layers[i] for i in mine]
-
-    def _refresh(self, damping: Damping) -> None:
-        """As TENGraD's, over the layers solved here, with the ``gram-blocks`` layers in
-        groups of their own (after the gather layers'); then every rank's store gets its
-        own rows of the ``gram-blocks`` layers back (the global records are not kept)."""
-        t_start = time.perf_counter()
-        mode = self._mode
-        gather, _ = build_groups([lay for lay in self._layers if mode.get(lay.name) != "gram-blocks"],
-                                 self.strategy, self.jacobian_budget)
-        blocks, _ = build_groups([lay for lay in self._layers if mode.get(lay.name) == "gram-blocks"],
-                                 self.strategy, self.jacobian_budget)
-        self._info.store.jacobian_sites = set()  # backward records stay I, G on every rank
-        with tf32_matmuls(self.gram_tf32):
-            self._K = [grp.gram() for grp in gather + blocks]
-        self._gram_seconds = time.perf_counter() - t_start
-        self._curv, self._n_gather = gather + blocks, len(gather)
-        self._factorize(damping)
-        for grp in blocks:  # only the factor stays
-            grp.release()
-        self._info.store.records.update({site: list(recs) for site, recs in self._local.items()})
-        if self._rebuild_local:  # every rank: its own rows of every gram-blocks layer, grouped
-            lays = [lay for lay in self._all_layers if self._mode.get(lay.name) == "gram-blocks"]
-            # unpacked: the groups' J_a g and Jᵀc partial sums travel (no zero columns sent)
-            self._local_groups = build_groups(lays, self.strategy, self.jacobian_budget, packed=False)[0] \
-                if lays else []
-            self._rebuild_local = False
-
-    def _precondition(self, push_through: bool, damping: Damping) -> dict[Tensor, Tensor]:
-        """``u`` of the gather layers solved here (TENGraD's) and of every ``gram-blocks``
-        layer (data-parallel, :class:`.gram_blocks.GramBlocksStep`), overlapped: the
-        all-gather of the ``J_a g`` runs while this rank solves its gather layers; the
-        broadcasts of their ``u`` run while it finishes the gram-blocks layers."""
-        use_pt = push_through and self.update_form == "auto"
-        step = None
-
-        def start_blocks() -> GramBlocksStep:  # computes J_a g, starts its all-gather
-            device = self._local_groups[0].layers[0].weight.device
-            return GramBlocksStep(self._local_groups, use_pt, self._generator(device, "probe"), self._add_bytes)
-
-        if self._local_groups and self._overlap:
-            step = start_blocks()
-        gather = self._curv[:self._n_gather]
-        out: dict[Tensor, Tensor] = {}
-        alphas = self._layer_dampings(damping)  # float, or [L_total] in _curv's order
-        if gather and self._chol is not None:
-            L = sum(len(grp.layers) for grp in gather)
-            out, _ = precondition_groups(gather, self._chol[:L], use_pt, alphas[:L] if isinstance(damping, tuple)
-                                         else alphas, self._info.loss_reduction)
-        if self.mode != "local" and self._overlap:
-            self._start_share(out)  # the owners' u of gather layers, in flight from here
-        if self._local_groups and step is None:
-            step = start_blocks()
-        if step is not None:
-            chol = {lay.name: grp.chol[i] for grp in self._curv[self._n_gather:] if grp.chol is not None
-                    for i, lay in enumerate(grp.layers)}
-            alphas_of = damping if not isinstance(damping, tuple) else \
-                dict(zip([lay.name for lay in self._all_layers],
-                         layer_dampings(damping, self.param_groups, self._all_layers).tolist()))
-            step.exchange(self._owner, chol, alphas_of)
-            out.update(step.finish())
-        return out
-
-    def reuse_cost(self) -> tuple[float, float]:
-        """TENGraD's, over the gather layers solved here."""
-        groups = self._curv[:self._n_gather]
-        return reuse_cost(groups) if groups else (0.0, 0.0)
+    def __init__(self, model: torch.nn.Module, lr: float, damping: float, *, mode: Mode = "auto",
+                 placement: Placement = "auto", seed: int = 0, bandwidth: float = 50e9, flop_rate: float = 50e12,
+                 **kwargs: Any):
+        if "distribution" in kwargs:
+            raise ValueError("DistributedTENGraD: distribution= is its own (GlobalBatch); pass mode/placement/seed, "
+                             "or use TENGraD(..., distribution=...)")
+        super().__init__(model, lr, damping, distribution=GlobalBatch(mode, placement, seed, bandwidth, flop_rate),
+                         **kwargs)
 
     def layer_plan(self) -> dict[str, dict[str, Any]]:
         """Per covered layer (as of the last curvature step): ``mode`` (``"gather"`` or
         ``"gram-blocks"``; ``"local"`` in local mode), ``placement`` (``"owner"`` or
         ``"replicate"``) and ``owner`` (the solving rank, None when replicated)."""
-        if self.mode == "local":
-            return {lay.name: {"mode": "local", "placement": "replicate", "owner": None} for lay in self._all_layers}
-        return {name: {"mode": self._mode[name], "placement": "replicate" if r == REPLICATED else "owner",
-                       "owner": None if r == REPLICATED else r} for name, r in self._owner.items()}
+        return self.distribution.layer_plan(self)
 
-    def _placement(self, lay: CoveredLayer, M: int, mode: str) -> str:
-        if self.placement != "auto":
-            return self.placement
-        recs = lay.records()
-        rec_bytes = sum(t.numel() * t.element_size() for r in recs for t in (r.I, r.G, r.P, r.Gsum) if t is not None)
-        n = sum(p.numel() for p in (lay.weight, lay.bias) if p is not None)
-        return choose_placement(M, n, rec_bytes, lay.dims(), self.world, self.curvature_every,
-                                self.bandwidth, self.flop_rate, mode)
+    @property
+    def comm_bytes(self) -> dict[str, int]:
+        """Bytes this rank sent on the last step, per layer name."""
+        return self.distribution.sharing.comm_bytes
+
+    @property
+    def last_mc_targets(self) -> Optional[Tensor]:
+        """This rank's last MC sample (``fisher="mc"``), or the targets given to ``mc_capture``."""
+        return self.distribution.last_mc_targets
+
+    @last_mc_targets.setter
+    def last_mc_targets(self, value: Optional[Tensor]) -> None:
+        self.distribution.last_mc_targets = value
+
+    @property
+    def mode(self) -> str:
+        return self.distribution.mode
+
+    @property
+    def placement(self) -> str:
+        return self.distribution.placement
+
+    @property
+    def world(self) -> int:
+        return self.distribution.world
+
+    @property
+    def rank(self) -> int:
+        return self.distribution.rank
+
+    @property
+    def seed(self) -> int:
+        return self.distribution.seed
+
+    @property
+    def _overlap(self) -> bool:
+        return self.distribution.overlap
+
+    @_overlap.setter
+    def _overlap(self, value: bool) -> None:
+        self.distribution.overlap = value
+
+    @property
+    def _owner(self) -> dict[str, int]:
+        return self.distribution.owner

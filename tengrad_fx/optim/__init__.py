@@ -3,7 +3,9 @@ EKFAC, KBFGS, NGD), the step they share (:mod:`.step`) and the paper's settings
 (:mod:`.registry`)."""
 from .baselines import EKFAC, KBFGS, KFAC, NGD
 from .registry import OPTIMIZERS, PAPER_DEFAULTS, PAPER_INTERVALS, make_optimizer
-from .tengrad import TENGraD
+from .step.result import StepResult
+from .tengrad import CurvatureSchedule, Execution, SingleProcess, TENGraD
 
-__all__ = ["TENGraD", "KFAC", "EKFAC", "KBFGS", "NGD", "OPTIMIZERS", "PAPER_DEFAULTS",
+__all__ = ["TENGraD", "CurvatureSchedule", "Execution", "SingleProcess", "StepResult",
+           "KFAC", "EKFAC", "KBFGS", "NGD", "OPTIMIZERS", "PAPER_DEFAULTS",
            "PAPER_INTERVALS", "make_optimizer"]

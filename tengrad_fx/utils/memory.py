@@ -38,11 +38,12 @@ def kept_tensors(opt: Any) -> list[torch.Tensor]:
     """Every tensor a TENGraD optimizer keeps for later steps besides parameters, gradients
     and momentum: its layer groups' stacks, Grams, factors and the store's records."""
     out: list[torch.Tensor] = []
-    for grp in getattr(opt, "_curv", []):
+    cache = opt.curvature  # tengrad_fx.optim.tengrad.cache.CurvatureCache
+    for grp in cache.groups:
         out += [t for t in (getattr(grp, n, None) for n in ("Pw", "Pb", "A", "B", "chol"))
                 if isinstance(t, torch.Tensor)]
-    out += [t for t in getattr(opt, "_K", []) or [] if isinstance(t, torch.Tensor)]
-    out += [t for t in (getattr(opt, "_chol", None), getattr(opt, "_chol_ok", None)) if t is not None]
+    out += [t for t in cache.K if isinstance(t, torch.Tensor)]
+    out += [t for t in (cache.chol, cache.ok) if t is not None]
     store = opt._info.store
     for recs in store.records.values():
         for r in recs:

@@ -58,7 +58,7 @@ def _run(device: str, steps: int, debug_sync: bool = False, dtype: torch.dtype =
             torch.cuda.set_sync_debug_mode("default")
     assert opt.counters["skipped"] == 0
     if kw.get("cuda_graph"):
-        assert opt._graphs.replays >= 5 and not opt._graphs.failed
+        assert opt.graph_runner.graphs.replays >= 5 and not opt.graph_runner.graphs.failed
     return [p.detach().cpu() for p in pm.parameters()]
 
 

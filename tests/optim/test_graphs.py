@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx import TENGraD
-from tengrad_fx.optim.tengrad.graphs import StepGraphs
+from tengrad_fx.optim.tengrad.graphs import GraphRunner, StepGraphs
 
 
 def _run(cuda_graph: bool, schedule: bool = False, two_groups: bool = False, **kw):
@@ -52,8 +52,9 @@ def test_cuda_graph_option_on_cpu_equals_eager_bit_for_bit(fisher: str, strategy
         assert sum(grp.form == "conv" for grp in groups[0]) == 2, [grp.form for grp in groups[0]]
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
-    assert opt._graphs.eager_runs == 4 and opt._graphs.replays == 0  # the 4 reuse steps went through it
-    assert set(opt._gbuf) == set(opt.param_groups[0]["params"])  # static gradient buffers in use
+    graphs = opt.graph_runner.graphs
+    assert graphs.eager_runs == 4 and graphs.replays == 0  # the 4 reuse steps went through it
+    assert set(opt.graph_runner.grads) == set(opt.param_groups[0]["params"])  # static gradient buffers in use
     # the second and third curvature steps (t = 3, 6) copied into the first one's tensors
     assert all(a is b for a, b in zip(groups[0], groups[3])) and all(a is b for a, b in zip(groups[0], groups[6]))
     assert opt.counters == {"step": 7, "skipped": 0, "uncaptured": 0}
@@ -61,7 +62,7 @@ def test_cuda_graph_option_on_cpu_equals_eager_bit_for_bit(fisher: str, strategy
 
 def test_cuda_graph_default_is_off_on_cpu() -> None:
     _, opt, _ = _run(None)
-    assert opt.cuda_graph is False and not opt._gbuf
+    assert opt.cuda_graph is False and not opt.graph_runner.grads
 
 
 def test_step_graphs_stop_capturing_after_max_keys() -> None:
@@ -86,19 +87,19 @@ def test_lr_schedule_replays_one_graph_and_equals_eager(two_groups: bool) -> Non
     for the whole schedule), and its steps equal ``cuda_graph=False``'s bit for bit."""
     ref, _, _ = _run(False, schedule=True, two_groups=two_groups)
     keys = []
-    real_key = TENGraD._graph_key
+    real_key = GraphRunner.key
 
-    def spy(self, params):
-        keys.append(real_key(self, params))
+    def spy(self, *args):
+        keys.append(real_key(self, *args))
         return keys[-1]
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(TENGraD, "_graph_key", spy)
+        mp.setattr(GraphRunner, "key", spy)
         got, opt, _ = _run(True, schedule=True, two_groups=two_groups)
     for a, b in zip(ref, got):
         assert torch.equal(a, b)
     assert len(keys) == 4 and len(set(keys)) == 1  # the 4 reuse steps: one key
-    assert float(opt._lr_buf[0]) == 0.05 * (1.0 - 0.07 * 5)  # the last reuse step's (t = 5) lr, exactly
+    assert float(opt.graph_runner.lrs[0]) == 0.05 * (1.0 - 0.07 * 5)  # the last reuse step's (t = 5) lr, exactly
 
 
 def test_step_graphs_do_not_capture_a_step_that_reads_back() -> None:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx import TENGraD
-from tengrad_fx.optim.tengrad import tengrad as tengrad_module
+from tengrad_fx.optim.tengrad import distribution as distribution_module
 from tengrad_fx.utils.dispatch import OpCounter
 
 
@@ -37,7 +37,7 @@ def _run(sizes: list[int], reuse: bool, monkeypatch: pytest.MonkeyPatch, strateg
     addresses of the copied (multi-layer or packed) stacks. ``reuse=False``: every
     curvature step makes new stacks."""
     if not reuse:
-        monkeypatch.setattr(tengrad_module, "previous_stacks", lambda groups: {})
+        monkeypatch.setattr(distribution_module, "previous_stacks", lambda groups: {})
     net = _net()
     data = _batches(sizes)
     pm = tengrad_fx.prepare(net, example_inputs=(data[0][0][:2],))
@@ -100,7 +100,7 @@ def test_refill_makes_no_stack_and_no_views(monkeypatch) -> None:
     counts: dict[bool, OpCounter] = {}
     for reuse in (False, True):
         if not reuse:
-            monkeypatch.setattr(tengrad_module, "previous_stacks", lambda groups: {})
+            monkeypatch.setattr(distribution_module, "previous_stacks", lambda groups: {})
         net = _net()
         (x, y), = _batches([8])
         pm = tengrad_fx.prepare(net, example_inputs=(x[:2],))
@@ -139,7 +139,7 @@ def test_static_refill_with_cuda_graph_option_on_cpu_across_batch_sizes(T: int) 
             opt.zero_grad()
             F.cross_entropy(pm(x), y).backward()
             opt.step()
-            versions.append(opt._graph_version)
+            versions.append((opt.graph_runner.version + opt.curvature.version))
             ids.append([id(g) for g in opt._curv])
         return [p.detach().clone() for p in pm.parameters()], versions, ids
 

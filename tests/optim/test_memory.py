@@ -130,7 +130,7 @@ def test_stacking_transient_is_bounded_by_stack_bytes(monkeypatch) -> None:
     def build(limit: int) -> tuple[int, list[tengrad_groups.LayerGroup]]:
         monkeypatch.setattr(group_build, "STACK_BYTES", limit)
         monkeypatch.setattr(group_build, "PACK_MAX_BYTES", min(limit, group_build.PACK_MAX_BYTES))
-        opt._curv, opt._K = [], []
+        opt.curvature.groups, opt.curvature.K = [], []
         opt.zero_grad()
         F.cross_entropy(pm(x), y).backward()
         with LiveBytes(kept_tensors(opt)) as lb:

@@ -280,6 +280,6 @@ def test_tengrad_cuda_graph_path_on_cpu_with_two_groups() -> None:
         for t in range(5):
             _step(model, opt, t)
         out.append([p.detach().clone() for p in model.parameters()])
-    assert opt._graphs.eager_runs == 3  # the reuse steps (1, 2, 4) went through the graph runner
+    assert opt.graph_runner.graphs.eager_runs == 3  # the reuse steps (1, 2, 4) went through the graph runner
     for a, b in zip(*out):
         assert torch.equal(a, b)

@@ -166,7 +166,7 @@ def test_non_finite_gradient_skips_whether_preconditioned_or_not(T: int, value: 
         warnings.simplefilter("ignore")
         opt.step()
     assert sc.count == 0, dict(sc.ops)
-    assert opt._gsq is not None  # the gradients' Σ‖g‖² came from the preconditioner
+    assert opt.last_result is not None and opt.last_result.grad_sq is not None  # Σ‖g‖² from the preconditioner
     assert opt.counters["skipped"] == 1
     for b, p in zip(bits, model.parameters()):
         assert torch.equal(b.view(torch.int32), p.detach().view(torch.int32))

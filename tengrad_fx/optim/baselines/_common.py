@@ -35,6 +35,7 @@ from ..step.checks import check_choice, check_interval, check_nonneg, check_posi
 from ..step.mc import mc_capture
 from ..step.param_groups import Damping, group_index, layer_damping, optimizer_params
 from ..step.skeleton import SkipStep, StepSkeleton
+from ..step.result import StepResult
 from ...curvature.layer import KERNELS, CoveredLayer, covered_layers
 from ...curvature.tensors import DEFAULT_BLOCK_BYTES
 
@@ -304,11 +305,11 @@ class CurvatureOptimizer(StepSkeleton):
                                    "of this batch but nothing new was captured (capture switched off?)")
             self._seen_generation = store.generation
 
-    def _updates(self, step: int, stats_step: bool, mc_step: bool, damping: Damping) -> dict[Tensor, Tensor]:
+    def _updates(self, step: int, stats_step: bool, mc_step: bool, damping: Damping) -> StepResult:
         if stats_step:  # a gradient but no record (capture was off for it): u = g, counted
             self._add_uncaptured(sum(1 for b in self.blocks if self._has_grad(b) and not b.layer.captured))
         self._update_curvature(step, stats_step)
-        return self._precondition(damping)  # type: ignore[return-value]
+        return StepResult(self._precondition(damping))  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ public
     def state_dict(self) -> dict[str, Any]:

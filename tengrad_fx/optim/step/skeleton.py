@@ -41,11 +41,12 @@ from .param_groups import (Damping, FrozenWatch, check_group, group_index, group
                            optimizer_params, same_lr, weighted_update_dot)
 from .mc import MCState, SampleRNG
 from .host import HostMirror, SkipStep
+from .result import StepResult
 from .reduction_check import check_loss_reduction
 from .state_check import META, NamedParams, check_loadable, layout_meta, named_params
 from ...curvature.layer import covered_layers
 
-__all__ = ["StepSkeleton", "SkipStep", "HostMirror"]
+__all__ = ["StepSkeleton", "SkipStep", "HostMirror", "StepResult"]
 
 
 class StepSkeleton(torch.optim.Optimizer):
@@ -54,8 +55,8 @@ class StepSkeleton(torch.optim.Optimizer):
     ``weight_decay``; ``add_param_group`` rebuilds the covered layers, :meth:`_groups_changed`).
 
     Subclasses set ``NAME`` (key of the counters in ``self.state``) and implement
-    :meth:`_needs_capture`, :meth:`_updates`; optionally :meth:`_check_capture`,
-    :meth:`_after_update`, :meth:`_device_flags`.
+    :meth:`_needs_capture`, :meth:`_updates` (a :class:`~.result.StepResult`); optionally
+    :meth:`_check_capture`, :meth:`_after_update`, :meth:`_run_device`.
     """
 
     NAME = "optimizer"
@@ -66,7 +67,6 @@ class StepSkeleton(torch.optim.Optimizer):
     fisher: str
     kl_clip: Optional[float]
     state: defaultdict[Any, Any]
-    _lr_static: Optional[list[Tensor]] = None  # the groups' lr as device scalars while a CUDA graph runs
 
     def _init_skeleton(self, model: torch.nn.Module, info: PrepareInfo, grad_scaler: Any = None) -> None:
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
@@ -88,6 +88,7 @@ class StepSkeleton(torch.optim.Optimizer):
         self._reduction_checked = False
         self._kl_clipped: Optional[Tensor] = None  # device count of steps with KL-clip factor ν < 1
         self._last_ok: Optional[Tensor] = None  # device bool: the last step's update was applied
+        self.last_result: Optional[StepResult] = None  # the last eagerly run step's update computation
         self._built = True  # add_param_group from here on rebuilds (_groups_changed)
 
     # ------------------------------------------------------------------ param groups
@@ -129,25 +130,10 @@ class StepSkeleton(torch.optim.Optimizer):
     def _check_capture(self, stats_step: bool) -> None:
         """Before the finiteness check: checks of what was captured (may raise/warn)."""
 
-    def _updates(self, step: int, stats_step: bool, mc_step: bool, damping: Damping) -> dict[Tensor, Tensor]:
-        """``{param: u}`` of the preconditioned parameters; raise :class:`SkipStep` to skip."""
+    def _updates(self, step: int, stats_step: bool, mc_step: bool, damping: Damping) -> StepResult:
+        """This step's :class:`~.result.StepResult` (``{param: u}`` of the preconditioned
+        parameters, optional device flags); raise :class:`SkipStep` to skip."""
         raise NotImplementedError
-
-    def _device_flags(self) -> Optional[Tensor]:
-        """More device ``bool`` conditions of this step's validity (e.g. Cholesky success)."""
-        return None
-
-    def _update_dot(self) -> Optional[Tensor]:
-        """``Σ u·g`` over this step's updates as a device scalar when the subclass has it
-        for less than a pass over ``u`` (TENGraD: from its ``m``-vectors); None: computed
-        from the updates."""
-        return None
-
-    def _checked_grads(self) -> Optional[Tensor]:
-        """A device scalar, finite exactly when the gradients of this step's preconditioned
-        parameters (the keys of its updates) are (TENGraD: their ``Σ‖g‖²``, read anyway
-        for the KL clip); None: the finiteness check reads those gradients itself."""
-        return None
 
     def _after_update(self, stats_step: bool, closure: Optional[Callable[[], Tensor]]) -> None:
         """Called after the parameters moved (KBFGS's same-batch secant pass)."""
@@ -349,7 +335,7 @@ class StepSkeleton(torch.optim.Optimizer):
             self._reduction_checked = True  # once: a one-time host read (reduction_check)
             check_loss_reduction(covered_layers(self.model), self._info.loss_reduction, type(self).__name__)
         try:
-            ok = self._run_device(stats_step, lambda: self._device_step(k, stats_step, mc_step, damping))
+            ok = self._run_device(stats_step, lambda lrs: self._device_step(k, stats_step, mc_step, damping, lrs))
         except SkipStep as exc:
             return self._skip(str(exc), loss)
         self._last_ok = ok
@@ -368,54 +354,79 @@ class StepSkeleton(torch.optim.Optimizer):
         capturing(self.model, self._needs_capture(self._sched))
         return loss
 
-    def _device_step(self, k: int, stats_step: bool, mc_step: bool, damping: Damping) -> Tensor:
-        """The device part of a step: finite check → ``u`` → flags → ``ν`` → masked update
-        (per param group) → counts. Returns the step's flag; raises :class:`SkipStep` for a
-        host-known skip (``SYNC_FREE = False``, or the warm-up read of the first step)."""
-        groups = self.param_groups
-        params = self._group_params()
-        grads = [p.grad for p in params if p.grad is not None]
-        if not self.SYNC_FREE and not all_finite(grads):  # read on the host before any curvature work
+    def _device_step(self, k: int, stats_step: bool, mc_step: bool, damping: Damping,
+                     lrs: Optional[Sequence[Tensor]] = None) -> Tensor:
+        """The device part of a step: finite check → ``u`` → flags → ``ν`` → update (per
+        param group) → counts, masked on the device (``SYNC_FREE``) or checked on the host.
+        ``lrs``: each group's lr as a static device scalar (a CUDA graph's), None: the
+        groups' floats. Returns the step's flag; raises :class:`SkipStep` for a host-known
+        skip (``SYNC_FREE = False``, or the warm-up read of the first step)."""
+        if self.SYNC_FREE:
+            self.last_result = self._updates(k, stats_step, mc_step, damping)
+            return self._masked_step(self.last_result, lrs)
+        return self._checked_step(k, stats_step, mc_step, damping, lrs)
+
+    def _masked_step(self, result: StepResult, lrs: Optional[Sequence[Tensor]]) -> Tensor:
+        """The step without a host read: one finiteness check of the gradients and the
+        updates together (one ``_foreach_norm``; gradients a finite ``result.grad_sq``
+        certifies are not read again), the update masked by the flag, counted on the device."""
+        updates, checked, ug = self._kept(result)
+        grads = [p.grad for p in self._group_params() if p.grad is not None and (checked is None or p not in updates)]
+        ok = self._flag(finite_flag([*grads, *updates.values()], checked), result.ok)
+        self._apply(updates, ug, lrs, ok, masked=True)
+        self._count(ok)
+        return ok
+
+    def _checked_step(self, k: int, stats_step: bool, mc_step: bool, damping: Damping,
+                      lrs: Optional[Sequence[Tensor]]) -> Tensor:
+        """The step with host reads: the gradients before any curvature work, then the
+        updates and flags; a non-finite one raises :class:`SkipStep` (nothing changed)."""
+        if not all_finite([p.grad for p in self._group_params() if p.grad is not None]):
             raise SkipStep("non-finite gradient")
-        updates = self._updates(k, stats_step, mc_step, damping)
-        # one finiteness check of the gradients and the updates together (one _foreach_norm);
-        # without SYNC_FREE the gradients were read on the host above: the updates only.
-        # Gradients a finite _checked_grads() certifies are not read again
-        checked = self._checked_grads() if self.SYNC_FREE else None
-        ug = self._update_dot()
-        if len(groups) > 1:  # parameters in no group are not updated (nor in ν or the check)
+        result = self.last_result = self._updates(k, stats_step, mc_step, damping)
+        updates, _, ug = self._kept(result)
+        ok = self._flag(finite_flag(updates.values()), result.ok)
+        if not bool(ok):
+            raise SkipStep("non-finite preconditioned update")
+        self._apply(updates, ug, lrs, ok, masked=False)
+        return ok
+
+    def _kept(self, result: StepResult) -> tuple[dict[Tensor, Tensor], Optional[Tensor], Optional[Tensor]]:
+        """``(updates, grad_sq, update_dot)`` of the parameters in a group (parameters in
+        no group are not updated, nor in ``ν`` or the check; then both sums are dropped)."""
+        updates, groups = result.updates, self.param_groups
+        if len(groups) > 1:
             kept = in_groups(updates, group_index(groups))
             if len(kept) != len(updates):
-                updates, checked, ug = kept, None, None
-        if checked is not None:
-            grads = [p.grad for p in params if p.grad is not None and p not in updates]
-        ok = finite_flag([*(grads if self.SYNC_FREE else ()), *updates.values()], checked)
-        if ok is None:  # no update (and the gradients checked on the host)
-            ok = torch.ones((), dtype=torch.bool, device=grads[0].device)
-        extra = self._device_flags()
-        if extra is not None:
-            ok = ok & extra
-        if not self.SYNC_FREE and not bool(ok):
-            raise SkipStep("non-finite preconditioned update")
-        # each group's lr: the floats, or a CUDA graph's static device tensors (graphs.py)
-        lrs: Sequence[float | Tensor] = self._lr_static or [g["lr"] for g in groups]
-        lr = lrs[0]
+                return kept, None, None
+        return updates, result.grad_sq, result.update_dot
+
+    def _flag(self, finite: Optional[Tensor], extra: Optional[Tensor]) -> Tensor:
+        """The step's device flag: ``finite`` (None: nothing checked, True) and ``extra``."""
+        ok = finite if finite is not None else \
+            torch.ones((), dtype=torch.bool, device=self._group_params()[0].device)
+        return ok if extra is None else ok & extra
+
+    def _apply(self, updates: dict[Tensor, Tensor], ug: Optional[Tensor], lrs: Optional[Sequence[Tensor]],
+               ok: Tensor, masked: bool) -> None:
+        """``ν`` (KL clip, counted when ``< 1``), then each group's momentum step with its
+        own lr, momentum and weight decay (:func:`.update.apply_momentum_step`), masked by
+        ``ok`` when ``masked``; a warm-up read of ``ok`` (the same flag for every group)
+        that finds a skip leaves every group unchanged and raises :class:`SkipStep`."""
+        groups = self.param_groups
+        glrs: Sequence[float | Tensor] = lrs or [g["lr"] for g in groups]
+        lr = glrs[0]
         if not same_lr(groups):  # ν from Σ_G lr_G²·Σ u·g (.param_groups)
-            lr, ug = 1.0, (weighted_update_dot(updates, groups, lrs) if self.kl_clip is not None else None)
+            lr, ug = 1.0, (weighted_update_dot(updates, groups, glrs) if self.kl_clip is not None else None)
         nu = kl_clip_factor(updates, lr, self.kl_clip, ug)
         if nu is not None:  # counted on the device, in place (no sync; graph-safe); read by kl_clipped_steps
             if self._kl_clipped is None:
                 self._kl_clipped = torch.zeros((), dtype=torch.int64, device=nu.device)
             self._kl_clipped.add_((nu < 1.0) & ok)
-        # each group its own lr, momentum, weight decay; a warm-up read of ok (the same flag
-        # for every group) that finds a skip leaves every group unchanged (masked or not applied)
         reads = [apply_momentum_step(self.state, g["params"], updates, glr, g["momentum"], g["weight_decay"],
-                                     nu, ok if self.SYNC_FREE else None) for g, glr in zip(groups, lrs)]
+                                     nu, ok if masked else None) for g, glr in zip(groups, glrs)]
         if any(r is False for r in reads):  # the warm-up host read found a skip
             raise SkipStep("non-finite gradient, curvature or update")
-        if self.SYNC_FREE:
-            self._count(ok)
-        return ok
 
     def _loss_scale(self) -> Optional[Tensor]:
         """The GradScaler's current scale (device scalar), None without one: what the
@@ -429,9 +440,10 @@ class StepSkeleton(torch.optim.Optimizer):
         s = self._loss_scale()
         return None if s is None else s.double().reciprocal().float()
 
-    def _run_device(self, stats_step: bool, fn: Callable[[], Tensor]) -> Tensor:
-        """Run the device part (TENGraD: replays a CUDA graph of it when asked)."""
-        return fn()
+    def _run_device(self, stats_step: bool, fn: Callable[[Optional[Sequence[Tensor]]], Tensor]) -> Tensor:
+        """Run the device part ``fn(lrs)`` (TENGraD: replays a CUDA graph of it when asked,
+        with the groups' lrs as static device scalars; here the floats: ``lrs = None``)."""
+        return fn(None)
 
     def _skip(self, why: str, loss: Optional[Tensor]) -> Optional[Tensor]:
         """A skip known on the host: nothing changes, the schedule does not advance."""

@@ -198,7 +198,15 @@ def apply_momentum_step(state: dict[Any, Any], params: list[Tensor], updates: di
             ds[i] = d
     if fused:
         _fused_momentum_step(state, ps, ds, lr, momentum, weight_decay, ok)
-        return read
+    else:
+        _foreach_momentum_step(state, ps, ds, lr, momentum, weight_decay, ok)
+    return read
+
+
+def _foreach_momentum_step(state: dict[Any, Any], ps: list[Tensor], ds: list[Tensor], lr: float | Tensor,
+                           momentum: float, weight_decay: float, ok: Optional[Tensor]) -> None:
+    """The update by ``_foreach`` ops in the masked form of :func:`apply_momentum_step`
+    (``ds``: the parameters' ``ν·u`` or ``g``; not written)."""
     if ok is not None:
         ds = zeroed_unless(ds, ok)
     if isinstance(lr, Tensor):
@@ -236,4 +244,3 @@ def apply_momentum_step(state: dict[Any, Any], params: list[Tensor], updates: di
         b = torch._foreach_mul(ds, ok.to(ds[0].dtype) * lr)
         torch._foreach_add_(b, 0.0)
         torch._foreach_sub_(ps, b)
-    return read

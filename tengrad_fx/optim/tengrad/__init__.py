@@ -1,5 +1,7 @@
 """TENGraD and its internals: layer groups, their build and cost model, the push-through
 probe, the fused (compilable) curvature step, CUDA graphs and the curvature's resume."""
+from .distribution import SingleProcess
+from .options import CurvatureSchedule, Execution
 from .tengrad import TENGraD
 
-__all__ = ["TENGraD"]
+__all__ = ["TENGraD", "CurvatureSchedule", "Execution", "SingleProcess"]

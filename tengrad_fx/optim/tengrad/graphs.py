@@ -3,8 +3,8 @@
 A warmed-up TENGraD step reads nothing back from the device (``tests/optim/test_syncs.py``),
 so its device part can be captured. :class:`StepGraphs` keeps one ``torch.cuda.CUDAGraph``
 per key (the step kind and every Python number baked into it: damping, momentum, weight
-decay, KL clip, whether the groups' lrs are equal, and a version that changes when the
-static tensors are replaced; :meth:`ReuseGraphs._graph_key`):
+decay, KL clip, whether the groups' lrs are equal, and versions that change when the
+static tensors are replaced; :meth:`GraphRunner.key`):
 
 * the first step of a key runs eagerly (warm-up), the second is captured and replayed, later
   ones replay; a warm-up that reads anything back from the device (counted by
@@ -12,9 +12,9 @@ static tensors are replaced; :meth:`ReuseGraphs._graph_key`):
   count, and after ``MAX_SYNC_WARMUPS`` of them the step runs eagerly (one warning naming
   the ops) instead of failing in the capture;
 * the lr is not in the key: each group's lr is a static 0-d device tensor that is refilled
-  before every run, so an lr schedule replays one graph;
+  before every run and handed to the step, so an lr schedule replays one graph;
 * the inputs are static: gradients are copied into static buffers that then serve as
-  ``p.grad`` (``TENGraD._static_grads``), and a curvature step copies its stacked ``P``
+  ``p.grad`` (:meth:`GraphRunner.static_grads`), and a curvature step copies its stacked ``P``
   (or ``I``, ``G``) and factors into the previous ones when the shapes match;
 * if capture fails, one warning, and every later step runs eagerly;
 * at most ``MAX_KEYS`` keys are captured: a damping, momentum or weight decay that changes
@@ -27,7 +27,6 @@ happen), so the CPU tests cover it.
 """
 from __future__ import annotations
 
-import time
 import warnings
 from typing import Any, Callable, Hashable, Optional
 
@@ -37,7 +36,7 @@ from torch import Tensor
 from ...utils.dispatch import SyncCounter
 from ..step.param_groups import group_params, same_lr
 
-__all__ = ["ReuseGraphs", "StepGraphs"]
+__all__ = ["GraphRunner", "StepGraphs"]
 
 
 class StepGraphs:
@@ -105,71 +104,73 @@ class StepGraphs:
         return out
 
 
-class ReuseGraphs:
-    """TENGraD's use of :class:`StepGraphs`: reuse steps run through ``self._graphs`` with
-    static gradient buffers (``self._gbuf``; ``self._graph_version`` bumps when one is replaced)."""
+class GraphRunner:
+    """TENGraD's use of :class:`StepGraphs`: reuse steps run as a replayed graph, with
+    static gradient buffers (:attr:`grads`) and static lrs (:attr:`lrs`) handed to the
+    step; :attr:`version` bumps when one of them is replaced (part of the graph key)."""
 
-    cuda_graph: bool
-    kl_clip: Optional[float]
-    param_groups: list[dict[str, Any]]
-    state: Any
-    timings: dict[str, float]
-    _graphs: StepGraphs
-    _gbuf: dict[Tensor, Tensor]
-    _lr_buf: list[Tensor]
-    _lr_static: Optional[list[Tensor]]
-    _graph_version: int
-    _chol: Optional[Tensor]
-    _t_apply: float
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.graphs = StepGraphs()
+        self.version = 0
+        self.grads: dict[Tensor, Tensor] = {}  # param -> its static gradient buffer
+        self.lrs: list[Tensor] = []  # static lr per group
 
-    def _run_device(self, stats_step: bool, fn: Callable[[], Tensor]) -> Tensor:
-        """Reuse steps with ``cuda_graph``: static gradients, then the graph of this kind."""
-        params = [p for p in group_params(self.param_groups) if p.grad is not None]
-        if not self.cuda_graph or stats_step or self._chol is None or not params \
-                or any(g["momentum"] and any("momentum_buffer" not in self.state[p] for p in g["params"]
-                                             if p.grad is not None) for g in self.param_groups):
-            return fn()
-        self._static_grads(params)
-        lrs = self._static_lrs(params[0])
-        key = self._graph_key(params)
-        # a replay runs no Python of the step: its whole device time is reported as "apply"
-        self.timings, self._t_apply = {"gram": 0.0, "factorize": 0.0, "solve": 0.0}, time.perf_counter()
-        self._lr_static = lrs
-        try:
-            return self._graphs.run(key, fn, params[0].device)
-        finally:
-            self._lr_static = None
+    def clear(self) -> None:
+        self.graphs.clear()
 
-    def _graph_key(self, params: list[Tensor]) -> Hashable:
+    def params(self, stats_step: bool, has_factors: bool, param_groups: list[dict[str, Any]],
+               state: Any) -> Optional[list[Tensor]]:
+        """The parameters with a gradient when this step runs through a graph (a reuse step
+        with cached factors and every momentum buffer made), else None (eager)."""
+        params = [p for p in group_params(param_groups) if p.grad is not None]
+        if not self.enabled or stats_step or not has_factors or not params \
+                or any(g["momentum"] and any("momentum_buffer" not in state[p] for p in g["params"]
+                                             if p.grad is not None) for g in param_groups):
+            return None
+        return params
+
+    def run(self, params: list[Tensor], param_groups: list[dict[str, Any]], kl_clip: Optional[float],
+            curvature_version: int, fn: Callable[[list[Tensor]], Tensor]) -> Tensor:
+        """``fn(lrs)`` through the graph of this step's key: static gradients, static lrs."""
+        self.static_grads(params)
+        lrs = self.static_lrs(param_groups, params[0])
+        key = self.key(params, param_groups, kl_clip, curvature_version)
+        return self.graphs.run(key, lambda: fn(lrs), params[0].device)
+
+    def key(self, params: list[Tensor], param_groups: list[dict[str, Any]], kl_clip: Optional[float],
+            curvature_version: int) -> Hashable:
         """What a captured reuse step bakes in: every group's damping, momentum, weight decay
         and size, whether the lrs are equal (not their values), the KL clip, the static
-        tensors' version and the parameters with a gradient."""
-        hyper = tuple((g["damping"], g["momentum"], g["weight_decay"], len(g["params"])) for g in self.param_groups)
-        return ("reuse", hyper, same_lr(self.param_groups), self.kl_clip, self._graph_version,
+        tensors' versions and the parameters with a gradient."""
+        hyper = tuple((g["damping"], g["momentum"], g["weight_decay"], len(g["params"])) for g in param_groups)
+        return ("reuse", hyper, same_lr(param_groups), kl_clip, (self.version, curvature_version),
                 tuple(id(p) for p in params))
 
-    def _static_lrs(self, like: Tensor) -> list[Tensor]:
+    def static_lrs(self, param_groups: list[dict[str, Any]], like: Tensor) -> list[Tensor]:
         """Each group's lr in a static 0-d float64 tensor on ``like``'s device (the Python
         float's value), refilled now: a captured graph reads the current lr."""
-        if len(self._lr_buf) != len(self.param_groups) or self._lr_buf[0].device != like.device:
-            self._lr_buf = [torch.zeros((), dtype=torch.float64, device=like.device) for _ in self.param_groups]
-            self._graph_version += 1
-        for t, g in zip(self._lr_buf, self.param_groups):
+        if len(self.lrs) != len(param_groups) or self.lrs[0].device != like.device:
+            self.lrs = [torch.zeros((), dtype=torch.float64, device=like.device) for _ in param_groups]
+            self.version += 1
+        for t, g in zip(self.lrs, param_groups):
             t.fill_(g["lr"])
-        return self._lr_buf
+        return self.lrs
 
-    def _static_grads(self, params: list[Tensor]) -> None:
+    def static_grads(self, params: list[Tensor]) -> None:
         """Copy the gradients into static buffers that become ``p.grad`` (a captured graph
         reads fixed addresses; with ``zero_grad(set_to_none=False)`` nothing is copied)."""
         src, dst = [], []
         for p in params:
-            buf = self._gbuf.get(p)
-            if buf is None or buf.shape != p.grad.shape or buf.dtype != p.grad.dtype:  # type: ignore[union-attr]
-                buf = self._gbuf[p] = torch.empty_like(p.grad)  # type: ignore[arg-type]
-                self._graph_version += 1
-            if p.grad is not buf:
-                src.append(p.grad)
+            grad = p.grad
+            assert grad is not None
+            buf = self.grads.get(p)
+            if buf is None or buf.shape != grad.shape or buf.dtype != grad.dtype:
+                buf = self.grads[p] = torch.empty_like(grad)
+                self.version += 1
+            if grad is not buf:
+                src.append(grad)
                 dst.append(buf)
                 p.grad = buf
         if dst:
-            torch._foreach_copy_(dst, src)  # type: ignore[arg-type]
+            torch._foreach_copy_(dst, src)

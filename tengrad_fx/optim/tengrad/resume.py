@@ -5,7 +5,7 @@ With ``curvature_every = T > 1`` the steps between two curvature steps reuse the
 ``(I, G)`` -- or the materialized per-sample gradients ``(P, Gsum)`` -- captured on the
 last curvature step. ``state_dict()["curvature"]`` keeps exactly those records, plus the
 schedule position and the damping they were factorized with, and only when the next step
-is a reuse step (never for ``T = 1``). ``load_state_dict`` puts the records back into the
+is a reuse step (never for ``T = 1``; :meth:`TENGraD.state_dict`). ``load_state_dict`` puts the records back into the
 capture store and recomputes the Grams and Cholesky factors from them with the same code
 and inputs as the original curvature step, so they are the same bits; the run then goes
 on exactly as the uninterrupted one.
@@ -18,18 +18,15 @@ stored. Views are saved as compact copies, never with a larger underlying storag
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from ...capture.info import PrepareInfo
-from ...capture.prepare import capturing
 from ...capture.store import CaptureStore, Record
 from ...curvature.layer import CoveredLayer
-from ..step.state_check import check_materialization, materialization_meta
 
-__all__ = ["CurvatureResume", "save_records", "restore_records"]
+__all__ = ["save_records", "restore_records"]
 
 Records = dict[str, list[list[dict[str, Any]]]]
 """Layer name -> per call site -> per record ``{"I", "G", "P", "Gsum": tensor or None,
@@ -83,69 +80,3 @@ def restore_records(store: CaptureStore, layers: Sequence[CoveredLayer], records
                        in_shape=tuple(r["in_shape"]), batch=int(r.get("batch", 0))) for r in recs]
     store._complete = True  # the next capturing forward releases them, as after a backward
     store.mark_finalized()  # saved after the step's finalize: float32, unscaled
-
-
-class CurvatureResume:
-    """TENGraD's ``state_dict`` / ``load_state_dict`` with the curvature records (module docstring)."""
-
-    NAME: str
-    model: torch.nn.Module
-    state: Any
-    curvature_every: int
-    strategy: str
-    jacobian_budget_mb: Optional[float]
-    _info: PrepareInfo
-    _layers: list[CoveredLayer]
-    _curv: list[Any]
-    _curv_sched: int
-    _curv_damping: Any
-    _sched: int
-    _last_generation: int
-    _recapture: bool
-    _graphs: Any
-    _needs_capture: Callable[[int], bool]
-    _subsampled: Callable[[], bool]
-    _refresh: Callable[[Any], None]
-
-    def state_dict(self) -> dict[str, Any]:
-        """Counters, momentum buffers, which layers the backward materializes, and (with
-        ``curvature_every > 1``, when the next step reuses curvature) the curvature records
-        that step needs (:mod:`.resume`), so a resumed run continues bit for bit."""
-        sd = super().state_dict()  # type: ignore[misc]
-        sd["state"][self.NAME]["jacobian_sites"] = sorted(self._info.store.jacobian_sites)
-        if self.curvature_every > 1 and not self._needs_capture(self._sched):  # the next step reuses it
-            sd["curvature"] = {"sched": self._curv_sched, "damping": self._curv_damping,
-                               "records": save_records(self._info.store, self._layers)}
-        return sd
-
-    def _restore_curvature(self, curv: dict[str, Any]) -> None:
-        """Put saved records back into the capture store and rebuild the cached curvature
-        from them (as the curvature step that captured them did)."""
-        store = self._info.store
-        restore_records(store, self._layers, curv["records"])
-        self._last_generation = store.generation
-        self._subsampled()
-        self._refresh(curv["damping"])
-        self._curv_sched = int(curv["sched"])
-        self._recapture = False
-
-    def _layout_meta(self) -> dict[str, Any]:
-        return materialization_meta(self.strategy, self.jacobian_budget_mb, self._layers,
-                                    self._info.store.jacobian_sites)
-
-    def _check_layout_meta(self, meta: dict[str, Any]) -> None:
-        check_materialization(meta, self.strategy, self.jacobian_budget_mb, self._layers)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load counters, momentum buffers and the saved curvature records (if any; else
-        the next step takes curvature: capture is switched on). Refuses another
-        optimizer's state, parameter layout or materialization (``ValueError``)."""
-        sd = dict(state_dict)
-        curv = sd.pop("curvature", None)
-        super().load_state_dict(sd)  # type: ignore[misc]
-        self._info.store.jacobian_sites = set(self.state[self.NAME].get("jacobian_sites", []))
-        self._curv = []
-        self._graphs.clear()
-        if curv is not None:
-            self._restore_curvature(curv)
-        capturing(self.model, self._needs_capture(self._sched))

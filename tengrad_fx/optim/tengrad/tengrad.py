@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Callable, Iterable, Literal, Optional
+from typing import Any, Callable, Iterable, Literal, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -34,27 +34,29 @@ from torch import Tensor
 from ...capture.info import get_info
 from ...capture.prepare import capturing
 from ..step.checks import check_choice, check_nonneg, check_positive, check_unit
-from .gauss_newton import gauss_newton_capture
 from ..step.mc import mc_capture
-from .resume import CurvatureResume
+from ..step.param_groups import Damping, grouped_layers, optimizer_params
+from ..step.result import StepResult
 from ..step.skeleton import StepSkeleton
-from ..step.param_groups import Damping, grouped_layers, layer_dampings, optimizer_params
-from ... import solve
-from .graphs import ReuseGraphs, StepGraphs
-from .group_build import build_groups, previous_stacks
-from .jacobian_sites import JacobianSites
-from .group_cost import reuse_cost
-from .tengrad_groups import LayerGroup, precondition_groups, tf32_matmuls
+from ..step.state_check import META, check_materialization, materialization_meta
+from .cache import CurvatureCache
+from .distribution import SingleProcess
 from .fused_step import FusedStep
+from .gauss_newton import gauss_newton_capture
 from .graft import GRAFT_BETA2, GRAFT_EPS, check_graft, check_orthogonalize, graft_updates, orthogonalize_updates, \
     orthogonalized
+from .graphs import GraphRunner
+from .group_cost import reuse_cost
+from .jacobian_sites import marked_jacobian_sites
+from .options import Execution, jacobian_budget_bytes, resolve_execution, resolve_schedule, use_cuda_graph
+from .resume import restore_records, save_records
 from .schedule import CurvatureSchedule
 from .subsample import check_curvature_samples
 
 __all__ = ["TENGraD"]
 
 
-class TENGraD(CurvatureResume, ReuseGraphs, JacobianSites, StepSkeleton):
+class TENGraD(StepSkeleton):
     """TENGraD over a model returned by :func:`tengrad_fx.prepare`.
 
     The step reads nothing back from the device once warmed up (see
@@ -122,6 +124,19 @@ class TENGraD(CurvatureResume, ReuseGraphs, JacobianSites, StepSkeleton):
         params: parameters, or torch.optim param group dicts with their own ``lr``, ``damping``,
             ``momentum``, ``weight_decay`` (:mod:`tengrad_fx.optim.step.param_groups`); default:
             every parameter that requires grad, one group.
+        schedule: ``curvature_every``, ``curvature_warmup`` and ``curvature_growth`` as one
+            :class:`~.schedule.CurvatureSchedule` (an int: ``curvature_every``).
+        execution: ``strategy``, ``jacobian_budget_mb``, ``compile``, ``cuda_graph``, ``gram_tf32`` and
+            ``solve_dtype`` as one :class:`~.options.Execution`. A field given both flat and in
+            ``schedule``/``execution`` with different values is a ``ValueError`` naming it.
+        distribution: how the step is spread over processes (:mod:`.distribution`): None or
+            :class:`~.distribution.SingleProcess` (one process), or
+            :class:`tengrad_fx.distributed.GlobalBatch` (the global batch's Fisher on a
+            ``torch.distributed`` job; :class:`tengrad_fx.distributed.DistributedTENGraD`).
+
+    The optimizer's parts: :attr:`curvature` (:class:`~.cache.CurvatureCache`: groups, Grams,
+    factors, schedule position), :attr:`graph_runner` (:class:`~.graphs.GraphRunner`) and
+    :attr:`distribution`.
     """
 
     NAME = "tengrad"
@@ -132,6 +147,7 @@ class TENGraD(CurvatureResume, ReuseGraphs, JacobianSites, StepSkeleton):
         model: torch.nn.Module,
         lr: float,
         damping: float,
+        *,
         momentum: float = 0.9,
         weight_decay: float = 0.0,
         curvature_every: int = 100,
@@ -152,13 +168,23 @@ class TENGraD(CurvatureResume, ReuseGraphs, JacobianSites, StepSkeleton):
         gram_tf32: bool = False,
         grad_scaler: Optional[torch.amp.GradScaler] = None,
         params: Optional[Iterable[Any]] = None,
+        schedule: int | CurvatureSchedule | None = None,
+        execution: Optional[Execution] = None,
+        distribution: Optional[SingleProcess] = None,
     ):
+        self.schedule = resolve_schedule(schedule, dict(
+            curvature_every=curvature_every, curvature_warmup=curvature_warmup, curvature_growth=curvature_growth))
+        self.execution = ex = resolve_execution(execution, dict(
+            strategy=strategy, jacobian_budget_mb=jacobian_budget_mb, compile=compile, cuda_graph=cuda_graph,
+            gram_tf32=gram_tf32, solve_dtype=solve_dtype))
+        self.distribution = dist = SingleProcess() if distribution is None else distribution
+        dist.check(dict(vars(ex), curvature_samples=curvature_samples, fisher=fisher))
+        model = dist.unwrap(model)
         info = get_info(model)  # raises ValueError for an unprepared model
         check_nonneg("lr", lr)
         check_positive("damping", damping)
         check_unit("momentum", momentum)
         check_nonneg("weight_decay", weight_decay)
-        self.schedule = CurvatureSchedule(curvature_every, curvature_warmup, curvature_growth)
         check_graft(graft, GRAFT_BETA2, GRAFT_EPS)
         self.curvature_samples = check_curvature_samples(curvature_samples)
         check_choice("fisher", fisher, ("empirical", "mc", "gauss-newton"))
@@ -166,82 +192,88 @@ class TENGraD(CurvatureResume, ReuseGraphs, JacobianSites, StepSkeleton):
         if kl_clip is not None:
             check_positive("kl_clip", kl_clip)
         check_choice("update_form", update_form, ("auto", "woodbury"))
-        check_choice("strategy", strategy, ("auto", "factor", "materialize"))
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
         super().__init__(optimizer_params(model, params, type(self).__name__), defaults)
         self._init_skeleton(model, info, grad_scaler)
-        self.curvature_every, self.graft = curvature_every, graft
+        self.graft, self.fisher, self.mc_loss, self.kl_clip = graft, fisher, mc_loss, kl_clip
         self.orthogonalize: str | Literal[False] = check_orthogonalize(orthogonalize) or False
-        self.fisher = fisher
-        self.mc_loss = mc_loss
-        self.kl_clip = kl_clip
         self.update_form = update_form
-        self.solve_dtype = solve_dtype
-        if jacobian_budget_mb is not None:
-            check_nonneg("jacobian_budget_mb", jacobian_budget_mb)
-        self.jacobian_budget_mb = jacobian_budget_mb  # as given (checked when a state_dict is loaded)
-        if jacobian_budget_mb is None and strategy == "materialize":
-            jacobian_budget_mb = 1024.0  # every layer asked for as J: a flat budget
-        self.jacobian_budget = None if jacobian_budget_mb is None else jacobian_budget_mb * 2**20
-        self.strategy = strategy
-        self.compile = bool(compile)
-        eigh = self.orthogonalize == "eigh"
-        if cuda_graph and eigh:
-            raise ValueError("TENGraD(orthogonalize=True, cuda_graph=True): the polar factor's eigendecomposition "
-                             "(cuSOLVER) cannot be captured in a CUDA graph; pass cuda_graph=False or leave it None "
-                             "(off with orthogonalize), or orthogonalize='newton-schulz' (capturable)")
-        # default: on when the parameters live on a CUDA device, off under an eigh polar factor (graphs.py)
-        self.cuda_graph = not eigh and any(p.is_cuda for p in self._group_params()) \
-            if cuda_graph is None else bool(cuda_graph)
-        self.gram_tf32 = bool(gram_tf32)
-        self._graphs = StepGraphs()
-        self._graph_version = 0  # bumped when a static tensor of the captured step is replaced
-        self._gbuf: dict[Tensor, Tensor] = {}  # static gradient buffers (cuda_graph)
-        self._lr_buf: list[Tensor] = []  # static lr per group (cuda_graph)
-        self._fused = FusedStep((compile if not isinstance(compile, bool) else "inductor") if self.compile else None)
+        self.solve_dtype, self.strategy, self.gram_tf32, self.compile = \
+            ex.solve_dtype, ex.strategy, bool(ex.gram_tf32), bool(ex.compile)
+        self.jacobian_budget_mb = ex.jacobian_budget_mb  # as given (checked when a state_dict is loaded)
+        self.jacobian_budget = jacobian_budget_bytes(ex)
+        self.cuda_graph = use_cuda_graph(ex, self.orthogonalize == "eigh", dist.capturable,
+                                         any(p.is_cuda for p in self._group_params()))
+        self.curvature = CurvatureCache(self.solve_dtype, self.gram_tf32, self.cuda_graph)
+        self.graph_runner = GraphRunner(self.cuda_graph)
+        self._fused = FusedStep((ex.compile if not isinstance(ex.compile, bool) else "inductor")
+                                if self.compile else None)
         self._layers = grouped_layers(model, self.param_groups)  # weight in a group: curvature
-        self._initial_jacobian_sites()
-        self._curv: list[Any] = []  # LayerGroups (modular path) or (params, m) (fused path)
-        self._chol: Optional[Tensor] = None  # [L_total, m, m]: all layers' factors, group order
-        self._curv_damping: Optional[Damping] = None
-        self._chol_ok: Optional[Tensor] = None  # device bool: every cached factor is valid
-        self._step_flag: Optional[Tensor] = None  # extra device flag of the current step
-        self._ug: Optional[Tensor] = None  # Σ u·g of the current step (precondition_groups), for the KL clip
-        self._gsq: Optional[Tensor] = None  # Σ‖g‖² of its preconditioned parameters (their finiteness check)
-        self._curv_sched = 0  # schedule count of the last curvature step
-        self._recapture = False  # a skipped curvature step was seen: take curvature again
         self._warned_accum = False
         self._last_generation = info.store.generation
         self._gram_seconds = 0.0
         self._t_apply = 0.0  # when the update was ready (perf_counter): the "apply" timing starts there
+        dist.bind(self)
+        info.store.jacobian_sites = dist.initial_sites(self)
         self._watch_output()
         capturing(model, True)
+
+    @property
+    def curvature_every(self) -> int:
+        """``T``: the schedule's interval (:attr:`schedule`)."""
+        return self.schedule.every
+
+    @property
+    def _curv(self) -> list[Any]:
+        """The cached groups (:attr:`curvature`)."""
+        return self.curvature.groups
+
+    @property
+    def _K(self) -> list[Tensor]:
+        """The cached Grams (:attr:`curvature`)."""
+        return self.curvature.K
+
+    @property
+    def _chol(self) -> Optional[Tensor]:
+        """The cached factors (:attr:`curvature`)."""
+        return self.curvature.chol
+
+    @property
+    def _curv_sched(self) -> int:
+        """The schedule count of the last curvature step (:attr:`curvature`)."""
+        return self.curvature.sched
 
     def _groups_changed(self) -> None:
         """Parameters were added: the layers are re-read, the next step takes curvature."""
         self._layers = grouped_layers(self.model, self.param_groups)
-        self._curv, self._chol, self._chol_ok = [], None, None
-        self._graphs.clear()
+        self.curvature.clear()
+        self.graph_runner.clear()
+        self.distribution.reset(self)
 
     # ------------------------------------------------------------------ schedule
     def _needs_capture(self, step: int) -> bool:
         """Curvature as :attr:`schedule` says (skipped steps count: the skip is decided on
-        the device), when none is cached, and once more after the host saw a skipped one."""
-        taken = self.curvature_steps if self._curv else 0
-        return self._recapture or self.schedule.due(step, self._curv_sched, taken)
+        the device), when none is cached, and once more after a skipped one was seen."""
+        taken = self.curvature_steps if self.distribution.has_curvature(self) else 0
+        return self.curvature.recapture or self.schedule.due(step, self.curvature.sched, taken)
 
     def reuse_cost(self) -> tuple[float, float]:
         """``(flops, bytes)`` of the curvature work of a step without new curvature, from
-        the cached groups (:func:`tengrad_fx.optim.tengrad.group_cost.reuse_cost`); zeros
-        before the first curvature step or on the fused path."""
-        groups = [g for g in self._curv if isinstance(g, LayerGroup)]
+        the cached groups solved here (:func:`tengrad_fx.optim.tengrad.group_cost.reuse_cost`);
+        zeros before the first curvature step or on the fused path."""
+        groups = self.distribution.reuse_groups(self)
         return reuse_cost(groups) if groups else (0.0, 0.0)
 
     def _is_curvature_step(self) -> bool:
         return self._needs_capture(self._sched)
 
     def _on_seen_skip(self) -> None:
-        self._recapture = True
+        if not self.distribution.agreed_skips:
+            self.curvature.recapture = True
+
+    def _after_flags(self, stats_step: bool, ok: Tensor) -> None:
+        if self.distribution.agreed_skips and stats_step and not bool(ok):  # one host read of a shared flag
+            self.curvature.recapture = True
 
     def _mc_backward(self, outputs: Tensor, targets: Optional[Tensor], mask: Optional[Tensor]) -> None:
         """:meth:`mc_capture`'s backward: one of sampled labels (``fisher="mc"``), or one per
@@ -254,8 +286,8 @@ class TENGraD(CurvatureResume, ReuseGraphs, JacobianSites, StepSkeleton):
             gauss_newton_capture(self._info.store, outputs, weights, self._info.loss_reduction,
                                  loss_scale=self._loss_scale(), samples=self.curvature_samples)
         else:
-            mc_capture(self._info.store, outputs, self.mc_loss, weights, targets, self._loss_scale(), mask,
-                       self._mc_rng.get(outputs.device))
+            targets, generator = self.distribution.mc_sample(self, outputs, targets, mask)
+            mc_capture(self._info.store, outputs, self.mc_loss, weights, targets, self._loss_scale(), mask, generator)
 
     # ------------------------------------------------------------------ curvature
     def _subsampled(self) -> bool:
@@ -264,61 +296,19 @@ class TENGraD(CurvatureResume, ReuseGraphs, JacobianSites, StepSkeleton):
         return self.curvature_samples is not None and self._info.store.keep_samples(self.curvature_samples)
 
     def _refresh(self, damping: Damping) -> None:
-        """Grams and Cholesky factors of every covered layer from the store, by groups of
-        equal shape (:mod:`tengrad_fx.optim.tengrad.tengrad_groups`).
+        """Grams and Cholesky factors of every layer solved here from the store, by groups of
+        equal shape (:mod:`tengrad_fx.optim.tengrad.tengrad_groups`; the groups from
+        :meth:`~.distribution.SingleProcess.build_groups`).
 
         Layers the cost model materializes (within ``jacobian_budget_mb``) are marked in
         the store, so later capturing backwards compute their per-sample gradients in
         place of the weight gradient (``P``), and the Gram is ``P Pᵀ``.
         """
         t_start = time.perf_counter()
-        # the last curvature's stacks: a new capture of the same layers is copied into them
-        # (build_groups' reuse); the others are freed before new ones are made. A captured
-        # graph reads them: it stays valid while every group is the same tensors
-        old, self._curv, self._K = self._curv, [], []
-        reuse = previous_stacks([g for g in old if isinstance(g, LayerGroup)])
-        kept = old if self.cuda_graph else []
-        del old
-        groups, sites = build_groups(self._layers, self.strategy, self.jacobian_budget, self._uncaptured_sites(),
-                                     reuse=reuse, static=self.cuda_graph)
-        self._info.store.jacobian_sites = sites
-        if self.cuda_graph and not (len(kept) == len(groups) and all(o is n for o, n in zip(kept, groups))):
-            self._graph_version += 1
-        del kept
-        with tf32_matmuls(self.gram_tf32):
-            self._K = [grp.gram() for grp in groups]
+        self.distribution.build_groups(self)
         self._gram_seconds = time.perf_counter() - t_start
-        self._curv = groups
-        self._factorize(damping)
-
-    def _layer_dampings(self, damping: Damping) -> Any:
-        """``damping``, or the ``[L_total]`` ``α`` of the cached layers (group order)."""
-        return layer_dampings(damping, self.param_groups, [lay for grp in self._curv for lay in grp.layers])
-
-    def _factorize(self, damping: Damping) -> None:
-        """One batched Cholesky of every layer's ``K + mαI`` (all layers share ``m``; ``α``
-        per layer with per-group dampings)."""
-        groups: list[LayerGroup] = self._curv
-        old_chol, old_ok = self._chol, self._chol_ok
-        self._chol, self._chol_ok = None, None
-        if groups:
-            m = groups[0].m
-            if any(grp.m != m for grp in groups):
-                raise RuntimeError("TENGraD: covered layers captured different batch sizes")
-            K = self._K[0] if len(self._K) == 1 else torch.cat(self._K)
-            chol, ok = solve.damped_cholesky_ex(K, m * self._layer_dampings(damping), self.solve_dtype)
-            ok = ok.all()
-            if self.cuda_graph and old_chol is not None and old_ok is not None and old_chol.shape == chol.shape \
-                    and old_chol.dtype == chol.dtype:  # in place: static for a captured step (no copy without one)
-                chol, ok = old_chol.copy_(chol), old_ok.copy_(ok)
-            elif self.cuda_graph:
-                self._graph_version += 1
-            off = 0
-            for grp, K in zip(groups, self._K):
-                grp.chol = chol[off: off + K.shape[0]]
-                off += K.shape[0]
-            self._chol, self._chol_ok = chol, ok
-        self._curv_damping = damping
+        self.curvature.factorize(damping, self.param_groups)
+        self.distribution.after_factorize(self)
 
     # ------------------------------------------------------------------ step (skeleton hooks)
     def _check_capture(self, stats_step: bool) -> None:
@@ -329,92 +319,139 @@ class TENGraD(CurvatureResume, ReuseGraphs, JacobianSites, StepSkeleton):
             self._warned_accum = True
         self._last_generation = store.generation
 
-    def _updates(self, step: int, curvature_step: bool, mc_step: bool, damping: Damping) -> dict[Tensor, Tensor]:
-        updates = self._shape_updates(self._natural_updates(step, curvature_step, mc_step, damping))
+    def _updates(self, step: int, curvature_step: bool, mc_step: bool, damping: Damping) -> StepResult:
+        result = self._natural_updates(step, curvature_step, mc_step, damping)
+        result = self._shape_updates(result)
         now = time.perf_counter()
         self.timings["solve"] += now - self._t_apply
         self._t_apply = now
-        return updates
+        return result
 
-    def _natural_updates(self, step: int, curvature_step: bool, mc_step: bool,
-                         damping: Damping) -> dict[Tensor, Tensor]:
-        """``{param: u}``, ``u = (F + αI)⁻¹ g`` of its layer, for every covered parameter with a gradient."""
+    def _natural_updates(self, step: int, curvature_step: bool, mc_step: bool, damping: Damping) -> StepResult:
+        """``u = (F + αI)⁻¹ g`` of its layer for every covered parameter with a gradient
+        (shared by the :attr:`distribution`), with the step's flags."""
         t0 = time.perf_counter()
+        dist, cache = self.distribution, self.curvature
+        dist.begin(self, curvature_step)
+        t_begin = time.perf_counter()
         self._gram_seconds = 0.0
-        self._step_flag = None
-        self._ug = self._gsq = None
-        updates = None
         subsampled = curvature_step and self._subsampled()
         # push-through needs g = the captured batch's Jᵀ1: an empirical curvature step of the whole batch
-        push_through = curvature_step and not mc_step and not subsampled
-        if self.compile and curvature_step and not isinstance(damping, tuple):  # else: the modular path
-            fused = self._fused(self._layers, push_through and self.update_form == "auto", damping,
-                                self._info.loss_reduction, self.solve_dtype)
-            if fused is not None:  # keep the store's materialization choice as the modular path would
-                updates, self._step_flag, self._curv = fused
-                self._chol = None
-                self._mark_jacobian_sites()
+        push_through = curvature_step and not mc_step and not subsampled and self.update_form == "auto"
+        result = self._fused_updates(push_through, damping) if curvature_step else None
         t1 = time.perf_counter()
-        if updates is None:  # the modular path
-            if curvature_step or self._chol is None or not all(isinstance(g, LayerGroup) for g in self._curv):
+        if result is None:  # the modular path
+            if curvature_step or not cache.modular():
                 self._refresh(damping)
-            elif damping != self._curv_damping:
-                self._factorize(damping)
+            elif damping != cache.damping:
+                cache.factorize(damping, self.param_groups)
             t1 = time.perf_counter()
-            updates = self._precondition(push_through, damping)
-            self._step_flag = self._chol_ok
+            result = dist.precondition(self, push_through, damping)
         if curvature_step:
-            self._curv_sched = step
-            self._recapture = False
-        self._count_uncaptured(updates)
+            cache.sched, cache.recapture = step, False
+        self._count_uncaptured(result.updates)
         t2 = time.perf_counter()
-        self.timings = {"gram": self._gram_seconds, "factorize": t1 - t0 - self._gram_seconds,
-                        "solve": t2 - t1}
-        self._t_apply = t2
-        return updates
+        self.timings = {"gram": self._gram_seconds, "factorize": t1 - t_begin - self._gram_seconds, "solve": t2 - t1}
+        self._t_apply = t2  # the sharing and shaping of the updates count as "solve" (_updates)
+        result = dist.finish(self, result)
+        self.timings.update(dist.timings(t_begin - t0))
+        return result
 
-    def _shape_updates(self, updates: dict[Tensor, Tensor]) -> dict[Tensor, Tensor]:
+    def _fused_updates(self, push_through: bool, damping: Damping) -> Optional[StepResult]:
+        """A curvature step by the fused update (``compile``), None where it does not apply
+        (per-group dampings, or a layer without a fused form: the modular path)."""
+        if not self.compile or isinstance(damping, tuple):
+            return None
+        fused = self._fused(self._layers, push_through, damping, self._info.loss_reduction, self.solve_dtype)
+        if fused is None:
+            return None
+        updates, flag, self.curvature.groups = fused
+        self.curvature.chol = None
+        store = self._info.store  # keep the store's materialization choice as the modular path would
+        store.jacobian_sites = marked_jacobian_sites(self._layers, self.strategy, self.jacobian_budget,
+                                                     store.jacobian_sites)
+        return StepResult(updates, flag)
+
+    def _shape_updates(self, result: StepResult) -> StepResult:
         """The ``graft`` and ``orthogonalize`` options on the natural-gradient updates (of every
-        layer: a distributed optimizer shares the layers' updates first)."""
-        if self.graft is not None:  # Σ u·g of the rescaled updates: computed by the KL clip itself
+        layer: a distributed step shares the layers' updates first); ``Σ u·g`` is then the KL clip's."""
+        updates = result.updates
+        if self.graft is not None:
             params = self._group_params()
             if self.orthogonalize:  # a polar factor discards the grafted norm: those weights skip the graft
                 params = [p for p in params if not orthogonalized(p, updates)]
-            grafted = graft_updates(updates, params, self.state, self.graft, GRAFT_BETA2, GRAFT_EPS)
-            updates, self._ug = {**updates, **grafted}, None
+            updates = {**updates, **graft_updates(updates, params, self.state, self.graft, GRAFT_BETA2, GRAFT_EPS)}
         if self.orthogonalize:
-            updates, self._ug = orthogonalize_updates(updates, self.orthogonalize), None
-        return updates
-
-    def _device_flags(self) -> Optional[Tensor]:
-        return self._step_flag
-
-    def _update_dot(self) -> Optional[Tensor]:
-        return self._ug
-
-    def _checked_grads(self) -> Optional[Tensor]:
-        return self._gsq
+            updates = orthogonalize_updates(updates, self.orthogonalize)
+        if updates is result.updates:
+            return result
+        return StepResult(updates, result.ok, None, result.grad_sq)
 
     def _after_update(self, stats_step: bool, closure: Optional[Callable[[], Tensor]]) -> None:
         if self.timings:
             self.timings["apply"] = time.perf_counter() - self._t_apply
 
-    def _precondition(self, push_through: bool, damping: Damping) -> dict[Tensor, Tensor]:
-        """``{param: u}`` for every parameter with a gradient of every covered layer
-        (:func:`tengrad_fx.optim.tengrad.tengrad_groups.precondition_groups` over the cached groups
-        and factors; the push-through form on empirical curvature steps, ``push_through``)."""
-        groups: list[LayerGroup] = self._curv
-        if not groups or self._chol is None:
-            return {}
-        out, dots = precondition_groups(groups, self._chol, push_through and self.update_form == "auto",
-                                        self._layer_dampings(damping), self._info.loss_reduction,
-                                        dot=self.kl_clip is not None)
-        if dots is not None:
-            self._ug, self._gsq = dots
-        return out
+    def _run_device(self, stats_step: bool, fn: Callable[[Optional[Sequence[Tensor]]], Tensor]) -> Tensor:
+        """Reuse steps with ``cuda_graph``: static gradients and lrs, then the graph of this
+        kind (:class:`~.graphs.GraphRunner`); else eagerly."""
+        runner = self.graph_runner
+        params = runner.params(stats_step, self.curvature.chol is not None, self.param_groups, self.state)
+        if params is None:
+            return fn(None)
+        # a replay runs no Python of the step: its whole device time is reported as "apply"
+        self.timings, self._t_apply = {"gram": 0.0, "factorize": 0.0, "solve": 0.0}, time.perf_counter()
+        return runner.run(params, self.param_groups, self.kl_clip, self.curvature.version, fn)
 
     def _count_uncaptured(self, updates: dict[Tensor, Tensor]) -> None:
-        """Layers with a weight gradient but no curvature (not called, or called with
-        capture off, on this step's capture): their SGD-momentum updates are counted."""
-        weights = (lay.weight for lay in self._layers)
+        """Layers solved here with a weight gradient but no curvature (not called, or called
+        with capture off, on this step's capture): their SGD-momentum updates are counted."""
+        weights = (lay.weight for lay in self.distribution.solve_layers(self))
         self._add_uncaptured(sum(1 for w in weights if w.requires_grad and w.grad is not None and w not in updates))
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, momentum buffers, which layers the backward materializes, and (with
+        ``curvature_every > 1``, when the next step reuses curvature and the distribution
+        keeps records) the curvature records that step needs (:mod:`.resume`), so a resumed
+        run continues bit for bit. Saved as a ``TENGraD`` state (any distribution loads it)."""
+        sd = super().state_dict()
+        sd["state"][self.NAME]["jacobian_sites"] = sorted(self._info.store.jacobian_sites)
+        if self.distribution.saves_records and self.curvature_every > 1 and not self._needs_capture(self._sched):
+            sd["curvature"] = {"sched": self.curvature.sched, "damping": self.curvature.damping,
+                               "records": save_records(self._info.store, self._layers)}
+        sd[META] = {**sd[META], "optimizer": "TENGraD"}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load counters, momentum buffers and the saved curvature records (if any, and if
+        the distribution keeps them; else the next step takes curvature: capture is switched
+        on). Refuses another optimizer's state, parameter layout or materialization (``ValueError``)."""
+        sd = dict(state_dict)
+        curv = sd.pop("curvature", None)
+        if isinstance(sd.get(META), dict) and sd[META].get("optimizer") == "TENGraD":
+            sd[META] = {**sd[META], "optimizer": type(self).__name__}
+        self.distribution.reset(self)
+        super().load_state_dict(sd)
+        self._info.store.jacobian_sites = set(self.state[self.NAME].get("jacobian_sites", []))
+        self.curvature.groups = []  # the factors stay (refilled in place by a static factorization)
+        self.graph_runner.clear()
+        if curv is not None and self.distribution.saves_records:
+            self._restore_curvature(curv)
+        capturing(self.model, self._needs_capture(self._sched))
+
+    def _restore_curvature(self, curv: dict[str, Any]) -> None:
+        """Put saved records back into the capture store and rebuild the cached curvature
+        from them (as the curvature step that captured them did)."""
+        store = self._info.store
+        restore_records(store, self._layers, curv["records"])
+        self._last_generation = store.generation
+        self._subsampled()
+        self._refresh(curv["damping"])
+        self.curvature.sched, self.curvature.recapture = int(curv["sched"]), False
+
+    def _layout_meta(self) -> dict[str, Any]:
+        return materialization_meta(self.strategy, self.jacobian_budget_mb, self._layers,
+                                    self._info.store.jacobian_sites)
+
+    def _check_layout_meta(self, meta: dict[str, Any]) -> None:
+        check_materialization(meta, self.strategy, self.jacobian_budget_mb, self._layers)

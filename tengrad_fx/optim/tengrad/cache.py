@@ -1,0 +1,103 @@
+"""TENGraD's curvature between steps: the layer groups of the last curvature step, their
+Grams ``K = J Jᵀ`` and batched Cholesky factors of ``K + mαI``, and where that step was in
+the schedule.
+
+With ``static`` (a CUDA graph replays the reuse steps, :mod:`.graphs`) a new
+factorization of the same shape is copied into the previous factor's memory, and
+:attr:`CurvatureCache.version` bumps whenever a tensor a captured step reads is replaced.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from ... import solve
+from ...curvature.layer import CoveredLayer
+from ..step.param_groups import Damping, layer_dampings
+from .tengrad_groups import LayerGroup, tf32_matmuls
+
+__all__ = ["CurvatureCache"]
+
+
+class CurvatureCache:
+    """The cached curvature (module docstring).
+
+    Attributes:
+        groups: :class:`~.tengrad_groups.LayerGroup` s (modular path) or ``(params, m)``
+            (fused path) of the last curvature step.
+        K: each group's Gram, ``[L_g, m, m]``.
+        chol: ``[L_total, m, m]``: every layer's factor, group order (None: none cached).
+        ok: device ``bool``: every cached factor is valid.
+        damping: the damping ``chol`` was factorized with.
+        sched: the schedule count of the last curvature step.
+        recapture: the next step takes curvature whatever the schedule (a skipped one was seen).
+        version: bumped when a static tensor of a captured step is replaced.
+    """
+
+    def __init__(self, solve_dtype: Optional[torch.dtype], gram_tf32: bool, static: bool):
+        self.solve_dtype, self.gram_tf32, self.static = solve_dtype, gram_tf32, static
+        self.groups: list[Any] = []
+        self.K: list[Tensor] = []
+        self.chol: Optional[Tensor] = None
+        self.ok: Optional[Tensor] = None
+        self.damping: Optional[Damping] = None
+        self.sched = 0
+        self.recapture = False
+        self.version = 0
+
+    def clear(self) -> None:
+        """No curvature cached: the next step takes it."""
+        self.groups, self.chol, self.ok = [], None, None
+
+    def release(self) -> list[Any]:
+        """The cached groups, no longer held here (their stacks may be refilled by the next build)."""
+        old, self.groups, self.K = self.groups, [], []
+        return old
+
+    def layers(self) -> list[CoveredLayer]:
+        """The cached layers, group order."""
+        return [lay for grp in self.groups for lay in grp.layers]
+
+    def modular(self) -> bool:
+        """Factors of :class:`LayerGroup` s are cached (the modular path can reuse them)."""
+        return self.chol is not None and all(isinstance(g, LayerGroup) for g in self.groups)
+
+    def set_groups(self, groups: list[LayerGroup], kept: Sequence[Any] = ()) -> None:
+        """Cache ``groups`` and their Grams (``kept``: the previous groups, for the version)."""
+        if self.static and not (len(kept) == len(groups) and all(o is n for o, n in zip(kept, groups))):
+            self.version += 1
+        with tf32_matmuls(self.gram_tf32):
+            self.K = [grp.gram() for grp in groups]
+        self.groups = groups
+
+    def factorize(self, damping: Damping, param_groups: list[dict[str, Any]]) -> None:
+        """One batched Cholesky of every layer's ``K + mαI`` (all layers share ``m``; ``α``
+        per layer with per-group dampings, :func:`~..step.param_groups.layer_dampings`)."""
+        groups: list[LayerGroup] = self.groups
+        old_chol, old_ok = self.chol, self.ok
+        self.chol, self.ok = None, None
+        if groups:
+            m = groups[0].m
+            if any(grp.m != m for grp in groups):
+                raise RuntimeError("TENGraD: covered layers captured different batch sizes")
+            K = self.K[0] if len(self.K) == 1 else torch.cat(self.K)
+            alphas = layer_dampings(damping, param_groups, self.layers())
+            chol, ok = solve.damped_cholesky_ex(K, m * alphas, self.solve_dtype)
+            ok = ok.all()
+            if self.static and old_chol is not None and old_ok is not None and old_chol.shape == chol.shape \
+                    and old_chol.dtype == chol.dtype:  # in place: static for a captured step (no copy without one)
+                chol, ok = old_chol.copy_(chol), old_ok.copy_(ok)
+            elif self.static:
+                self.version += 1
+            off = 0
+            for grp, Kg in zip(groups, self.K):
+                grp.chol = chol[off: off + Kg.shape[0]]
+                off += Kg.shape[0]
+            self.chol, self.ok = chol, ok
+        self.damping = damping
+
+    def dampings(self, damping: Damping, param_groups: list[dict[str, Any]]) -> Any:
+        """``damping``, or the ``[L_total]`` ``α`` of the cached layers (group order)."""
+        return layer_dampings(damping, param_groups, self.layers())

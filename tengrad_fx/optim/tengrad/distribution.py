@@ -1,0 +1,148 @@
+"""How TENGraD spreads a step over processes: a strategy object passed as
+``TENGraD(..., distribution=...)``. :class:`SingleProcess` (the default) is one process and
+the Fisher of its batch; :class:`tengrad_fx.distributed.GlobalBatch` is the global batch's
+Fisher over a ``torch.distributed`` job.
+
+TENGraD runs the schedule, the curvature cache, the fused and CUDA-graph paths, the update's
+shaping (graft, orthogonalize) and the shared step itself for every strategy; a strategy
+says which layers this process solves and how (``build_groups``, ``precondition``), what
+moves before and after (``begin``, ``finish``), and how ranks agree on skips.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Protocol
+
+import torch
+from torch import Tensor
+
+from ...capture.info import PrepareInfo
+from ...curvature.layer import CoveredLayer
+from ..step.param_groups import Damping
+from ..step.mc import SampleRNG
+from ..step.result import StepResult
+from .cache import CurvatureCache
+from .group_build import build_groups, previous_stacks
+from .jacobian_sites import initial_jacobian_sites, uncaptured_sites
+from .tengrad_groups import LayerGroup, precondition_groups
+
+__all__ = ["SingleProcess", "Host"]
+
+
+class Host(Protocol):
+    """What a strategy reads of its :class:`~.tengrad.TENGraD` (and nothing else)."""
+
+    @property
+    def _layers(self) -> list[CoveredLayer]: ...  # every covered layer whose weight is in a group
+    @property
+    def _info(self) -> PrepareInfo: ...
+    @property
+    def _mc_rng(self) -> SampleRNG: ...
+    @property
+    def curvature(self) -> CurvatureCache: ...
+    @property
+    def param_groups(self) -> list[dict[str, Any]]: ...
+    @property
+    def strategy(self) -> Literal["auto", "factor", "materialize"]: ...
+    @property
+    def jacobian_budget(self) -> Optional[float]: ...
+    @property
+    def kl_clip(self) -> Optional[float]: ...
+    @property
+    def mc_loss(self) -> Literal["cross_entropy", "mse"]: ...
+    @property
+    def curvature_every(self) -> int: ...
+    def _group_params(self) -> list[Tensor]: ...
+
+
+class SingleProcess:
+    """One process: the curvature of this process's batch, every layer solved here.
+
+    Class attributes a strategy sets:
+        saves_records: ``state_dict`` keeps the curvature records (bit-identical resume).
+        agreed_skips: a skipped curvature step is re-taken as decided from the step's flag
+            on curvature steps (one host read of a flag all ranks share); False: when the
+            host first sees a skip (the non-blocking mirror, no read).
+        capturable: the step may run as a CUDA graph (``cuda_graph=None`` turns it on for
+            CUDA parameters only where it is).
+    """
+
+    saves_records = True
+    agreed_skips = False
+    capturable = True
+
+    def check(self, options: dict[str, Any]) -> None:
+        """``ValueError`` naming a TENGraD option (``options``: name -> value given) this
+        strategy does not run; all run here."""
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The prepared model the optimizer reads (``model`` itself here)."""
+        return model
+
+    def bind(self, opt: Host) -> None:
+        """Called once by TENGraD's constructor, after its options and layers are set."""
+
+    def reset(self, opt: Host) -> None:
+        """The layers changed or a state was loaded: forget what was planned."""
+
+    def initial_sites(self, opt: Host) -> set[int]:
+        """The sites the first backward materializes (:mod:`.jacobian_sites`)."""
+        return initial_jacobian_sites(opt._layers, opt.strategy, opt.jacobian_budget)
+
+    def has_curvature(self, opt: Host) -> bool:
+        """Is there curvature to reuse (else the next step takes it, whatever the schedule)?"""
+        return bool(opt.curvature.groups)
+
+    def mc_sample(self, opt: Host, outputs: Tensor, targets: Optional[Tensor],
+                  mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[torch.Generator]]:
+        """The MC targets (None: sampled by :func:`~..step.mc.mc_capture`) and its generator."""
+        return targets, opt._mc_rng.get(outputs.device)
+
+    def begin(self, opt: Host, curvature_step: bool) -> None:
+        """Before the step's curvature work (records move here on curvature steps)."""
+
+    def solve_layers(self, opt: Host) -> list[CoveredLayer]:
+        """The layers this process solves (their uncaptured weights are counted)."""
+        return opt._layers
+
+    def build_groups(self, opt: Host) -> list[LayerGroup]:
+        """The groups of a curvature step, the last step's stacks refilled where the same
+        layers were captured again (freed first otherwise); the store's materialized sites set."""
+        cache, store = opt.curvature, opt._info.store
+        old = cache.release()
+        reuse = previous_stacks([g for g in old if isinstance(g, LayerGroup)])
+        kept = old if cache.static else []
+        del old
+        groups, sites = build_groups(opt._layers, opt.strategy, opt.jacobian_budget,
+                                     uncaptured_sites(opt._layers, store.jacobian_sites), reuse=reuse,
+                                     static=cache.static)
+        store.jacobian_sites = sites
+        cache.set_groups(groups, kept)
+        return groups
+
+    def after_factorize(self, opt: Host) -> None:
+        """After a curvature step's factorization."""
+
+    def precondition(self, opt: Host, push_through: bool, damping: Damping) -> StepResult:
+        """``{param: u}`` of every covered layer with a gradient, from the cached groups and
+        factors (:func:`.tengrad_groups.precondition_groups`; ``Σ u·g`` and the gradients'
+        ``Σ‖g‖²`` from its ``m``-vectors when the KL clip wants them)."""
+        cache = opt.curvature
+        if not cache.groups or cache.chol is None:
+            return StepResult({}, cache.ok)
+        alphas = cache.dampings(damping, opt.param_groups)
+        out, dots = precondition_groups(cache.groups, cache.chol, push_through, alphas, opt._info.loss_reduction,
+                                        dot=opt.kl_clip is not None)
+        ug, gsq = dots if dots is not None else (None, None)
+        return StepResult(out, cache.ok, ug, gsq)
+
+    def finish(self, opt: Host, result: StepResult) -> StepResult:
+        """The step's result as every process applies it (updates shared, flags agreed)."""
+        return result
+
+    def timings(self, begin_seconds: float) -> dict[str, float]:
+        """More entries of ``opt.timings`` for this step (``begin_seconds``: :meth:`begin`'s)."""
+        return {}
+
+    def reuse_groups(self, opt: Host) -> list[LayerGroup]:
+        """The cached groups a reuse step solves here (:meth:`TENGraD.reuse_cost`)."""
+        return [g for g in opt.curvature.groups if isinstance(g, LayerGroup)]

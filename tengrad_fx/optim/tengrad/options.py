@@ -1,0 +1,106 @@
+"""TENGraD's grouped options: the schedule (:class:`~.schedule.CurvatureSchedule`, or an int
+``T``) and :class:`Execution` (how the update is computed: same maths, other speed/memory),
+given next to the flat keywords they group. A field given both ways with different values
+is a ``ValueError`` naming it (a flat keyword left at its default defers to the object)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal, Optional
+
+import torch
+
+from ..step.checks import check_choice, check_nonneg
+from .schedule import CurvatureSchedule
+
+__all__ = ["Execution", "CurvatureSchedule", "resolve_schedule", "resolve_execution", "jacobian_budget_bytes",
+           "use_cuda_graph"]
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How TENGraD computes its update (:class:`~.tengrad.TENGraD`'s arguments of the same names).
+
+    Attributes:
+        strategy: Gram strategy for all layers: ``"auto"``, ``"factor"``, ``"materialize"``.
+        jacobian_budget_mb: MiB for the ``J`` kept between steps (None: each layer's own bound).
+        compile: the fused update under ``torch.compile`` (True, or a backend name / callable).
+        cuda_graph: reuse steps as replayed CUDA graphs (None: on for CUDA parameters).
+        gram_tf32: curvature steps' float32 Grams with TF32 on CUDA.
+        solve_dtype: dtype of the ``m × m`` Cholesky (None: the parameters').
+    """
+
+    strategy: Literal["auto", "factor", "materialize"] = "auto"
+    jacobian_budget_mb: Optional[float] = None
+    compile: Any = False
+    cuda_graph: Optional[bool] = None
+    gram_tf32: bool = False
+    solve_dtype: Optional[torch.dtype] = None
+
+    def __post_init__(self) -> None:
+        check_choice("strategy", self.strategy, ("auto", "factor", "materialize"))
+        if self.jacobian_budget_mb is not None:
+            check_nonneg("jacobian_budget_mb", self.jacobian_budget_mb)
+
+
+def _merged(kind: str, obj: Any, default: Any, flat: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    """``obj``'s fields, with each flat keyword that differs from its default; a flat value
+    that differs from a field the object sets (not at its default) is a ``ValueError``."""
+    out = {}
+    for attr, flat_name in names.items():
+        mine, base, given = getattr(obj, attr), getattr(default, attr), flat[flat_name]
+        if given != base and mine != base and given != mine:
+            raise ValueError(f"TENGraD: {flat_name}={given!r} conflicts with {kind}.{attr}={mine!r}; "
+                             "give it one way")
+        out[attr] = given if given != base else mine
+    return out
+
+
+_SCHEDULE = {"every": "curvature_every", "warmup": "curvature_warmup", "growth": "curvature_growth"}
+
+
+def resolve_schedule(schedule: int | CurvatureSchedule | None, flat: dict[str, Any]) -> CurvatureSchedule:
+    """The :class:`CurvatureSchedule` of ``schedule`` (an int: ``curvature_every``) and the
+    flat ``curvature_every`` / ``curvature_warmup`` / ``curvature_growth``."""
+    if schedule is None:
+        return CurvatureSchedule(flat["curvature_every"], flat["curvature_warmup"], flat["curvature_growth"])
+    if isinstance(schedule, int) and not isinstance(schedule, bool):
+        schedule = CurvatureSchedule(schedule)
+    if not isinstance(schedule, CurvatureSchedule):
+        raise TypeError(f"TENGraD: schedule must be an int (curvature_every) or a CurvatureSchedule, "
+                        f"got {type(schedule).__name__}")
+    return CurvatureSchedule(**_merged("schedule", schedule, CurvatureSchedule(), flat, _SCHEDULE))
+
+
+def resolve_execution(execution: Optional[Execution], flat: dict[str, Any]) -> Execution:
+    """The :class:`Execution` of ``execution`` and the flat keywords of the same names."""
+    if execution is None:
+        return Execution(**{f.name: flat[f.name] for f in fields(Execution)})
+    if not isinstance(execution, Execution):
+        raise TypeError(f"TENGraD: execution must be an Execution, got {type(execution).__name__}")
+    return replace(execution, **_merged("execution", execution, Execution(), flat,
+                                        {f.name: f.name for f in fields(Execution)}))
+
+
+
+def jacobian_budget_bytes(ex: Execution) -> Optional[float]:
+    """The bytes all kept ``J`` may take: ``jacobian_budget_mb``, or with
+    ``strategy="materialize"`` (every layer asked for as ``J``) a flat 1024 MiB; None: no
+    shared budget (each layer's own bound)."""
+    budget = ex.jacobian_budget_mb
+    if budget is None and ex.strategy == "materialize":
+        budget = 1024.0
+    return None if budget is None else budget * 2**20
+
+
+def use_cuda_graph(ex: Execution, eigh: bool, capturable: bool, on_cuda: bool) -> bool:
+    """``ex.cuda_graph``, or its default (None): on for parameters on a CUDA device (``on_cuda``)
+    where the distribution allows it (``capturable``), off under an eigh polar factor (``eigh``:
+    ``orthogonalize=True``, whose cuSOLVER call cannot be captured; ``cuda_graph=True`` there
+    is a ``ValueError``)."""
+    if ex.cuda_graph and eigh:
+        raise ValueError("TENGraD(orthogonalize=True, cuda_graph=True): the polar factor's eigendecomposition "
+                         "(cuSOLVER) cannot be captured in a CUDA graph; pass cuda_graph=False or leave it None "
+                         "(off with orthogonalize), or orthogonalize='newton-schulz' (capturable)")
+    if ex.cuda_graph is None:
+        return not eigh and capturable and on_cuda
+    return bool(ex.cuda_graph)

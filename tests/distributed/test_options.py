@@ -1,0 +1,188 @@
+"""Every public option of ``TENGraD`` through ``DistributedTENGraD`` (2 gloo ranks, spawned,
+float64): each one either gives the update of single-process ``TENGraD`` on the
+concatenated batch (``≤ 1e-10`` relative per step, the same curvature steps) or is refused
+with a clear ``ValueError`` at construction. One spawn runs every configuration in turn.
+
+:data:`COVERED` lists which configuration exercises each keyword of ``TENGraD``'s
+signature; a keyword missing from it fails :func:`test_every_option_is_covered`, so an
+option added to ``TENGraD`` cannot go untested (or silently ignored) on the distributed path.
+"""
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from testing.dist_workers import flat_params, global_batch, make_model
+from testing.distributed import run_ranks
+
+TOL = 1e-10
+BASE = dict(lr=0.1, damping=0.05)
+
+RUNS: dict[str, dict[str, Any]] = {
+    "warmup": dict(steps=7, opts=dict(curvature_every=3, curvature_warmup=3, momentum=0.5, weight_decay=1e-3,
+                                      kl_clip=0.01)),
+    "growth": dict(steps=8, opts=dict(curvature_every=4, curvature_growth=2.0)),
+    "growth-gram-blocks": dict(steps=7, mode="gram-blocks", opts=dict(curvature_every=3, curvature_growth=1.5,
+                                                                      curvature_warmup=2)),
+    "grouped-config": dict(steps=5, opts=dict(schedule="every3-warmup1", execution="factor-float64")),
+    "graft-orth-woodbury": dict(steps=4, opts=dict(curvature_every=2, graft="sgd", orthogonalize="newton-schulz",
+                                                   update_form="woodbury", kl_clip=None)),
+    "mc-mse-materialize": dict(steps=4, opts=dict(curvature_every=2, fisher="mc", mc_loss="mse", kl_clip=None,
+                                                  strategy="materialize", jacobian_budget_mb=1.0)),
+    "tf32-no-graph-no-momentum": dict(steps=3, opts=dict(curvature_every=2, gram_tf32=True, cuda_graph=False,
+                                                         compile=False, momentum=0.0, solve_dtype=torch.float64)),
+    "params-groups": dict(steps=4, opts=dict(curvature_every=2, params="two-groups")),
+    "grad-scaler": dict(steps=4, scaler=True, opts=dict(curvature_every=2, fisher="mc")),
+}
+REFUSED: dict[str, dict[str, Any]] = {
+    "compile": dict(compile=True),
+    "cuda_graph": dict(cuda_graph=True),
+    "curvature_samples": dict(curvature_samples=4),
+    "fisher": dict(fisher="gauss-newton"),
+    "distribution": dict(distribution="single-process"),
+}
+COVERED = {
+    "momentum": "warmup", "weight_decay": "warmup", "curvature_every": "warmup", "curvature_warmup": "warmup",
+    "curvature_growth": "growth", "graft": "graft-orth-woodbury", "orthogonalize": "graft-orth-woodbury",
+    "curvature_samples": "refused", "fisher": "mc-mse-materialize", "mc_loss": "mc-mse-materialize",
+    "kl_clip": "warmup", "update_form": "graft-orth-woodbury", "solve_dtype": "tf32-no-graph-no-momentum",
+    "jacobian_budget_mb": "mc-mse-materialize", "strategy": "mc-mse-materialize",
+    "compile": "refused", "cuda_graph": "refused", "gram_tf32": "tf32-no-graph-no-momentum",
+    "grad_scaler": "grad-scaler", "params": "params-groups", "schedule": "grouped-config",
+    "execution": "grouped-config", "distribution": "refused",
+}
+
+
+def _options(net: torch.nn.Module, opts: dict[str, Any], scaler: Optional[Any]) -> dict[str, Any]:
+    """``opts`` with the placeholders made real (config objects, param groups, the scaler)."""
+    import tengrad_fx
+    from tengrad_fx.optim.tengrad.distribution import SingleProcess
+    out = dict(opts)
+    if out.get("schedule") == "every3-warmup1":
+        out["schedule"] = tengrad_fx.CurvatureSchedule(every=3, warmup=1)
+    if out.get("execution") == "factor-float64":
+        out["execution"] = tengrad_fx.Execution(strategy="factor", solve_dtype=torch.float64)
+    if out.get("params") == "two-groups":
+        named = list(net.named_parameters())
+        out["params"] = [{"params": [p for n, p in named if not n.startswith("4.")]},
+                         {"params": [p for n, p in named if n.startswith("4.")], "lr": 0.05, "damping": 0.3}]
+    if out.get("distribution") == "single-process":
+        out["distribution"] = SingleProcess()
+    if scaler is not None:
+        out["grad_scaler"] = scaler
+    return out
+
+
+def _train(opt: Any, net: torch.nn.Module, fwd: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
+           scaler: Optional[Any], targets: Optional[list[Optional[torch.Tensor]]] = None) -> dict[str, Any]:
+    """Steps over ``batches``: parameters after each, curvature flags, the MC targets drawn."""
+    traj, curv, drawn = [flat_params(net)], [], []
+    for k, (x, y) in enumerate(batches):
+        curv.append(opt._is_curvature_step())
+        out = fwd(x)
+        loss = F.cross_entropy(out, y)
+        opt.zero_grad()
+        opt.mc_capture(out, None if targets is None else targets[k])
+        drawn.append(getattr(opt, "last_mc_targets", None))
+        if hasattr(opt, "last_mc_targets"):
+            opt.last_mc_targets = None
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        traj.append(flat_params(net))
+    return {"traj": traj, "curv": curv, "targets": drawn, "curvature_steps": opt.curvature_steps}
+
+
+def option_ranks(rank: int, world: int, runs: dict[str, dict[str, Any]], refused: dict[str, dict[str, Any]],
+                 m: int) -> dict[str, Any]:
+    """On each rank: every run of ``runs`` (``DistributedTENGraD`` on this rank's shard),
+    and the error each ``refused`` option raises at construction (None: none raised)."""
+    import tengrad_fx
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from tengrad_fx.distributed import DistributedTENGraD
+    out: dict[str, Any] = {"runs": {}, "refused": {}}
+    for name, opts in refused.items():
+        net = tengrad_fx.prepare(make_model("mlp"))
+        try:
+            DistributedTENGraD(DDP(net), mode="gather", placement="owner", **BASE, **_options(net, opts, None))
+            out["refused"][name] = None
+        except ValueError as exc:
+            out["refused"][name] = str(exc)
+    for name, run in runs.items():
+        net = tengrad_fx.prepare(make_model("mlp"))
+        ddp = DDP(net)
+        scaler = torch.amp.GradScaler("cpu", init_scale=16.0) if run.get("scaler") else None
+        opt = DistributedTENGraD(ddp, mode=run.get("mode", "gather"), placement="owner", **BASE,
+                                 **_options(net, run["opts"], scaler))
+        batches = [global_batch("mlp", world * m, k) for k in range(run["steps"])]
+        batches = [(x[rank * m:(rank + 1) * m], y[rank * m:(rank + 1) * m]) for x, y in batches]
+        out["runs"][name] = _train(opt, net, ddp, batches, scaler)
+    return out
+
+
+def _single(run: dict[str, Any], M: int, targets: list[Optional[torch.Tensor]]) -> dict[str, Any]:
+    import tengrad_fx
+    net = tengrad_fx.prepare(make_model("mlp"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0) if run.get("scaler") else None
+    opt = tengrad_fx.TENGraD(net, **BASE, **_options(net, run["opts"], scaler))
+    batches = [global_batch("mlp", M, k) for k in range(run["steps"])]
+    return _train(opt, net, net, batches, scaler, targets)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    d: Path = tmp_path_factory.mktemp("options")
+    return run_ranks(option_ranks, 2, d, RUNS, REFUSED, 3)
+
+
+def test_every_option_is_covered() -> None:
+    """Each keyword of ``TENGraD`` (after ``model, lr, damping``) names a run or a refusal here."""
+    from tengrad_fx import TENGraD
+    params = list(inspect.signature(TENGraD.__init__).parameters.values())[4:]
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params)
+    missing = sorted(p.name for p in params if p.name not in COVERED)
+    assert not missing, f"TENGraD options without a distributed check here: {missing}"
+    for name, where in COVERED.items():
+        assert where in RUNS or (where == "refused" and name in REFUSED), (name, where)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_option_gives_the_global_batch_update(ranks: list[dict[str, Any]], name: str) -> None:
+    run = RUNS[name]
+    got = [r["runs"][name] for r in ranks]
+    targets = [None if got[0]["targets"][k] is None else torch.cat([g["targets"][k] for g in got])
+               for k in range(run["steps"])]
+    ref = _single(run, 2 * 3, targets)
+    assert got[0]["curv"] == got[1]["curv"] == ref["curv"], "curvature steps differ from single-process TENGraD"
+    assert got[0]["curvature_steps"] == ref["curvature_steps"]
+    for k in range(1, run["steps"] + 1):
+        d, dr = got[0]["traj"][k] - got[0]["traj"][k - 1], ref["traj"][k] - ref["traj"][k - 1]
+        err = ((d - dr).norm() / dr.norm()).item()
+        assert err <= TOL, f"step {k - 1}: relative error {err:.2e} of the update vs the global-batch one"
+        assert torch.equal(got[1]["traj"][k], got[0]["traj"][k]), f"the ranks differ after step {k - 1}"
+
+
+def test_schedule_options_change_the_curvature_steps(ranks: list[dict[str, Any]]) -> None:
+    """The schedule runs the warm-up and growth on the distributed path (the check above
+    would pass with a schedule ignored on both sides; these are the intended steps)."""
+    runs = ranks[0]["runs"]
+    assert runs["warmup"]["curv"] == [True, True, True, False, False, True, False]
+    assert runs["growth"]["curv"] == [True, False, True, False, False, False, True, False]
+    assert runs["grouped-config"]["curv"] == [True, False, False, True, False]
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_unsupported_option_is_a_clear_error(ranks: list[dict[str, Any]], name: str) -> None:
+    for r in ranks:
+        msg = r["refused"][name]
+        assert msg is not None, f"{name} was accepted"
+        assert name in msg and "DistributedTENGraD" in msg, msg
