@@ -138,7 +138,7 @@ def test_gram_blocks_call_the_form_kernels(calls: Counter, one_rank: Any, form: 
 
     got, opt = _train(lambda pm: DistributedTENGraD(pm, lr=0.1, damping=0.05, mode="gram-blocks", curvature_every=1,
                                                     kl_clip=None, **SETTINGS[form]))
-    assert opt._n_gather == 0 and opt._curv, "every layer in gram-blocks"
+    assert opt.distribution._n_gather == 0 and opt._curv, "every layer in gram-blocks"
     n = _only(calls, form)
     assert n["gram"] > 0 and n["jvp"] > 0 and n["vjp"] > 0, n  # the Gram, J_a g and J_aᵀ c_a
     ref, _ = _train(_tengrad(**SETTINGS[form]))
