@@ -175,6 +175,11 @@ def exactness(orig: nn.Module, prepared: nn.Module, x: Tensor, y: Tensor, tol: f
     return "yes"
 
 
+def _first_line(e: Exception) -> str:
+    lines = str(e).splitlines()
+    return f"{type(e).__name__}: {lines[0][:140] if lines else ''}"
+
+
 def sweep_one(model_type: str, kind: str, check: bool = True, timeout: int = 120) -> Row:
     """Build, prepare and (``check``) verify one family; any failure becomes ``skipped``."""
     import copy
@@ -191,7 +196,7 @@ def sweep_one(model_type: str, kind: str, check: bool = True, timeout: int = 120
             with torch.no_grad():
                 model(**tokens(x))
         except Exception as e:
-            row.skipped = f"does not build/run tiny: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            row.skipped = f"does not build/run tiny: {_first_line(e)}"
             return row
         orig = copy.deepcopy(model)
         with warnings.catch_warnings():
@@ -207,7 +212,7 @@ def sweep_one(model_type: str, kind: str, check: bool = True, timeout: int = 120
         if check:
             row.exact = exactness(orig, prepared, x, y)
     except Exception as e:
-        row.skipped = f"prepare/check failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        row.skipped = f"prepare/check failed: {_first_line(e)}"
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
@@ -219,7 +224,8 @@ def families(kind: str) -> list[str]:
     (``seqcls``) auto mapping."""
     from transformers.models.auto import modeling_auto as ma
 
-    names = ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if kind == "causal" else ma.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+    names = (ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if kind == "causal"
+             else ma.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES)
     return sorted(names)
 
 

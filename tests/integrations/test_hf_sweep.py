@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tools import hf_sweep  # noqa: E402
+from tools import hf_sweep
 
 # (family, head): each fully covered and exact
 FAST = [("gpt2", "causal"), ("llama", "causal"), ("qwen2", "causal"), ("phi", "causal"),
