@@ -23,6 +23,7 @@ OURS = "tengrad_fx_capture_arg"
 # reading only these attributes of a covered weight does not use its value
 _META_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout"}
 _META_METHODS = {"size", "dim", "numel", "type", "get_device"}
+META_ATTRS, META_METHODS = frozenset(_META_ATTRS), frozenset(_META_METHODS)  # for other capture modules
 
 
 def reads_value(node: fx.Node) -> bool:

@@ -12,6 +12,7 @@ import torch.nn as nn
 from . import embedding, norm, ops
 from .added import cover_added_params
 from .inputs import leading_dim
+from .lookups import cover_overriding_lookups
 from .match import LayerSpec, match_module, pad_same_input, spec_args
 from .norm import NORM_KINDS
 from .output_hook import maybe_attach
@@ -36,6 +37,7 @@ def prepare_surgery(model: nn.Module, candidates: dict[str, nn.Module], fallback
     if added_params:
         covered = {id(p) for mod in candidates.values() for p in mod.parameters(recurse=False)}
         layers += cover_added_params(model, covered, fallback, store)
+    layers += cover_overriding_lookups(model, fallback, store)
     model.__class__ = _output_class(type(model))
     model.__dict__["_tengrad_output_key"] = store.key
     model.__dict__["_tengrad_store"] = store

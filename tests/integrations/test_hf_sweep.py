@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 from tools import hf_sweep
 
 # (family, head): each fully covered and exact
-FAST = [("gpt2", "causal"), ("llama", "causal"), ("qwen2", "causal"), ("phi", "causal"),
+FAST = [("gpt2", "causal"), ("llama", "causal"), ("opt", "causal"), ("gemma", "causal"), ("falcon", "causal"),
         ("bert", "seqcls"), ("mistral", "seqcls")]
 
 
