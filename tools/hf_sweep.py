@@ -148,7 +148,7 @@ def _batch(model: nn.Module, kind: str, m: int = 3, t: int = 5) -> tuple[Tensor,
 def _per_sample_loop(model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Tensor]:
     """``{param name: [m, *shape]}``: the gradient of ``_loss`` on each sample alone, by
     autograd (the reference where ``vmap`` cannot run the model)."""
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     rows: dict[str, list[Tensor]] = {n: [] for n in params}
     for i in range(x.shape[0]):
         grads = torch.autograd.grad(_loss(model(x[i:i + 1]), y[i:i + 1]), list(params.values()), allow_unused=True)

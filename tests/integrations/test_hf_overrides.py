@@ -139,3 +139,75 @@ def test_lookup_reading_weight_twice_falls_back():
     why = dict(get_info(pm).fallback)["model.tok.weight"]
     assert "DoubleRead overrides Embedding.forward" in why and "exactly one base lookup" in why, str(rep)
     assert "model.pos.weight" in get_info(pm).covered
+
+
+class MLMHead(nn.Module):
+    """BERT's prediction head: the decoder's weight tied to the word embedding, its bias
+    also registered (unread) on the head itself."""
+
+    def __init__(self, emb: nn.Embedding):
+        super().__init__()
+        self.decoder = nn.Linear(D, V)
+        self.bias = self.decoder.bias
+        self.decoder.weight = emb.weight
+
+    def forward(self, h):
+        return self.decoder(torch.tanh(h))
+
+
+class MLM(nn.Module):
+    def __init__(self, scaled: bool):
+        super().__init__()
+        self.tok = (ScaledTokens if scaled else nn.Embedding)(V, D)
+        self.head = MLMHead(self.tok)
+
+    def forward(self, ids):
+        h = self.tok(ids)
+        h = h[: len(h)]
+        return self.head(h)
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("strategy", ["factor", "materialize"])
+def test_tied_decoder_with_bias_exact(scaled, strategy):
+    """The lookup adds nothing to the decoder's bias gradient (per-sample, Gram, Jv, Jᵀc),
+    and one TENGraD step equals dense block NGD on ``[W, b]``, in both strategies."""
+    import tengrad_fx
+    from testing.oracle import dense_layer_updates
+
+    torch.manual_seed(1)
+    net = MLM(scaled).double()
+    with torch.no_grad():
+        net.head.bias.normal_()
+    orig = copy.deepcopy(net)
+    ids, y = _data(seed=2)
+    pm = prepare(net, example_inputs=(ids[:2],))
+    assert report(pm).fraction_params == 1.0, str(report(pm))
+    assert get_info(pm).covered["tok.weight"] == get_info(pm).covered["head.bias"] == "head.decoder"
+    check_covered_layers(copy.deepcopy(orig), pm, ids, y, loss_fn=_loss)
+    pm.zero_grad()
+    opt = tengrad_fx.TENGraD(pm, lr=1.0, damping=0.1, momentum=0.0, strategy=strategy, curvature_every=1,
+                             kl_clip=None)
+    _loss(pm(ids), y).backward()
+    grads = {n: p.grad.detach().clone() for n, p in pm.named_parameters()}
+    before = {n: p.detach().clone() for n, p in pm.named_parameters()}
+    opt.step()
+    ref = dense_layer_updates(orig, ids, y, _loss, grads, 0.1, get_info(pm).covered)
+    for n, p in pm.named_parameters():
+        err = ((before[n] - p.detach() - ref[n]).norm() / ref[n].norm()).item()
+        assert err < 1e-8, (n, err)
+
+
+def test_bias_read_by_its_other_holder_falls_back():
+    """A near miss: the head adds its (shared) bias once more itself."""
+
+    class Reads(MLMHead):
+        def forward(self, h):
+            return self.decoder(torch.tanh(h)) + self.bias
+
+    torch.manual_seed(0)
+    net = MLM(False).double()
+    net.head.__class__ = Reads
+    pm = prepare(net, example_inputs=(_data()[0][:2],))
+    assert "head.bias" not in get_info(pm).covered
+    assert "tied" in get_info(pm).fallback["head.bias"]
