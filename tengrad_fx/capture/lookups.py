@@ -5,8 +5,8 @@ Learned positions with an offset (OPT's ``OPTLearnedPositionalEmbedding``:
 scaled token embeddings (Gemma's and BART's ``...ScaledWordEmbedding``:
 ``super().forward(ids) * embed_scale``) override ``forward``, so the module is not provably
 ``nn.Embedding``. It is provably a lookup when, traced by ``torch.fx`` (every argument that
-defaults to ``None`` traced both as ``None`` and as a tensor), its forward calls the base
-``nn.Embedding.forward`` exactly once and reads ``weight`` nowhere else but for metadata
+defaults to ``None`` traced both as ``None`` and as a tensor, in train and eval mode), its
+forward calls the base ``nn.Embedding.forward`` exactly once and reads ``weight`` nowhere else but for metadata
 (dtype, shape): whatever it computes on the indices before, and on the looked-up rows after,
 is then outside the weight's gradient path, and the lookup's own ``(idx, G)`` with
 ``G = ∂L/∂(looked-up rows) [m, *positions, D]`` give the exact per-sample gradients, as for
@@ -14,8 +14,8 @@ is then outside the weight's gradient path, and the lookup's own ``(idx, G)`` wi
 
 Such a module keeps its forward; its class gets a base between it and ``nn.Embedding``
 (:class:`_Lookup`) whose ``forward`` is the capture op, so its ``super().forward`` call is
-the layer call. A tied pair (a scaled input embedding sharing its weight with a bias-free
-output Linear) is then one block as for ``nn.Embedding`` (:mod:`.sharing`).
+the layer call. A tied pair (a scaled input embedding sharing its weight with the output
+Linear) is then one block as for ``nn.Embedding`` (:mod:`.sharing`).
 """
 from __future__ import annotations
 
@@ -96,11 +96,12 @@ def overriding_lookup(mod: nn.Module) -> str:
         return f"{cls.__name__}: Embedding options without a capture path"
     params = list(inspect.signature(cls.forward).parameters.values())[1:]
     optional = [p.name for p in params if p.default is None][:3]
-    was = mod.__class__
+    was, training = mod.__class__, mod.training
     mod.__class__ = _routed(was)
     _TRACING[0] = True
     try:
-        for nones in itertools.product((False, True), repeat=len(optional)):
+        for mode, nones in itertools.product((False, True), itertools.product((False, True), repeat=len(optional))):
+            mod.training = mode
             concrete = {n: None for n, none in zip(optional, nones) if none}
             if not _one_lookup(fx.Tracer().trace(mod, concrete_args=concrete or None)):
                 return (f"{cls.__name__} overrides Embedding.forward (not provably exact: its weight is not used "
@@ -109,7 +110,7 @@ def overriding_lookup(mod: nn.Module) -> str:
         return f"{cls.__name__} overrides Embedding.forward (not provably exact: it does not trace, {type(e).__name__})"
     finally:
         _TRACING[0] = False
-        mod.__class__ = was
+        mod.__class__, mod.training = was, training
     return ""
 
 

@@ -67,6 +67,14 @@ class DoubleRead(nn.Embedding):
         return super().forward(ids) + self.weight.mean()
 
 
+class TrainOnlyRead(nn.Embedding):
+    """A near miss in train mode only (the proof traces both modes)."""
+
+    def forward(self, ids):
+        y = super().forward(ids)
+        return y + self.weight.sum() if self.training else y
+
+
 class LM(nn.Module):
     """``ids [m, T] -> logits [m, T, V]``; ``len()`` keeps torch.fx out (module surgery)."""
 
@@ -113,6 +121,7 @@ def test_overriding_lookup_proofs():
     assert overriding_lookup(OffsetPositions(8, D)) == ""
     assert overriding_lookup(ScaledTokens(V, D)) == ""
     assert "not provably exact" in overriding_lookup(DoubleRead(V, D))
+    assert "not provably exact" in overriding_lookup(TrainOnlyRead(V, D).eval())
     assert overriding_lookup(nn.Embedding(V, D)) != ""  # the base class is matched as itself
 
 
