@@ -15,7 +15,7 @@ from tools import hf_sweep
 
 # (family, head): each fully covered and exact
 FAST = [("gpt2", "causal"), ("llama", "causal"), ("opt", "causal"), ("gemma", "causal"), ("falcon", "causal"),
-        ("bert", "seqcls"), ("mistral", "seqcls")]
+        ("roberta", "causal"), ("bert", "seqcls"), ("mistral", "seqcls")]
 
 
 @pytest.mark.parametrize("family,kind", FAST)
