@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+import inspect
 import operator
 import sys
 
@@ -151,9 +152,22 @@ def match_module(mod: nn.Module) -> tuple[Optional[Kind], str]:
     if is_transposed_linear(mod):
         return _match_transposed_linear(mod)
     kind, why = match_norm(mod)  # type: ignore[assignment]
+    if kind == "rmsnorm" and _extra_forward_args(mod):
+        return None, (f"{type(mod).__name__}: RMSNorm-shaped, but its forward takes more than the input "
+                      f"({', '.join(_extra_forward_args(mod))}; not provably exact)")
     if kind is not None or why:
         return kind, why
     return match_embedding(mod)
+
+
+def _extra_forward_args(mod: nn.Module) -> list[str]:
+    """The parameters of ``type(mod).forward`` after the input (a gated RMSNorm's ``gate``:
+    a structural match, probed on the input alone, says nothing about them)."""
+    try:
+        params = list(inspect.signature(type(mod).forward).parameters.values())[2:]
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params]
 
 
 def _exact_override(mod: nn.Module, kind: Kind) -> bool:
