@@ -220,3 +220,40 @@ def test_bias_read_by_its_other_holder_falls_back():
     pm = prepare(net, example_inputs=(_data()[0][:2],))
     assert "head.bias" not in get_info(pm).covered
     assert "tied" in get_info(pm).fallback["head.bias"]
+
+
+class GatedRMS(nn.Module):
+    """RMSNorm-shaped, but its forward takes a gate (Mamba-2's gated norm)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x, gate=None):
+        if gate is not None:
+            x = x * torch.sigmoid(gate)
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+
+def test_gated_rmsnorm_falls_back_and_keeps_outputs():
+    """Matched by structure alone it would be run as a plain RMSNorm, its gate dropped."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.n = nn.Linear(4, 6), GatedRMS(6)
+
+        def forward(self, x):
+            h = self.a(x)
+            h = h[: len(h)]
+            return self.n(h, gate=h.flip(-1))
+
+    torch.manual_seed(0)
+    net = Net().double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    want = net(x)
+    assert match_module(net.n)[0] is None and "gate" in match_module(net.n)[1]
+    pm = prepare(net, example_inputs=(x[:2],))
+    assert torch.allclose(pm(x), want, rtol=0, atol=1e-14)
+    assert "n.weight" in get_info(pm).fallback
