@@ -187,7 +187,10 @@ def exactness(orig: nn.Module, prepared: nn.Module, x: Tensor, y: Tensor, tol: f
         try:
             dW, db = layer.per_sample_grads()
         except RuntimeError as e:  # e.g. its weight also read outside its module call
-            return f"error: {layer.name}: {str(e).splitlines()[0][:100]}"
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            if "nothing captured" in why:
+                why = "nothing captured (its weight is used outside its module call)"
+            return f"error: {layer.name}: {why[:100]}"
         got = dW.flatten(1) if db is None else torch.cat([dW.flatten(1), db.flatten(1)], 1)
         scale = max(J.norm().item(), 1e-30)
         err = max((got - J).norm().item() / scale, (layer.gram("auto") - J @ J.T).norm().item() / scale ** 2)
@@ -258,6 +261,10 @@ def sweep(kinds: list[str], only: list[str] | None = None, check: bool = True) -
                 yield sweep_one(name, kind, check)
 
 
+def _short(reason: str, n: int = 100) -> str:
+    return reason if len(reason) <= n else reason[: n - 1] + "…"
+
+
 def markdown(rows: list[Row]) -> str:
     """The LM coverage table and its summary line."""
     built = [r for r in rows if not r.skipped]
@@ -268,12 +275,12 @@ def markdown(rows: list[Row]) -> str:
     for r in rows:
         if r.skipped:
             continue
-        why = "; ".join(x.replace("|", "\\|") for x in r.reasons[:3])
+        why = "; ".join(_short(x).replace("|", "\\|") for x in r.reasons[:3])
         lines.append(f"| {r.family} | {r.kind} | {100 * (r.coverage or 0):.2f} % | {r.exact} | {why} |")
     skipped = [r for r in rows if r.skipped]
     if skipped:
-        lines += ["", "Skipped (the tiny config does not build or run on `input_ids` alone):", ""]
-        lines += [f"- {r.family} ({r.kind}): {r.skipped.replace('|', '/')}" for r in skipped]
+        lines += ["", "Skipped (the tiny config does not build, or its forward fails on the batch):", ""]
+        lines += [f"- {r.family} ({r.kind}): {_short(r.skipped, 140).replace('|', '/')}" for r in skipped]
     return "\n".join(lines)
 
 
