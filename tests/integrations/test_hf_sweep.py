@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("transformers")
+from testing.repo_tools import tool
 
-from tools import hf_sweep
+pytest.importorskip("transformers")
+hf_sweep = tool("hf_sweep")
 
 # (family, head): each fully covered and exact
 FAST = [("gpt2", "causal"), ("llama", "causal"), ("opt", "causal"), ("gemma", "causal"), ("falcon", "causal"),
