@@ -5,6 +5,7 @@ parameter count, and every covered layer's per-sample gradients and Gram checked
 ``torch.func`` (float64).
 
     python -m tools.hf_sweep [--families a,b,...] [--kind causal|seqcls|both] [--markdown]
+                             [--write docs/coverage.md]
 
 A family whose tiny model does not build, or whose forward fails on ``input_ids`` alone,
 is listed as skipped with the error. The tiny config is the family's default config with
@@ -284,6 +285,20 @@ def markdown(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+START, END = "<!-- hf_sweep: start -->", "<!-- hf_sweep: end -->"
+
+
+def write_table(path: str, table: str) -> None:
+    """Replace the text between :data:`START` and :data:`END` in ``path`` by ``table``."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    i, j = text.find(START), text.find(END)
+    if i < 0 or j < i:
+        raise ValueError(f"{path}: no '{START}' ... '{END}' markers to write the table between")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text[: i + len(START)] + "\n" + table + "\n" + text[j:])
+
+
 def main() -> None:
     warnings.simplefilter("ignore")
     import transformers
@@ -294,6 +309,8 @@ def main() -> None:
     ap.add_argument("--kind", default="both", choices=["causal", "seqcls", "both"])
     ap.add_argument("--no-check", action="store_true", help="coverage only, no torch.func check")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--write", metavar="PATH", default=None,
+                    help="replace the table between the hf_sweep markers of PATH (docs/coverage.md)")
     a = ap.parse_args()
     only = a.families.split(",") if a.families else None
     kinds = ["causal", "seqcls"] if a.kind == "both" else [a.kind]
@@ -305,6 +322,8 @@ def main() -> None:
               file=sys.stderr if a.markdown else sys.stdout, flush=True)
     if a.markdown:
         print(markdown(rows))
+    if a.write:
+        write_table(a.write, markdown(rows))
 
 
 if __name__ == "__main__":

@@ -42,6 +42,16 @@ def test_markdown_lists_skipped_and_counts() -> None:
     assert "| b | causal | 50.00 % | yes | why |" in text and "- c (causal): does not build" in text
 
 
+def test_write_table_between_markers(tmp_path) -> None:
+    doc = tmp_path / "d.md"
+    doc.write_text(f"before\n{hf_sweep.START}\nold\n{hf_sweep.END}\nafter\n")
+    hf_sweep.write_table(str(doc), "new")
+    assert doc.read_text() == f"before\n{hf_sweep.START}\nnew\n{hf_sweep.END}\nafter\n"
+    doc.write_text("no markers")
+    with pytest.raises(ValueError, match="markers"):
+        hf_sweep.write_table(str(doc), "new")
+
+
 @pytest.mark.slow
 def test_full_sweep() -> None:
     """Every (family, head) pair that builds tiny: no covered layer inexact, and at least
