@@ -57,7 +57,8 @@ def _embedding_backward(grad: Tensor, idx: Tensor, num_weights: int, padding_idx
     """``∂L/∂weight [vocab, D]``; records ``(idx, grad)``."""
     store = lookup(key)
     if site in store.onehot_sites:
-        store.record(site, linear_record(grad, idx, num_weights, padding_idx, store.wants_jacobian(site)))
+        store.record(site, linear_record(grad, idx, num_weights, padding_idx, store.wants_jacobian(site),
+                                         cancel_bias=site in BIASED_HOST_SITES.get(key, ())))
     else:
         store.record(site, Record(idx, grad))
     if store.grad_only:
@@ -65,13 +66,25 @@ def _embedding_backward(grad: Tensor, idx: Tensor, num_weights: int, padding_idx
     return torch.ops.aten.embedding_dense_backward.default(grad, idx, num_weights, padding_idx, False)
 
 
-def linear_record(G: Tensor, idx: Tensor, vocab: int, padding_idx: int, materialize: bool) -> Record:
+# store key -> lookup sites tied to a Linear with a bias (BERT's decoder): their records
+# must add nothing to the bias gradient (:func:`linear_record`'s ``cancel_bias``)
+BIASED_HOST_SITES: dict[int, set[int]] = {}
+
+
+def linear_record(G: Tensor, idx: Tensor, vocab: int, padding_idx: int, materialize: bool,
+                  cancel_bias: bool = False) -> Record:
     """The lookup as a Linear call on the same weight ``[vocab, D]`` (tied input/output
     embeddings): ``y = onehot(idx) W`` has per-sample gradient ``Σ_s onehot(idx_i[s]) G_i[s]ᵀ``,
     which is Linear's ``Σ_s G'_i[s] I'_i[s]ᵀ`` with output gradients ``G' = onehot(idx)``
     (``[m, *positions, vocab]``, zero rows at ``padding_idx``) and inputs ``I' = G``
     (``[m, *positions, D]``). ``materialize``: ``P [m, vocab·D]`` by a scatter-add and
-    ``Gsum [m, vocab]`` (the counts) instead, as a materialized Linear site keeps them."""
+    ``Gsum [m, vocab]`` (the counts) instead, as a materialized Linear site keeps them.
+
+    ``cancel_bias`` (the Linear has a bias, which the lookup does not use): Linear's bias
+    gradient ``Σ_s G'_i[s]`` must get nothing from the lookup, so the positions are
+    flattened and one is appended with ``G' = -Σ_s onehot(idx_i[s])``, ``I' = 0``
+    (``[m, P + 1, vocab]``, ``[m, P + 1, D]``): it cancels the bias part and adds nothing to
+    the weight part; materialized, ``Gsum`` is zero."""
     m, D = G.shape[0], G.shape[-1]
     keep = (idx != padding_idx).to(G.dtype)
     if materialize:
@@ -79,8 +92,12 @@ def linear_record(G: Tensor, idx: Tensor, vocab: int, padding_idx: int, material
         flat = idx.reshape(m, -1)
         P = g.new_zeros(m, vocab, D).scatter_add_(1, flat.unsqueeze(-1).expand(-1, -1, D), g)
         counts = g.new_zeros(m, vocab).scatter_add_(1, flat, keep.reshape(m, -1).to(g.dtype))
-        return Record(None, None, P.reshape(m, -1), counts, tuple(G.shape))
+        return Record(None, None, P.reshape(m, -1), counts.zero_() if cancel_bias else counts, tuple(G.shape))
     onehot = F.one_hot(idx, vocab).to(G.dtype) * keep.unsqueeze(-1)
+    if cancel_bias:
+        onehot = onehot.reshape(m, -1, vocab)
+        onehot = torch.cat([onehot, -onehot.sum(1, keepdim=True)], 1)
+        G = torch.cat([G.reshape(m, -1, D), G.new_zeros(m, 1, D)], 1)
     return Record(G, onehot)
 
 

@@ -2,7 +2,8 @@
 
 For a covered row-wise layer (:data:`FOLDABLE`) whose input's leading dim is not the
 batch, the model is run at batch 3 on ``example_inputs``' first sample repeated, then
-three more times with one sample perturbed. Dropout and batch statistics are switched off
+three more times with one sample perturbed (its floating-point inputs; with none, such as
+token ids alone, its integer inputs shifted among the values they hold). Dropout and batch statistics are switched off
 for these runs (every submodule in eval mode, one RNG seed for all runs), so a row of the
 layer input changes only if it depends on the perturbed sample. The rows are laid out as
 ``[A, m, C]`` when perturbing sample ``i`` changes rows among ``{a·3C + i·C + c}`` only,
@@ -32,7 +33,8 @@ def fold_keep(spec: Any) -> int:
 
 
 def _perturbed(inputs: Sequence[Any], i: int) -> tuple[list[Any], bool]:
-    """``inputs`` (batch 3) with sample ``i`` of every floating tensor leaf changed."""
+    """``inputs`` (batch 3) with sample ``i`` of every floating tensor leaf changed; when
+    there is none (token ids), sample ``i`` of every integer leaf instead (:func:`_shifted`)."""
     gen = torch.Generator().manual_seed(1234 + i)
     hit = [False]
 
@@ -45,7 +47,28 @@ def _perturbed(inputs: Sequence[Any], i: int) -> tuple[list[Any], bool]:
         hit[0] = True
         return t
 
-    return [map_tensors(change, x) for x in inputs], hit[0]
+    def shift(t: Tensor) -> Tensor:
+        if t.dim() == 0 or t.shape[0] != 3 or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            return t
+        t, hit[0] = _shifted(t, i), True
+        return t
+
+    out = [map_tensors(change, x) for x in inputs]
+    if not hit[0]:
+        out = [map_tensors(shift, x) for x in inputs]
+    return out, hit[0]
+
+
+def _shifted(t: Tensor, i: int) -> Tensor:
+    """Integer ``t [3, ...]`` with sample ``i``'s values moved one step cyclically within
+    the values ``t`` holds, ``lo..hi`` (token ids stay valid ids; a constant leaf, such as an
+    all-ones attention mask, is left as it is): ``v -> lo + (v - lo + 1) mod (hi - lo + 1)``."""
+    lo, hi = int(t.min()), int(t.max())
+    if lo == hi:
+        return t
+    t = t.clone()
+    t[i] = lo + (t[i] - lo + 1) % (hi - lo + 1)
+    return t
 
 
 def _fold_of(runs: list[dict[tuple[int, int], Tensor]], k: tuple[int, int], keep: int,

@@ -14,9 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, cast
 
+import inspect
+import operator
 import sys
 
+import torch
+import torch.fx as fx
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .embedding import match_embedding
 from .norm import match_norm
@@ -150,7 +155,7 @@ def match_module(mod: nn.Module) -> tuple[Optional[Kind], str]:
     for base, kind in _BASES.items():
         if isinstance(mod, base):
             cls = type(mod)
-            if cls.forward is not base.forward and cls not in _exact_subclasses() | _dynamic_same():
+            if cls.forward is not base.forward and not _exact_override(mod, kind):
                 return None, f"{cls.__name__} overrides {base.__name__}.forward (not provably exact)"
             if kind != "linear" and bool(getattr(mod, "transposed", False)) != kind.startswith("conv_transpose"):
                 return None, "convolution with a non-standard 'transposed' flag"
@@ -160,10 +165,103 @@ def match_module(mod: nn.Module) -> tuple[Optional[Kind], str]:
     if is_transposed_linear(mod):
         return _match_transposed_linear(mod)
     norm_kind, why = match_norm(mod)
+    if norm_kind == "rmsnorm" and _extra_forward_args(mod):
+        return None, (f"{type(mod).__name__}: RMSNorm-shaped, but its forward takes more than the input "
+                      f"({', '.join(_extra_forward_args(mod))}; not provably exact)")
     if norm_kind is not None or why:
         return cast(Optional[Kind], norm_kind), why  # one of norm.NORM_KINDS
     emb_kind, why = match_embedding(mod)
     return cast(Optional[Kind], emb_kind), why  # "embedding" or None
+
+
+def _extra_forward_args(mod: nn.Module) -> list[str]:
+    """The parameters of ``type(mod).forward`` after the input (a gated RMSNorm's ``gate``:
+    a structural match, probed on the input alone, says nothing about them)."""
+    try:
+        params = list(inspect.signature(type(mod).forward).parameters.values())[2:]
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params]
+
+
+def _exact_override(mod: nn.Module, kind: Kind) -> bool:
+    """An overriding subclass whose forward is still exactly its base layer."""
+    cls = type(mod)
+    return cls in _exact_subclasses() | _dynamic_same() or (kind == "linear" and forward_is_linear(mod))
+
+
+def forward_is_linear(mod: nn.Module) -> bool:
+    """Whether a Linear subclass's own ``forward`` is provably ``F.linear(x, weight, bias)``:
+    traced by ``torch.fx`` on one input ``x [..., d_in]``, its graph is exactly one of
+    ``linear(x, W[, b])``, ``x @ Wᵀ`` or ``x @ Wᵀ + b`` (``Wᵀ`` as ``W.T``, ``W.t()``,
+    ``W.transpose(0, 1)``), on the module's own ``weight`` and ``bias`` (Falcon's
+    ``FalconLinear``). Cached per class and bias presence."""
+    key = (type(mod), getattr(mod, "bias", None) is None)
+    if key not in _LINEAR_FORWARD:
+        try:
+            graph = fx.Tracer().trace(mod)
+        except Exception:
+            graph = None
+        _LINEAR_FORWARD[key] = graph is not None and _is_linear_graph(graph, key[1])
+    return _LINEAR_FORWARD[key]
+
+
+_LINEAR_FORWARD: dict[tuple[type, bool], bool] = {}
+
+
+def _is_linear_graph(graph: fx.Graph, no_bias: bool) -> bool:
+    """The graph of :func:`forward_is_linear`: placeholder ``x``, then only the nodes of one
+    accepted form (nothing else computed), its value returned."""
+    nodes = list(graph.nodes)
+    xs = [n for n in nodes if n.op == "placeholder"]
+    outs = [n for n in nodes if n.op == "output"]
+    if len(xs) != 1 or len(outs) != 1 or not isinstance(outs[0].args[0], fx.Node):
+        return False
+    x, y = xs[0], outs[0].args[0]
+    used: set[fx.Node] = {x, outs[0]}
+
+    def attr(n: object, name: str) -> bool:
+        ok = isinstance(n, fx.Node) and n.op == "get_attr" and n.target == name
+        if ok:
+            used.add(n)  # type: ignore[arg-type]
+        return ok
+
+    def transposed_weight(n: object) -> bool:
+        if not isinstance(n, fx.Node):
+            return False
+        used.add(n)
+        if n.op == "call_function" and n.target is getattr and n.args[1] in ("T", "mT"):
+            return attr(n.args[0], "weight")
+        if n.op == "call_method" and n.target == "t" or n.op == "call_function" and n.target is torch.t:
+            return len(n.args) == 1 and attr(n.args[0], "weight")
+        if n.op == "call_method" and n.target == "transpose" or n.op == "call_function" and n.target is torch.transpose:
+            dims = [a % 2 for a in n.args[1:] if isinstance(a, int)]
+            return len(n.args) == 3 and sorted(dims) == [0, 1] and attr(n.args[0], "weight")
+        return False
+
+    def core(n: object, with_bias: bool) -> bool:
+        if not isinstance(n, fx.Node) or n.op != "call_function":
+            return False
+        used.add(n)
+        if n.target in (F.linear, torch._C._nn.linear):
+            args = [*n.args, *n.kwargs.values()]
+            b = args[2] if len(args) > 2 else None
+            return len(args) <= 3 and args[0] is x and attr(args[1], "weight") and \
+                ((b is None) if not with_bias else attr(b, "bias"))
+        if n.target in (operator.matmul, torch.matmul) and not with_bias:
+            return n.args[0] is x and transposed_weight(n.args[1]) and not n.kwargs
+        return False
+
+    if no_bias:
+        ok = core(y, False)
+    elif isinstance(y, fx.Node) and y.op == "call_function" and y.target in (operator.add, torch.add) \
+            and len(y.args) == 2 and not y.kwargs:
+        used.add(y)
+        a, b = y.args
+        ok = (core(a, False) and attr(b, "bias")) or (core(b, False) and attr(a, "bias"))
+    else:
+        ok = core(y, True)
+    return ok and used == set(nodes)
 
 
 def spec_args(mod: nn.Module, kind: str) -> dict[str, Any]:

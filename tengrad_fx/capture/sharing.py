@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from .embedding import BIASED_HOST_SITES
 from .match import LayerSpec
 
 __all__ = ["OURS", "reads_value", "note_functional_uses", "param_owners", "note_tied", "merge_tied_lookups",
@@ -23,6 +24,7 @@ OURS = "tengrad_fx_capture_arg"
 # reading only these attributes of a covered weight does not use its value
 _META_ATTRS = {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout"}
 _META_METHODS = {"size", "dim", "numel", "type", "get_device"}
+META_ATTRS, META_METHODS = frozenset(_META_ATTRS), frozenset(_META_METHODS)  # for other capture modules
 
 
 def reads_value(node: fx.Node) -> bool:
@@ -76,6 +78,8 @@ def note_tied(model: nn.Module, layers: dict[str, LayerSpec], owners: dict[int, 
             if first[1] is not mod:  # one module under two names is sharing, not tying
                 if _tie_lookup(layers, owners.get(id(p), [])):
                     continue
+                if _one_reader(model, p, layers):
+                    continue
                 for name in owners.get(id(p), []):
                     drop_layer(layers, name, f"tied ({first[0]} = {full})", p,
                                 f"parameter tied (shared with {full})")
@@ -92,7 +96,7 @@ def _tie_lookup(layers: dict[str, LayerSpec], names: list[str]) -> bool:
     if not embs or len(lins) > 1 or len(embs) + len(lins) != len(specs) or len(specs) < 2:
         return False
     host = lins[0] if lins else embs[0]
-    if host.bias is not None or any(spec.weight is not host.weight for spec in specs):
+    if any(spec.weight is not host.weight for spec in specs):
         return False
     if not lins and len({spec.module.padding_idx for spec in embs}) > 1:
         return False
@@ -119,7 +123,11 @@ def merge_tied_lookups(layers: list[LayerSpec], store: Any) -> list[LayerSpec]:
             continue
         for emb in embs:
             host.sites += emb.sites
-            if host.kind == "linear":
+            if host.kind == "linear" and host.bias is not None:  # the lookup adds nothing to the bias
+                host.input_shapes += [_cancel_bias_shape(shape, emb.weight.shape[1]) for shape in emb.input_shapes]
+                store.onehot_sites |= set(emb.sites)
+                BIASED_HOST_SITES.setdefault(store.key, set()).update(emb.sites)
+            elif host.kind == "linear":
                 host.input_shapes += [(*shape, emb.weight.shape[1]) for shape in emb.input_shapes]
                 store.onehot_sites |= set(emb.sites)
             else:
@@ -127,6 +135,55 @@ def merge_tied_lookups(layers: list[LayerSpec], store: Any) -> list[LayerSpec]:
             out.remove(emb)
         host.tied_names = [emb.name for emb in embs]
     return out
+
+
+def _cancel_bias_shape(idx_shape: tuple[int, ...], d: int) -> tuple[int, ...]:
+    """The input shape of a lookup recorded for a biased Linear: ``[m, P + 1, D]``
+    (:func:`..capture.embedding.linear_record`, ``cancel_bias``)."""
+    p = 1
+    for n in idx_shape[1:]:
+        p *= n
+    return (idx_shape[0], p + 1, d)
+
+
+def _one_reader(model: nn.Module, p: torch.Tensor, layers: dict[str, LayerSpec]) -> bool:
+    """``p`` registered under one covered layer and under other modules whose own forward
+    provably never reads it (BERT's ``predictions.bias``, the same Parameter as
+    ``predictions.decoder.bias``, which only the decoder uses): not a tie. Proven by
+    tracing each such module's forward with ``torch.fx`` (submodules traced through or kept
+    as leaves by the default tracer): no node reads the parameter by any of its names."""
+    by_module = {id(spec.module): spec for spec in layers.values() if spec.sites}
+    holders = [mod for _, mod in model.named_modules(remove_duplicate=False)
+               if any(q is p for q in mod._parameters.values())]
+    readers = {id(mod) for mod in holders if id(mod) in by_module}
+    if len(readers) != 1:
+        return False
+    for mod in holders:
+        if id(mod) not in readers and not _never_reads(mod, p):
+            return False
+    return True
+
+
+def _never_reads(mod: nn.Module, p: torch.Tensor) -> bool:
+    """Does ``mod``'s forward, traced, read ``p`` nowhere (no ``get_attr`` of any of its names)?"""
+    names = {n for n, q in mod.named_parameters(remove_duplicate=False) if q is p}
+    try:
+        graph = _ThroughTracer().trace(mod)
+    except Exception:
+        return False
+    return not any(node.op == "get_attr" and node.target in names for node in graph.nodes)
+
+
+class _ThroughTracer(fx.Tracer):
+    """The default tracer, tracing through modules that are not submodules of the root
+    (a global activation module such as transformers' ``gelu``)."""
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        try:
+            self.path_of_module(m)
+        except NameError:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
 
 
 def drop_layer(layers: dict[str, LayerSpec], name: str, reason: str,

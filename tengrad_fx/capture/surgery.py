@@ -14,6 +14,7 @@ from . import embedding, norm, ops
 from .added import cover_added_params
 from .context import RewriteContext
 from .inputs import leading_dim
+from .lookups import cover_overriding_lookups
 from .match import LayerSpec, module_spec, pad_same_input
 from .norm import NORM_KINDS
 from .output_hook import maybe_attach
@@ -38,6 +39,7 @@ def prepare_surgery(model: nn.Module, candidates: dict[str, nn.Module], fallback
     if added_params:
         covered = {id(p) for mod in candidates.values() for p in mod.parameters(recurse=False)}
         layers += cover_added_params(model, covered, fallback, store)
+    layers += cover_overriding_lookups(model, fallback, store)
     model.__class__ = _output_class(type(model))
     model.__dict__["_tengrad_output_key"] = store.key
     note_tied(model, {spec.name: spec for spec in layers}, param_owners(layers))

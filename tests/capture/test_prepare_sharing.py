@@ -99,13 +99,18 @@ def test_weight_tied_to_embedding_is_one_block(padding_idx, strategy) -> None:
             assert torch.allclose(before[n] - p.detach(), ref[n], rtol=1e-8, atol=1e-12), n
 
 
-def test_tied_embedding_with_biased_linear_falls_back() -> None:
-    """A Linear with a bias tied to an Embedding: no exact block (the lookup has no bias)."""
-    model = TiedLM()
-    model.out.bias = nn.Parameter(torch.zeros(11))
+def test_tied_embedding_with_biased_linear_exact() -> None:
+    """A Linear with a bias tied to an Embedding: one block, the lookup adding nothing to
+    the bias gradient (BERT's decoder)."""
+    torch.manual_seed(0)
+    model = TiedLM().double()
+    model.out.bias = nn.Parameter(torch.randn(11, dtype=torch.float64))
+    orig = copy.deepcopy(model)
     prepared = prepare(model, example_inputs=(torch.randint(0, 11, (2, 4)),))
-    assert "tied" in get_info(prepared).fallback["emb.weight"]
-    assert {layer.name for layer in covered_layers(prepared)} == {"body"}
+    assert get_info(prepared).covered["emb.weight"] == get_info(prepared).covered["out.bias"] == "out"
+    tokens, y = torch.randint(0, 11, (5, 4)), torch.randint(0, 11, (5, 4))
+    check_covered_layers(orig, prepared, tokens, y, loss_fn=lambda out, t: F.cross_entropy(out.reshape(-1, 11),
+                                                                                           t.reshape(-1)))
 
 
 class FunctionalReuse(nn.Module):
