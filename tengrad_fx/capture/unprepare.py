@@ -30,6 +30,7 @@ import torch.nn as nn
 from . import ops
 from .added import _ADDED
 from .info import ATTR, get_info
+from .lookups import _ROUTED
 from .output_hook import _MUTED, want_output
 from .rows import FOLDS
 from .surgery import _CAPTURING, _OUTPUT
@@ -39,7 +40,7 @@ __all__ = ["unprepare", "ORIGINAL"]
 # the FX path's prepared GraphModule keeps the module it was made from under this key
 ORIGINAL = "_tengrad_original"
 # attributes module surgery sets on a module's ``__dict__``
-_SURGERY_ATTRS = ("_tengrad_call", "_tengrad_added", "_tengrad_output_key", "_tengrad_store")
+_SURGERY_ATTRS = ("_tengrad_call", "_tengrad_added", "_tengrad_output_key", "_tengrad_lookup")
 
 
 def unprepare(model: nn.Module) -> nn.Module:
@@ -77,7 +78,7 @@ def unprepare(model: nn.Module) -> nn.Module:
                              "made from (prepared by an older tengrad_fx?); save its state_dict and load it "
                              "into a new instance of the model instead")
         _take_root_state(root, prepared)
-    ours = {*_CAPTURING.values(), *_OUTPUT.values(), *_ADDED.values()}
+    ours = {*_CAPTURING.values(), *_OUTPUT.values(), *_ADDED.values(), *_ROUTED.values()}
     for mod in root.modules():
         _restore_class(mod, ours)
     _release(info.store.key)
