@@ -25,7 +25,6 @@ the output tensor): :meth:`~tengrad_fx.optim.step.skeleton.StepSkeleton.mc_captu
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Any, Callable, Iterable, Literal, Optional
 
 import torch
@@ -323,10 +322,7 @@ class TENGraD(CurvatureResume, ReuseGraphs, JacobianSites, StepSkeleton):
     # ------------------------------------------------------------------ step (skeleton hooks)
     def _check_capture(self, stats_step: bool) -> None:
         store = self._info.store
-        if stats_step and store.generation - self._last_generation > 1 and not self._warned_accum:
-            warnings.warn("TENGraD: several capturing backwards since the last step (gradient "
-                          "accumulation?): the curvature uses the last micro-batch only", RuntimeWarning)
-            self._warned_accum = True
+        store.consume(self._info.loss_reduction)  # accumulated micro-batches: the union of their rows
         self._last_generation = store.generation
 
     def _updates(self, step: int, curvature_step: bool, mc_step: bool, damping: Damping) -> dict[Tensor, Tensor]:
