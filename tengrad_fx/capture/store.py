@@ -64,7 +64,8 @@ class Record:
     Gsum: Optional[torch.Tensor] = None
     in_shape: tuple[int, ...] = ()  # shape of the layer input (kept when I is not)
     batch: int = 0  # samples the loss was reduced over, when the record keeps only the first of them (0: m)
-    own_loss: bool = False  # G of the optimizer's own loss (MC, Gauss-Newton): a mean over loss_batch samples
+    # G of the optimizer's own loss (MC, Gauss-Newton): a mean over loss_batch samples (set by the store)
+    own_loss: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         # detached: a record must not keep the autograd graph (or give results with grad);
@@ -116,8 +117,13 @@ class Record:
         :attr:`loss_batch` stays this record's."""
         def rows(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             return None if t is None else t[:k].clone()
-        return Record(rows(self.I), rows(self.G), rows(self.P), rows(self.Gsum), (k, *self.in_shape[1:]),
-                      self.loss_batch, self.own_loss)
+        return self._like(Record(rows(self.I), rows(self.G), rows(self.P), rows(self.Gsum), (k, *self.in_shape[1:]),
+                                 self.loss_batch))
+
+    def _like(self, rec: "Record") -> "Record":
+        """``rec`` with this record's :attr:`own_loss`."""
+        rec.own_loss = self.own_loss
+        return rec
 
 
 @dataclass
@@ -297,8 +303,8 @@ def _zeros(template: Record, first: Record) -> Record:
     """Zero rows for a micro-batch whose first record is ``first``, shaped as ``template``."""
     def z(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         return None if t is None else t.new_zeros(first.m, *t.shape[1:])
-    return Record(z(template.I), z(template.G), z(template.P), z(template.Gsum), (first.m, *template.in_shape[1:]),
-                  first.batch, template.own_loss)
+    return template._like(Record(z(template.I), z(template.G), z(template.P), z(template.Gsum),
+                                 (first.m, *template.in_shape[1:]), first.batch))
 
 
 def _join(recs: list[Record], mean: bool, name: str) -> Record:
@@ -320,8 +326,10 @@ def _join(recs: list[Record], mean: bool, name: str) -> Record:
             tensors = [_times(t, r.loss_batch / U) if r.own_loss else t for t, r in zip(tensors, recs)]
         fields[f] = torch.cat(_padded(tensors, name), 0)
     in_shape = (rows, *(max(d) for d in zip(*(r.in_shape[1:] for r in recs))))
-    return Record(fields["I"], fields["G"], fields["P"], fields["Gsum"], in_shape,
-                  U if any(r.batch for r in recs) or rows != U else 0, all(r.own_loss for r in recs))
+    rec = Record(fields["I"], fields["G"], fields["P"], fields["Gsum"], in_shape,
+                 U if any(r.batch for r in recs) or rows != U else 0)
+    rec.own_loss = all(r.own_loss for r in recs)
+    return rec
 
 
 def _times(t: torch.Tensor, c: float) -> torch.Tensor:
