@@ -20,7 +20,9 @@ Gradient accumulation: a capturing forward after a completed capture either star
 micro-batch, keeping the records captured so far (:attr:`CaptureStore.parts`), while the
 covered parameters still hold gradients and no optimizer step has taken the records since
 (the gradients accumulate, so does the curvature); or, after a step or a
-``zero_grad()`` (``set_to_none=True``, torch's default), releases them (see :meth:`begin`).
+``zero_grad()`` (``set_to_none=True``, torch's default), releases them (see :meth:`begin`;
+a ``zero_grad()`` between that forward and its backward releases them at the backward's
+first record).
 :meth:`CaptureStore.merge` joins the micro-batches' records into one record per call of
 ``M = Σ_j m_j`` rows (:func:`union`); the optimizers take that union at their step
 (:meth:`CaptureStore.consume`), and every curvature read merges first.
@@ -160,7 +162,7 @@ class CaptureStore:
         parameters still hold gradients and no step consumed the records; else they are dropped."""
         if not (self._complete or self.sampled or self.consumed):
             return
-        if self.consumed or not any(p.grad is not None for p in self.params):
+        if self.consumed or not self._grads_held():
             self.parts = []
             self.records = {}
             self._watched = []  # never read: their sites are fingerprinted again next time
@@ -169,6 +171,10 @@ class CaptureStore:
             self.records = {}
         self._complete = self.sampled = self.consumed = False
         self.recording = True
+
+    def _grads_held(self) -> bool:
+        """Does a covered parameter hold a gradient (host check)?"""
+        return any(p.grad is not None for p in self.params)
 
     def end_sampled(self) -> None:
         """The optimizer's own backward of this micro-batch has run (:mod:`tengrad_fx.optim.step.mc`):
@@ -185,6 +191,8 @@ class CaptureStore:
         if not self.recording or site in self.ignored_sites:
             return
         if not self._complete:
+            if self.parts and not self._grads_held():  # zero_grad() since the forward: afresh
+                self.parts = []
             self.generation += 1
             self._complete = True
         rec.own_loss = self.grad_only

@@ -270,6 +270,14 @@ def test_zero_grad_between_backwards_starts_afresh() -> None:
     opt.zero_grad()
     F.cross_entropy(model(x2), y2).backward()
     assert tengrad_fx.covered_layers(model)[0].m == 3
+    out = model(x1)
+    opt.zero_grad()  # after the forward, before its backward (as Lightning does): afresh too
+    F.cross_entropy(out, y1).backward()
+    assert tengrad_fx.covered_layers(model)[0].m == 5
+    F.cross_entropy(model(x2), y2).backward()
+    assert tengrad_fx.covered_layers(model)[0].m == 8
+    opt.zero_grad()
+    F.cross_entropy(model(x2), y2).backward()
     opt.step()
     F.cross_entropy(model(x1), y1).backward()  # after a step: afresh, though .grad still holds the last one
     assert tengrad_fx.covered_layers(model)[0].m == 5
