@@ -283,8 +283,10 @@ def union(parts: list[dict[int, list[Record]]], mean: bool,
     """The records of several micro-batches (``parts``, in order) as those of one batch:
     per call site and call, the rows concatenated (``[Σ_j m_j, *]``). Trailing dims that
     differ (sequences of other lengths) are zero-padded at the end: a padded position has
-    zero ``I`` and ``G`` and adds nothing. A call or site a micro-batch lacks (the layer
-    was not called for its samples) gets zero rows: those samples' gradients are zero.
+    zero ``I`` and ``G`` and adds nothing (for a convolution: with zero padding, not with
+    ``padding_mode`` ``"circular"``/``"reflect"``, which read the far end). A call or site
+    a micro-batch lacks (the layer was not called for its samples) gets zero rows: those
+    samples' gradients are zero.
 
     The per-sample scale of the union (``loss_batch``) is ``U = Σ_j loss_batch_j``. Rows
     of the training loss keep their ``G`` as captured: with ``mean`` (``loss_reduction="mean"``)
@@ -296,12 +298,12 @@ def union(parts: list[dict[int, list[Record]]], mean: bool,
     order: dict[int, None] = {}
     for part in parts:
         order.update(dict.fromkeys(part))
+    firsts = [next(iter(part.values()))[0] for part in parts]
     out: dict[int, list[Record]] = {}
     for site in order:
         calls = [part.get(site, []) for part in parts]
         n = max(len(c) for c in calls)
         template = [next(c[i] for c in calls if len(c) > i) for i in range(n)]
-        firsts = [next(iter(part.values()))[0] for part in parts]
         out[site] = [_join([c[i] if len(c) > i else _zeros(template[i], first) for c, first in zip(calls, firsts)],
                            mean, (names or {}).get(site, f"site {site}")) for i in range(n)]
     return out

@@ -281,3 +281,27 @@ def test_zero_grad_between_backwards_starts_afresh() -> None:
     opt.step()
     F.cross_entropy(model(x1), y1).backward()  # after a step: afresh, though .grad still holds the last one
     assert tengrad_fx.covered_layers(model)[0].m == 5
+
+
+def test_union_of_records() -> None:
+    """A site a micro-batch lacks gets zero rows; positions are zero-padded; the optimizer's
+    own-loss rows (MC, Gauss-Newton) are rescaled from their micro-batch's mean to the union's."""
+    from tengrad_fx.capture.store import Record, union
+
+    g = torch.Generator().manual_seed(0)
+
+    def rec(m: int, T: int, own: bool) -> Record:
+        r = Record(torch.randn(m, T, 3, generator=g), torch.randn(m, T, 2, generator=g))
+        r.own_loss = own
+        return r
+
+    for own in (False, True):
+        a, b, c = rec(2, 4, own), rec(3, 6, own), rec(2, 4, own)
+        out = union([{1: [a], 2: [c]}, {1: [b]}], mean=True)
+        u, v = out[1][0], out[2][0]
+        assert u.m == v.m == 5 and u.loss_batch == 5 and u.in_shape == (5, 6, 3) and u.own_loss == own
+        s_a, s_b = (2 / 5, 3 / 5) if own else (1.0, 1.0)
+        assert torch.equal(u.I[:2, :4], a.I) and not u.I[:2, 4:].any() and torch.equal(u.I[2:], b.I)
+        assert torch.allclose(u.G[:2, :4], a.G * s_a) and not u.G[:2, 4:].any()
+        assert torch.allclose(u.G[2:], b.G * s_b)
+        assert torch.allclose(v.G[:2], c.G * s_a) and not v.G[2:].any() and not v.I[2:].any()
