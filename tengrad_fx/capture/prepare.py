@@ -80,6 +80,7 @@ def prepare(
         _verify(prepared, info, example_inputs)
     info.layers = merge_tied_lookups(info.layers, info.store)
     info.store.site_names = {site: spec.name for spec in info.layers for site in spec.sites}
+    info.store.params = [p for spec in info.layers for p in (spec.weight, spec.bias) if p is not None]
     info.store.transposed_sites = frozenset(site for spec in info.layers if spec.kind == "linear" and spec.transposed
                                             for site in spec.sites)
     _classify_params(model, info)

@@ -16,7 +16,16 @@ instead stores the per-sample weight gradients ``P`` (``[m, weight.numel()]``, c
 place of the weight gradient, which is then ``P.sum(0)``) and ``Gsum`` (``[m, d_out]``, the
 per-sample bias gradients); ``I`` and ``G`` are then not retained.
 
-A new capturing forward releases the previous step's records (see :meth:`begin`).
+Gradient accumulation: a capturing forward after a completed capture either starts a new
+micro-batch, keeping the records captured so far (:attr:`CaptureStore.parts`), while the
+covered parameters still hold gradients and no optimizer step has taken the records since
+(the gradients accumulate, so does the curvature); or, after a step or a
+``zero_grad()`` (``set_to_none=True``, torch's default), releases them (see :meth:`begin`;
+a ``zero_grad()`` between that forward and its backward releases them at the backward's
+first record).
+:meth:`CaptureStore.merge` joins the micro-batches' records into one record per call of
+``M = Σ_j m_j`` rows (:func:`union`); the optimizers take that union at their step
+(:meth:`CaptureStore.consume`), and every curvature read merges first.
 :meth:`CaptureStore.keep_samples` cuts every record to the first ``k`` samples of the batch
 (``TENGraD(curvature_samples=k)``); such a record keeps the loss's batch size in ``batch``,
 since the per-sample scale of ``G`` (``m`` for a mean loss) is the loss's, not the record's.
@@ -41,7 +50,7 @@ import torch
 from . import kept
 from .amp import LOW_PRECISION
 
-__all__ = ["CaptureStore", "Record", "lookup"]
+__all__ = ["CaptureStore", "Record", "lookup", "union"]
 
 _KEYS = itertools.count(1)
 _STORES: "weakref.WeakValueDictionary[int, CaptureStore]" = weakref.WeakValueDictionary()
@@ -57,6 +66,8 @@ class Record:
     Gsum: Optional[torch.Tensor] = None
     in_shape: tuple[int, ...] = ()  # shape of the layer input (kept when I is not)
     batch: int = 0  # samples the loss was reduced over, when the record keeps only the first of them (0: m)
+    # G of the optimizer's own loss (MC, Gauss-Newton): a mean over loss_batch samples (set by the store)
+    own_loss: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         # detached: a record must not keep the autograd graph (or give results with grad);
@@ -108,8 +119,13 @@ class Record:
         :attr:`loss_batch` stays this record's."""
         def rows(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
             return None if t is None else t[:k].clone()
-        return Record(rows(self.I), rows(self.G), rows(self.P), rows(self.Gsum), (k, *self.in_shape[1:]),
-                      self.loss_batch)
+        return self._like(Record(rows(self.I), rows(self.G), rows(self.P), rows(self.Gsum), (k, *self.in_shape[1:]),
+                                 self.loss_batch))
+
+    def _like(self, rec: "Record") -> "Record":
+        """``rec`` with this record's :attr:`own_loss`."""
+        rec.own_loss = self.own_loss
+        return rec
 
 
 @dataclass
@@ -126,6 +142,10 @@ class CaptureStore:
     transposed_sites: frozenset[int] = frozenset()  # linears with weight [d_in, d_out]: P in that layout
     onehot_sites: set[int] = field(default_factory=set)  # embedding lookups tied to a Linear: linear records
     records: dict[int, list[Record]] = field(default_factory=dict)
+    parts: list[dict[int, list[Record]]] = field(default_factory=list)  # earlier micro-batches, not merged yet
+    params: list[torch.Tensor] = field(default_factory=list)  # covered parameters: gradients held = accumulating
+    consumed: bool = False  # an optimizer step took the records: the next capture starts afresh
+    sampled: bool = False  # the optimizer's own backward (MC, Gauss-Newton) ran for this micro-batch
     _complete: bool = False  # a backward has recorded since the last begin()
     generation: int = 0  # how many captures have completed (for users caching results)
     _finalized: int = 0  # the generation finalize() last converted
@@ -137,11 +157,30 @@ class CaptureStore:
         _STORES[self.key] = self
 
     def begin(self) -> None:
-        """Called by the capturing forward: drop the previous step's records once."""
-        if self._complete:
+        """Called by the capturing forward: after a completed capture, start the next
+        micro-batch once. Its records join the union (:attr:`parts`) while the covered
+        parameters still hold gradients and no step consumed the records; else they are dropped."""
+        if not (self._complete or self.sampled or self.consumed):
+            return
+        if self.consumed or not self._grads_held():
+            self.parts = []
             self.records = {}
-            self._complete = False
             self._watched = []  # never read: their sites are fingerprinted again next time
+        elif self.records:
+            self.parts.append(self.records)
+            self.records = {}
+        self._complete = self.sampled = self.consumed = False
+        self.recording = True
+
+    def _grads_held(self) -> bool:
+        """Does a covered parameter hold a gradient (host check)?"""
+        return any(p.grad is not None for p in self.params)
+
+    def end_sampled(self) -> None:
+        """The optimizer's own backward of this micro-batch has run (:mod:`tengrad_fx.optim.step.mc`):
+        the training backward records nothing; the next capturing forward starts a micro-batch."""
+        self.recording = False
+        self.sampled = True
 
     def wants_jacobian(self, site: int) -> bool:
         """Should the backward op of ``site`` materialize per-sample gradients now?"""
@@ -152,8 +191,11 @@ class CaptureStore:
         if not self.recording or site in self.ignored_sites:
             return
         if not self._complete:
+            if self.parts and not self._grads_held():  # zero_grad() since the forward: afresh
+                self.parts = []
             self.generation += 1
             self._complete = True
+        rec.own_loss = self.grad_only
         self.records.setdefault(site, []).append(rec)
         kept.note(self, site, rec)
 
@@ -191,6 +233,7 @@ class CaptureStore:
         scalar, None for none). Without autocast and without a scale nothing is touched
         (no op dispatched)."""
         self.verify_records()
+        self.consumed = True
         if not self.needs_finalize():
             return
         self._finalized = self.generation
@@ -210,11 +253,119 @@ class CaptureStore:
                 self.records[site] = [r.first(k) if not r.batch and r.m > k else r for r in recs]
         return any(r.m < r.loss_batch for recs in self.records.values() for r in recs)
 
+    def merge(self, loss_reduction: str) -> None:
+        """Join the micro-batches captured since the last step (:attr:`parts` and the
+        current :attr:`records`) into :attr:`records`, one :func:`union` per call; free
+        when there is one micro-batch."""
+        if not self.parts:
+            return
+        self.verify_records()
+        parts = [*self.parts, self.records] if self.records else self.parts
+        self.parts = []
+        self.records = union(parts, loss_reduction == "mean", self.site_names)
+
+    def consume(self, loss_reduction: str) -> None:
+        """An optimizer step takes the records: :meth:`merge`, and the next capturing
+        forward starts afresh."""
+        self.merge(loss_reduction)
+        self.consumed = True
+
     def clear(self) -> None:
         """Release every captured tensor."""
+        self.parts = []
         self.records = {}
         self._complete = False
         self._watched = []
+
+
+def union(parts: list[dict[int, list[Record]]], mean: bool,
+          names: Optional[dict[int, str]] = None) -> dict[int, list[Record]]:
+    """The records of several micro-batches (``parts``, in order) as those of one batch:
+    per call site and call, the rows concatenated (``[Σ_j m_j, *]``). Trailing dims that
+    differ (sequences of other lengths) are zero-padded at the end: a padded position has
+    zero ``I`` and ``G`` and adds nothing (for a convolution: with zero padding, not with
+    ``padding_mode`` ``"circular"``/``"reflect"``, which read the far end). A call or site
+    a micro-batch lacks (the layer was not called for its samples) gets zero rows: those
+    samples' gradients are zero.
+
+    The per-sample scale of the union (``loss_batch``) is ``U = Σ_j loss_batch_j``. Rows
+    of the training loss keep their ``G`` as captured: with ``mean`` (``loss_reduction="mean"``)
+    the accumulated loss reads as a mean over the ``U`` samples, so sample ``i``'s row is
+    ``U`` times its term of the accumulated gradient (``∂ℓ_i/∂W`` when micro-batch ``j``'s
+    loss is its mean times ``m_j/U``, or ``1/k`` of ``k`` equal ones). Rows of the
+    optimizer's own loss (:attr:`Record.own_loss`, each micro-batch's mean) are rescaled
+    by ``loss_batch_j/U``, which keeps every row ``∂ℓ_i/∂W``. ``names``: site → layer name (errors)."""
+    order: dict[int, None] = {}
+    for part in parts:
+        order.update(dict.fromkeys(part))
+    firsts = [next(iter(part.values()))[0] for part in parts]
+    out: dict[int, list[Record]] = {}
+    for site in order:
+        calls = [part.get(site, []) for part in parts]
+        n = max(len(c) for c in calls)
+        template = [next(c[i] for c in calls if len(c) > i) for i in range(n)]
+        out[site] = [_join([c[i] if len(c) > i else _zeros(template[i], first) for c, first in zip(calls, firsts)],
+                           mean, (names or {}).get(site, f"site {site}")) for i in range(n)]
+    return out
+
+
+def _zeros(template: Record, first: Record) -> Record:
+    """Zero rows for a micro-batch whose first record is ``first``, shaped as ``template``."""
+    def z(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        return None if t is None else t.new_zeros(first.m, *t.shape[1:])
+    return template._like(Record(z(template.I), z(template.G), z(template.P), z(template.Gsum),
+                                 (first.m, *template.in_shape[1:]), first.batch))
+
+
+def _join(recs: list[Record], mean: bool, name: str) -> Record:
+    """One record of the rows of ``recs`` (:func:`union`)."""
+    U = sum(r.loss_batch for r in recs)
+    rows = sum(r.m for r in recs)
+    fields: dict[str, Optional[torch.Tensor]] = {}
+    for f in ("I", "G", "P", "Gsum"):
+        ts = [getattr(r, f) for r in recs]
+        if all(t is None for t in ts):
+            fields[f] = None
+            continue
+        if any(t is None for t in ts):
+            raise RuntimeError(f"layer '{name}': the accumulated micro-batches captured different fields "
+                               f"({f} in some, not in others); keep the model's capture settings fixed within "
+                               "an optimizer step")
+        tensors = [t for t in ts if t is not None]
+        if f != "I" and mean:
+            tensors = [_times(t, r.loss_batch / U) if r.own_loss else t for t, r in zip(tensors, recs)]
+        fields[f] = torch.cat(_padded(tensors, name), 0)
+    in_shape = (rows, *(max(d) for d in zip(*(r.in_shape[1:] for r in recs))))
+    rec = Record(fields["I"], fields["G"], fields["P"], fields["Gsum"], in_shape,
+                 U if any(r.batch for r in recs) or rows != U else 0)
+    rec.own_loss = all(r.own_loss for r in recs)
+    return rec
+
+
+def _times(t: torch.Tensor, c: float) -> torch.Tensor:
+    if c == 1.0:
+        return t
+    return (t.float() if t.dtype in LOW_PRECISION else t) * c
+
+
+def _padded(ts: list[torch.Tensor], name: str) -> list[torch.Tensor]:
+    """``ts`` zero-padded at the end of each non-leading dim to the largest size."""
+    shapes = {tuple(t.shape[1:]) for t in ts}
+    if len(shapes) == 1:
+        return ts
+    if len({len(sh) for sh in shapes}) > 1:
+        raise RuntimeError(f"layer '{name}': the accumulated micro-batches captured tensors of different ranks "
+                           f"{sorted(shapes)}")
+    size = [max(d) for d in zip(*shapes)]
+    out = []
+    for t in ts:
+        if list(t.shape[1:]) == size:
+            out.append(t)
+            continue
+        p = t.new_zeros(t.shape[0], *size)
+        p[tuple(slice(0, d) for d in t.shape)] = t
+        out.append(p)
+    return out
 
 
 def lookup(key: int) -> CaptureStore:

@@ -1,6 +1,7 @@
 """``CoveredLayer``: exact per-layer curvature of the last captured batch.
 
-For a captured batch of ``m`` samples with per-sample losses ``ℓ_i``, ``J`` is the
+For a captured batch of ``m`` samples (after gradient accumulation: the micro-batches'
+union, :func:`tengrad_fx.capture.store.union`) with per-sample losses ``ℓ_i``, ``J`` is the
 ``m × n`` matrix whose row ``i`` is ``vec(∂ℓ_i/∂W, ∂ℓ_i/∂b)`` (``n`` = weight + bias size).
 With ``loss_reduction="mean"`` the captured output gradients are rescaled by ``m``.
 With batch norm in train mode, samples are coupled through the batch statistics; then
@@ -118,7 +119,9 @@ class CoveredLayer:
 
     # ----------------------------------------------------------------- captured data
     def records(self) -> list[Record]:
-        """The captured records of every call (``G`` as autograd delivered it)."""
+        """The captured records of every call (``G`` as autograd delivered it); after
+        accumulated micro-batches, their union (:meth:`~tengrad_fx.capture.store.CaptureStore.merge`)."""
+        self._info.store.merge(self._info.loss_reduction)
         self._info.store.verify_records()
         recs = [r for site in self.spec.sites for r in self._info.store.records.get(site, [])]
         if not recs:
@@ -135,6 +138,7 @@ class CoveredLayer:
     def captured(self) -> bool:
         """Whether the last capture recorded any call of this layer (False for a layer the
         forward did not call, or called with capture off)."""
+        self._info.store.merge(self._info.loss_reduction)
         return any(self._info.store.records.get(site) for site in self.spec.sites)
 
     @property

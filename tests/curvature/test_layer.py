@@ -305,13 +305,15 @@ def test_batch_gradient_is_sum_of_per_sample() -> None:
 
 
 def test_new_step_replaces_capture() -> None:
-    """A second forward/backward (another batch size) replaces the first capture."""
+    """After ``zero_grad()`` a second forward/backward (another batch size) replaces the first
+    capture (without it the two accumulate: ``tests/optim/test_accumulation.py``)."""
     model, x, y = build("3c1f_small", torch.float64, m=6)
     ref = per_sample_grads_reference(model, x[:3], F.cross_entropy, y[:3])
     names = _names(model)
     prepared = tengrad_fx.prepare(model, example_inputs=(x[:2],))
     F.cross_entropy(prepared(x), y).backward()
     assert all(l.m == 6 for l in tengrad_fx.covered_layers(prepared))
+    prepared.zero_grad()
     F.cross_entropy(prepared(x[:3]), y[:3]).backward()
     for layer in tengrad_fx.covered_layers(prepared):
         assert layer.m == 3

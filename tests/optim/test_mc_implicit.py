@@ -132,8 +132,8 @@ def test_explicit_call_samples_once(monkeypatch: pytest.MonkeyPatch) -> None:
     _, model, opt = setup("mlp", fisher="mc")
     x, y = batch("mlp", 8, 9)
     for explicit in (True, False, True):
-        _mc_step(model, opt, x, y, explicit)
-        opt.mc_capture(model(x))  # after the backward: this step's sampled backward has run
+        out = _mc_step(model, opt, x, y, explicit)
+        opt.mc_capture(out)  # after the backward: this forward's sampled backward has run
         opt.step()
     assert len(calls) == 3
 

@@ -47,18 +47,6 @@ def test_modified_gradient_uses_woodbury(modify: Callable[[nn.Module, torch.Tens
     assert (params["auto"] - params["woodbury"]).abs().max().item() < 1e-10
 
 
-def test_gradient_accumulation_warns() -> None:
-    x = torch.randn(6, 2, 6, 6, dtype=torch.float64)
-    y = torch.arange(6) % 5
-    pm = tengrad_fx.prepare(_net(), example_inputs=(x[:2],))
-    opt = tengrad_fx.TENGraD(pm, lr=0.1, damping=0.1)
-    opt.zero_grad()
-    F.cross_entropy(pm(x[:3]), y[:3]).backward()
-    F.cross_entropy(pm(x[3:]), y[3:]).backward()
-    with pytest.warns(RuntimeWarning, match="last micro-batch"):
-        opt.step()
-
-
 def test_step_without_gradients_is_a_no_op() -> None:
     pm = tengrad_fx.prepare(_net(), example_inputs=(torch.randn(2, 2, 6, 6, dtype=torch.float64),))
     opt = tengrad_fx.TENGraD(pm, lr=0.1, damping=0.1)

@@ -299,6 +299,7 @@ class CurvatureOptimizer(StepSkeleton):
     # ------------------------------------------------------------------ skeleton hooks
     def _check_capture(self, stats_step: bool) -> None:
         store = self._info.store
+        store.consume(self._info.loss_reduction)  # accumulated micro-batches: the union of their rows
         if stats_step:
             if store.generation == self._seen_generation:
                 raise RuntimeError(f"{type(self).__name__}: step {self._sched} needs the captured I, G "

@@ -30,14 +30,30 @@ def second_backward(loss: Tensor, inputs: Sequence[Tensor]) -> None:
 
 
 class MCState:
-    """Whether this step's sampled backward has run (``done``), and the optimizer it belongs
-    to (``owner``, a weak reference). One object, shared by the optimizer and any copy of
-    its ``__dict__`` (Lightning's ``LightningOptimizer`` is such a copy): a copy's
-    ``mc_capture`` is handed to the owner, and the flag the step reads is the same."""
+    """Whether the sampled backward of the current micro-batch has run (``done``), and the
+    optimizer it belongs to (``owner``, a weak reference). One object, shared by the
+    optimizer and any copy of its ``__dict__`` (Lightning's ``LightningOptimizer`` is such a
+    copy): a copy's ``mc_capture`` is handed to the owner, and the flag the step reads is
+    the same. The flag lives in the owner's capture store (``CaptureStore.sampled``): the
+    next capturing forward (a new micro-batch under gradient accumulation) clears it, so
+    each micro-batch runs its own sampled backward."""
 
     def __init__(self, owner: object):
         self.owner = weakref.ref(owner)
-        self.done = False
+        info = getattr(owner, "_info", None)
+        self._store: Optional[CaptureStore] = getattr(info, "store", None)
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        return self._store.sampled if self._store is not None else self._done
+
+    @done.setter
+    def done(self, value: bool) -> None:
+        if self._store is not None:
+            self._store.sampled = value
+        else:
+            self._done = value
 
 
 class SampleRNG:
@@ -139,7 +155,8 @@ def mc_capture(store: CaptureStore, outputs: Tensor, mc_loss: Literal["cross_ent
     labels sampled elsewhere), and backpropagate the sampled loss (:func:`sampled_loss`)
     through the graph with the store in G-only mode: the covered layers record ``G`` (and,
     where chosen, per-sample gradients) but compute no parameter gradients. Afterwards the
-    store stops recording, so the real ``loss.backward()`` does not overwrite the MC ``G``.
+    store stops recording, so the real ``loss.backward()`` does not overwrite the MC ``G``
+    (the next capturing forward, a new micro-batch, records again: ``CaptureStore.end_sampled``).
     ``loss_scale``: a GradScaler's scale, multiplied into the sampled loss so that these
     records carry the same scale as the training backward's (:mod:`.amp`).
     ``mask``: bool ``[m, *]`` (``outputs`` ``[m, *, c]``), the positions that count (e.g.
@@ -160,4 +177,4 @@ def mc_capture(store: CaptureStore, outputs: Tensor, mc_loss: Literal["cross_ent
         second_backward(loss, weights)
     finally:
         store.grad_only = False
-    store.recording = False
+    store.end_sampled()

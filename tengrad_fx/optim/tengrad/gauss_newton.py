@@ -15,8 +15,10 @@ record of ``m·k`` rows. The optimizer then sees an ordinary captured batch of `
 
 Cost per curvature step: ``k`` extra backward passes, and Grams / solves of size
 ``m·k`` instead of ``m`` (``O((mk)²·…)`` Gram, ``O((mk)³)`` Cholesky), memory ``k×``
-the records. Hence ``k ≤ MAX_OUTPUTS`` (16); beyond that use ``fisher="mc"`` (one
-sampled backward, same expectation).
+the records. Under gradient accumulation each micro-batch stacks its own records (a mean
+over its ``m_j·k`` rows, ``Record.own_loss``); the store's union keeps every row's scale.
+Hence ``k ≤ MAX_OUTPUTS`` (16); beyond that use ``fisher="mc"`` (one sampled backward,
+same expectation).
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ def _stack_records(per_output: list[Record], g_scale: float, samples: Optional[i
                  Gsum=_cat([r.Gsum for r in per_output], g_scale))
     rec.in_shape = (first.in_shape[0] * k, *first.in_shape[1:])
     rec.batch = batch
+    rec.own_loss = True
     return rec
 
 
@@ -72,7 +75,10 @@ def gauss_newton_capture(store: CaptureStore, outputs: Tensor, weights: Sequence
         max_outputs: largest ``k`` allowed.
         loss_scale: a GradScaler's scale: each backward's output is multiplied by it, so
             the records carry the training backward's scale (:mod:`tengrad_fx.optim.step.amp`).
-        samples: keep the rows of the first ``samples`` samples only (``TENGraD(curvature_samples=...)``).
+        samples: keep the rows of the first ``samples`` samples only (``TENGraD(curvature_samples=...)``);
+            under gradient accumulation, of the micro-batches' union: the samples the
+            earlier micro-batches hold count, and a micro-batch after the first ``samples``
+            runs no backward at all.
 
     Raises:
         ValueError: ``k > max_outputs`` (use ``fisher="mc"``), or ``outputs`` without a graph.
@@ -89,6 +95,11 @@ def gauss_newton_capture(store: CaptureStore, outputs: Tensor, weights: Sequence
                          "Use fisher='mc' (one sampled backward with the same expectation).")
     # captured G of a Σ_i f_ij backward is ∂f_ij/∂out; the layers multiply by m·k for "mean"
     g_scale = math.sqrt(k) / (m * k if loss_reduction == "mean" else 1.0)
+    if samples is not None:  # the earlier micro-batches' samples count (rows: samples·k each)
+        samples -= sum(next(iter(part.values()))[0].m for part in store.parts) // k
+        if samples <= 0:
+            store.end_sampled()
+            return
     store.records = {}
     store.grad_only = True
     per_site: dict[int, list[list[Record]]] = {}
@@ -105,4 +116,4 @@ def gauss_newton_capture(store: CaptureStore, outputs: Tensor, weights: Sequence
     store.records = {site: [_stack_records([runs[j][c] for j in range(k)], g_scale, samples)
                             for c in range(len(runs[0]))]
                      for site, runs in per_site.items()}
-    store.recording = False
+    store.end_sampled()

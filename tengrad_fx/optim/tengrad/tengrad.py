@@ -25,7 +25,6 @@ the output tensor): :meth:`~tengrad_fx.optim.step.skeleton.StepSkeleton.mc_captu
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Any, Callable, Iterable, Literal, Optional, Sequence
 
 import torch
@@ -209,7 +208,6 @@ class TENGraD(StepSkeleton):
         self._fused = FusedStep((ex.compile if not isinstance(ex.compile, bool) else "inductor")
                                 if self.compile else None)
         self._layers = grouped_layers(model, self.param_groups)  # weight in a group: curvature
-        self._warned_accum = False
         self._last_generation = info.store.generation
         self._gram_seconds = 0.0
         self._t_apply = 0.0  # when the update was ready (perf_counter): the "apply" timing starts there
@@ -313,10 +311,7 @@ class TENGraD(StepSkeleton):
     # ------------------------------------------------------------------ step (skeleton hooks)
     def _check_capture(self, stats_step: bool) -> None:
         store = self._info.store
-        if stats_step and store.generation - self._last_generation > 1 and not self._warned_accum:
-            warnings.warn("TENGraD: several capturing backwards since the last step (gradient "
-                          "accumulation?): the curvature uses the last micro-batch only", RuntimeWarning)
-            self._warned_accum = True
+        store.consume(self._info.loss_reduction)  # accumulated micro-batches: the union of their rows
         self._last_generation = store.generation
 
     def _updates(self, step: int, curvature_step: bool, mc_step: bool, damping: Damping) -> StepResult:
