@@ -24,7 +24,8 @@ Files written to ``--out`` (default ``runs/<model>-<dataset>-<optimizer>-s<seed>
     over the epoch's training batches, weighted by batch size, before each update;
     batches with a non-finite loss are left out of ``train_loss``, which is ``null`` if
     all were),
-    ``test_loss``, ``test_acc`` (full test set, batches of 1000, ``torch.no_grad``),
+    ``test_loss``, ``test_acc`` (full test set, batches of 1000, ``torch.no_grad``; when an
+    ``--eval-every`` evaluation falls on the epoch's last step, its values, not evaluated twice),
     ``lr``, ``train_time`` (cumulative, as in steps.jsonl), ``eval_time`` (cumulative
     evaluation seconds, this evaluation included).
 ``evals.jsonl`` (only with ``--eval-every N``) -- one object every N steps:
@@ -306,7 +307,10 @@ def _end_epoch(st: RunState, lr: float) -> bool:
     complete = st.batch_in_epoch >= st.steps_per_epoch
     if not complete and st.batch_in_epoch == 0:
         return False  # stopped by --max-steps exactly at an epoch boundary: nothing new to log
-    test_loss, test_acc = _evaluate_timed(st)
+    if st.last_eval is not None and st.last_eval["step"] == st.step:  # --eval-every has just evaluated this model
+        test_loss, test_acc = st.last_eval["test_loss"], st.last_eval["test_acc"]
+    else:
+        test_loss, test_acc = _evaluate_timed(st)
     frac_epoch: float = st.epoch + 1 if complete else st.epoch + st.batch_in_epoch / st.steps_per_epoch
     train_loss = st.ep_loss_sum / st.ep_loss_n if st.ep_loss_n else None  # None: every loss was non-finite
     rec = {"epoch": frac_epoch, "step": st.step, "train_loss": train_loss,
