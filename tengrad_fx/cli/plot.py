@@ -155,7 +155,8 @@ def plot_runs(run_dirs: list[str], out_path: str, group_by: Optional[Sequence[st
     if title is None:
         md = sorted({f"{r.get('model', '?')} / {r.get('dataset', '?')}" for r in runs})
         title = ", ".join(md)
-    fig.suptitle(title + "  — mean ± std over seeds")
+    several = any(len(members) > 1 for members in groups.values())
+    fig.suptitle(title + ("  — mean ± std over seeds" if several else ""))
     return save_figure(fig, out_path)
 
 

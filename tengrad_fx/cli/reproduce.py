@@ -290,7 +290,7 @@ def _plot_title(model: str, dataset: str, scale: Scale) -> str:
         return f"{model} / {dataset}"
     train = f"{scale.subset:,} training images" if scale.subset is not None else "all training images"
     test = f"{scale.test_subset:,} fixed test images" if scale.test_subset else "the whole test set"
-    return f"{model} / {dataset}, scaled down: {scale.epochs} epoch(s) on {train}, tested on {test}"
+    return f"{model} / {dataset}\nscaled down: {scale.epochs} epoch(s) on {train}, tested on {test}"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
