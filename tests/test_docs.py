@@ -30,7 +30,7 @@ NARRATION = [re.compile(p, re.IGNORECASE) for p in (
 )]
 
 MAIN_COMMAND = ('python3 -m venv .venv && .venv/bin/pip install -q torch==2.14.1 torchvision==0.29.1 '
-                '-e ".[plot]" && .venv/bin/tengrad-reproduce fmnist --methods tengrad')
+                '-e ".[plot]" && .venv/bin/tengrad-reproduce fmnist --methods tengrad,sgd')
 
 
 def markdown_files() -> list[Path]:

@@ -24,7 +24,8 @@ Files written to ``--out`` (default ``runs/<model>-<dataset>-<optimizer>-s<seed>
     over the epoch's training batches, weighted by batch size, before each update;
     batches with a non-finite loss are left out of ``train_loss``, which is ``null`` if
     all were),
-    ``test_loss``, ``test_acc`` (full test set, batches of 1000, ``torch.no_grad``),
+    ``test_loss``, ``test_acc`` (full test set, batches of 1000, ``torch.no_grad``; when an
+    ``--eval-every`` evaluation falls on the epoch's last step, its values, not evaluated twice),
     ``lr``, ``train_time`` (cumulative, as in steps.jsonl), ``eval_time`` (cumulative
     evaluation seconds, this evaluation included).
 ``evals.jsonl`` (only with ``--eval-every N``) -- one object every N steps:
@@ -73,13 +74,10 @@ non-finite losses.
 """
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 import sys
 import time
-from pathlib import Path
-from typing import Any, Callable, Iterator, NoReturn, Optional
+from typing import Any, Callable, Iterator, NoReturn
 
 import torch
 import torch.nn as nn
@@ -87,21 +85,15 @@ import torch.nn.functional as F
 
 from .. import zoo
 from ..utils.optional import require
-from ._checkpoint import (CHECKPOINT, CheckpointError, load_for_resume, remove_stale, save_checkpoint,
-                          save_rotating)
+from ._checkpoint import CHECKPOINT, save_checkpoint, save_rotating
 from ._compile_warmup import warm_up
-from ._logs import JsonlLog, StepBuffer, skipped_by_optimizer, truncate_jsonl
+from ._finish import finish
+from ._logs import skipped_by_optimizer
+from ._state import TRAJECTORY_KEYS, RunState, Setup, open_run
 
 __all__ = ["CHECKPOINT", "EVAL_BATCH", "TRAJECTORY_KEYS", "evaluate", "save_checkpoint", "train"]
 
-# Arguments that determine the trajectory: --resume refuses a checkpoint whose config differs.
-TRAJECTORY_KEYS = ("model", "dataset", "optimizer", "batch_size", "lr", "momentum", "weight_decay", "damping",
-                   "curvature_every", "fisher", "kl_clip", "lr_schedule", "seed", "subset")
-
 EVAL_BATCH = 1000
-
-# train_ds -> (model, optimizer, coverage report or None, extra config.json entries)
-Setup = Callable[[Any], "tuple[nn.Module, torch.optim.Optimizer, Optional[str], dict[str, Any]]"]
 
 
 def evaluate(model: nn.Module, dataset: Any, batch_size: int = EVAL_BATCH,
@@ -130,11 +122,6 @@ def _progress(total: int, desc: str, disable: bool, leave: bool = True) -> Any:
     return tqdm(total=total, desc=desc, disable=disable, dynamic_ncols=True, leave=leave, file=sys.stderr)
 
 
-def _skip_batches(it: Iterator[Any], k: int) -> None:
-    for _ in range(k):
-        next(it)
-
-
 def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], float],
           error: Callable[[str], NoReturn], dist: Any = None) -> dict[str, Any]:
     """Train as configured by ``cfg`` (``tengrad_fx.cli.train.resolve_config``), write the logs and
@@ -149,299 +136,199 @@ def train(cfg: dict[str, Any], *, setup: Setup, lr_factor: Callable[[str, int], 
     """
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
-    device = torch.device(dist.device if dist is not None else cfg["device"])
-    main = dist is None or dist.main  # the process that writes files and prints
-    out = Path(cfg["out"])
-    ckpt_path = out / CHECKPOINT
-
-    # ---- resume: load the checkpoint first, so a config mismatch fails before any work
-    ckpt: Optional[dict[str, Any]] = None
-    if cfg["resume"]:
-        try:
-            ckpt, name = load_for_resume(out, lambda msg: print(msg, file=sys.stderr)) if out.is_dir() else (None, "")
-        except CheckpointError as exc:
-            error(f"--resume: {exc}")
-        if ckpt is not None:
-            old = ckpt["config"]
-            diff = [f"{k}: checkpoint {old.get(k)!r} vs now {cfg[k]!r}" for k in TRAJECTORY_KEYS
-                    if old.get(k) != cfg[k]]
-            if diff:
-                error(f"--resume: {out / name} was written with a different configuration: " + "; ".join(diff))
-        else:
-            print(f"--resume: no {ckpt_path}, starting from scratch", file=sys.stderr)
-
-    # ---- data and model
+    st = open_run(cfg, setup, error, dist)
+    assert st.logs is not None
     try:
-        train_ds = zoo.get_dataset(cfg["dataset"], "train", cfg["data_dir"], download=cfg["download"])
-        test_ds = zoo.get_dataset(cfg["dataset"], "test", cfg["data_dir"], download=cfg["download"])
-    except (FileNotFoundError, ValueError) as exc:
-        error(str(exc))
-    if cfg["subset"] is not None:
-        train_ds = zoo.subset(train_ds, cfg["subset"])
-    n_test = cfg["subset"] if cfg.get("test_subset") is None else cfg["test_subset"]
-    if n_test:
-        test_ds = zoo.subset(test_ds, n_test)
-    train_ds, test_ds = train_ds.to(device), test_ds.to(device)
-
-    torch.manual_seed(cfg["seed"])
-    model, opt, coverage, extra_meta = setup(train_ds)
-    forward: Callable[[torch.Tensor], torch.Tensor] = torch.compile(model) if cfg["compile"] else model
-    if dist is not None:
-        forward = dist.wrap(model)
-    out.mkdir(parents=True, exist_ok=True)  # only now: a bad --model/--dataset leaves no directory behind
-    gen = torch.Generator().manual_seed(cfg["seed"])  # data order (+ augmentation), always on the CPU
-    steps_per_epoch = zoo.num_batches(train_ds, cfg["batch_size"]) if dist is None else \
-        len(train_ds) // cfg["batch_size"]  # distributed: the last incomplete global batch is dropped
-    base_lr = cfg["lr"]
-
-    # ---- state (fresh or from the checkpoint)
-    epoch, step, batch_in_epoch = 0, 0, 0
-    train_time = eval_time = 0.0
-    skipped_loss = 0
-    ep_loss_sum = ep_loss_n = ep_correct = ep_count = 0.0  # running sums of the current epoch
-    samples = 0
-    epoch_gen_state = gen.get_state()
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
-        epoch, step, batch_in_epoch = ckpt["epoch"], ckpt["step"], ckpt["batch_in_epoch"]
-        train_time, eval_time = ckpt["train_time"], ckpt["eval_time"]
-        skipped_loss = ckpt["skipped_nonfinite_loss"]
-        ep_loss_sum, ep_loss_n, ep_correct, ep_count = ckpt["epoch_sums"]
-        samples = ckpt["samples"]
-        epoch_gen_state = ckpt["rng"]["data_epoch_start"]
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        if device.type == "cuda" and ckpt["rng"].get("cuda") is not None:
-            torch.cuda.set_rng_state(ckpt["rng"]["cuda"], device)
-        last_step = step
-        for name in ("steps.jsonl", "evals.jsonl", "epochs.jsonl") if main else ():
-            truncate_jsonl(out / name, lambda r: r.get("step", 0) <= last_step)
-        with contextlib.suppress(FileNotFoundError):
-            if main:
-                (out / "summary.json").unlink()  # the run is unfinished again until the new summary
-    elif main:
-        for name in ("steps.jsonl", "evals.jsonl", "epochs.jsonl", "summary.json"):
-            with contextlib.suppress(FileNotFoundError):
-                (out / name).unlink()
-    if main:
-        remove_stale(out, fresh=ckpt is None)
-
-    resolved = {k: v for k, v in cfg.items() if k != "resume"}
-    meta = dict(resolved, resume=cfg["resume"], steps_per_epoch=steps_per_epoch,
-                n_train=len(train_ds), n_test=len(test_ds), **extra_meta)
-    if dist is not None:
-        meta["world_size"] = dist.world
-    if main:
-        (out / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
-    resumed_at = list(ckpt.get("resumed_at", [])) + [step] if ckpt is not None else []
-    if coverage is not None and main:
-        (out / "coverage.txt").write_text(coverage + "\n")
-
-    steps_log, epochs_log = JsonlLog(out / "steps.jsonl", main), JsonlLog(out / "epochs.jsonl", main)
-    evals_log = JsonlLog(out / "evals.jsonl", main) if cfg["eval_every"] else None
-    show = not cfg["no_progress"] and sys.stderr.isatty() and main
-    last_eval: Optional[dict[str, Any]] = None
-    max_steps = cfg["max_steps"]
-    stopped = False
-
-    def snapshot() -> dict[str, Any]:
-        return {
-            "model": model.state_dict(),
-            "optimizer": opt.state_dict(),
-            "epoch": epoch,
-            "step": step,
-            "batch_in_epoch": batch_in_epoch,
-            "train_time": train_time,
-            "eval_time": eval_time,
-            "skipped_nonfinite_loss": skipped_loss,
-            "epoch_sums": (ep_loss_sum, ep_loss_n, ep_correct, ep_count),
-            "samples": samples,
-            "rng": {"torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
-                    "data_epoch_start": epoch_gen_state},
-            "config": resolved,
-            "resumed_at": resumed_at,
-        }
-
-    def do_eval() -> tuple[float, float]:
-        nonlocal eval_time
-        t0 = time.perf_counter()
-        loss, acc = evaluate(forward_eval, test_ds, progress=show)  # type: ignore[arg-type]
-        eval_time += time.perf_counter() - t0
-        return loss, acc
-
-    forward_eval = forward
-    compile_time = None
-    if cfg["compile"] and dist is None:  # compile every step kind now, off the training clock
-        xb, yb = next(zoo.batches(train_ds, cfg["batch_size"], shuffle=False))
-        last = len(train_ds) % cfg["batch_size"]
-        compile_time = warm_up(forward, model, xb, yb, [len(yb)] + ([last] if last else []))
-        if main:
-            print(f"--compile: compiled in {compile_time:.1f}s (not counted in train_time)", flush=True)
-    session_samples, session_t0 = 0, train_time
-    buffer = StepBuffer()
-    device_skips = dist is None and bool(getattr(opt, "SYNC_FREE", False))  # the optimizer skips on the device
-    bar: Any = None
-
-    def flush() -> None:
-        """Read the buffered steps (one host sync), update the epoch sums, write steps.jsonl."""
-        nonlocal train_time, skipped_loss, ep_loss_sum, ep_loss_n, ep_correct, ep_count, samples, session_samples
-        t0 = time.perf_counter()
-        recs = buffer.flush()
-        train_time += time.perf_counter() - t0  # the device finishing the interval's steps
-        for rec in recs:
-            bs, correct = rec.pop("bs"), rec.pop("correct")
-            if math.isfinite(rec["loss"]):
-                ep_loss_sum += rec["loss"] * bs
-                ep_loss_n += bs
-            else:
-                skipped_loss += 1
-            ep_correct += correct
-            ep_count += bs
-            samples += bs
-            session_samples += bs
-        if recs:
-            recs[-1]["train_time"] = train_time
-        for rec in recs:
-            steps_log.write(rec)
-        if recs and bar is not None:
-            bar.set_postfix(loss=f"{ep_loss_sum / max(ep_loss_n, 1):.4f}", acc=f"{ep_correct / max(ep_count, 1):.3f}",
-                            samples_s=f"{session_samples / max(train_time - session_t0, 1e-9):.0f}", refresh=False)
-    model.train()
-    try:
-        while epoch < cfg["epochs"] and not (max_steps is not None and step >= max_steps):
-            lr = base_lr * lr_factor(cfg["lr_schedule"], epoch)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            gen.set_state(epoch_gen_state)
-            it = zoo.batches(train_ds, cfg["batch_size"], shuffle=True, generator=gen, drop_last=dist is not None)
-            _skip_batches(it, batch_in_epoch)
-            bar = _progress(steps_per_epoch, f"epoch {epoch + 1}/{cfg['epochs']}", not show)
-            bar.update(batch_in_epoch)
-            while True:
-                if max_steps is not None and step >= max_steps:
-                    stopped = True
-                    break
-                t0 = time.perf_counter()
-                try:
-                    xb, yb = next(it)
-                except StopIteration:
-                    break
-                if dist is not None:
-                    xb, yb = dist.local(xb, yb)
-                out_logits = forward(xb)
-                loss = F.cross_entropy(out_logits, yb)
-                correct: Any = (out_logits.detach().argmax(-1) == yb).sum()
-                loss_v: Any = loss.detach()
-                if dist is not None:  # the global batch's (every rank takes the same decision)
-                    loss_v, correct = dist.global_stats(loss, correct)
-                run_step = device_skips or math.isfinite(loss_v if dist is not None else float(loss_v))
-                before = 0 if device_skips else skipped_by_optimizer(opt)
-                opt.zero_grad(set_to_none=True)
-                skipped: Any = True
-                if run_step:
-                    if hasattr(opt, "mc_capture"):
-                        opt.mc_capture(out_logits)
-                    if device_skips:  # a non-finite loss makes every gradient NaN: the step skips on the device
-                        loss = loss * torch.where(loss_v.isfinite(), 1.0, math.nan)
-                    loss.backward()
-                    opt.step()
-                    applied = getattr(opt, "step_applied", None)
-                    skipped = (~applied if applied is not None else False) if device_skips else \
-                        skipped_by_optimizer(opt) > before
-                train_time += time.perf_counter() - t0
-                del out_logits, loss
-                bs = int(yb.shape[0]) * (1 if dist is None else dist.world)
-                step += 1
-                batch_in_epoch += 1
-                buffer.add({"step": step, "epoch": epoch + 1, "lr": lr, "train_time": train_time, "bs": bs},
-                           loss_v, correct, skipped)
-                bar.update(1)
-                if len(buffer) >= cfg["log_every"]:
-                    flush()
-                if evals_log is not None and step % cfg["eval_every"] == 0:
-                    flush()
-                    test_loss, test_acc = do_eval()
-                    last_eval = {"step": step, "epoch": epoch + batch_in_epoch / steps_per_epoch,
-                                 "test_loss": test_loss, "test_acc": test_acc, "train_time": train_time,
-                                 "eval_time": eval_time}
-                    evals_log.write(last_eval)
-            flush()
-            bar.close()
-            complete = batch_in_epoch >= steps_per_epoch
-            if not complete and batch_in_epoch == 0:
-                break  # stopped by --max-steps exactly at an epoch boundary: nothing new to log
-            test_loss, test_acc = do_eval()
-            frac_epoch: float = epoch + 1 if complete else epoch + batch_in_epoch / steps_per_epoch
-            train_loss = ep_loss_sum / ep_loss_n if ep_loss_n else None  # None: every loss was non-finite
-            rec = {"epoch": frac_epoch, "step": step, "train_loss": train_loss,
-                   "train_acc": ep_correct / max(ep_count, 1), "test_loss": test_loss, "test_acc": test_acc,
-                   "lr": lr, "train_time": train_time, "eval_time": eval_time}
-            epochs_log.write(rec)
-            last_eval = dict(rec)
-            if main:
-                print(f"epoch {frac_epoch:g}: train loss {train_loss if train_loss is not None else float('nan'):.4f} "
-                      f"acc {rec['train_acc']:.4f} | "
-                      f"test loss {test_loss:.4f} acc {test_acc:.4f} | train {train_time:.1f}s eval {eval_time:.1f}s",
-                      flush=True)
-            if complete:
-                epoch += 1
-                batch_in_epoch = 0
-                ep_loss_sum = ep_loss_n = ep_correct = ep_count = 0.0
-                epoch_gen_state = gen.get_state()
-            if main:
-                save_rotating(ckpt_path, snapshot())
-            if stopped:
+        _compile(st)
+        st.session_samples, st.session_t0 = 0, st.train_time
+        st.model.train()
+        while st.epoch < cfg["epochs"] and not st.at_max_steps():
+            if not _run_epoch(st, cfg["lr"] * lr_factor(cfg["lr_schedule"], st.epoch)):
                 break
     finally:
-        steps_log.close()
-        epochs_log.close()
-        if evals_log is not None:
-            evals_log.close()
+        st.logs.close()
+    return finish(st, lambda: _evaluate_timed(st))
 
-    if last_eval is None or last_eval["step"] != step:  # nothing trained now, or stopped at a boundary
-        test_loss, test_acc = do_eval()
-        last_eval = {"test_loss": test_loss, "test_acc": test_acc, "step": step}
-        prev = [json.loads(x) for x in (out / "epochs.jsonl").read_text().splitlines() if x.strip()] if main else []
-        if prev:
-            last_eval.setdefault("train_loss", prev[-1]["train_loss"])
-            last_eval.setdefault("train_acc", prev[-1]["train_acc"])
-    skipped_opt = skipped_by_optimizer(opt) - (skipped_loss if device_skips else 0)  # those skipped it too
-    stopped = max_steps is not None and step >= max_steps and epoch < cfg["epochs"]
-    summary = {
-        "test_acc": last_eval["test_acc"], "test_loss": last_eval["test_loss"],
-        "train_loss": last_eval.get("train_loss"), "train_acc": last_eval.get("train_acc"),
-        "train_time": train_time, "eval_time": eval_time,
-        "epochs": epoch + batch_in_epoch / steps_per_epoch, "steps": step,
-        "samples_per_s": (samples / train_time) if train_time > 0 else None,
-        "optimizer": cfg["optimizer"], "model": cfg["model"], "dataset": cfg["dataset"],
-        "skipped_steps": skipped_loss + skipped_opt, "skipped_nonfinite_loss": skipped_loss,
-        "compile_time": compile_time, "skipped_by_optimizer": skipped_opt,
-        "kl_clipped_steps": int(getattr(opt, "kl_clipped_steps", 0)),
-        "stopped_by_max_steps": stopped, "resumed_at_steps": resumed_at,
-        "out": str(out), "torch": torch.__version__,
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "threads": torch.get_num_threads(),
-    }
-    if not main:
-        return summary
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
-    plot_msg = ""
-    if not cfg["no_plot"]:
+def _compile(st: RunState) -> None:
+    """``--compile``: compile every step kind now, off the training clock."""
+    if not st.cfg["compile"] or st.dist is not None:
+        return
+    bs = st.cfg["batch_size"]
+    xb, yb = next(zoo.batches(st.train_ds, bs, shuffle=False))
+    last = len(st.train_ds) % bs
+    st.compile_time = warm_up(st.forward, st.model, xb, yb, [len(yb)] + ([last] if last else []))
+    if st.main:
+        print(f"--compile: compiled in {st.compile_time:.1f}s (not counted in train_time)", flush=True)
+
+
+def _evaluate_timed(st: RunState) -> tuple[float, float]:
+    """(test loss, test accuracy) of the current model; the seconds go to ``eval_time``."""
+    t0 = time.perf_counter()
+    loss, acc = evaluate(st.forward, st.test_ds, progress=st.show)  # type: ignore[arg-type]
+    st.eval_time += time.perf_counter() - t0
+    return loss, acc
+
+
+def _epoch_batches(st: RunState) -> Iterator[Any]:
+    """The current epoch's batches from the position ``batch_in_epoch`` on (same order as an
+    uninterrupted run: the generator restarts from the epoch's saved state)."""
+    st.gen.set_state(st.epoch_gen_state)
+    it = zoo.batches(st.train_ds, st.cfg["batch_size"], shuffle=True, generator=st.gen,
+                     drop_last=st.dist is not None)
+    for _ in range(st.batch_in_epoch):
+        next(it)
+    return it
+
+
+def _run_epoch(st: RunState, lr: float) -> bool:
+    """Train (the rest of) the current epoch at ``lr``, then evaluate, log and checkpoint it;
+    False when the run stops here (``--max-steps``)."""
+    for group in st.opt.param_groups:
+        group["lr"] = lr
+    it = _epoch_batches(st)
+    st.bar = _progress(st.steps_per_epoch, f"epoch {st.epoch + 1}/{st.cfg['epochs']}", not st.show)
+    st.bar.update(st.batch_in_epoch)
+    _train_steps(st, it, lr)
+    _flush(st)
+    st.bar.close()
+    return _end_epoch(st, lr)
+
+
+def _train_steps(st: RunState, it: Iterator[Any], lr: float) -> None:
+    """Steps until the epoch's batches or ``--max-steps`` run out, with the log points and
+    the ``--eval-every`` evaluations between them."""
+    cfg = st.cfg
+    while True:
+        if st.at_max_steps():
+            st.stopped = True
+            return
+        t0 = time.perf_counter()
         try:
-            from .plot import plot_runs
+            xb, yb = next(it)
+        except StopIteration:
+            return
+        _train_step(st, xb, yb, lr, t0)
+        st.bar.update(1)
+        if len(st.buffer) >= cfg["log_every"]:
+            _flush(st)
+        if cfg["eval_every"] and st.step % cfg["eval_every"] == 0:
+            _flush(st)
+            _eval_point(st)
 
-            plot_runs([str(out)], str(out / "curves.png"))
-            plot_msg = f", plot {out / 'curves.png'}"
-        except ImportError as exc:
-            if "matplotlib" in str(exc):
-                print("note: no curves.png (install matplotlib, e.g. pip install -e '.[plot]')", file=sys.stderr)
-        except Exception as exc:  # a plotting problem must not lose a finished run
-            print(f"warning: plotting failed ({type(exc).__name__}: {exc})", file=sys.stderr)
-    skipped_txt = f", {summary['skipped_steps']} skipped steps" if summary["skipped_steps"] else ""
-    print(f"{cfg['model']} / {cfg['dataset']} / {cfg['optimizer']}: test accuracy {summary['test_acc']:.4f} "
-          f"(loss {summary['test_loss']:.4f}) after {step} steps ({summary['epochs']:g} epochs){skipped_txt}; "
-          f"train time {train_time:.1f} s, eval time {eval_time:.1f} s")
-    print(f"logs: {out}/{{config.json,steps.jsonl,epochs.jsonl,summary.json}}, checkpoint {ckpt_path}{plot_msg}")
-    return summary
+
+def _train_step(st: RunState, xb: torch.Tensor, yb: torch.Tensor, lr: float, t0: float) -> None:
+    """One optimizer step on the batch ``(xb, yb)`` (a global batch under ``--distributed``);
+    its loss, correct count and skip flag go to the step buffer without a host read
+    (except where the loop must read the loss, see the module docstring). ``t0``: when the
+    step started (before the batch was drawn)."""
+    dist = st.dist
+    if dist is not None:
+        xb, yb = dist.local(xb, yb)
+    logits = st.forward(xb)
+    loss = F.cross_entropy(logits, yb)
+    correct: Any = (logits.detach().argmax(-1) == yb).sum()
+    loss_v: Any = loss.detach()
+    if dist is not None:  # the global batch's (every rank takes the same decision)
+        loss_v, correct = dist.global_stats(loss, correct)
+    skipped = _update(st, logits, loss, loss_v)
+    st.train_time += time.perf_counter() - t0
+    del logits, loss
+    bs = int(yb.shape[0]) * (1 if dist is None else dist.world)
+    st.step += 1
+    st.batch_in_epoch += 1
+    st.buffer.add({"step": st.step, "epoch": st.epoch + 1, "lr": lr, "train_time": st.train_time, "bs": bs},
+                  loss_v, correct, skipped)
+
+
+def _update(st: RunState, logits: torch.Tensor, loss: torch.Tensor, loss_v: Any) -> Any:
+    """Backward and ``opt.step()`` unless the loss is non-finite; returns the skip flag (a
+    device bool for an optimizer that skips on the device, else a Python bool)."""
+    opt, device_skips = st.opt, st.device_skips
+    run_step = device_skips or math.isfinite(loss_v if st.dist is not None else float(loss_v))
+    before = 0 if device_skips else skipped_by_optimizer(opt)
+    opt.zero_grad(set_to_none=True)
+    if not run_step:
+        return True
+    if hasattr(opt, "mc_capture"):
+        opt.mc_capture(logits)
+    if device_skips:  # a non-finite loss makes every gradient NaN: the step skips on the device
+        loss = loss * torch.where(loss_v.isfinite(), 1.0, math.nan)
+    loss.backward()
+    opt.step()
+    if device_skips:
+        applied = getattr(opt, "step_applied", None)
+        return ~applied if applied is not None else False
+    return skipped_by_optimizer(opt) > before
+
+
+def _flush(st: RunState) -> None:
+    """Read the buffered steps (one host sync), update the epoch sums, write steps.jsonl."""
+    t0 = time.perf_counter()
+    recs = st.buffer.flush()
+    st.train_time += time.perf_counter() - t0  # the device finishing the interval's steps
+    for rec in recs:
+        bs, correct = rec.pop("bs"), rec.pop("correct")
+        if math.isfinite(rec["loss"]):
+            st.ep_loss_sum += rec["loss"] * bs
+            st.ep_loss_n += bs
+        else:
+            st.skipped_loss += 1
+        st.ep_correct += correct
+        st.ep_count += bs
+        st.samples += bs
+        st.session_samples += bs
+    if not recs:
+        return
+    recs[-1]["train_time"] = st.train_time
+    assert st.logs is not None
+    for rec in recs:
+        st.logs.steps.write(rec)
+    if st.bar is not None:
+        st.bar.set_postfix(loss=f"{st.ep_loss_sum / max(st.ep_loss_n, 1):.4f}",
+                           acc=f"{st.ep_correct / max(st.ep_count, 1):.3f}",
+                           samples_s=f"{st.session_samples / max(st.train_time - st.session_t0, 1e-9):.0f}",
+                           refresh=False)
+
+
+def _eval_point(st: RunState) -> None:
+    """An ``--eval-every`` evaluation: one line of evals.jsonl."""
+    test_loss, test_acc = _evaluate_timed(st)
+    st.last_eval = {"step": st.step, "epoch": st.epoch + st.batch_in_epoch / st.steps_per_epoch,
+                    "test_loss": test_loss, "test_acc": test_acc, "train_time": st.train_time,
+                    "eval_time": st.eval_time}
+    assert st.logs is not None and st.logs.evals is not None
+    st.logs.evals.write(st.last_eval)
+
+
+def _end_epoch(st: RunState, lr: float) -> bool:
+    """Evaluate, log (epochs.jsonl, a printed line) and checkpoint the epoch's end (or the
+    ``--max-steps`` stop inside it); False when the run stops here."""
+    complete = st.batch_in_epoch >= st.steps_per_epoch
+    if not complete and st.batch_in_epoch == 0:
+        return False  # stopped by --max-steps exactly at an epoch boundary: nothing new to log
+    if st.last_eval is not None and st.last_eval["step"] == st.step:  # --eval-every has just evaluated this model
+        test_loss, test_acc = st.last_eval["test_loss"], st.last_eval["test_acc"]
+    else:
+        test_loss, test_acc = _evaluate_timed(st)
+    frac_epoch: float = st.epoch + 1 if complete else st.epoch + st.batch_in_epoch / st.steps_per_epoch
+    train_loss = st.ep_loss_sum / st.ep_loss_n if st.ep_loss_n else None  # None: every loss was non-finite
+    rec = {"epoch": frac_epoch, "step": st.step, "train_loss": train_loss,
+           "train_acc": st.ep_correct / max(st.ep_count, 1), "test_loss": test_loss, "test_acc": test_acc,
+           "lr": lr, "train_time": st.train_time, "eval_time": st.eval_time}
+    assert st.logs is not None
+    st.logs.epochs.write(rec)
+    st.last_eval = dict(rec)
+    if st.main:
+        shown_loss = train_loss if train_loss is not None else float("nan")
+        print(f"epoch {frac_epoch:g}: train loss {shown_loss:.4f} acc {rec['train_acc']:.4f} | "
+              f"test loss {test_loss:.4f} acc {test_acc:.4f} | train {st.train_time:.1f}s eval {st.eval_time:.1f}s",
+              flush=True)
+    if complete:
+        st.epoch += 1
+        st.batch_in_epoch = 0
+        st.reset_epoch_sums()
+        st.epoch_gen_state = st.gen.get_state()
+    if st.main:
+        save_rotating(st.out / CHECKPOINT, st.snapshot())
+    return not st.stopped

@@ -9,6 +9,8 @@ A run directory holds (the agreed contract):
   (cumulative training seconds, evaluation excluded);
 * ``epochs.jsonl`` — one object per epoch: epoch, train_loss, train_acc, test_loss,
   test_acc, train_time, eval_time;
+* ``evals.jsonl``  — (``--eval-every``) one object per evaluation between epoch ends: step,
+  epoch (fractional), test_loss, test_acc, train_time, eval_time;
 * ``summary.json`` — written last: test_acc, test_loss, train_time, eval_time, epochs,
   steps, optimizer. A directory without it is an unfinished (or failed) run.
 
@@ -26,7 +28,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 __all__ = [
     "Run", "load_run", "find_runs", "frac", "mean_std", "band", "config_key", "group_runs",
-    "time_to_target", "IGNORED_KEYS", "atomic_write_text",
+    "time_to_target", "eval_points", "IGNORED_KEYS", "atomic_write_text",
 ]
 
 IGNORED_KEYS = frozenset({
@@ -44,6 +46,7 @@ class Run:
     config: dict[str, Any]
     steps: list[dict[str, Any]] = field(default_factory=list)
     epochs: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
     summary: Optional[dict[str, Any]] = None
 
     @property
@@ -98,6 +101,7 @@ def load_run(path: str) -> Run:
         config=cfg,
         steps=_read_jsonl(os.path.join(path, "steps.jsonl")),
         epochs=_read_jsonl(os.path.join(path, "epochs.jsonl")),
+        evals=_read_jsonl(os.path.join(path, "evals.jsonl")),
         summary=_read_json(os.path.join(path, "summary.json")),
     )
 
@@ -197,6 +201,18 @@ def time_to_target(run: Run, target: float) -> Optional[float]:
         if acc is not None and acc >= t - 1e-12:
             return float(e["train_time"])
     return None
+
+
+def eval_points(run: Run) -> list[dict[str, Any]]:
+    """Every test evaluation of a run in step order: the end-of-epoch ones (epochs.jsonl)
+    and the ``--eval-every`` ones (evals.jsonl), one per step (the epoch's where both are).
+    Each has ``step``, ``epoch``, ``test_acc``, ``test_loss``, ``train_time``; a run without
+    evals.jsonl gives its epochs.jsonl as it is."""
+    if not run.evals:
+        return list(run.epochs)
+    by_step = {int(e["step"]): e for e in run.evals}
+    by_step.update({int(e["step"]): e for e in run.epochs})
+    return [by_step[s] for s in sorted(by_step)]
 
 
 def atomic_write_text(path: str, text: str) -> None:

@@ -1,10 +1,12 @@
 """Training curves of ``tengrad_fx.cli.train`` runs: the paper's Figs. 1, 3, 4 with error bands.
 
-    python -m tengrad_fx.cli.plot RUN_DIR... --out PATH.png [--group-by optimizer] [--title T]
+    python -m tengrad_fx.cli.plot RUN_DIR... --out PATH.png [--group-by optimizer] [--title T] [--x step]
 
 A ``RUN_DIR`` is one run directory or any folder holding several (e.g. a sweep
 directory). The figure is 2×2: training loss (top) and test accuracy (bottom) against
-epochs (left) and against wall-clock *training* time (right; evaluation excluded).
+epochs (left; ``--x step``: optimizer steps) and against wall-clock *training* time (right;
+evaluation excluded). Test accuracy is drawn at every evaluation: the epoch ends and, for
+runs trained with ``--eval-every``, the evaluations between them.
 Runs are grouped by the ``--group-by`` config keys (comma-separated; default
 ``optimizer``; ``config`` = every config key except the seed and bookkeeping keys, see
 ``tengrad_fx.cli._runs.IGNORED_KEYS``). Each group is drawn as the mean over its runs (seeds) with
@@ -12,7 +14,8 @@ a ± one-standard-deviation band (sample std); on the time axis a point sits at 
 mean training time of that epoch/step. PNG and SVG are written with the same stem.
 
 Training loss comes from ``epochs.jsonl`` (``train_loss``) when every run has at least
-two epochs, else from ``steps.jsonl`` (per-step loss, plotted at fractional epochs).
+two epochs (and the x axis is epochs), else from ``steps.jsonl`` (per-step loss, plotted at
+fractional epochs or at its step).
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from ..utils.optional import require
 require("matplotlib", "plot", "tengrad_fx.cli.plot (the training curves)").use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from ._runs import Run, band, find_runs, frac, group_runs  # noqa: E402
+from ._runs import Run, band, eval_points, find_runs, frac, group_runs  # noqa: E402
 
 __all__ = ["plot_runs", "run_curves", "output_paths", "save_figure", "main"]
 
@@ -48,8 +51,9 @@ def output_paths(out_path: str) -> list[str]:
     return [stem + ".png", stem + ".svg"]
 
 
-def _step_curve(run: Run) -> tuple[list[float], list[float], list[float]]:
-    """Per-step training loss at fractional epochs: ``(epoch_x, time_x, loss)``."""
+def _step_curve(run: Run, x: str = "epoch") -> tuple[list[float], list[float], list[float]]:
+    """Per-step training loss: ``(epoch_x, time_x, loss)`` at fractional epochs, or
+    ``(step_x, time_x, loss)`` for ``x="step"``."""
     by_epoch: dict[object, list[dict]] = {}
     for s in run.steps:
         if s.get("loss") is None:
@@ -59,22 +63,24 @@ def _step_curve(run: Run) -> tuple[list[float], list[float], list[float]]:
     for k, (_, recs) in enumerate(by_epoch.items()):
         n = len(recs)
         for j, s in enumerate(recs):
-            ex.append(k + (j + 1) / n)
+            ex.append(float(s["step"]) if x == "step" else k + (j + 1) / n)
             tx.append(float(s.get("train_time", float("nan"))))
             ys.append(float(s["loss"]))
     return ex, tx, ys
 
 
-def run_curves(run: Run, loss_from: str = "epochs") -> dict[str, tuple[list[float], list[float], list[float]]]:
-    """``{"loss": (epoch_x, time_x, y), "acc": (epoch_x, time_x, y %)}`` of one run."""
-    if loss_from == "steps":
-        loss = _step_curve(run)
+def run_curves(run: Run, loss_from: str = "epochs",
+               x: str = "epoch") -> dict[str, tuple[list[float], list[float], list[float]]]:
+    """``{"loss": (epoch_x, time_x, y), "acc": (epoch_x, time_x, y %)}`` of one run; with
+    ``x="step"`` the first axis is the optimizer step (and the loss the per-step one)."""
+    if loss_from == "steps" or x == "step":
+        loss = _step_curve(run, x)
     else:
         es = [e for e in run.epochs if e.get("train_loss") is not None]
         loss = ([float(e["epoch"]) for e in es], [float(e["train_time"]) for e in es],
                 [float(e["train_loss"]) for e in es])
-    ea = [e for e in run.epochs if e.get("test_acc") is not None]
-    acc = ([float(e["epoch"]) for e in ea], [float(e["train_time"]) for e in ea],
+    ea = [e for e in eval_points(run) if e.get("test_acc") is not None]
+    acc = ([float(e[x]) for e in ea], [float(e["train_time"]) for e in ea],
            [100.0 * frac(e["test_acc"]) for e in ea])  # type: ignore[operator]
     return {"loss": loss, "acc": acc}
 
@@ -88,7 +94,7 @@ def _label(key: tuple, n: int) -> str:
 
 
 def plot_runs(run_dirs: list[str], out_path: str, group_by: Optional[Sequence[str]] = ("optimizer",),
-              title: Optional[str] = None, loss_from: str = "auto") -> list[str]:
+              title: Optional[str] = None, loss_from: str = "auto", x: str = "epoch") -> list[str]:
     """Draw the 2×2 figure for the finished runs at or below ``run_dirs``.
 
     Args:
@@ -98,6 +104,7 @@ def plot_runs(run_dirs: list[str], out_path: str, group_by: Optional[Sequence[st
             i.e. over seeds); ``None`` = every config key but the seed/bookkeeping ones.
         title: figure title (default: model / dataset of the runs).
         loss_from: ``"epochs"``, ``"steps"`` or ``"auto"`` (see module docstring).
+        x: the left column's axis, ``"epoch"`` or ``"step"``.
 
     Returns:
         The written paths ``[png, svg]``.
@@ -105,33 +112,37 @@ def plot_runs(run_dirs: list[str], out_path: str, group_by: Optional[Sequence[st
     runs = find_runs(run_dirs)
     if not runs:
         raise FileNotFoundError(f"no finished run (a directory with config.json and summary.json) in {run_dirs}")
+    if x not in ("epoch", "step"):
+        raise ValueError(f"x: 'epoch' or 'step', got {x!r}")
     if loss_from == "auto":
-        loss_from = "epochs" if all(
+        loss_from = "epochs" if x == "epoch" and all(
             sum(e.get("train_loss") is not None for e in r.epochs) >= 2 for r in runs) else "steps"
+    if x == "step":
+        loss_from = "steps"
     groups = group_runs(runs, group_by)
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 8), constrained_layout=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for gi, (key, members) in enumerate(groups.items()):
         color = colors[gi % len(colors)]
-        curves = [run_curves(r, loss_from) for r in members]
+        curves = [run_curves(r, loss_from, x) for r in members]
         label = _label(key, len(members))
         for row, metric in enumerate(("loss", "acc")):
             for col, xi in enumerate((0, 1)):  # epoch axis, time axis
                 xs = [c[metric][xi] for c in curves]
                 ys = [c[metric][2] for c in curves]
-                x, mu, sd = band(xs, ys)
-                if not x:
+                xv, mu, sd = band(xs, ys)
+                if not xv:
                     continue
                 ax = axes[row, col]
-                marker = "o" if len(x) <= 20 else None
-                ax.plot(x, mu, color=color, label=label, marker=marker, markersize=3)
+                marker = "o" if len(xv) <= 20 else None
+                ax.plot(xv, mu, color=color, label=label, marker=marker, markersize=3)
                 if len(members) > 1:
                     lo = [m - s for m, s in zip(mu, sd)]
                     hi = [m + s for m, s in zip(mu, sd)]
-                    ax.fill_between(x, lo, hi, color=color, alpha=0.2, linewidth=0)
+                    ax.fill_between(xv, lo, hi, color=color, alpha=0.2, linewidth=0)
     loss_name = "training loss" + (" (per step)" if loss_from == "steps" else "")
-    for col, xlabel in enumerate(("epoch", "training time (s)")):
+    for col, xlabel in enumerate(("optimizer step" if x == "step" else "epoch", "training time (s)")):
         axes[0, col].set_ylabel(loss_name)
         axes[1, col].set_ylabel("test accuracy (%)")
         for row in range(2):
@@ -144,7 +155,8 @@ def plot_runs(run_dirs: list[str], out_path: str, group_by: Optional[Sequence[st
     if title is None:
         md = sorted({f"{r.get('model', '?')} / {r.get('dataset', '?')}" for r in runs})
         title = ", ".join(md)
-    fig.suptitle(title + "  — mean ± std over seeds")
+    several = any(len(members) > 1 for members in groups.values())
+    fig.suptitle(title + ("  — mean ± std over seeds" if several else ""))
     return save_figure(fig, out_path)
 
 
@@ -157,9 +169,10 @@ def main(argv: Optional[Sequence[str]] = None) -> list[str]:
                     help="comma-separated config keys defining a curve; 'config' = all but seed (default: optimizer)")
     ap.add_argument("--title", default=None)
     ap.add_argument("--loss-from", choices=("auto", "epochs", "steps"), default="auto")
+    ap.add_argument("--x", choices=("epoch", "step"), default="epoch", help="the left column's axis")
     a = ap.parse_args(argv)
     group_by = None if a.group_by.strip() == "config" else [k.strip() for k in a.group_by.split(",") if k.strip()]
-    paths = plot_runs(a.run_dirs, a.out, group_by=group_by, title=a.title, loss_from=a.loss_from)
+    paths = plot_runs(a.run_dirs, a.out, group_by=group_by, title=a.title, loss_from=a.loss_from, x=a.x)
     for p in paths:
         print(p)
     return paths

@@ -1,7 +1,7 @@
 """Reproduce a row of the paper's Table 2 with one command.
 
     tengrad-reproduce fmnist                        # SGD, TENGraD, K-FAC, EK-FAC, KBFGS on 3C1F
-    tengrad-reproduce fmnist --methods tengrad      # the README's main command
+    tengrad-reproduce fmnist --methods tengrad,sgd  # the README's main command
     tengrad-reproduce fmnist --seeds 5
     tengrad-reproduce cifar10 --model wrn-28-4 --data-dir ~/data
     tengrad-reproduce cifar100 --model densenet-19 --data-dir ~/data
@@ -16,11 +16,14 @@ with lr halved every 10 epochs (CIFAR-10) or ×0.1 at epochs 30 and 45 (CIFAR-10
 Each (method, seed) is one ``tengrad_fx.cli.train`` run (in this process) in ``OUT/<method>-s<seed>``;
 a finished run with the same settings is reused, so an interrupted reproduction continues.
 
-Output: the Table-2 row beside the paper's (top test accuracy over the evaluated epochs,
-training seconds until that epoch, training seconds until the paper's SGD accuracy, mean
-± std over seeds), ``OUT/curves.png`` / ``.svg`` (loss and test accuracy vs epoch and vs
-training seconds, :func:`tengrad_fx.cli.plot.plot_runs`), ``OUT/curves.csv`` (one row per method,
-seed and evaluation) and ``OUT/table.csv`` (the row).
+Output: the Table-2 row beside the paper's (top test accuracy over the evaluations,
+training seconds until that evaluation, training seconds until the paper's SGD accuracy,
+mean ± std over seeds), ``OUT/curves.png`` / ``.svg`` (loss and test accuracy vs epoch, or
+vs step when evaluating every ``--eval-every`` steps, and vs training seconds,
+:func:`tengrad_fx.cli.plot.plot_runs`), ``OUT/curves.csv`` (one row per method, seed and
+evaluation), ``OUT/table.csv`` (the row) and a summary comparing the methods: each one's
+final test accuracy and the steps and training seconds each took to reach the lowest of
+them (:mod:`tengrad_fx.cli._reproduce_report`).
 
 ``--distributed`` (under ``torchrun``, like ``tengrad_fx.cli.train --distributed``): every run is a
 ``tengrad_fx.cli.train --distributed`` run of this process group — DDP + ``DistributedTENGraD``
@@ -33,33 +36,39 @@ the K-FAC family has no distributed mode)::
     torchrun --nproc_per_node=8 -m tengrad_fx.cli.reproduce cifar10 --distributed --data-dir ~/data
 
 ``--device`` defaults to CUDA when available. On a CPU the full protocol takes hours, so
-unless ``--full`` is given a CPU run is scaled down to ``--subset 6400`` training images
-and ``--epochs 1`` (the test accuracy is still on the whole test set); the output says
-so. ``--epochs`` / ``--subset`` set the scale explicitly on any device.
+unless ``--full``, ``--epochs`` or ``--subset`` is given a CPU run is scaled down: one
+epoch on a fixed 19,200-image training subset (150 steps of batch 128; every method sees
+the same images in the same order from the same initial weights: one seed, one data
+generator), the test accuracy on a fixed 1,000-image test subset every 15 steps (10
+points per method); the output says so, and names the paper's figures as context only.
+``--epochs`` / ``--subset`` / ``--test-subset`` / ``--eval-every`` set the scale
+explicitly on any device.
 """
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 
 from ..optim.registry import PAPER_EPOCHS, PAPER_MODELS
 from . import train as train_cli
-from ._runs import find_runs, frac, mean_std, time_to_target
+from ._reproduce_report import compare, comparison_text, row_stats, runs_of, table_text, write_curves_csv
 
-__all__ = ["EXPERIMENTS", "PAPER_TABLE2", "METHODS", "DIST_METHODS", "main", "reproduce", "row_stats"]
+__all__ = ["EXPERIMENTS", "PAPER_TABLE2", "METHODS", "DIST_METHODS", "Scale", "main", "reproduce", "row_stats"]
 
 METHODS = ("sgd", "tengrad", "kfac", "ekfac", "kbfgs")
 DIST_METHODS = ("sgd", "tengrad")  # the methods tengrad_fx.cli.train --distributed runs
 EXPERIMENTS = {"fmnist": "fashion-mnist", "fashion-mnist": "fashion-mnist", "cifar10": "cifar10",
                "cifar100": "cifar100"}
-CPU_SUBSET, CPU_EPOCHS = 6400, 1
+BATCH = 128  # the paper's, tengrad_fx.cli.train's default
+# A CPU run: one epoch on CPU_SUBSET training images, CPU_EVAL_POINTS evaluations on CPU_TEST_SUBSET test images.
+CPU_SUBSET, CPU_EPOCHS, CPU_TEST_SUBSET, CPU_EVAL_POINTS = 150 * BATCH, 1, 1000, 10
 
 # (dataset, model) -> method -> (time s, top test accuracy %) of the paper's Table 2 (V100)
 PAPER_TABLE2: dict[tuple[str, str], dict[str, tuple[float, float]]] = {
@@ -86,10 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=None, help="comma-separated subset of " + ",".join(METHODS)
                    + f" (default: all; {','.join(DIST_METHODS)} with --distributed)")
     p.add_argument("--seeds", type=int, default=1, help="repetitions (seeds 0..N-1); the paper used 5")
-    p.add_argument("--epochs", type=int, default=None, help="default: the paper's (10 / 60); 1 on CPU")
+    p.add_argument("--epochs", type=int, default=None, help=f"default: the paper's (10 / 60); {CPU_EPOCHS} on CPU")
     p.add_argument("--subset", type=int, default=None, metavar="N",
                    help=f"train on N images (default: all; {CPU_SUBSET} on CPU)")
-    p.add_argument("--test-subset", type=int, default=0, metavar="M", help="test on M images (0 = all)")
+    p.add_argument("--test-subset", type=int, default=None, metavar="M",
+                   help=f"test on M images (0 = all; default: all, {CPU_TEST_SUBSET} on CPU)")
+    p.add_argument("--eval-every", type=int, default=None, metavar="STEPS",
+                   help="also evaluate every STEPS steps (0 = at epoch ends only; default: 0, "
+                        f"{CPU_EVAL_POINTS} points on CPU)")
     p.add_argument("--full", action="store_true", help="the paper's full protocol even on a CPU")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, ...")
     p.add_argument("--out", default=None, help="output folder (default runs/reproduce-<experiment>[-<model>])")
@@ -101,43 +114,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _runs_of(out: str, method: str, seeds: int) -> list[str]:
-    return [os.path.join(out, f"{method}-s{s}") for s in range(seeds)]
+@dataclass(frozen=True)
+class Scale:
+    """How much of the paper's protocol a reproduction runs.
+
+    ``epochs``; ``subset``: training images (None = all); ``test_subset``: test images (0 =
+    all); ``eval_every``: steps between evaluations (0 = at epoch ends only); ``cpu``: the
+    CPU default scale; ``paper_epochs``: the paper's epochs for the dataset."""
+
+    epochs: int
+    subset: Optional[int]
+    test_subset: int
+    eval_every: int
+    cpu: bool
+    paper_epochs: int
+
+    @property
+    def scaled(self) -> bool:
+        """Anything less than the paper's protocol."""
+        return self.epochs < self.paper_epochs or self.subset is not None or bool(self.test_subset)
+
+    def note(self, device: str) -> str:
+        return (f"SCALED DOWN from the paper's protocol ({self.paper_epochs} epochs on the whole training set): "
+                f"{self.epochs} epoch(s) on {self.subset if self.subset is not None else 'all'} training images, "
+                f"tested on {self.test_subset or 'all'} test images"
+                + (f" every {self.eval_every} steps" if self.eval_every else "")
+                + (" (a CPU run; --full for the paper's)" if device.startswith("cpu") else ""))
 
 
-def row_stats(run_dirs: Sequence[str], target_acc: float) -> dict[str, Any]:
-    """Mean ± std over the finished runs of: top test accuracy (%) over the evaluations,
-    training seconds until the first evaluation at that accuracy, and until ``target_acc``
-    (runs that never reach it are left out of the time and counted in ``reached``)."""
-    runs = find_runs(run_dirs)
-    tops, t_tops, t_tgts, totals = [], [], [], []
-    for r in runs:
-        totals.append(float(r.summary["train_time"]))  # type: ignore[index]
-        best = max(r.epochs, key=lambda e: frac(e["test_acc"]))  # type: ignore[arg-type, return-value]
-        tops.append(100.0 * frac(best["test_acc"]))  # type: ignore[operator]
-        t_tops.append(float(best["train_time"]))
-        t = time_to_target(r, target_acc)
-        if t is not None:
-            t_tgts.append(t)
-    return {"n": len(runs), "acc": mean_std(tops), "time_to_top": mean_std(t_tops), "train_time": mean_std(totals),
-            "time_to_target": mean_std(t_tgts) if t_tgts else None, "reached": len(t_tgts)}
-
-
-def _fmt(ms: Optional[tuple[float, float]], digits: int = 1, n: int = 1) -> str:
-    if ms is None:
-        return "not reached"
-    return f"{ms[0]:.{digits}f}" + (f" ± {ms[1]:.{digits}f}" if n > 1 else "")
-
-
-def _write_curves_csv(path: str, out: str, methods: Sequence[str], seeds: int) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["method", "seed", "epoch", "step", "train_time_s", "train_loss", "test_loss", "test_acc"])
-        for method in methods:
-            for run in find_runs(_runs_of(out, method, seeds)):
-                for e in run.epochs:
-                    w.writerow([method, run.get("seed"), e["epoch"], e["step"], e["train_time"], e["train_loss"],
-                                e["test_loss"], e["test_acc"]])
+def resolve_scale(args: argparse.Namespace, dataset: str, device: str) -> Scale:
+    """The scale of ``args`` on ``device``: the paper's, the CPU default (a CPU without
+    ``--full`` / ``--epochs`` / ``--subset``), or as given."""
+    cpu = device.startswith("cpu") and not args.full and args.epochs is None and args.subset is None
+    subset = CPU_SUBSET if cpu else args.subset
+    epochs = CPU_EPOCHS if cpu else (args.epochs or PAPER_EPOCHS[dataset])
+    test_subset = args.test_subset if args.test_subset is not None else (CPU_TEST_SUBSET if cpu else 0)
+    eval_every = args.eval_every if args.eval_every is not None else \
+        (max(1, (subset or BATCH) // BATCH // CPU_EVAL_POINTS) if cpu else 0)
+    return Scale(epochs, subset, test_subset, eval_every, cpu, PAPER_EPOCHS[dataset])
 
 
 def _settings_match(run_dir: str, argv: list[str]) -> bool:
@@ -151,12 +165,14 @@ def _settings_match(run_dir: str, argv: list[str]) -> bool:
         return False
     new = train_cli.resolve_config(train_cli.build_parser().parse_args(argv))
     keys = ("model", "dataset", "optimizer", "epochs", "batch_size", "lr", "momentum", "weight_decay", "damping",
-            "curvature_every", "fisher", "kl_clip", "lr_schedule", "seed", "subset", "test_subset", "device")
+            "curvature_every", "fisher", "kl_clip", "lr_schedule", "seed", "subset", "test_subset", "device",
+            "eval_every")
     return all(old.get(k) == new.get(k) for k in keys)
 
 
 def reproduce(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    """Run the experiment; returns ``{"rows": {method: row_stats}, "out": ..., "scaled": ...}``."""
+    """Run the experiment; returns ``{"rows": {method: row_stats}, "out": ..., "scaled": ...,
+    "table": ..., "summary": ..., "comparison": tengrad_fx.cli._reproduce_report.compare(...), "device": ...}``."""
     parser = build_parser()
     args = parser.parse_args(argv)
     dataset = EXPERIMENTS[args.experiment]
@@ -171,6 +187,8 @@ def reproduce(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         parser.error(f"--methods: {bad} not available{why}; choose from {', '.join(allowed)}")
     if args.seeds < 1:
         parser.error("--seeds must be >= 1")
+    if args.eval_every is not None and args.eval_every < 0:
+        parser.error(f"--eval-every must be >= 0, got {args.eval_every}")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     drun = None
     if args.distributed:
@@ -187,39 +205,36 @@ def reproduce(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             drun.close()
 
 
+def _run_argv(args: argparse.Namespace, scale: Scale, model: str, dataset: str, method: str, seed: int,
+              device: str, run_dir: str, distributed: bool) -> list[str]:
+    """The ``tengrad_fx.cli.train`` arguments of one (method, seed) run."""
+    argv = ["--model", model, "--dataset", dataset, "--optimizer", method, "--epochs", str(scale.epochs),
+            "--seed", str(seed), "--device", device, "--out", run_dir, "--test-subset", str(scale.test_subset),
+            "--threads", str(args.threads), "--no-plot"]
+    argv += ["--subset", str(scale.subset)] if scale.subset is not None else []
+    argv += ["--eval-every", str(scale.eval_every)] if scale.eval_every else []
+    argv += ["--data-dir", args.data_dir] if args.data_dir else []
+    argv += ["--no-progress"] if args.no_progress else []
+    argv += ["--distributed"] if distributed else []
+    return argv
+
+
 def _reproduce(args: argparse.Namespace, dataset: str, model: str, methods: list[str], device: str,
                drun: Any) -> dict[str, Any]:
     """The runs (every rank), then the row, files and summary (rank 0 only)."""
     main_rank = drun is None or drun.main
     say = print if main_rank else (lambda *a, **k: None)
-    epochs, subset = args.epochs, args.subset
-    if device.startswith("cpu") and not args.full and epochs is None and subset is None:
-        epochs, subset = CPU_EPOCHS, CPU_SUBSET
-    epochs = epochs or PAPER_EPOCHS[dataset]
-    scaled = epochs < PAPER_EPOCHS[dataset] or subset is not None or bool(args.test_subset)
-    scale_note = (f"SCALED DOWN from the paper's protocol ({PAPER_EPOCHS[dataset]} epochs on the whole training "
-                  f"set): {epochs} epoch(s) on {subset if subset is not None else 'all'} training images, tested on "
-                  f"{args.test_subset or 'all'} test images" + (" (a CPU run; --full for the paper's)"
-                                                                 if device.startswith("cpu") else ""))
+    scale = resolve_scale(args, dataset, device)
     out = args.out or os.path.join("runs", f"reproduce-{args.experiment}" + (f"-{model}" if args.model else ""))
     if main_rank:
         os.makedirs(out, exist_ok=True)
-    paper = PAPER_TABLE2[(dataset, model)]
-    target = paper["sgd"][1]
     where = f"{drun.world} ranks (--distributed)" if drun is not None else device
     say(f"{model} / {dataset}: {', '.join(methods)} × {args.seeds} seed(s) on {where}, paper settings; "
-        f"{scale_note if scaled else 'the paper protocol'}; logs in {out}", flush=True)
-
+        f"{scale.note(device) if scale.scaled else 'the paper protocol'}; logs in {out}", flush=True)
     t_start = time.perf_counter()
     for method in methods:
-        for seed, run_dir in enumerate(_runs_of(out, method, args.seeds)):
-            argv_run = ["--model", model, "--dataset", dataset, "--optimizer", method, "--epochs", str(epochs),
-                        "--seed", str(seed), "--device", device, "--out", run_dir, "--test-subset",
-                        str(args.test_subset), "--threads", str(args.threads), "--no-plot"]
-            argv_run += ["--subset", str(subset)] if subset is not None else []
-            argv_run += ["--data-dir", args.data_dir] if args.data_dir else []
-            argv_run += ["--no-progress"] if args.no_progress else []
-            argv_run += ["--distributed"] if drun is not None else []
+        for seed, run_dir in enumerate(runs_of(out, method, args.seeds)):
+            argv_run = _run_argv(args, scale, model, dataset, method, seed, device, run_dir, drun is not None)
             reuse = _settings_match(run_dir, argv_run) if main_rank else None
             if drun is not None:
                 reuse = drun.from_main(reuse)  # every rank takes rank 0's decision
@@ -230,54 +245,52 @@ def _reproduce(args: argparse.Namespace, dataset: str, model: str, methods: list
             train_cli.run(argv_run)
     wall = time.perf_counter() - t_start
     if not main_rank:
-        return {"rows": {}, "out": out, "scaled": scaled, "table": "", "summary": "", "device": device,
+        return {"rows": {}, "out": out, "scaled": scale.scaled, "table": "", "summary": "", "device": device,
                 "rank": drun.rank}
+    return _report(args, out, dataset, model, methods, device, scale, wall)
 
-    rows = {m: row_stats(_runs_of(out, m, args.seeds), target) for m in methods}
-    head = (f"{'method':<9} {'top test acc %':>16} {'time to top (s)':>16} {f'time to {target:g}% (s)':>18}"
-            f"   | paper: time (s) [top acc %]")
-    lines = [f"Table 2 row, {model} / {dataset} ({device}; mean ± std over {args.seeds} seed(s))", head]
-    with open(os.path.join(out, "table.csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["method", "seeds", "top_test_acc", "top_test_acc_std", "time_to_top_s", "time_to_target_s",
-                    "target_acc", "reached", "paper_time_s", "paper_acc", "scaled", "device"])
-        for m, r in rows.items():
-            n = r["n"]
-            ttt = "not reached" if r["time_to_target"] is None else _fmt(r["time_to_target"], 1, r["reached"])
-            if r["time_to_target"] is not None and r["reached"] < n:
-                ttt += f" ({r['reached']}/{n})"
-            lines.append(f"{m:<9} {_fmt(r['acc'], 2, n):>16} {_fmt(r['time_to_top'], 1, n):>16} {ttt:>18}"
-                         f"   | {paper[m][0]:g} [{paper[m][1]:.2f}]")
-            w.writerow([m, n, f"{r['acc'][0]:.4f}", f"{r['acc'][1]:.4f}", f"{r['time_to_top'][0]:.2f}",
-                        "" if r["time_to_target"] is None else f"{r['time_to_target'][0]:.2f}", target,
-                        r["reached"], paper[m][0], paper[m][1], scaled, device])
-    if scaled:
-        lines.append(scale_note + ": not comparable to the paper's numbers")
-    table = "\n".join(lines)
+
+def _report(args: argparse.Namespace, out: str, dataset: str, model: str, methods: list[str], device: str,
+            scale: Scale, wall: float) -> dict[str, Any]:
+    """Print and write the row, the CSVs, the curves and the summary (rank 0)."""
+    paper = PAPER_TABLE2[(dataset, model)]
+    rows = {m: row_stats(runs_of(out, m, args.seeds), paper["sgd"][1]) for m in methods}
+    title = f"Table 2 row, {model} / {dataset} ({device}; mean ± std over {args.seeds} seed(s))"
+    table = table_text(os.path.join(out, "table.csv"), rows, paper, title, scale.scaled, device)
+    if scale.scaled:
+        table += "\n" + scale.note(device) + ": not comparable to the paper's numbers"
     print("\n" + table, flush=True)
-    _write_curves_csv(os.path.join(out, "curves.csv"), out, methods, args.seeds)
+    write_curves_csv(os.path.join(out, "curves.csv"), out, methods, args.seeds)
     plot_note = "no plot (install matplotlib: pip install -e '.[plot]')"
     try:
         from .plot import plot_runs
 
-        all_runs = [d for m in methods for d in _runs_of(out, m, args.seeds)]
-        plot_note = " and ".join(plot_runs(all_runs, os.path.join(out, "curves.png"),
-                                           title=f"{model} / {dataset}" + (" (scaled down)" if scaled else "")))
+        all_runs = [d for m in methods for d in runs_of(out, m, args.seeds)]
+        plot_note = " and ".join(plot_runs(all_runs, os.path.join(out, "curves.png"), title=_plot_title(
+            model, dataset, scale), x="step" if scale.eval_every else "epoch"))
     except ImportError as exc:
         if "matplotlib" not in str(exc):
             raise
-    best = max(rows, key=lambda m: rows[m]["acc"][0])
-    per_method = "; ".join(f"{m} {rows[m]['acc'][0]:.2f}% top test accuracy (paper {paper[m][1]:.2f}%) after "
-                           f"{rows[m]['train_time'][0]:.0f} s of training" for m in methods)
-    protocol = (f"scaled down: {epochs} epoch(s) on {subset or 'all'} training images" if scaled
-                else "paper protocol")
-    summary = (f"Summary: {per_method} ({best} best) on {model} / {dataset}, {protocol}, "
-               f"{device}; {wall:.0f} s of wall-clock for this command's training and evaluation. Curves: {plot_note}; "
-               f"per-epoch numbers: {os.path.join(out, 'curves.csv')}; the row: {os.path.join(out, 'table.csv')}; "
+    cmp = compare(out, methods, args.seeds)
+    protocol = (f"scaled down: {scale.epochs} epoch(s) on {scale.subset or 'all'} training images, tested on "
+                f"{scale.test_subset or 'all'} test images" if scale.scaled else "paper protocol")
+    summary = (f"Summary: {model} / {dataset} ({protocol}; {device}): "
+               f"{comparison_text(cmp, paper, scale.scaled, args.seeds, scale.paper_epochs)} "
+               f"{wall:.0f} s of wall-clock for this command's training and evaluation. Curves: {plot_note}; "
+               f"per-evaluation numbers: {os.path.join(out, 'curves.csv')}; the row: {os.path.join(out, 'table.csv')}; "
                f"each run's logs (config.json, steps.jsonl, epochs.jsonl, summary.json, checkpoint.pt) in "
                f"{os.path.join(out, '<method>-s<seed>')}.")
     print("\n" + summary, flush=True)
-    return {"rows": rows, "out": out, "scaled": scaled, "table": table, "summary": summary, "device": device}
+    return {"rows": rows, "out": out, "scaled": scale.scaled, "table": table, "summary": summary,
+            "comparison": cmp, "device": device}
+
+
+def _plot_title(model: str, dataset: str, scale: Scale) -> str:
+    if not scale.scaled:
+        return f"{model} / {dataset}"
+    train = f"{scale.subset:,} training images" if scale.subset is not None else "all training images"
+    test = f"{scale.test_subset:,} fixed test images" if scale.test_subset else "the whole test set"
+    return f"{model} / {dataset}\nscaled down: {scale.epochs} epoch(s) on {train}, tested on {test}"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

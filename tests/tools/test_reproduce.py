@@ -1,5 +1,7 @@
 """``tengrad-reproduce``: end to end on a tiny synthetic Fashion-MNIST (a tiny CNN stands in
-for 3C1F; every method with its paper settings), table, CSVs, plot, reuse of finished runs."""
+for 3C1F; every method with its paper settings), table, CSVs, plot, reuse of finished runs;
+the CPU scale: TENGraD beside SGD on the same data and initial weights, evaluated every few
+steps, compared in the summary."""
 from __future__ import annotations
 
 import csv
@@ -8,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from testing.tiny_data import tiny_cnn
+from testing.tiny_data import tiny_cnn, write_fashion_mnist
+from tengrad_fx.cli import _runs
 from tengrad_fx.cli import reproduce as R
 from tengrad_fx.cli import train as T
 
@@ -51,7 +54,59 @@ def test_fmnist_end_to_end(data_dir: Path, tmp_path: Path, monkeypatch: pytest.M
 def test_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     for argv, msg in ((["fmnist", "--methods", "adam"], "--methods"),
                       (["cifar10", "--model", "resnet18"], "--model"),
-                      (["fmnist", "--seeds", "0"], "--seeds")):
+                      (["fmnist", "--seeds", "0"], "--seeds"),
+                      (["fmnist", "--eval-every", "-1"], "--eval-every")):
         with pytest.raises(SystemExit):
             R.reproduce(argv)
         assert msg in capsys.readouterr().err
+
+
+def test_cpu_scale_compares_tengrad_with_sgd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "data").mkdir()
+    data = write_fashion_mnist(tmp_path / "data", n_train=1280, n_test=64)
+    monkeypatch.setattr(T, "build_model", tiny_cnn)
+    monkeypatch.setattr(R, "CPU_SUBSET", 10 * R.BATCH)  # 10 steps: one evaluation per step
+    monkeypatch.setattr(R, "CPU_TEST_SUBSET", 48)
+    out = tmp_path / "rep"
+    res = R.reproduce(["fmnist", "--methods", "tengrad,sgd", "--data-dir", str(data), "--out", str(out),
+                       "--device", "cpu", "--no-progress"])
+    text = capsys.readouterr().out
+    assert res["scaled"] and "SCALED DOWN" in text and "every 1 steps" in text
+    runs = {m: _runs.load_run(str(out / f"{m}-s0")) for m in ("tengrad", "sgd")}
+    for run in runs.values():
+        cfg = run.config
+        assert (cfg["subset"], cfg["test_subset"], cfg["eval_every"], cfg["epochs"], cfg["seed"]) == (1280, 48, 1, 1, 0)
+        assert run.get("n_test") == 48
+        points = _runs.eval_points(run)
+        assert [p["step"] for p in points] == list(range(1, 11))  # >= 8 evaluations, the last one not repeated
+        assert len(run.evals) == 10 and run.epochs[0]["test_acc"] == run.evals[-1]["test_acc"]
+    # same data, same order, same initial weights: the first batch's loss (before any update) agrees
+    first = {m: run.steps[0]["loss"] for m, run in runs.items()}
+    assert first["tengrad"] == pytest.approx(first["sgd"], rel=1e-5)
+    assert runs["tengrad"].steps[3]["loss"] != pytest.approx(runs["sgd"].steps[3]["loss"], rel=1e-5)
+    # the comparison: final accuracies and the first evaluation at the lower one, from the logs
+    cmp = res["comparison"]
+    finals = {m: 100.0 * run.summary["test_acc"] for m, run in runs.items()}  # type: ignore[index]
+    assert {m: p["final"] for m, p in cmp["methods"].items()} == pytest.approx(finals)
+    assert cmp["target"] == pytest.approx(min(finals.values()))
+    for m, run in runs.items():
+        hit = next(p for p in _runs.eval_points(run) if 100.0 * p["test_acc"] >= cmp["target"] - 1e-9)
+        assert cmp["methods"][m]["to_target"] == pytest.approx((hit["step"], hit["train_time"], 1))
+    lowest = cmp["lowest"]
+    assert cmp["methods"][lowest]["to_target"][0] <= 10
+    summary = res["summary"]
+    assert f"To reach {cmp['target']:.2f} % ({lowest}'s final)" in summary
+    assert f"tengrad {finals['tengrad']:.2f} %" in summary and f"sgd {finals['sgd']:.2f} %" in summary
+    assert "For context only" in summary and "93.15 %" in summary and "(paper " not in summary
+    with open(out / "curves.csv") as f:
+        curves = list(csv.DictReader(f))
+    assert [r["method"] for r in curves] == ["tengrad"] * 10 + ["sgd"] * 10
+    assert [int(r["step"]) for r in curves[:10]] == list(range(1, 11))
+    assert (out / "curves.png").stat().st_size > 0 and (out / "curves.svg").stat().st_size > 0
+    from tengrad_fx.cli import plot
+
+    acc_steps, acc_times, acc = plot.run_curves(runs["sgd"], x="step")["acc"]
+    points = _runs.eval_points(runs["sgd"])
+    assert acc_steps == list(range(1, 11)) and acc == pytest.approx([100.0 * p["test_acc"] for p in points])
+    assert acc_times == [p["train_time"] for p in points] and acc_times == sorted(acc_times)
