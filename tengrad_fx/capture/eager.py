@@ -5,7 +5,7 @@ Every capture op exists twice over the same implementation functions:
 * as a ``torch.library`` custom op pair (``tengrad_fx::<kind>`` and
   ``tengrad_fx::<kind>_backward``, ``register_autograd``): opaque to ``torch.compile``,
   so a compiled model still records; the backward op's records never share memory with
-  the op's arguments or results, which the compiled program may reuse (:mod:`.kept`),
+  the op's arguments or results, which the compiled program may reuse (:mod:`.record_guard`),
   and both ops are tagged ``cudagraph_unsafe`` (their Python side effects must run at
   every call, not be replayed);
 * as a plain ``torch.autograd.Function`` made by :func:`capture_op` from the same
@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.library import infer_schema
 
-from .kept import kept_apart
+from .record_guard import kept_apart
 
 __all__ = ["FORCE_CUSTOM_OPS", "use_custom_ops", "capture_op"]
 

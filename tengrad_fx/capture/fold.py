@@ -1,4 +1,4 @@
-"""prepare()'s fold probe: is a call site's input a folded batch (see :mod:`.rows`)?
+"""prepare()'s fold probe: is a call site's input a folded batch (see :mod:`.folded_rows`)?
 
 For a covered row-wise layer (:data:`FOLDABLE`) whose input's leading dim is not the
 batch, the model is run at batch 3 on ``example_inputs``' first sample repeated, then

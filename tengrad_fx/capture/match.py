@@ -133,7 +133,7 @@ class LayerSpec:
     tied_names: list[str] = field(default_factory=list)
     # a module swapped by surgery inside a module the fx graph keeps as a leaf
     in_leaf: bool = False
-    # "param" made by module surgery (:mod:`.added`): its per-sample use is checked
+    # "param" made by module surgery (:mod:`.added_params`): its per-sample use is checked
     surgery: bool = False
     # every kind, once dropped to the fallback (:func:`.sharing.drop_layer`): the sites its
     # calls still run (recorded nothing), the reason for the layer, per-parameter reasons

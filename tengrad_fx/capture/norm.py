@@ -37,7 +37,7 @@ from torch import Tensor
 from . import norm_ops, ops
 from .amp import acc, as_dtype, cast_like_aten
 from .rms_probe import probe_form, rms_shaped, run_form
-from .rows import FOLDS, fold_rows, unfold_rows
+from .folded_rows import FOLDS, fold_rows, unfold_rows
 
 __all__ = ["NORM_KINDS", "CHANNEL_FIRST", "match_norm", "norm_entry", "is_norm_leaf", "norm", "BN_NOTE",
            "normalized_ndim"]

@@ -18,7 +18,7 @@ dispatch, a fraction of its per-call cost).
 The Python functions :func:`linear` and :func:`conv` are what the rewritten FX graph
 calls. They dispatch to the plain aten op when capture is off, when grad is disabled,
 or when nothing requires grad — then capture costs nothing (and an FX-prepared model
-runs its plain graph instead, :mod:`.plain`).
+runs its plain graph instead, :mod:`.plain_graph`).
 
 Per-call cost: these wrappers and bodies run once per covered layer call, and on a GPU
 the step is launch-bound, so they call the generated ``torch.*`` bindings
@@ -39,7 +39,7 @@ from .amp import acc, as_dtype, autocast_off, cast_lower
 from .bias import bias_site
 from .per_sample_conv import per_sample_conv_weight_grads
 from .eager import capture_op, use_custom_ops
-from .rows import FOLDS, fold_rows, unfold_rows
+from .folded_rows import FOLDS, fold_rows, unfold_rows
 from .store import Record, lookup
 
 __all__ = ["linear", "conv", "bias_only", "PROBE"]

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from . import attention, embedding, functional, norm, ops, params
 from .._compile import keep_saved_tensors
-from .plain import compiled_forward, drop_dead_attributes, install_forward, plain_graph
+from .plain_graph import compiled_forward, drop_dead_attributes, install_forward, plain_graph
 from .info import ATTR, PrepareInfo, get_info
 from .inputs import as_call, leading_dim
 from .context import RewriteContext
@@ -17,7 +17,7 @@ from .match import LayerSpec, match_module, module_spec, pad_same_input
 from .norm import NORM_KINDS
 from .sharing import OURS, drop_layer, merge_tied_lookups, note_functional_uses
 from .store import CaptureStore
-from .added import check_sample_independence
+from .added_params import check_sample_independence
 from .surgery import cover_in_leaves, prepare_surgery
 from .trace import trace
 from .unprepare import ORIGINAL

@@ -47,7 +47,7 @@ from typing import Optional
 
 import torch
 
-from . import kept
+from . import record_guard
 from .amp import LOW_PRECISION
 
 __all__ = ["CaptureStore", "Record", "lookup", "union"]
@@ -150,7 +150,7 @@ class CaptureStore:
     generation: int = 0  # how many captures have completed (for users caching results)
     _finalized: int = 0  # the generation finalize() last converted
     site_names: dict[int, str] = field(default_factory=dict)  # site -> layer name (for errors)
-    _watched: list[kept.Watched] = field(default_factory=list)  # fingerprinted, not yet verified
+    _watched: list[record_guard.Watched] = field(default_factory=list)  # fingerprinted, not yet verified
     _verified: set[tuple] = field(default_factory=set)  # (site, shapes) checked
 
     def __post_init__(self) -> None:
@@ -197,21 +197,21 @@ class CaptureStore:
             self._complete = True
         rec.own_loss = self.grad_only
         self.records.setdefault(site, []).append(rec)
-        kept.note(self, site, rec)
+        record_guard.note(self, site, rec)
 
     def watch(self, site: int, rec: Record, always: bool) -> None:
-        """Fingerprint ``rec`` (recorded by a custom op, :mod:`.kept`) unless a record of
+        """Fingerprint ``rec`` (recorded by a custom op, :mod:`.record_guard`) unless a record of
         the same site and shapes was verified before (``always``: every time)."""
         sig = (site, *(None if t is None else tuple(t.shape) for t in (rec.I, rec.G, rec.P, rec.Gsum)))
         if always or sig not in self._verified:
-            self._watched.extend(kept.watch(rec, site, sig))
+            self._watched.extend(record_guard.watch(rec, site, sig))
 
     def verify_records(self) -> None:
-        """Raise :class:`~.kept.RecordOverwritten` if a fingerprinted record changed since
-        it was recorded (:mod:`.kept`); free when nothing is fingerprinted."""
+        """Raise :class:`~.record_guard.RecordOverwritten` if a fingerprinted record changed since
+        it was recorded (:mod:`.record_guard`); free when nothing is fingerprinted."""
         if self._watched:
             watched, self._watched = self._watched, []
-            kept.verify(watched, self.site_names)
+            record_guard.verify(watched, self.site_names)
             self._verified.update(w.sig for w in watched)
 
     def needs_finalize(self) -> bool:

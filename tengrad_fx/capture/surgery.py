@@ -11,7 +11,7 @@ import torch.nn as nn
 from torch import Tensor
 
 from . import embedding, norm, ops
-from .added import cover_added_params
+from .added_params import cover_added_params
 from .context import RewriteContext
 from .inputs import leading_dim
 from .lookups import cover_overriding_lookups
@@ -27,7 +27,7 @@ __all__ = ["prepare_surgery", "cover_in_leaves"]
 def prepare_surgery(model: nn.Module, candidates: dict[str, nn.Module], fallback: dict[str, str],
                     store: CaptureStore, added_params: bool = True) -> list[LayerSpec]:
     """Tracing failed: swap each covered module's class for a capturing subclass (and, with
-    ``added_params``, other modules' ``[1, ...]`` parameters: :mod:`.added`), in place.
+    ``added_params``, other modules' ``[1, ...]`` parameters: :mod:`.added_params`), in place.
     Returns the layers; their sites count on from ``store.n_sites``."""
     layers = []
     for name, mod in candidates.items():

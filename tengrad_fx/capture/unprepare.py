@@ -28,11 +28,11 @@ from __future__ import annotations
 import torch.nn as nn
 
 from . import ops
-from .added import _ADDED
+from .added_params import _ADDED
 from .info import ATTR, get_info
 from .lookups import _ROUTED
 from .output_hook import _MUTED, want_output
-from .rows import FOLDS
+from .folded_rows import FOLDS
 from .surgery import _CAPTURING, _OUTPUT
 
 __all__ = ["unprepare", "ORIGINAL"]

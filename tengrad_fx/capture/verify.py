@@ -3,7 +3,7 @@
 The prepared model runs at batch sizes 2 and 3 (no grad, buffers restored). A call whose
 input's leading dim is the batch at both is per sample. A row-wise layer's call whose is
 not may still see a folded batch (:mod:`.fold`): its rows are then regrouped per sample
-at run time (:mod:`.rows`). Any other call's layer falls back, with the shapes seen.
+at run time (:mod:`.folded_rows`). Any other call's layer falls back, with the shapes seen.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from . import ops
 from .fold import FOLDABLE, find_folds, fold_keep
 from .info import PrepareInfo
 from .inputs import resize_batch, run_call, tensor_leaves
-from .rows import FOLDS
+from .folded_rows import FOLDS
 from .sharing import drop_layer
 
 __all__ = ["verify_samples", "cuda_devices"]

@@ -12,7 +12,7 @@ The Gram is also the cross block of two row sets, ``(A_a A_bᵀ + 1) ⊙ (B_a B_
 :func:`~tengrad_fx.curvature.tensors.gram_factor_stacked` takes its blocks of samples by
 it. These are the only definitions of the form's Gram, ``J g`` and ``Jᵀ c``: the layer
 groups (:mod:`tengrad_fx.optim.tengrad.group_forms`), the fused update
-(:mod:`tengrad_fx.optim.tengrad.fused`, ``L = 1``, ``k`` folded into ``B``) and distributed
+(:mod:`tengrad_fx.optim.tengrad.fused_update`, ``L = 1``, ``k`` folded into ``B``) and distributed
 ``gram-blocks`` call them.
 """
 from __future__ import annotations

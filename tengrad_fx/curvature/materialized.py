@@ -6,7 +6,7 @@ is one ``Pw``). Gradients are stacked alike, ``gw [L, n_w]``, ``gb [L, n_b]``; `
 ``J g`` are ``[L, m]``. Each product is one batched GEMM per part, the scale ``k`` (or
 ``k²``) in its ``alpha``. These are the only definitions of the form's Gram, ``J g`` and
 ``Jᵀ c``: the layer groups (:mod:`tengrad_fx.optim.tengrad.group_forms`), the fused update
-(:mod:`tengrad_fx.optim.tengrad.fused`, one layer at a time with ``L = 1`` under
+(:mod:`tengrad_fx.optim.tengrad.fused_update`, one layer at a time with ``L = 1`` under
 ``torch.func.vmap``, ``k`` already folded in) and distributed ``gram-blocks`` call them.
 """
 from __future__ import annotations

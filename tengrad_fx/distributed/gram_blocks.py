@@ -20,7 +20,7 @@ data-parallel (:class:`GramBlocksStep`)::
     every rank:  u = (g − Jᵀc)/α
 
 On empirical curvature steps the push-through form ``u = Jᵀ(K + MαI)⁻¹1`` is taken where
-the probe holds (as in :func:`tengrad_fx.optim.tengrad.tengrad_groups.precondition_groups`): the
+the probe holds (as in :func:`tengrad_fx.optim.tengrad.layer_groups.precondition_groups`): the
 probe compares ``g`` on a few random coordinates (the same on every rank: a generator
 seeded alike) with ``(1/M)·Σ_a J_aᵀ1`` there, whose per-rank parts travel in the same
 all-gather as ``J_a g``. Every rank sums the gathered parts in rank order, so every rank
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..curvature.layer import CoveredLayer
-from ..optim.tengrad.tengrad_groups import LayerGroup
+from ..optim.tengrad.layer_groups import LayerGroup
 from .. import solve
 from .comm import Bucket, broadcast_buckets, collective, pack, unpack
 
@@ -46,7 +46,7 @@ N_PROBE = 256  # weight coordinates of the push-through probe (plus the whole bi
 
 class GramBlocksStep:
     """One step's ``u`` of the ``gram-blocks`` layers, given as
-    :class:`~tengrad_fx.optim.tengrad.tengrad_groups.LayerGroup` s over each rank's own records
+    :class:`~tengrad_fx.optim.tengrad.layer_groups.LayerGroup` s over each rank's own records
     (the same groups, in the same order, on every rank: one batched ``J g`` / ``Jᵀ c`` per
     group of equal shapes), in three calls so that the caller can work while the
     collectives are in flight:

@@ -101,7 +101,7 @@ from ..optim.step.update import finite_flag
 from ..optim.tengrad.distribution import Host, SingleProcess
 from ..optim.tengrad.group_build import build_groups
 from ..optim.tengrad.tengrad import TENGraD
-from ..optim.tengrad.tengrad_groups import LayerGroup, precondition_groups
+from ..optim.tengrad.layer_groups import LayerGroup, precondition_groups
 from .comm import all_ok
 from .gram_blocks import GramBlocksStep
 from .plan import assign_owners, choose_modes, choose_placement, solve_cost

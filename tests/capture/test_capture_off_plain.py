@@ -1,6 +1,6 @@
 """Capture off (or no grad): a prepared model is the plain model, op for op.
 
-The FX path runs the plain graph then (:mod:`tengrad_fx.capture.plain`), the surgery path
+The FX path runs the plain graph then (:mod:`tengrad_fx.capture.plain_graph`), the surgery path
 its wrappers' plain branches. Machine-independent facts, counted with a
 ``TorchDispatchMode``: the forward + backward dispatches exactly the aten ops of the
 unprepared model, in the same order, with bit-identical outputs, parameter and input
@@ -137,14 +137,14 @@ def _tengrad_calls(fn: Any) -> set[str]:
 @pytest.mark.parametrize("kind", ["allkinds", "attn_dual"])
 def test_capture_off_runs_no_capture_wrapper(kind: str) -> None:
     """FX path, capture off: the plain graph, no Python wrapper per layer call (only the
-    forward's dispatch and :func:`~tengrad_fx.capture.plain.layer_forward`); capture on:
+    forward's dispatch and :func:`~tengrad_fx.capture.plain_graph.layer_forward`); capture on:
     the wrappers."""
     net, xs, y = _case(kind)
     pm = tengrad_fx.prepare(net, example_inputs=tuple(x[:2] for x in xs))
     with tengrad_fx.capturing(pm, False):
         off = _tengrad_calls(lambda: F.cross_entropy(pm(*xs), y).backward())
     on = _tengrad_calls(lambda: F.cross_entropy(pm(*xs), y).backward())
-    plain = "tengrad_fx.capture.plain"
+    plain = "tengrad_fx.capture.plain_graph"
     assert off == {f"{plain}.forward", f"{plain}.layer_forward"}, off
     assert "tengrad_fx.capture.ops.linear" in on and f"{plain}.layer_forward" not in on
 

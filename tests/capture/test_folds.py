@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx import TENGraD
-from tengrad_fx.capture.rows import FOLDS
+from tengrad_fx.capture.folded_rows import FOLDS
 from testing import check_covered_layers, check_tengrad_step, per_sample_grads_reference
 
 TOL = 1e-10

@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 
 import tengrad_fx
 from tengrad_fx import covered_layers, get_info, prepare
-from tengrad_fx.capture.rows import FOLDS
+from tengrad_fx.capture.folded_rows import FOLDS
 
 from ._helpers import check_gram, check_psg, loop_psg, sq_loss
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import tengrad_fx
-from tengrad_fx.capture import kept
+from tengrad_fx.capture import record_guard
 
 from ._check import prepare
 from ._models import batch
@@ -22,21 +22,21 @@ def _compiled_backward(name: str = "activations") -> torch.nn.Module:
 
 
 def test_broken_protection_raises_at_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kept, "copy_record_tensor", lambda t: t)  # records alias the program's buffers
+    monkeypatch.setattr(record_guard, "copy_record_tensor", lambda t: t)  # records alias the program's buffers
     _, pm = prepare("activations", train=False)
     opt = tengrad_fx.TENGraD(pm, lr=0.1, damping=0.1, curvature_every=1, kl_clip=None)
     x, y = batch("activations", 8)
     F.cross_entropy(torch.compile(pm)(x), y).backward()
     before = [p.detach().clone() for p in pm.parameters()]
-    with pytest.raises(kept.RecordOverwritten, match=r"layer '[\w.]+': its recorded [IG] changed"):
+    with pytest.raises(record_guard.RecordOverwritten, match=r"layer '[\w.]+': its recorded [IG] changed"):
         opt.step()
     assert all(torch.equal(a, p) for a, p in zip(before, pm.parameters())), "a parameter moved"
 
 
 def test_broken_protection_raises_when_curvature_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kept, "copy_record_tensor", lambda t: t)
+    monkeypatch.setattr(record_guard, "copy_record_tensor", lambda t: t)
     pm = _compiled_backward()
-    with pytest.raises(kept.RecordOverwritten):
+    with pytest.raises(record_guard.RecordOverwritten):
         for layer in tengrad_fx.covered_layers(pm):
             layer.gram()
 
@@ -56,7 +56,7 @@ def test_check_runs_once_per_site_and_shape() -> None:
 
 
 def test_check_always_fingerprints_every_capture(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kept, "CHECK", "always")
+    monkeypatch.setattr(record_guard, "CHECK", "always")
     _, pm = prepare("activations", train=False)
     store = tengrad_fx.get_info(pm).store
     fwd = torch.compile(pm)

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tengrad_fx
-from tengrad_fx.optim.tengrad.fused import fused_update
+from tengrad_fx.optim.tengrad.fused_update import fused_update
 
 
 def _cnn() -> nn.Module:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx.curvature import conv_stack, factored, materialized
-from tengrad_fx.optim.tengrad.tengrad_groups import LayerGroup
+from tengrad_fx.optim.tengrad.layer_groups import LayerGroup
 from testing.distributed import free_port
 
 KERNELS = {"materialized": materialized, "factored": factored}
@@ -182,7 +182,7 @@ def test_factor_gram_and_stacked_gram_are_written_once() -> None:
     assert stacked.search("parts.append(torch.bmm(P, P.transpose(1, 2)))")
 
 
-@pytest.mark.parametrize("path", ["optim/tengrad/group_forms.py", "optim/tengrad/fused.py",
+@pytest.mark.parametrize("path", ["optim/tengrad/group_forms.py", "optim/tengrad/fused_update.py",
                                   "distributed/gram_blocks.py"])
 def test_paths_hold_no_products_of_their_own(path: str) -> None:
     """The groups, the fused update and gram-blocks compute no matrix product themselves."""

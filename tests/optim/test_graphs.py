@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx import TENGraD
-from tengrad_fx.optim.tengrad.graphs import GraphRunner, StepGraphs
+from tengrad_fx.optim.tengrad.cuda_graphs import GraphRunner, StepGraphs
 
 
 def _run(cuda_graph: bool, schedule: bool = False, two_groups: bool = False, **kw):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx import TENGraD
-from tengrad_fx.optim.tengrad.tengrad_groups import precondition_groups
+from tengrad_fx.optim.tengrad.layer_groups import precondition_groups
 from testing.grouped_steps import check_steps_against_dense, float64_batches
 
 
@@ -60,7 +60,7 @@ def test_gram_tf32_restores_the_matmul_setting_and_is_a_no_op_on_cpu() -> None:
     """``gram_tf32=True`` only switches CUDA fp32 matmuls to TF32 inside the Gram: on CPU
     the steps are bit-identical to the default, and the global setting is restored (also
     when the Gram raises)."""
-    from tengrad_fx.optim.tengrad.tengrad_groups import tf32_matmuls
+    from tengrad_fx.optim.tengrad.layer_groups import tf32_matmuls
 
     mm = torch.backends.cuda.matmul
     read = (lambda: mm.fp32_precision) if hasattr(mm, "fp32_precision") else (lambda: mm.allow_tf32)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx.curvature import conv_stack
-from tengrad_fx.optim.tengrad import group_build, tengrad_groups
+from tengrad_fx.optim.tengrad import group_build, layer_groups
 from tengrad_fx.utils.memory import LiveBytes, kept_tensors, tensor_bytes
 
 M = 32
@@ -127,7 +127,7 @@ def test_stacking_transient_is_bounded_by_stack_bytes(monkeypatch) -> None:
     copy, no transient), and no stack outlives the step besides the records' views."""
     pm, opt, x, y, _ = _setup(T=1)
 
-    def build(limit: int) -> tuple[int, list[tengrad_groups.LayerGroup]]:
+    def build(limit: int) -> tuple[int, list[layer_groups.LayerGroup]]:
         monkeypatch.setattr(group_build, "STACK_BYTES", limit)
         monkeypatch.setattr(group_build, "PACK_MAX_BYTES", min(limit, group_build.PACK_MAX_BYTES))
         opt.curvature.groups, opt.curvature.K = [], []

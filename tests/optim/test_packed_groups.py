@@ -22,7 +22,7 @@ import torch.nn as nn
 
 import tengrad_fx
 from tengrad_fx import TENGraD
-from tengrad_fx.optim.tengrad.tengrad_groups import pack
+from tengrad_fx.optim.tengrad.layer_groups import pack
 from tengrad_fx.zoo.bench_models import build_model
 from testing.grouped_steps import check_steps_against_dense, float64_batches, step_counts
 

@@ -32,7 +32,7 @@ STRATEGIES = [("auto", 1024.0), ("factor", 1024.0), ("materialize", 1024.0), ("m
 def test_update_equals_dense_reference(kind: str, strategy: str, budget: float, monkeypatch) -> None:
     """Two curvature steps (m=8, then m=6): the second one runs the backward that
     materializes per-sample gradients for layers the first step chose to keep ``J`` of."""
-    from tengrad_fx.optim.tengrad.tengrad_groups import LayerGroup
+    from tengrad_fx.optim.tengrad.layer_groups import LayerGroup
 
     calls = {"push_through": 0, "woodbury": 0}
     real_probe = LayerGroup.probe
@@ -84,7 +84,7 @@ def test_fused_update_equals_dense_reference(kind: str, monkeypatch) -> None:
     compiled-vs-eager equality is tests/optim/test_compile.py's): T=2, steps on batches of
     8 (curvature, fused), 3 (reuse, modular path from the fused step's records) and 6
     (curvature, fused), both update forms."""
-    import tengrad_fx.optim.tengrad.fused_step as mod
+    import tengrad_fx.optim.tengrad.fused_runner as mod
 
     ran = [0]
     real = mod.fused_update

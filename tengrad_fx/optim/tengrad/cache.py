@@ -2,7 +2,7 @@
 Grams ``K = J Jᵀ`` and batched Cholesky factors of ``K + mαI``, and where that step was in
 the schedule.
 
-With ``static`` (a CUDA graph replays the reuse steps, :mod:`.graphs`) a new
+With ``static`` (a CUDA graph replays the reuse steps, :mod:`.cuda_graphs`) a new
 factorization of the same shape is copied into the previous factor's memory, and
 :attr:`CurvatureCache.version` bumps whenever a tensor a captured step reads is replaced.
 """
@@ -16,7 +16,7 @@ from torch import Tensor
 from ... import solve
 from ...curvature.layer import CoveredLayer
 from ..step.param_groups import Damping, layer_dampings
-from .tengrad_groups import LayerGroup, tf32_matmuls
+from .layer_groups import LayerGroup, tf32_matmuls
 
 __all__ = ["CurvatureCache"]
 
@@ -25,7 +25,7 @@ class CurvatureCache:
     """The cached curvature (module docstring).
 
     Attributes:
-        groups: :class:`~.tengrad_groups.LayerGroup` s (modular path) or ``(params, m)``
+        groups: :class:`~.layer_groups.LayerGroup` s (modular path) or ``(params, m)``
             (fused path) of the last curvature step.
         K: each group's Gram, ``[L_g, m, m]``.
         chol: ``[L_total, m, m]``: every layer's factor, group order (None: none cached).

@@ -23,7 +23,7 @@ from ..step.result import StepResult
 from .cache import CurvatureCache
 from .group_build import build_groups, previous_stacks
 from .jacobian_sites import initial_jacobian_sites, uncaptured_sites
-from .tengrad_groups import LayerGroup, precondition_groups
+from .layer_groups import LayerGroup, precondition_groups
 
 __all__ = ["SingleProcess", "Host"]
 
@@ -124,7 +124,7 @@ class SingleProcess:
 
     def precondition(self, opt: Host, push_through: bool, damping: Damping) -> StepResult:
         """``{param: u}`` of every covered layer with a gradient, from the cached groups and
-        factors (:func:`.tengrad_groups.precondition_groups`; ``Σ u·g`` and the gradients'
+        factors (:func:`.layer_groups.precondition_groups`; ``Σ u·g`` and the gradients'
         ``Σ‖g‖²`` from its ``m``-vectors when the KL clip wants them)."""
         cache = opt.curvature
         if not cache.groups or cache.chol is None:

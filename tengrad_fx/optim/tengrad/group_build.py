@@ -1,4 +1,4 @@
-"""Which covered layers share a :class:`~tengrad_fx.optim.tengrad.tengrad_groups.LayerGroup`.
+"""Which covered layers share a :class:`~tengrad_fx.optim.tengrad.layer_groups.LayerGroup`.
 
 :func:`build_groups` puts every trainable covered layer with a record into a group:
 
@@ -13,7 +13,7 @@
    ``(k, dtypes)`` are therefore sorted by their layers' width ``n = n_w + n_b`` and merged
    greedily in that order into *packed* groups (``PackedGroup``, ``cols``; each layer's
    ``[P_w, P_b]`` side by side in ``[L, m, W]``, zero-padded to the widest ``W``; exact,
-   see :mod:`.tengrad_groups`) while the packed stack stays
+   see :mod:`.layer_groups`) while the packed stack stays
 
    * at most ``PACK_MAX_BYTES`` (16 MiB): only small layers are padded, so the zero
      columns cost at most that much memory (on top of ``jacobian_budget_mb``) and the
@@ -47,7 +47,7 @@ from torch import Tensor
 from ...capture.store import Record
 from ...curvature.layer import KERNELS, CoveredLayer, Strategy, choose_strategy
 from .group_forms import ConvStackGroup, FactoredLinearGroup, MaterializedGroup, PackedGroup, SingleLayerGroup
-from .tengrad_groups import LayerGroup, pack_views, stack
+from .layer_groups import LayerGroup, pack_views, stack
 
 __all__ = ["build_groups", "initial_sites", "factored_bytes", "keeps_jacobian", "kept_sites", "previous_stacks",
            "PACK_MAX_BYTES",

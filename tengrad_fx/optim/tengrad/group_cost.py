@@ -1,10 +1,10 @@
-"""What a reuse step costs over the groups of :mod:`tengrad_fx.optim.tengrad.tengrad_groups`: the
+"""What a reuse step costs over the groups of :mod:`tengrad_fx.optim.tengrad.layer_groups`: the
 flops and bytes of its curvature work (``J g``, the two triangular solves, ``Jᵀ c``), which
 ``tools.bench`` prints beside the measured time."""
 from __future__ import annotations
 
 from .group_forms import ConvStackGroup, FactoredLinearGroup, MaterializedGroup
-from .tengrad_groups import LayerGroup
+from .layer_groups import LayerGroup
 
 __all__ = ["reuse_cost"]
 

@@ -1,4 +1,4 @@
-"""The forms of a :class:`~tengrad_fx.optim.tengrad.tengrad_groups.LayerGroup`, one class
+"""The forms of a :class:`~tengrad_fx.optim.tengrad.layer_groups.LayerGroup`, one class
 each with that form's stacks only. Each takes its Gram ``K = J Jᵀ``, ``J g``, ``Jᵀ c`` and
 fused ``u = β·g + γ·Jᵀc`` (where one exists) from the form's kernels in
 :mod:`tengrad_fx.curvature` (the fused and distributed paths call the same functions), and
@@ -14,7 +14,7 @@ picks the push-through probe's coordinates (:mod:`.group_probe`):
   (:mod:`tengrad_fx.curvature.conv_stack`, :mod:`tengrad_fx.curvature.conv_stack_bmm`);
 * :class:`SingleLayerGroup` (``"layer"``) — one layer through its ``CoveredLayer``.
 
-Shapes: :mod:`.tengrad_groups`' module docstring.
+Shapes: :mod:`.layer_groups`' module docstring.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from torch import Tensor
 from ...curvature import conv_stack, conv_stack_bmm, factored, materialized
 from ...curvature.layer import Strategy
 from .group_probe import ProbeTerms, conv_probe_rows, probe_generator
-from .tengrad_groups import LayerGroup, column_views, pack
+from .layer_groups import LayerGroup, column_views, pack
 
 __all__ = ["MaterializedGroup", "PackedGroup", "FactoredLinearGroup", "ConvStackGroup", "SingleLayerGroup", "FORMS"]
 

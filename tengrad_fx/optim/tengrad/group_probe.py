@@ -7,7 +7,7 @@ generator, so the global RNG stays untouched), which costs a small fraction of `
 ``n_probe`` weight coordinates plus the whole bias of a stacked ``P`` or factored Linear;
 a few output channels of every group of a ``"conv"`` stack; every column of a packed
 group (small layers only) and all of a ``"layer"``. Each form picks its coordinates
-(``_probe_terms`` of :mod:`.group_forms`); :meth:`.tengrad_groups.LayerGroup.probe`
+(``_probe_terms`` of :mod:`.group_forms`); :meth:`.layer_groups.LayerGroup.probe`
 compares them.
 """
 from __future__ import annotations

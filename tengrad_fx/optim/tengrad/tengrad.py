@@ -40,11 +40,11 @@ from ..step.skeleton import StepSkeleton
 from ..step.state_check import META, check_materialization, materialization_meta
 from .cache import CurvatureCache
 from .distribution import SingleProcess
-from .fused_step import FusedStep
+from .fused_runner import FusedStep
 from .gauss_newton import gauss_newton_capture
 from .graft import GRAFT_BETA2, GRAFT_EPS, check_graft, check_orthogonalize, graft_updates, orthogonalize_updates, \
     orthogonalized
-from .graphs import GraphRunner
+from .cuda_graphs import GraphRunner
 from .group_cost import reuse_cost
 from .jacobian_sites import marked_jacobian_sites
 from .options import Execution, jacobian_budget_bytes, resolve_execution, resolve_schedule, use_cuda_graph
@@ -105,18 +105,18 @@ class TENGraD(StepSkeleton):
             faster reuse steps where ``J`` is larger than ``I, G`` on a CPU).
         strategy: Gram strategy for all layers: ``"auto"``, ``"factor"``, ``"materialize"``.
         compile: run the whole update (Gram → Cholesky → solve → Jᵀc over all layers,
-            :func:`tengrad_fx.optim.tengrad.fused.fused_update`) under ``torch.compile``; layers
+            :func:`tengrad_fx.optim.tengrad.fused_update.fused_update`) under ``torch.compile``; layers
             of equal shapes share one ``vmap``. Falls back to eager, with one warning, if
             compilation fails or a layer has no fused form (conv/sequence by factor).
             A string (or callable) names the ``torch.compile`` backend (default ``"inductor"``).
         cuda_graph: on CUDA, capture the device part of reuse steps (no new curvature) as a
-            CUDA graph per step kind and replay it (:mod:`tengrad_fx.optim.tengrad.graphs`); eager
+            CUDA graph per step kind and replay it (:mod:`tengrad_fx.optim.tengrad.cuda_graphs`); eager
             with one warning if capture fails; on a CPU the same code runs eagerly.
             Default (None): on when the parameters are on a CUDA device at construction, except
             under ``orthogonalize=True`` (its eigendecomposition cannot be captured; ``True`` there
             is a ValueError).
         gram_tf32: compute the curvature steps' Grams ``J Jᵀ`` of float32 layers with TF32
-            tensor cores on CUDA (``tengrad_groups.tf32_matmuls``; ~1e-3 relative error in
+            tensor cores on CUDA (``layer_groups.tf32_matmuls``; ~1e-3 relative error in
             ``K``, the precision cuDNN's default TF32 convolutions already give ``P``).
         grad_scaler: the loop's ``torch.amp.GradScaler``: step with ``scaler.step(opt)``;
             autocast and loss scaling in :mod:`tengrad_fx.optim.step.amp`.
@@ -134,7 +134,7 @@ class TENGraD(StepSkeleton):
             ``torch.distributed`` job; :class:`tengrad_fx.distributed.DistributedTENGraD`).
 
     The optimizer's parts: :attr:`curvature` (:class:`~.cache.CurvatureCache`: groups, Grams,
-    factors, schedule position), :attr:`graph_runner` (:class:`~.graphs.GraphRunner`) and
+    factors, schedule position), :attr:`graph_runner` (:class:`~.cuda_graphs.GraphRunner`) and
     :attr:`distribution`.
     """
 
@@ -295,7 +295,7 @@ class TENGraD(StepSkeleton):
 
     def _refresh(self, damping: Damping) -> None:
         """Grams and Cholesky factors of every layer solved here from the store, by groups of
-        equal shape (:mod:`tengrad_fx.optim.tengrad.tengrad_groups`; the groups from
+        equal shape (:mod:`tengrad_fx.optim.tengrad.layer_groups`; the groups from
         :meth:`~.distribution.SingleProcess.build_groups`).
 
         Layers the cost model materializes (within ``jacobian_budget_mb``) are marked in
@@ -388,7 +388,7 @@ class TENGraD(StepSkeleton):
 
     def _run_device(self, stats_step: bool, fn: Callable[[Optional[Sequence[Tensor]]], Tensor]) -> Tensor:
         """Reuse steps with ``cuda_graph``: static gradients and lrs, then the graph of this
-        kind (:class:`~.graphs.GraphRunner`); else eagerly."""
+        kind (:class:`~.cuda_graphs.GraphRunner`); else eagerly."""
         runner = self.graph_runner
         params = runner.params(stats_step, self.curvature.chol is not None, self.param_groups, self.state)
         if params is None:

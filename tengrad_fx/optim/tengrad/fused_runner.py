@@ -1,4 +1,4 @@
-"""``TENGraD(compile=True)``: curvature steps by :func:`~tengrad_fx.optim.tengrad.fused.fused_update`.
+"""``TENGraD(compile=True)``: curvature steps by :func:`~tengrad_fx.optim.tengrad.fused_update.fused_update`.
 
 :class:`FusedStep` gathers every covered layer's record in the fused function's input form
 (materialized ``P [m, n]`` or a single-position Linear's ``I [m, f]``, ``G [m, o]``; a
@@ -8,7 +8,7 @@ per-layer updates back into ``{param: u}``.
 
 Only curvature steps take this path: the compiled function recomputes the Gram and its
 Cholesky from the records, which is the work of a curvature step. A reuse step (no new
-curvature) runs the modular path (:mod:`tengrad_fx.optim.tengrad.tengrad_groups`): its first one
+curvature) runs the modular path (:mod:`tengrad_fx.optim.tengrad.layer_groups`): its first one
 builds the groups and factors from the same records, the following ones only apply
 ``J g`` / ``Jᵀ c``. So ``compile=True`` never turns a reuse step into a curvature step.
 """
@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..._compile import own_code
 from ... import solve
-from .fused import LayerInput, fused_update
+from .fused_update import LayerInput, fused_update
 
 __all__ = ["FusedStep"]
 
