@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import ctypes
 import json
 import re
 import statistics
@@ -58,6 +57,7 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx.capture.per_sample_conv import per_sample_conv_method
+from tengrad_fx.utils.memory import steady_malloc
 from tengrad_fx.optim.registry import make_optimizer
 from tengrad_fx.zoo.bench_models import MODEL_NAMES, build_model
 from tools import step_facts
@@ -250,21 +250,6 @@ def amortize(res: dict[str, dict[str, float]]) -> None:
         T, base = period(meth), res.get(curvature_row(meth) or "")
         if T > 1 and r["reuse"] and base:
             r["amortized"] = (base["total"] + (T - 1) * r["total"]) / T
-
-
-def steady_malloc() -> bool:
-    """Keep glibc's heap steady for the rest of the process (``mallopt``): every allocation
-    from the heap (``M_MMAP_MAX = 0``: no fresh ``mmap``; glibc falls back to one only where
-    the heap cannot grow), no trimming, 64 MiB of padding when it grows. Memory a step frees
-    is then reused by the next without page faults. True when applied (glibc), False
-    elsewhere (nothing changed)."""
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4  # <malloc.h>
-    settings = ((m_mmap_max, 0), (m_trim_threshold, 2**30), (m_top_pad, 64 * 2**20))
-    return all(mallopt(param, value) == 1 for param, value in settings)
 
 
 def peak_memory(args: argparse.Namespace, method: str) -> float:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import tengrad_fx
 from tengrad_fx.cli._compile_warmup import warm_up
 from tengrad_fx.zoo.bench_models import build_model
-from tools.bench import steady_malloc
+from tengrad_fx.utils.memory import steady_malloc
 
 
 def _step(fwd: Any, opt: Any, x: torch.Tensor, y: torch.Tensor, sync: bool) -> float:

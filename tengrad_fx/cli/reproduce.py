@@ -57,6 +57,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ..optim.registry import PAPER_EPOCHS, PAPER_MODELS
+from ..utils.memory import steady_malloc
 from . import train as train_cli
 from ._reproduce_report import compare, comparison_text, row_stats, runs_of, table_text, write_curves_csv
 
@@ -190,6 +191,8 @@ def reproduce(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     if args.eval_every is not None and args.eval_every < 0:
         parser.error(f"--eval-every must be >= 0, got {args.eval_every}")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if device.startswith("cpu"):
+        steady_malloc()  # a CPU step reuses the heap the last one freed (no page faults per step)
     drun = None
     if args.distributed:
         from ._dist import DistRun

@@ -63,6 +63,7 @@ import torch
 import torch.nn as nn
 
 from .. import zoo
+from ..utils.memory import steady_malloc
 from ..optim import registry
 from . import _loop
 from ._loop import CHECKPOINT, EVAL_BATCH, evaluate, save_checkpoint  # noqa: F401  (re-exported)
@@ -327,6 +328,8 @@ def run(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         cfg = resolve_config(args)
     except ConfigError as exc:
         parser.error(str(exc))
+    if str(cfg["device"]).startswith("cpu"):
+        steady_malloc()  # a CPU step reuses the heap the last one freed (no page faults per step)
     drun = None
     if cfg["distributed"]:
         from ._dist import DistRun, check_distributed

@@ -15,6 +15,7 @@ ops inside a custom op's kernel (the capture backward) are not seen, only its ou
 """
 from __future__ import annotations
 
+import ctypes
 from typing import Any, Iterable
 
 import torch
@@ -22,7 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveBytes", "kept_tensors", "tensor_bytes"]
+__all__ = ["LiveBytes", "kept_tensors", "steady_malloc", "tensor_bytes"]
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
@@ -82,3 +83,18 @@ class LiveBytes(TorchDispatchMode):
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
         self.end = self._sweep()
+
+
+def steady_malloc() -> bool:
+    """Keep glibc's heap steady for the rest of the process (``mallopt``): every allocation
+    from the heap (``M_MMAP_MAX = 0``: no fresh ``mmap``; glibc falls back to one only where
+    the heap cannot grow), no trimming, 64 MiB of padding when it grows. Memory a CPU step
+    frees is then reused by the next without page faults, as CUDA's caching allocator never
+    gives memory back. True when applied (glibc), False elsewhere (nothing changed)."""
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_top_pad, m_mmap_max = -1, -2, -4  # <malloc.h>
+    settings = ((m_mmap_max, 0), (m_trim_threshold, 2**30), (m_top_pad, 64 * 2**20))
+    return all(mallopt(param, value) == 1 for param, value in settings)
