@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import ops, params
+from .context import RewriteContext
 from .match import LayerSpec
 from .params import ParamHolder
 
@@ -73,11 +74,11 @@ def _layer_parts(name: str, mod: nn.MultiheadAttention) -> list[tuple[str, str, 
     return parts
 
 
-def rewrite_attention(graph: fx.Graph, model: nn.Module, layers: dict[str, LayerSpec], key: int,
-                      next_site: list[int], batch_node: Optional[fx.Node], mark: str) -> None:
+def rewrite_attention(graph: fx.Graph, ctx: RewriteContext, batch_node: Optional[fx.Node], mark: str) -> None:
     """Replace each ``call_module`` of an exact ``nn.MultiheadAttention`` by :func:`mha`,
-    with one layer per projection (module docstring). ``mark``: node-meta flag of
-    capture arguments."""
+    with one layer per projection (module docstring), its layers and sites in ``ctx``.
+    ``mark``: node-meta flag of capture arguments."""
+    model, layers, key = ctx.model, ctx.layers, ctx.key
     for node in list(graph.nodes):
         if node.op != "call_module":
             continue
@@ -90,9 +91,9 @@ def rewrite_attention(graph: fx.Graph, model: nn.Module, layers: dict[str, Layer
             spec = layers.get(lname)
             if spec is None:
                 spec = layers[lname] = LayerSpec(name=lname, kind=kind, module=holder)  # type: ignore[arg-type]
-            spec.sites.append(next_site[0])
-            sites.append(next_site[0])
-            next_site[0] += 1
+            site = ctx.new_site()
+            spec.sites.append(site)
+            sites.append(site)
         with graph.inserting_before(node):
             mnode = graph.get_attr(name)
             mnode.meta[mark] = True

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import ops
+from .context import RewriteContext
 from .match import _BASES, LayerSpec, conv_call_args, match_module
 
 __all__ = ["traceable_override", "rewrite_functional_layers", "note_unmatched"]
@@ -101,9 +102,11 @@ def _conv_spec_args(node: fx.Node, mod: nn.Module, nd: int) -> dict[str, Any]:
     return conv_call_args(call)  # type: ignore[arg-type]
 
 
-def rewrite_functional_layers(graph: fx.Graph, model: nn.Module, layers: dict[str, LayerSpec], key: int,
-                              next_site: list[int], batch_node: Optional[fx.Node], mark: str) -> None:
-    """Replace each matching ``linear``/``conv*d`` call by its module's capture op."""
+def rewrite_functional_layers(graph: fx.Graph, ctx: RewriteContext, batch_node: Optional[fx.Node],
+                              mark: str) -> None:
+    """Replace each matching ``linear``/``conv*d`` call by its module's capture op (layers
+    and sites in ``ctx``)."""
+    model, layers, key = ctx.model, ctx.layers, ctx.key
     for node in list(graph.nodes):
         hit = _match(node, model)
         if hit is None:
@@ -118,8 +121,7 @@ def rewrite_functional_layers(graph: fx.Graph, model: nn.Module, layers: dict[st
         elif kind != "linear" and _conv_spec_args(node, mod, int(kind[4])) != {
                 k: getattr(spec, k) for k in _conv_spec_args(node, mod, int(kind[4]))}:
             continue  # a second call with other conv arguments: not one layer, left as is
-        site = next_site[0]
-        next_site[0] += 1
+        site = ctx.new_site()
         spec.sites.append(site)
         x, w, b = node.args[0], _arg(node, 1, "weight", None), _arg(node, 2, "bias", None)
         for a in (w, b):

@@ -368,9 +368,7 @@ def _rewrite_graph(graph: fx.Graph, ctx: RewriteContext) -> None:
     _rewrite(graph, ctx)
     if ctx.added_params:
         for rewrite in (functional.rewrite_functional_layers, attention.rewrite_attention):
-            next_site = [ctx.store.n_sites]  # these rewriters count sites in a one-element list
-            rewrite(graph, ctx.model, ctx.layers, ctx.key, next_site, _batch_node(graph), OURS)
-            ctx.store.n_sites = next_site[0]
+            rewrite(graph, ctx, _batch_node(graph), OURS)
         params.rewrite_params(graph, ctx, _batch_node(graph))
     drop_dead_attributes(graph)
 
