@@ -127,10 +127,10 @@ def _snapshot(pm: Any, opt: Any) -> dict[str, Any]:
     for k, p in pm.named_parameters():
         buf = opt.state[p].get("momentum_buffer")
         snap[f"m:{k}"] = None if buf is None else buf.clone()
-    snap["chol"] = opt._chol.clone()
-    snap["K"] = [K.clone() for K in opt._K]
+    snap["chol"] = opt.curvature.chol.clone()
+    snap["K"] = [K.clone() for K in opt.curvature.K]
     snap["sched"] = opt._sched
-    snap["curv_sched"] = opt._curv_sched
+    snap["curv_sched"] = opt.curvature.sched
     return snap
 
 

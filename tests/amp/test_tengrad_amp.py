@@ -77,8 +77,8 @@ def test_bf16_curvature_is_float32_and_exact_for_its_records() -> None:
         for r in recs:
             for t in (r.I, r.G, r.P, r.Gsum):
                 assert t is None or not t.is_floating_point() or t.dtype == torch.float32
-    assert opt._chol is not None and opt._chol.dtype == torch.float32
-    assert all(K.dtype == torch.float32 for K in opt._K)
+    assert opt.curvature.chol is not None and opt.curvature.chol.dtype == torch.float32
+    assert all(K.dtype == torch.float32 for K in opt.curvature.K)
     names = {id(p): n for n, p in pm.named_parameters()}
     layers = covered_layers(pm)
     assert len(layers) == 11  # pos token included
@@ -101,5 +101,5 @@ def test_records_can_stay_float32_with_solve_dtype() -> None:
     x, idx = inputs(8)
     y = torch.randint(0, 5, (8,))
     _, opt, _, upd = _one_step(net, x, idx, y, low=True, solve_dtype=torch.float64)
-    assert opt._chol.dtype == torch.float64
+    assert opt.curvature.chol.dtype == torch.float64
     assert all(torch.isfinite(u).all() for u in upd.values())

@@ -128,7 +128,7 @@ def test_fused_and_cuda_graph_paths_equal_the_modular_one() -> None:
     for s in range(4):
         forward_backward(model, opt, *batch("mlp", M, s))
         opt.step()
-        assert (opt._chol is None) == (s % 2 == 0)  # curvature steps took the fused path
+        assert (opt.curvature.chol is None) == (s % 2 == 0)  # curvature steps took the fused path
     got = [p.detach() for p in model.parameters()]
     assert max(((p - q).norm() / (q - p0).norm()).item() for p, q, p0 in zip(got, ref, start)) < 1e-10
     assert _equal(_train("mlp", 4, curvature_samples=K, cuda_graph=True), ref)

@@ -110,7 +110,7 @@ def test_update_dot_equals_sum_of_u_times_g(strategy: str, fisher: str) -> None:
         F.cross_entropy(out, y).backward()
         if t:
             for use_pt in (True, False):
-                updates, dots = precondition_groups(opt._curv, opt._chol, use_pt, 0.07, "mean", dot=True)
+                updates, dots = precondition_groups(opt._curv, opt.curvature.chol, use_pt, 0.07, "mean", dot=True)
                 assert dots is not None
                 ug, gsq = dots
                 ref = sum((u * p.grad).sum() for p, u in updates.items())

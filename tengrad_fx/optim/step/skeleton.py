@@ -159,8 +159,9 @@ class StepSkeleton(torch.optim.Optimizer):
         e.g. ``labels != -100`` or ``attention_mask.bool()``; the others are neither sampled
         nor in the sampled loss), or when the loss is not a function of the model's output.
         No-op for the empirical Fisher, on steps that take no curvature/statistics, and
-        once this step's sampled backward has run. Called on a copy of the optimizer (a
-        wrapper that copies its ``__dict__``, as Lightning's does), it runs on the original.
+        once this micro-batch's sampled backward has run (each accumulated micro-batch has
+        its own). Called on a copy of the optimizer (a wrapper that copies its ``__dict__``,
+        as Lightning's does), it runs on the original.
         """
         owner = self._mc.owner()
         if owner is not None and owner is not self:

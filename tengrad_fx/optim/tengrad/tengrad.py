@@ -226,21 +226,6 @@ class TENGraD(StepSkeleton):
         """The cached groups (:attr:`curvature`)."""
         return self.curvature.groups
 
-    @property
-    def _K(self) -> list[Tensor]:
-        """The cached Grams (:attr:`curvature`)."""
-        return self.curvature.K
-
-    @property
-    def _chol(self) -> Optional[Tensor]:
-        """The cached factors (:attr:`curvature`)."""
-        return self.curvature.chol
-
-    @property
-    def _curv_sched(self) -> int:
-        """The schedule count of the last curvature step (:attr:`curvature`)."""
-        return self.curvature.sched
-
     def _groups_changed(self) -> None:
         """Parameters were added: the layers are re-read, the next step takes curvature."""
         self._layers = grouped_layers(self.model, self.param_groups)
