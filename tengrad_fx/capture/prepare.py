@@ -156,14 +156,6 @@ def _verify(prepared: nn.Module, info: PrepareInfo, example_inputs: Sequence[Any
         if spec.in_leaf and spec.sites and not spec.input_shapes:
             drop_layer({spec.name: spec}, spec.name, "module not called as a layer in the traced graph "
                        "(inside a leaf module or used functionally)")
-        elif info.method == "surgery" and spec.kind in _CALLED_KINDS and spec.sites and not spec.input_shapes:
-            drop_layer({spec.name: spec}, spec.name, "module never called on example_inputs (its weight is "
-                       "used without calling the module, e.g. passed to a fused kernel)")
-
-
-# layer kinds whose capture records its input shape at each call (module surgery)
-_CALLED_KINDS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-                           "conv_transpose3d"})
 
 
 class _TraceFailed(Exception):
