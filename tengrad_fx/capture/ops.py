@@ -88,7 +88,8 @@ def bias_only(y: Tensor, bias: Optional[Tensor], channel_first: bool, keep: int,
     fold = FOLDS.get((key, site)) if FOLDS else None
     if fold is not None:  # per-sample sums over the sample's rows, regrouped
         rows = y.shape[:y.dim() - keep]
-        return unfold_rows(bias_site(fold_rows(y, fold, keep, name, SAMPLES.get(key)), bias, channel_first, key, site), fold, rows)
+        rows_per_sample = fold_rows(y, fold, keep, name, SAMPLES.get(key))
+        return unfold_rows(bias_site(rows_per_sample, bias, channel_first, key, site), fold, rows)
     _check_batch(y, batch, name)
     return bias_site(y, bias, channel_first, key, site)
 
