@@ -80,6 +80,52 @@ def test_tengrad_step_at_other_length_is_exact(order: str) -> None:
     check_tengrad_step(model, opt, orig, x, y, 0.05)
 
 
+def test_frozen_weight_trainable_bias_at_other_length_is_exact() -> None:
+    """A bias-only layer on ``[B·T, d]`` rows: per-sample sums over the sample's rows."""
+    net, orig = _setup("rows", seed=2)
+    net.fc.weight.requires_grad_(False)
+    prepared = tengrad_fx.prepare(net, example_inputs=(torch.randn(2, 4, 3, dtype=torch.float64),))
+    gen = torch.Generator().manual_seed(6)
+    x, y = torch.randn(3, 6, 3, dtype=torch.float64, generator=gen), torch.randint(0, 3, (3,), generator=gen)
+    F.cross_entropy(prepared(x), y).backward()
+    ref = per_sample_grads_reference(orig, x, F.cross_entropy, y)
+    (fc,) = [layer for layer in tengrad_fx.covered_layers(prepared) if layer.name == "fc"]
+    assert fc.bias_only
+    db = fc.jacobian()  # [m, n]: the bias's per-sample gradients
+    assert db.shape == (3, 6)
+    assert ((db - ref["fc.bias"]).norm() / ref["fc.bias"].norm()).item() <= TOL
+
+
+class Blocks(nn.Module):
+    """``x [B, T, 3]`` with ``T = 2·S`` folded to ``[2·B·S, 4]`` rows ``[2, m, S]``: both
+    factors above 1, so the probe at ``T = 4`` cannot tell which one follows the length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(3, 4)
+        self.fc = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        h = self.stem(x).reshape(B, 2, T // 2, 4).transpose(0, 1).reshape(-1, 4)
+        h = self.fc(h).reshape(2, B, T // 2, 4).transpose(0, 1)
+        return self.head(h.mean((1, 2)))
+
+
+def test_layout_with_two_factors_keeps_its_length_and_says_why() -> None:
+    torch.manual_seed(0)
+    prepared = tengrad_fx.prepare(Blocks(), example_inputs=(torch.randn(2, 4, 3),))
+    info = tengrad_fx.get_info(prepared)
+    assert not info.fallback, info.fallback
+    (fc,) = [spec for spec in info.layers if spec.name == "fc"]
+    assert FOLDS[(info.store.key, fc.sites[0])] == (2, 2)
+    F.cross_entropy(prepared(torch.randn(5, 4, 3)), torch.randint(0, 3, (5,))).backward()  # the probed length
+    with pytest.raises(RuntimeError, match="layer 'fc'.*probed as \\[2, m, 2\\].*6 rows per sample at batch 5"
+                                           ".*both above 1"):
+        prepared(torch.randn(5, 6, 3))
+
+
 def test_layout_at() -> None:
     assert layout_at((1, 4), 4) == (1, 4) and layout_at((1, 4), 9) == (1, 9)
     assert layout_at((4, 1), 7) == (7, 1) and layout_at((3, 5), 15) == (3, 5)
