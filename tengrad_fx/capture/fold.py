@@ -8,7 +8,8 @@ for these runs (every submodule in eval mode, one RNG seed for all runs), so a r
 layer input changes only if it depends on the perturbed sample. The rows are laid out as
 ``[A, m, C]`` when perturbing sample ``i`` changes rows among ``{a·3C + i·C + c}`` only,
 for every ``i``, with exactly one such ``(A, C)`` (``A·2·C`` rows at batch 2); then
-``(A, C)`` is the site's fold. Otherwise the reason is returned.
+``(A, C)`` is the site's fold. Otherwise the reason is returned. The fold is probed at
+``example_inputs``' length; :func:`.folded_rows.layout_at` maps it to other lengths.
 """
 from __future__ import annotations
 

@@ -280,7 +280,7 @@ def norm(x: Tensor, mod: nn.Module, key: int, site: int, batch: Optional[int] = 
     fold = FOLDS.get((key, site)) if FOLDS else None
     if fold is not None:  # a folded batch (trailing kinds only, see fold.FOLDABLE)
         keep = normalized_ndim(mod)
-        y = entry.run(mod, fold_rows(x, fold, keep, name), key, site)
+        y = entry.run(mod, fold_rows(x, fold, keep, name, ops.SAMPLES.get(key)), key, site)
         y = unfold_rows(y, fold, x.shape[:x.dim() - keep])
     else:
         if batch is not None:

@@ -88,7 +88,8 @@ def bias_only(y: Tensor, bias: Optional[Tensor], channel_first: bool, keep: int,
     fold = FOLDS.get((key, site)) if FOLDS else None
     if fold is not None:  # per-sample sums over the sample's rows, regrouped
         rows = y.shape[:y.dim() - keep]
-        return unfold_rows(bias_site(fold_rows(y, fold, keep, name), bias, channel_first, key, site), fold, rows)
+        rows_per_sample = fold_rows(y, fold, keep, name, SAMPLES.get(key))
+        return unfold_rows(bias_site(rows_per_sample, bias, channel_first, key, site), fold, rows)
     _check_batch(y, batch, name)
     return bias_site(y, bias, channel_first, key, site)
 
@@ -208,7 +209,7 @@ def linear(
     if FOLDS:
         fold = FOLDS.get((key, site))
         if fold is not None:  # a folded batch: run on the rows regrouped per sample
-            y = run(fold_rows(x, fold, 1, name), weight, bias, key, site)
+            y = run(fold_rows(x, fold, 1, name, SAMPLES.get(key)), weight, bias, key, site)
             return unfold_rows(y, fold, x.shape[:-1])
     if batch is not None:
         _check_batch(x, batch, name)

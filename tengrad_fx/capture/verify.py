@@ -78,7 +78,10 @@ def verify_samples(prepared: nn.Module, info: PrepareInfo, example_inputs: Seque
             drop_layer({spec.name: spec}, spec.name,
                         f"input does not index samples ({bad[0]})")
         else:
-            FOLDS.update({(key, s): f for s, f in folds.items() if s in spec.sites and isinstance(f, tuple)})
+            mine = {(key, s): f for s, f in folds.items() if s in spec.sites and isinstance(f, tuple)}
+            if mine:  # the forward notes its batch size: the rows per sample at other lengths
+                FOLDS.update(mine)
+                ops.NEEDS_SAMPLES[key] = True
 
 
 def _probe(prepared: nn.Module, example_inputs: Sequence[Any], modes: tuple[bool, ...],
