@@ -428,7 +428,7 @@ def test_hf_lm_forward_and_generate(family: str) -> None:
         return m.generate(**inputs, max_new_tokens=3, do_sample=False, pad_token_id=0)
 
     expected = generate(model)
-    # OPT folds the batch to [B·T, d] in its MLP: its probe fixes T (the training shape)
+    # OPT folds the batch to [B·T, d] in its MLP (probed at the full length here)
     probe = ids if family == "opt" else ids[:, :4]
     prepared = tengrad_fx.prepare(model, example_inputs={"input_ids": probe})
     y = {on: _outputs_kw(prepared, inputs, on) for on in (True, False)}
