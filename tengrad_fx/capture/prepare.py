@@ -21,7 +21,7 @@ from .added_params import check_sample_independence
 from .surgery import cover_in_leaves, prepare_surgery
 from .trace import trace
 from .unprepare import ORIGINAL
-from .verify import verify_samples
+from .verify import drop_weights_used_uncalled, verify_samples
 
 __all__ = ["prepare", "capturing"]
 
@@ -156,6 +156,7 @@ def _verify(prepared: nn.Module, info: PrepareInfo, example_inputs: Sequence[Any
         if spec.in_leaf and spec.sites and not spec.input_shapes:
             drop_layer({spec.name: spec}, spec.name, "module not called as a layer in the traced graph "
                        "(inside a leaf module or used functionally)")
+    drop_weights_used_uncalled(prepared, info, example_inputs)
 
 
 class _TraceFailed(Exception):

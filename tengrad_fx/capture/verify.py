@@ -20,7 +20,7 @@ from .inputs import resize_batch, run_call, tensor_leaves
 from .folded_rows import FOLDS
 from .sharing import drop_layer
 
-__all__ = ["verify_samples", "cuda_devices"]
+__all__ = ["verify_samples", "drop_weights_used_uncalled", "cuda_devices"]
 
 
 def verify_samples(prepared: nn.Module, info: PrepareInfo, example_inputs: Sequence[Any]) -> None:
@@ -137,3 +137,37 @@ def _restore(prepared: nn.Module, saved: dict[str, torch.Tensor]) -> None:
 def cuda_devices(prepared: nn.Module) -> list[int]:
     """The CUDA devices the model's tensors are on (their RNG is forked by the probe)."""
     return sorted({t.device.index or 0 for t in prepared.parameters() if t.is_cuda})
+
+
+# layer kinds whose capture op records its input's shape at every call (verify_samples)
+_CALLED_KINDS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+                           "conv_transpose3d"})
+
+
+def drop_weights_used_uncalled(prepared: nn.Module, info: PrepareInfo, example_inputs: Sequence[Any]) -> None:
+    """Module surgery: a layer never called on ``example_inputs`` whose weight still gets a
+    gradient there is used without its module (a state-space mixer passes its convolution's
+    weight to a kernel): it falls back. A layer on a branch these inputs do not take gets no
+    gradient and stays covered. One forward and backward with capture off (buffers restored)."""
+    unseen = [spec for spec in info.layers if spec.kind in _CALLED_KINDS and spec.sites and not spec.input_shapes
+              and not spec.in_leaf and spec.weight.requires_grad]
+    if info.method != "surgery" or not unseen:
+        return
+    saved = {n: b.detach().clone() for n, b in prepared.named_buffers()}
+    key = info.store.key
+    enabled = ops.ENABLED.get(key, False)
+    ops.ENABLED[key] = False
+    try:
+        with torch.enable_grad():
+            outs = [t for t in tensor_leaves(run_call(prepared, list(example_inputs)))
+                    if t.is_floating_point() and t.requires_grad]
+            total = sum((t.float().sum() for t in outs), torch.zeros(()))
+            grads = torch.autograd.grad(total, [spec.weight for spec in unseen], allow_unused=True) \
+                if outs else [None] * len(unseen)
+    finally:
+        ops.ENABLED[key] = enabled
+        _restore(prepared, saved)
+    for spec, grad in zip(unseen, grads):
+        if grad is not None:
+            drop_layer({spec.name: spec}, spec.name, "weight used without calling the module on example_inputs "
+                       "(e.g. passed to a fused kernel): its inputs cannot be recorded")
