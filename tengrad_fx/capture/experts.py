@@ -57,7 +57,7 @@ def experts_reason(mod: nn.Module) -> str:
     name = type(mod).__name__
     if getattr(mod, "_is_expert_parallel", False):
         return f"{name}: expert parallelism (experts sharded over devices) has no capture path"
-    E = int(getattr(mod, "num_experts"))
+    E: int = mod.__dict__.get("num_experts", 0)
     for pn in _projections(mod):
         w = mod._parameters.get(pn)
         if not isinstance(w, nn.Parameter) or w.dim() != 3 or w.shape[0] != E:
