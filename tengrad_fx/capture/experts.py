@@ -35,7 +35,7 @@ from .match import LayerSpec
 from .params import ParamHolder
 from .store import CaptureStore, Record, lookup
 
-__all__ = ["experts_reason", "cover_experts", "ExpertLinear"]
+__all__ = ["experts_reason", "cover_experts", "ExpertLinear", "samples_of_rows"]
 
 _FLAGS = ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm", "num_experts")
 
@@ -65,7 +65,7 @@ def experts_reason(mod: nn.Module) -> str:
     return ""
 
 
-def _samples_of_rows(n_rows: int, K: int, m: int, device: torch.device, name: str) -> Tensor:
+def samples_of_rows(n_rows: int, K: int, m: int, device: torch.device, name: str) -> Tensor:
     """Sample of each (token, slot) pair, ``[n_rows·K]``: token row ``r`` is sample ``r // T``."""
     if m <= 0 or n_rows % m:
         raise RuntimeError(
@@ -145,7 +145,7 @@ def _capturing_forward(self: Any, hidden_states: Tensor, top_k_index: Tensor, to
     if not (ops.ENABLED.get(key, False) and torch.is_grad_enabled()) or m is None:
         return self._tengrad_base.forward(self, hidden_states, top_k_index, top_k_weights)
     N, K = hidden_states.shape[0], top_k_index.shape[-1]
-    samples = _samples_of_rows(N, K, m, hidden_states.device, name)
+    samples = samples_of_rows(N, K, m, hidden_states.device, name)
     x = hidden_states.repeat_interleave(K, dim=0)
     expert_ids = top_k_index.reshape(-1)
     up, down = _projections(self)

@@ -14,6 +14,7 @@ from . import embedding, norm, ops
 from .added_params import cover_added_params
 from .context import RewriteContext
 from .experts import cover_experts
+from .routers import cover_routers
 from .inputs import leading_dim
 from .lookups import cover_overriding_lookups
 from .match import LayerSpec, module_spec, pad_same_input
@@ -39,6 +40,7 @@ def prepare_surgery(model: nn.Module, candidates: dict[str, nn.Module], fallback
         layers.append(spec)
     covered = {id(p) for mod in candidates.values() for p in mod.parameters(recurse=False)}
     layers += cover_experts(model, covered, fallback, store)
+    layers += cover_routers(model, covered, fallback, store)
     if added_params:
         layers += cover_added_params(model, covered, fallback, store)
     layers += cover_overriding_lookups(model, fallback, store)
