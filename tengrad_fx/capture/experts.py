@@ -17,11 +17,12 @@ are laid out sample-major is checked by prepare on ``example_inputs``
 (:func:`.added_params.check_sample_independence`); a module used otherwise falls back.
 
 Cost: ``P`` holds ``m`` copies of the weight, and its backward ``m`` times the flops of the
-weight gradient; meant for small and medium expert widths. Expert biases, when a class has
-them, are added outside the captured product and fall back to SGD.
+weight gradient; meant for small and medium expert widths. Expert biases ``b [E, d_out]``,
+where a class has them, are ``"param"`` layers too (:class:`ExpertBias`, ``P[i, e] = Σ g_s``).
 """
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any, Optional, cast
 
@@ -35,12 +36,12 @@ from .match import LayerSpec
 from .params import ParamHolder
 from .store import CaptureStore, Record, lookup
 
-__all__ = ["experts_reason", "cover_experts", "ExpertLinear", "samples_of_rows"]
+__all__ = ["experts_reason", "cover_experts", "ExpertLinear", "ExpertBias", "samples_of_rows", "is_experts"]
 
 _FLAGS = ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm", "num_experts")
 
 
-def _is_decorated(mod: nn.Module) -> bool:
+def is_experts(mod: nn.Module) -> bool:
     """Whether ``mod`` is a Hugging Face experts module (``use_experts_implementation``)."""
     moe = sys.modules.get("transformers.integrations.moe")
     return moe is not None and all(hasattr(mod, a) for a in (*_FLAGS, "config", "_apply_gate"))
@@ -50,18 +51,30 @@ def _projections(mod: nn.Module) -> list[str]:
     return ["gate_up_proj" if getattr(mod, "has_gate", False) else "up_proj", "down_proj"]
 
 
+def _covered_params(mod: nn.Module) -> list[str]:
+    """The projections' weights, then their biases where the class has them."""
+    names = _projections(mod)
+    return names + ([f"{pn}_bias" for pn in names] if getattr(mod, "has_bias", False) else [])
+
+
 def experts_reason(mod: nn.Module) -> str:
     """``""`` when ``mod`` is an experts module whose 3-D weights are covered, else why not."""
-    if not _is_decorated(mod):
+    if not is_experts(mod):
         return "not a Hugging Face experts module"
     name = type(mod).__name__
     if getattr(mod, "_is_expert_parallel", False):
         return f"{name}: expert parallelism (experts sharded over devices) has no capture path"
     E: int = mod.__dict__.get("num_experts", 0)
-    for pn in _projections(mod):
-        w = mod._parameters.get(pn)
-        if not isinstance(w, nn.Parameter) or w.dim() != 3 or w.shape[0] != E:
-            return f"{name}: '{pn}' is not a Parameter [num_experts={E}, d_out, d_in]"
+    for pn in _covered_params(mod):
+        w, dim = mod._parameters.get(pn), 2 if pn.endswith("_bias") else 3
+        if not isinstance(w, nn.Parameter) or w.dim() != dim or w.shape[0] != E:
+            return f"{name}: '{pn}' is not a Parameter [num_experts={E}, ...] of {dim} dims"
+    try:
+        params = list(inspect.signature(type(mod).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        params = []
+    if len(params) != 3 or any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params):
+        return f"{name}: forward does not take (hidden_states, top_k_index, top_k_weights)"
     return ""
 
 
@@ -112,6 +125,29 @@ class ExpertLinear(torch.autograd.Function):
         return gx, gW, None, None, None, None, None, None
 
 
+class ExpertBias(torch.autograd.Function):
+    """``y[s] + b[e_s]`` for pairs ``s`` (``y [S, d_out]``, ``b [E, d_out]``); its backward records
+    ``P [m, b.numel()]``: ``P[i, e] = Σ_{s: samples[s] = i, e_s = e} g_s``."""
+
+    @staticmethod
+    def forward(ctx: Any, y: Tensor, b: Tensor, expert_ids: Tensor, samples: Tensor, m: int,
+                key: int, site: int) -> Tensor:
+        lookup(key).begin()
+        ctx.save_for_backward(expert_ids, samples)
+        ctx.conf = (m, key, site, b.shape, b.dtype)
+        return y + b[expert_ids]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Optional[Tensor], ...]:
+        expert_ids, samples = ctx.saved_tensors
+        m, key, site, shape, dtype = ctx.conf
+        store = lookup(key)
+        P = grad.new_zeros(m, *shape).index_put_((samples, expert_ids), grad, accumulate=True).reshape(m, -1)
+        store.record(site, Record(None, None, P, grad.new_zeros(m, 0), (m, *grad.shape[1:])))
+        gb = grad.new_zeros(shape, dtype=dtype) if store.grad_only else P.sum(0).view(shape).to(dtype)
+        return grad, gb, None, None, None, None, None
+
+
 def _apply(x: Tensor, W: Tensor, expert_ids: Tensor, transposed: bool) -> Tensor:
     """``y[s] = W[e_s] x_s``, one product per expert hit, ``[S, d_out]``."""
     d_out = W.shape[2] if transposed else W.shape[1]
@@ -134,16 +170,26 @@ def _project(mod: nn.Module, pn: str, x: Tensor, expert_ids: Tensor, samples: Te
     else:
         y = _apply(x, W, expert_ids, bool(mod.is_transposed))
     if mod.has_bias:
-        y = y + getattr(mod, f"{pn}_bias")[expert_ids]
+        b = getattr(mod, f"{pn}_bias")
+        bias = specs.get(f"{pn}_bias")
+        if bias is not None and bias.sites and b.requires_grad:
+            y = ExpertBias.apply(y, b, expert_ids, samples, m, key, bias.sites[0])
+        else:
+            y = y + b[expert_ids]
     return y
 
 
-def _capturing_forward(self: Any, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-    """The experts' output ``[N, d]`` as ``batched_mm`` computes it, its weights captured."""
+def _capturing_forward(self: Any, *args: Any, **kwargs: Any) -> Tensor:
+    """The experts' output ``[N, d]`` as ``batched_mm`` computes it, its weights captured
+    (arguments: ``hidden_states [N, d]``, ``top_k_index [N, K]``, ``top_k_weights [N, K]``,
+    under the class's own names)."""
     key, specs, name = self.__dict__["_tengrad_experts"]
     m = ops.SAMPLES.get(key)
     if not (ops.ENABLED.get(key, False) and torch.is_grad_enabled()) or m is None:
-        return self._tengrad_base.forward(self, hidden_states, top_k_index, top_k_weights)
+        return self._tengrad_base.forward(self, *args, **kwargs)
+    bound = inspect.signature(self._tengrad_base.forward).bind(self, *args, **kwargs)
+    bound.apply_defaults()
+    hidden_states, top_k_index, top_k_weights = list(bound.arguments.values())[1:]
     N, K = hidden_states.shape[0], top_k_index.shape[-1]
     samples = samples_of_rows(N, K, m, hidden_states.device, name)
     x = hidden_states.repeat_interleave(K, dim=0)
@@ -175,11 +221,11 @@ def cover_experts(model: nn.Module, covered: set[int], fallback: dict[str, str],
     its reason in ``fallback`` for its weights."""
     layers = []
     for mod_name, mod in model.named_modules():
-        if not _is_decorated(mod):
+        if not is_experts(mod):
             continue
         why = experts_reason(mod)
         specs: dict[str, LayerSpec] = {}
-        for pn in _projections(mod):
+        for pn in _covered_params(mod):
             full = f"{mod_name}.{pn}" if mod_name else pn
             w = mod._parameters.get(pn)
             if w is None:

@@ -111,3 +111,29 @@ def test_expert_linear_per_sample_gradients(transposed: bool) -> None:
     Wd = W.detach()
     gx = torch.stack([g[s] @ (Wd[ids[s]].t() if transposed else Wd[ids[s]]) for s in range(S)])
     torch.testing.assert_close(x.grad, gx, rtol=1e-12, atol=1e-12)
+
+
+def test_expert_bias_per_sample_gradients() -> None:
+    """``P[i, e] = Σ_{s ∈ i, e_s = e} g_s`` against a loop over pairs (float64)."""
+    from tengrad_fx.capture.experts import ExpertBias
+    from tengrad_fx.capture.store import CaptureStore
+
+    gen = torch.Generator().manual_seed(1)
+    E, d_out, m, S = 3, 5, 2, 8
+    b = torch.randn(E, d_out, generator=gen, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(S, d_out, generator=gen, dtype=torch.float64, requires_grad=True)
+    ids = torch.tensor([1, 2, 2, 1, 0, 0, 2, 1])
+    samples = torch.arange(S) // (S // m)
+    store = CaptureStore(n_sites=1)
+    out = ExpertBias.apply(y, b, ids, samples, m, store.key, 0)
+    torch.testing.assert_close(out, y + b[ids])
+    g = torch.randn(S, d_out, generator=gen, dtype=torch.float64)
+    out.backward(g)
+    want = torch.zeros(m, E, d_out, dtype=torch.float64)
+    for s in range(S):
+        want[samples[s], ids[s]] += g[s]
+    P = store.records[0][0].P
+    assert P is not None
+    torch.testing.assert_close(P.view_as(want), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(b.grad, want.sum(0), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(y.grad, g)
