@@ -137,3 +137,35 @@ def test_expert_bias_per_sample_gradients() -> None:
     torch.testing.assert_close(P.view_as(want), want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(b.grad, want.sum(0), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(y.grad, g)
+
+
+class _SequenceFirstMoe(torch.nn.Module):
+    """A Mixtral MoE block fed the batch folded sequence-first (``[T·m, d]``): token row
+    ``r`` belongs to sample ``r % m``, not ``r // T``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        cfg = transformers.MixtralConfig(hidden_size=8, intermediate_size=6, num_local_experts=3,
+                                         num_experts_per_tok=2)
+        cfg._experts_implementation = "eager"
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+        self.block = MixtralSparseMoeBlock(cfg)
+        self.head = torch.nn.Linear(8, 3)
+        for p in self.block.parameters():
+            torch.nn.init.normal_(p, std=0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(x.transpose(0, 1).contiguous()).transpose(0, 1))
+
+
+def test_token_rows_not_sample_major_fall_back() -> None:
+    torch.manual_seed(0)
+    model = _SequenceFirstMoe().double()
+    x = torch.randn(3, 4, 8, dtype=torch.float64)
+    prepared = prepare(model, example_inputs=(x[:2],))
+    info = get_info(prepared)
+    experts = [n for n in info.fallback if ".experts." in n or n.endswith("gate.weight")]
+    assert len(experts) == 3, info.fallback  # gate_up_proj, down_proj and the router
+    assert all("mixes samples" in info.fallback[n] for n in experts), info.fallback
+    assert sorted(info.covered) == ["head.bias", "head.weight"]
