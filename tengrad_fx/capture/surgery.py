@@ -13,6 +13,8 @@ from torch import Tensor
 from . import embedding, norm, ops
 from .added_params import cover_added_params
 from .context import RewriteContext
+from .experts import cover_experts
+from .routers import cover_routers
 from .inputs import leading_dim
 from .lookups import cover_overriding_lookups
 from .match import LayerSpec, module_spec, pad_same_input
@@ -36,8 +38,10 @@ def prepare_surgery(model: nn.Module, candidates: dict[str, nn.Module], fallback
         mod.__class__ = _capturing_class(type(mod))
         mod.__dict__["_tengrad_call"] = (store.key, spec)
         layers.append(spec)
+    covered = {id(p) for mod in candidates.values() for p in mod.parameters(recurse=False)}
+    layers += cover_experts(model, covered, fallback, store)
+    layers += cover_routers(model, covered, fallback, store)
     if added_params:
-        covered = {id(p) for mod in candidates.values() for p in mod.parameters(recurse=False)}
         layers += cover_added_params(model, covered, fallback, store)
     layers += cover_overriding_lookups(model, fallback, store)
     model.__class__ = _output_class(type(model))
