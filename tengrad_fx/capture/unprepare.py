@@ -30,7 +30,9 @@ import torch.nn as nn
 from . import ops
 from .added_params import _ADDED
 from .info import ATTR, get_info
+from .experts import _CAPTURING as _EXPERTS
 from .lookups import _ROUTED
+from .routers import _ROUTED as _ROUTERS
 from .output_hook import _MUTED, want_output
 from .folded_rows import FOLDS
 from .surgery import _CAPTURING, _OUTPUT
@@ -40,7 +42,8 @@ __all__ = ["unprepare", "ORIGINAL"]
 # the FX path's prepared GraphModule keeps the module it was made from under this key
 ORIGINAL = "_tengrad_original"
 # attributes module surgery sets on a module's ``__dict__``
-_SURGERY_ATTRS = ("_tengrad_call", "_tengrad_added", "_tengrad_output_key", "_tengrad_lookup")
+_SURGERY_ATTRS = ("_tengrad_call", "_tengrad_added", "_tengrad_output_key", "_tengrad_lookup", "_tengrad_experts",
+                  "_tengrad_router")
 
 
 def unprepare(model: nn.Module) -> nn.Module:
@@ -78,7 +81,8 @@ def unprepare(model: nn.Module) -> nn.Module:
                              "made from (prepared by an older tengrad_fx?); save its state_dict and load it "
                              "into a new instance of the model instead")
         _take_root_state(root, prepared)
-    ours = {*_CAPTURING.values(), *_OUTPUT.values(), *_ADDED.values(), *_ROUTED.values()}
+    ours = {*_CAPTURING.values(), *_OUTPUT.values(), *_ADDED.values(), *_ROUTED.values(), *_EXPERTS.values(),
+            *_ROUTERS.values()}
     for mod in root.modules():
         _restore_class(mod, ours)
     _release(info.store.key)

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 
-from tengrad_fx import TENGraD, get_info, prepare
+from tengrad_fx import TENGraD, get_info, prepare, unprepare
 from tengrad_fx.capture.experts import ExpertLinear
 from testing.oracle import check_covered_layers, dense_layer_updates
 
@@ -169,3 +169,19 @@ def test_token_rows_not_sample_major_fall_back() -> None:
     assert len(experts) == 3, info.fallback  # gate_up_proj, down_proj and the router
     assert all("mixes samples" in info.fallback[n] for n in experts), info.fallback
     assert sorted(info.covered) == ["head.bias", "head.weight"]
+
+
+def test_unprepare_restores_experts_and_routers() -> None:
+    """``tengrad_fx.unprepare`` gives Mixtral back with its own classes and no capture state."""
+    model = _mixtral()
+    classes = {name: type(mod) for name, mod in model.named_modules()}
+    ids, _ = _batch()
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+    prepared = prepare(model, example_inputs={"input_ids": ids[:2]})
+    assert any(type(mod) is not classes[name] for name, mod in prepared.named_modules())  # experts swapped
+    plain = unprepare(prepared)
+    assert all(type(mod) is classes[name] for name, mod in plain.named_modules())
+    assert not any(k.startswith("_tengrad") for mod in plain.modules() for k in vars(mod))
+    with torch.no_grad():
+        assert torch.equal(plain(input_ids=ids).logits, want)

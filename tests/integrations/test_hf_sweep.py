@@ -15,8 +15,8 @@ pytest.importorskip("transformers")
 hf_sweep = tool("hf_sweep")
 
 # (family, head): each fully covered and exact
-FAST = [("gpt2", "causal"), ("llama", "causal"), ("opt", "causal"), ("gemma", "causal"), ("falcon", "causal"),
-        ("roberta", "causal"), ("bert", "seqcls"), ("mistral", "seqcls")]
+FAST = [("gpt2", "causal"), ("mixtral", "causal"), ("llama", "causal"), ("opt", "causal"), ("gemma", "causal"),
+        ("falcon", "causal"), ("roberta", "causal"), ("bert", "seqcls"), ("mistral", "seqcls")]
 
 
 @pytest.mark.parametrize("family,kind", FAST)
