@@ -26,6 +26,7 @@ from .match import LayerSpec
 from .params import ParamHolder
 from .sharing import drop_layer
 from .store import CaptureStore
+from .swapped import swapped_class
 from .verify import cuda_devices
 
 __all__ = ["cover_added_params", "check_sample_independence"]
@@ -74,15 +75,9 @@ def _batched_getattr(self: Any, name: str) -> Any:
     return value if y is None else y
 
 
-_ADDED: dict[type, type] = {}
-
-
 def _added_class(cls: type[nn.Module]) -> type:
     """``cls`` whose ``__getattr__`` hands out its added parameters batched (module docstring)."""
-    if cls not in _ADDED:
-        _ADDED[cls] = type(cls.__name__, (cls,), {"__getattr__": _batched_getattr, "__module__": cls.__module__,
-                                                  "_tengrad_base_getattr": cls.__getattr__})
-    return _ADDED[cls]
+    return swapped_class("added", cls, {"__getattr__": _batched_getattr, "_tengrad_base_getattr": cls.__getattr__})
 
 
 def check_sample_independence(prepared: nn.Module, layers: list[LayerSpec], store: CaptureStore,

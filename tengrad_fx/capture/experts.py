@@ -35,6 +35,7 @@ from . import ops
 from .match import LayerSpec
 from .params import ParamHolder
 from .store import CaptureStore, Record, lookup
+from .swapped import swapped_class
 
 __all__ = ["experts_reason", "cover_experts", "ExpertLinear", "ExpertBias", "samples_of_rows", "is_experts"]
 
@@ -204,14 +205,8 @@ def _capturing_forward(self: Any, *args: Any, **kwargs: Any) -> Tensor:
     return h.view(N, K, -1).sum(dim=1)
 
 
-_CAPTURING: dict[type, type] = {}
-
-
 def _capturing_class(cls: type) -> type:
-    if cls not in _CAPTURING:
-        _CAPTURING[cls] = type(cls.__name__, (cls,), {"forward": _capturing_forward, "__module__": cls.__module__,
-                                                      "_tengrad_base": cls})
-    return _CAPTURING[cls]
+    return swapped_class("experts", cls, {"forward": _capturing_forward, "_tengrad_base": cls})
 
 
 def cover_experts(model: nn.Module, covered: set[int], fallback: dict[str, str],

@@ -30,6 +30,7 @@ from . import embedding
 from .match import LayerSpec
 from .sharing import META_ATTRS, META_METHODS
 from .store import CaptureStore
+from .swapped import swapped_class
 
 __all__ = ["overriding_lookup", "cover_overriding_lookups", "lookup_marker"]
 
@@ -56,15 +57,9 @@ class _Lookup(nn.Embedding):
         return embedding.embedding(input, self.weight, self.padding_idx, key, spec.sites[0], name=spec.name)
 
 
-_ROUTED: dict[type, type] = {}
-
-
 def _routed(cls: type) -> type:
     """``cls`` with :class:`_Lookup` between it and ``nn.Embedding`` in its MRO."""
-    if cls not in _ROUTED:
-        _ROUTED[cls] = type(cls.__name__, (cls, _Lookup), {"__module__": cls.__module__,
-                                                           "_tengrad_capturing": True})
-    return _ROUTED[cls]
+    return swapped_class("lookup", cls, {"_tengrad_capturing": True}, bases=(_Lookup,))
 
 
 def _one_lookup(graph: fx.Graph) -> bool:

@@ -18,6 +18,7 @@ from .norm import NORM_KINDS
 from .sharing import OURS, drop_layer, merge_tied_lookups, note_functional_uses
 from .store import CaptureStore
 from .added_params import check_sample_independence
+from .replay import cover_by_replay
 from .surgery import cover_in_leaves, prepare_surgery
 from .trace import trace
 from .unprepare import ORIGINAL
@@ -77,7 +78,7 @@ def prepare(
     ops.ENABLED[info.store.key] = True
     keep_saved_tensors()  # a compiled backward of this model may run twice (MC Fisher)
     if example_inputs is not None:
-        _verify(prepared, info, example_inputs)
+        _verify(prepared, info, example_inputs, replay=not only_linear_conv)
     info.layers = merge_tied_lookups(info.layers, info.store)
     info.store.site_names = {site: spec.name for spec in info.layers for site in spec.sites}
     info.store.params = [p for spec in info.layers for p in (spec.weight, spec.bias) if p is not None]
@@ -147,9 +148,10 @@ def _rewritten(model: nn.Module, candidates: dict[str, nn.Module], info: Prepare
     return prepared
 
 
-def _verify(prepared: nn.Module, info: PrepareInfo, example_inputs: Sequence[Any]) -> None:
+def _verify(prepared: nn.Module, info: PrepareInfo, example_inputs: Sequence[Any], replay: bool) -> None:
     """Drop the layers whose inputs (or added parameters' uses) are not per sample on
-    ``example_inputs``, and the modules inside leaves that never ran."""
+    ``example_inputs``, and the modules inside leaves that never ran; with ``replay``, cover
+    what remains uncovered by replaying a module that uses it, where one replays exactly."""
     verify_samples(prepared, info, example_inputs)
     check_sample_independence(prepared, info.layers, info.store, example_inputs)
     for spec in info.layers:
@@ -157,6 +159,8 @@ def _verify(prepared: nn.Module, info: PrepareInfo, example_inputs: Sequence[Any
             drop_layer({spec.name: spec}, spec.name, "module not called as a layer in the traced graph "
                        "(inside a leaf module or used functionally)")
     drop_weights_used_uncalled(prepared, info, example_inputs)
+    if replay:
+        cover_by_replay(prepared, info, example_inputs)
 
 
 class _TraceFailed(Exception):

@@ -27,6 +27,7 @@ from .experts import ExpertBias, ExpertLinear, is_experts, samples_of_rows
 from .match import LayerSpec
 from .params import ParamHolder
 from .store import CaptureStore
+from .swapped import swapped_class
 
 __all__ = ["router_graphs", "cover_routers", "router_linear"]
 
@@ -109,14 +110,8 @@ def _routed_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
     return graphs[bool(self.training)](*args, **kwargs)
 
 
-_ROUTED: dict[type, type] = {}
-
-
 def _routed_class(cls: type) -> type:
-    if cls not in _ROUTED:
-        _ROUTED[cls] = type(cls.__name__, (cls,), {"forward": _routed_forward, "__module__": cls.__module__,
-                                                   "_tengrad_capturing": True})
-    return _ROUTED[cls]
+    return swapped_class("router", cls, {"forward": _routed_forward, "_tengrad_capturing": True})
 
 
 def _beside_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:

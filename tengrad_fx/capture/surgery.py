@@ -22,6 +22,7 @@ from .norm import NORM_KINDS
 from .output_hook import maybe_attach
 from .sharing import note_tied, param_owners
 from .store import CaptureStore
+from .swapped import swapped_class
 
 __all__ = ["prepare_surgery", "cover_in_leaves"]
 
@@ -63,9 +64,6 @@ def cover_in_leaves(candidates: dict[str, nn.Module], ctx: RewriteContext) -> No
         mod.__dict__["_tengrad_call"] = (ctx.key, spec)
 
 
-_CAPTURING: dict[type, type] = {}
-
-
 def _capturing_forward(self: Any, input: Tensor, output_size: Optional[Sequence[int]] = None) -> Tensor:
     # self: a covered module whose class _capturing_class swapped; torch's argument names
     x = input
@@ -90,14 +88,8 @@ def _capturing_forward(self: Any, input: Tensor, output_size: Optional[Sequence[
 
 
 def _capturing_class(cls: type) -> type:
-    if cls not in _CAPTURING:
-        _CAPTURING[cls] = type(cls.__name__, (cls,), {"forward": _capturing_forward,
-                                                      "__module__": cls.__module__,
-                                                      "_tengrad_capturing": True, "_tengrad_base": cls})
-    return _CAPTURING[cls]
-
-
-_OUTPUT: dict[type, type] = {}
+    return swapped_class("layer", cls, {"forward": _capturing_forward, "_tengrad_capturing": True,
+                                        "_tengrad_base": cls})
 
 
 def _output_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -114,9 +106,7 @@ def _output_class(cls: type[nn.Module]) -> type:
     """``cls`` whose forward passes its output to :func:`.output_hook.maybe_attach`. The
     forward keeps ``cls.forward``'s name, docstring and signature (``__wrapped__``), which
     callers inspect (the Hugging Face ``Trainer`` keeps only the batch keys it names)."""
-    if cls not in _OUTPUT:
-        forward = functools.wraps(cls.forward)(lambda self, *args, **kwargs: _output_forward(self, *args, **kwargs))
-        _OUTPUT[cls] = type(cls.__name__, (cls,), {"forward": forward, "_tengrad_root_forward": cls.forward,
-                                                   "__module__": cls.__module__,  # a covered root stays one:
-                                                   "_tengrad_capturing": cls.__dict__.get("_tengrad_capturing", False)})
-    return _OUTPUT[cls]
+    forward = functools.wraps(cls.forward)(lambda self, *args, **kwargs: _output_forward(self, *args, **kwargs))
+    covered = cls.__dict__.get("_tengrad_capturing", False)  # a covered root stays one
+    return swapped_class("output", cls, {"forward": forward, "_tengrad_root_forward": cls.forward,
+                                         "_tengrad_capturing": covered})

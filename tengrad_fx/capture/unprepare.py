@@ -28,22 +28,15 @@ from __future__ import annotations
 import torch.nn as nn
 
 from . import ops
-from .added_params import _ADDED
 from .info import ATTR, get_info
-from .experts import _CAPTURING as _EXPERTS
-from .lookups import _ROUTED
-from .routers import _ROUTED as _ROUTERS
 from .output_hook import _MUTED, want_output
 from .folded_rows import FOLDS
-from .surgery import _CAPTURING, _OUTPUT
+from .swapped import restore_class
 
 __all__ = ["unprepare", "ORIGINAL"]
 
 # the FX path's prepared GraphModule keeps the module it was made from under this key
 ORIGINAL = "_tengrad_original"
-# attributes module surgery sets on a module's ``__dict__``
-_SURGERY_ATTRS = ("_tengrad_call", "_tengrad_added", "_tengrad_output_key", "_tengrad_lookup", "_tengrad_experts",
-                  "_tengrad_router")
 
 
 def unprepare(model: nn.Module) -> nn.Module:
@@ -81,10 +74,8 @@ def unprepare(model: nn.Module) -> nn.Module:
                              "made from (prepared by an older tengrad_fx?); save its state_dict and load it "
                              "into a new instance of the model instead")
         _take_root_state(root, prepared)
-    ours = {*_CAPTURING.values(), *_OUTPUT.values(), *_ADDED.values(), *_ROUTED.values(), *_EXPERTS.values(),
-            *_ROUTERS.values()}
     for mod in root.modules():
-        _restore_class(mod, ours)
+        restore_class(mod)
     _release(info.store.key)
     info.store.clear()
     prepared.__dict__.pop(ATTR, None)
@@ -102,19 +93,6 @@ def _take_root_state(root: nn.Module, prepared: nn.Module) -> None:
             if name in current:
                 own[name] = current[name]  # type: ignore[assignment]
     root.training = prepared.training
-
-
-def _restore_class(mod: nn.Module, ours: set[type]) -> None:
-    """Undo module surgery on ``mod``: its class back to the one it had before any of
-    ``ours`` (the surgery classes; a root may carry several: output over added-parameter
-    over capturing), its attributes removed."""
-    cls = type(mod)
-    while cls in ours:
-        cls = cls.__bases__[0]
-    if cls is not type(mod):
-        mod.__class__ = cls
-    for name in _SURGERY_ATTRS:
-        mod.__dict__.pop(name, None)
 
 
 def _release(key: int) -> None:

@@ -20,13 +20,21 @@ from .inputs import resize_batch, run_call, tensor_leaves
 from .folded_rows import FOLDS
 from .sharing import drop_layer
 
-__all__ = ["verify_samples", "drop_weights_used_uncalled", "cuda_devices"]
+__all__ = ["verify_samples", "drop_weights_used_uncalled", "cuda_devices", "kept_buffers"]
 
 
 def verify_samples(prepared: nn.Module, info: PrepareInfo, example_inputs: Sequence[Any]) -> None:
     """Run at batch 2 and 3 (no grad, buffers restored); drop layers whose input isn't per
     sample. ``example_inputs``: ``[args, kwargs]`` (:func:`.inputs.as_call`)."""
-    saved = {n: b.detach().clone() for n, b in prepared.named_buffers()}
+    with kept_buffers(prepared) as kept:
+        shapes, folds = _probe_shapes(prepared, info, example_inputs, kept)
+    _drop_unbatched(info, shapes, folds)
+
+
+def _probe_shapes(prepared: nn.Module, info: PrepareInfo, example_inputs: Sequence[Any], kept: "kept_buffers",
+                  ) -> tuple[dict[int, dict[tuple[int, int], tuple[int, ...]]], dict[int, Any]]:
+    """The capture sites' input shapes at batch 2 and 3, and the folds found for row-wise
+    layers whose leading dim is not the batch."""
     was_training = prepared.training
     modes = (True, False) if info.method == "fx-dual" else (was_training,)
     try:
@@ -45,7 +53,7 @@ def verify_samples(prepared: nn.Module, info: PrepareInfo, example_inputs: Seque
                 ops.SHARED_INDEX_SITES[key], ops.NEEDS_SAMPLES[key] = frozenset(), needed
     finally:
         prepared.train(was_training)
-        _restore(prepared, saved)
+        kept.restore()
     key = info.store.key
     pending = {}  # row-wise layers' sites whose leading dim is not the batch: folded?
     for spec in info.layers:
@@ -54,12 +62,14 @@ def verify_samples(prepared: nn.Module, info: PrepareInfo, example_inputs: Seque
             if spec.kind in FOLDABLE and s2 is not None and s3 is not None and (s2[0] != 2 or s3[0] != 3):
                 keep = fold_keep(spec)
                 pending[site] = (keep, math.prod(s2[:len(s2) - keep]))
-    folds = {}
-    if pending:
-        try:
-            folds = find_folds(prepared, example_inputs, modes, key, pending)
-        finally:
-            _restore(prepared, saved)
+    folds = find_folds(prepared, example_inputs, modes, key, pending) if pending else {}
+    return shapes, folds
+
+
+def _drop_unbatched(info: PrepareInfo, shapes: dict[int, dict[tuple[int, int], tuple[int, ...]]],
+                    folds: dict[int, Any]) -> None:
+    """Drop the layers whose input does not index samples (and is not a fold); note the folds."""
+    key = info.store.key
     for spec in info.layers:
         bad = []
         spec.input_shapes = []
@@ -127,11 +137,26 @@ def _same_outputs(a: Any, b: Any) -> bool:
         and (x.is_floating_point() or torch.equal(x, y)) for x, y in zip(la, lb))
 
 
-def _restore(prepared: nn.Module, saved: dict[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for name, b in prepared.named_buffers():
-            if name in saved:
-                b.copy_(saved[name])
+class kept_buffers:
+    """Context manager: the buffers of ``model`` as on entry (running statistics, caches),
+    put back by :meth:`restore` and on exit; for probes that must leave no trace."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.saved: dict[str, torch.Tensor] = {}
+
+    def __enter__(self) -> "kept_buffers":
+        self.saved = {n: b.detach().clone() for n, b in self.model.named_buffers()}
+        return self
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for name, b in self.model.named_buffers():
+                if name in self.saved:
+                    b.copy_(self.saved[name])
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
 
 
 def cuda_devices(prepared: nn.Module) -> list[int]:
@@ -149,16 +174,17 @@ def drop_weights_used_uncalled(prepared: nn.Module, info: PrepareInfo, example_i
     gradient there is used without its module (a state-space mixer passes its convolution's
     weight to a kernel): it falls back. A layer on a branch these inputs do not take gets no
     gradient and stays covered. One forward and backward with capture off (buffers restored)."""
-    unseen = [spec for spec in info.layers if spec.kind in _CALLED_KINDS and spec.sites and not spec.input_shapes
+    tied = {id(s) for spec in info.layers for s in (spec, *spec.tied_lookups) if spec.tied_lookups}
+    kinds = [spec.kind in _CALLED_KINDS or spec.kind == "embedding" and id(spec) not in tied for spec in info.layers]
+    unseen = [spec for spec, called in zip(info.layers, kinds) if called and spec.sites and not spec.input_shapes
               and not spec.in_leaf and spec.weight.requires_grad]
     if info.method != "surgery" or not unseen:
         return
-    saved = {n: b.detach().clone() for n, b in prepared.named_buffers()}
     key = info.store.key
     enabled = ops.ENABLED.get(key, False)
     ops.ENABLED[key] = False
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), kept_buffers(prepared):
             outs = [t for t in tensor_leaves(run_call(prepared, list(example_inputs)))
                     if t.is_floating_point() and t.requires_grad]
             total = sum((t.float().sum() for t in outs), torch.zeros(()))
@@ -166,7 +192,6 @@ def drop_weights_used_uncalled(prepared: nn.Module, info: PrepareInfo, example_i
                 if outs else [None] * len(unseen)
     finally:
         ops.ENABLED[key] = enabled
-        _restore(prepared, saved)
     for spec, grad in zip(unseen, grads):
         if grad is not None:
             drop_layer({spec.name: spec}, spec.name, "weight used without calling the module on example_inputs "

@@ -37,19 +37,21 @@ def test_tokens_covered_and_exact() -> None:
     assert info.method == "surgery"
     assert info.covered["mid.cls_token"] == "mid.cls_token"
     assert info.covered["mid.pos"] == "mid.pos"
-    assert "added parameter of shape (4,)" in info.fallback["mid.scale"]
+    assert info.covered["mid.scale"] == "mid.scale"  # replayed per sample (:mod:`tengrad_fx.capture.replay`)
     check_covered_layers(orig, prepared, x, y)
 
 
-def test_mixing_use_falls_back() -> None:
-    """``pos.mean(0)`` of the batched tokens gives every sample's row the batch's gradient."""
-    x = torch.randn(2, 3, 5)
-    prepared = prepare(Sandwich(Tokens(mix=True)), example_inputs=(x,))
+def test_mixing_use_is_replayed() -> None:
+    """``pos.mean(0)`` of the batched tokens gives every sample's row the batch's gradient:
+    the token capture drops it; replaying the module per sample covers it exactly."""
+    prepared, orig, x, y = prepared_sandwich(Tokens(mix=True))
     info = get_info(prepared)
-    assert "mixes samples" in info.fallback["mid.pos"]
-    assert info.covered["mid.cls_token"] == "mid.cls_token"
-    out = prepared(torch.randn(4, 3, 5))
-    F.cross_entropy(out, torch.randint(0, 3, (4,))).backward()  # still trains
+    assert [s.fallback_reason for s in info.layers if s.name == "mid.pos" and not s.sites] == []  # dropped spec gone
+    assert "_tengrad_replay" in prepared.mid.__dict__ and "pos" in prepared.mid.__dict__["_tengrad_replay"].names
+    assert info.covered["mid.pos"] == "mid.pos" and info.covered["mid.cls_token"] == "mid.cls_token"
+    check_covered_layers(orig, prepared, x, y)
+    out = prepared(torch.randn(4, 3, 5, dtype=x.dtype))
+    F.cross_entropy(out, torch.randint(0, 3, (4,))).backward()  # trains at another batch size
 
 
 @pytest.mark.parametrize("only", [True])

@@ -156,7 +156,7 @@ def test_surgery_tied_pair_is_fallback() -> None:
     info = get_info(prepared)
     assert info.method == "surgery"
     assert "tied" in info.fallback["a.weight"]
-    assert [layer.name for layer in covered_layers(prepared)] == ["out"]
+    assert [layer.name for layer in covered_layers(prepared)] == ["out", "b.bias"]  # b.bias: replayed
     y = torch.randn(3, 2, dtype=torch.float64)
     check_psg(prepared, orig, x, y, ref=loop_psg(orig, x, y))
 

@@ -140,14 +140,16 @@ def test_overriding_layers_exact(tok, tied):
     check_covered_layers(orig, pm, ids, y, loss_fn=_loss)
 
 
-def test_lookup_reading_weight_twice_falls_back():
+def test_lookup_reading_weight_twice_is_replayed():
+    """Not a lookup layer (it reads its weight twice), but replayed per sample: exact."""
     torch.manual_seed(0)
     net = Call(LM(DoubleRead(V, D), False)).double()
-    pm = prepare(net, example_inputs=(_data()[0][:2],))
-    rep = report(pm)
-    why = dict(get_info(pm).fallback)["model.tok.weight"]
-    assert "DoubleRead overrides Embedding.forward" in why and "exactly one base lookup" in why, str(rep)
+    orig = copy.deepcopy(net)
+    ids, y = _data()
+    pm = prepare(net, example_inputs=(ids[:2],))
+    assert get_info(pm).covered["model.tok.weight"] == "model.tok.weight", str(report(pm))
     assert "model.pos.weight" in get_info(pm).covered
+    check_covered_layers(orig, pm, ids, y, loss_fn=_loss)
 
 
 class MLMHead(nn.Module):
@@ -207,8 +209,9 @@ def test_tied_decoder_with_bias_exact(scaled, strategy):
         assert err < 1e-8, (n, err)
 
 
-def test_bias_read_by_its_other_holder_falls_back():
-    """A near miss: the head adds its (shared) bias once more itself."""
+def test_bias_read_by_its_other_holder_is_replayed():
+    """A near miss: the head adds its (shared) bias once more itself. Not one layer with the
+    decoder, but replayed per sample with the head: exact."""
 
     class Reads(MLMHead):
         def forward(self, h):
@@ -217,9 +220,11 @@ def test_bias_read_by_its_other_holder_falls_back():
     torch.manual_seed(0)
     net = MLM(False).double()
     net.head.__class__ = Reads
-    pm = prepare(net, example_inputs=(_data()[0][:2],))
-    assert "head.bias" not in get_info(pm).covered
-    assert "tied" in get_info(pm).fallback["head.bias"]
+    orig = copy.deepcopy(net)
+    ids, y = _data()
+    pm = prepare(net, example_inputs=(ids[:2],))
+    assert get_info(pm).covered["head.bias"] == "head.bias" and "_tengrad_replay" in pm.head.__dict__
+    check_covered_layers(orig, pm, ids, y, loss_fn=_loss)
 
 
 class GatedRMS(nn.Module):
@@ -236,8 +241,9 @@ class GatedRMS(nn.Module):
         return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
 
 
-def test_gated_rmsnorm_falls_back_and_keeps_outputs():
-    """Matched by structure alone it would be run as a plain RMSNorm, its gate dropped."""
+def test_gated_rmsnorm_is_replayed_and_keeps_outputs():
+    """Matched by structure alone it would be run as a plain RMSNorm, its gate dropped: not a
+    norm layer, but replayed per sample, exact."""
 
     class Net(nn.Module):
         def __init__(self):
@@ -251,9 +257,11 @@ def test_gated_rmsnorm_falls_back_and_keeps_outputs():
 
     torch.manual_seed(0)
     net = Net().double()
+    orig = copy.deepcopy(net)
     x = torch.randn(3, 5, 4, dtype=torch.float64)
     want = net(x)
     assert match_module(net.n)[0] is None and "gate" in match_module(net.n)[1]
     pm = prepare(net, example_inputs=(x[:2],))
     assert torch.allclose(pm(x), want, rtol=0, atol=1e-14)
-    assert "n.weight" in get_info(pm).fallback
+    assert get_info(pm).covered["n.weight"] == "n.weight"
+    check_covered_layers(orig, pm, x, torch.randn(3, 5, 6, dtype=torch.float64), loss_fn=F.mse_loss)
