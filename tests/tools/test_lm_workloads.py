@@ -146,3 +146,34 @@ def test_race_runs_every_method(model: str, docs_text: Path, tmp_path: Path) -> 
     tengrad = next(r for r in res["runs"] if r["method"] == "tengrad")
     assert "curvature every 20 steps" in tengrad["settings"]
     assert "final_loss" in res["verdict"] and "final validation loss" in peer_bench.report(res)
+
+
+def test_seeds_aggregate_losses() -> None:
+    """``tools.peer_seeds`` on language-model results: steps to a loss at or below it (from
+    ``loss_at``), the lowest mean final loss in the verdict, losses in the table."""
+    peer_seeds = tool("peer_seeds")
+
+    def result(rows: dict[str, tuple[str, float, list[float], float | None]]) -> dict:  # type: ignore[type-arg]
+        summary = {m: {"family": fam, "ratio_to_sgd": cost, "final_acc": 0.5, "final_loss": losses[-1],
+                       "loss_at": {str(25 * i): x for i, x in enumerate(losses)}, "targets": {"2.5": None},
+                       "peak_memory_mb": mem}
+                   for m, (fam, cost, losses, mem) in rows.items()}
+        return {"config": {"metric": "test_loss"}, "summary": summary}
+
+    seeds = [result({"tengrad": ("tengrad", 1.2, [5.5, 2.6, 2.4, 2.2], 30.0),
+                     "adamw": ("rival", 1.0, [5.5, 2.5, 2.3, 2.3], 20.0)}),
+             result({"tengrad": ("tengrad", 1.4, [5.5, 2.4, 2.3, 2.1], 34.0),
+                     "adamw": ("rival", 1.0, [5.5, 2.7, 2.5, 2.4], 20.0)})]
+    agg = peer_seeds.aggregate(seeds, ["2.5", "2.2"])
+    assert agg["tengrad"]["targets"]["2.5"] == {"steps_mean": 37.5, "steps_spread": 12.5, "reached": 2,
+                                                "time": pytest.approx(37.5 * 1.3)}
+    assert agg["adamw"]["targets"]["2.5"]["steps_mean"] == 37.5 and agg["adamw"]["targets"]["2.2"]["reached"] == 0
+    assert agg["tengrad"]["final_loss_mean"] == pytest.approx(2.15) and agg["tengrad"]["peak_memory_mb"] == 32.0
+    v = peer_seeds.verdict(agg)
+    assert v["final_loss"] == {"tengrad": {"method": "tengrad", "final_loss": pytest.approx(2.15)},
+                               "rival": {"method": "adamw", "final_loss": pytest.approx(2.35)}}
+    assert v["targets"]["2.5"]["ratio"] == pytest.approx(1.3)
+    text = peer_seeds.table(agg)
+    assert "steps to loss 2.5" in text and "final loss (nats/byte)" in text and "2.150 ± 0.050" in text
+    with pytest.raises(ValueError, match="same --model"):
+        peer_seeds.aggregate([seeds[0], {"summary": seeds[1]["summary"]}])
