@@ -123,7 +123,7 @@ class ByteText:
 
     def windows(self, part: Tensor, starts: Tensor, context: int) -> tuple[Tensor, Tensor]:
         """(inputs, next-byte targets), each (len(starts), context), of the windows at ``starts``."""
-        idx = starts[:, None] + torch.arange(context + 1)
+        idx = starts[:, None] + torch.arange(context + 1, device=starts.device)
         w = part[idx]
         return w[:, :-1], w[:, 1:]
 
