@@ -40,7 +40,8 @@ def write_outputs(res: dict[str, Any], out: str, plot: bool) -> None:
 
 def plot_curves(res: dict[str, Any], path: str) -> None:
     """The raced metric (test accuracy, or validation loss) of every method's winning run
-    against steps and estimated seconds, and the loss against steps."""
+    against steps and estimated seconds, and the other one (loss, or next-byte accuracy)
+    against steps."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -49,7 +50,9 @@ def plot_curves(res: dict[str, Any], path: str) -> None:
         print("matplotlib is not installed: no plot (pip install 'tengrad-fx[plot]')")
         return
     metric = res["config"].get("metric", "test_acc")
-    label_y = "test accuracy" if metric == "test_acc" else "validation loss (nats/byte)"
+    lm = metric == "test_loss"
+    label_y, other, label_o = ("validation loss (nats/byte)", "test_acc", "next-byte accuracy") if lm else \
+        ("test accuracy", "test_loss", "test loss")
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
     won = {(s["method"], s["lr"]) for s in res["summary"].values()}
     for run in res["runs"]:
@@ -59,8 +62,8 @@ def plot_curves(res: dict[str, Any], path: str) -> None:
         label = f"{run['method']} (lr {run['lr']:.3g})"
         axes[0].plot([p["step"] for p in c], [p[metric] for p in c], label=label)
         axes[1].plot([p["est_seconds"] for p in c], [p[metric] for p in c], label=label)
-        axes[2].plot([p["step"] for p in c], [p["test_loss"] for p in c], label=label)
-    for ax, (xl, yl) in zip(axes, [("step", label_y), ("estimated seconds", label_y), ("step", "test loss")]):
+        axes[2].plot([p["step"] for p in c], [p[other] for p in c], label=label)
+    for ax, (xl, yl) in zip(axes, [("step", label_y), ("estimated seconds", label_y), ("step", label_o)]):
         ax.set_xlabel(xl)
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3)
