@@ -53,6 +53,7 @@ in nats per byte, ``test_acc`` the next-byte accuracy, and ``--targets`` are los
 at or below (defaults: batch 32, 256 validation windows, targets 2.5 and 2.3). TENGraD's
 curvature comes every 20 steps there (``tools.peer_methods.lm_method``); the best lr is the
 one with the lowest final loss, and the verdict compares the lowest final losses.
+``--dataset``, ``--data-dir`` and ``--subset`` do not apply to them.
 
 Per run: the curve (step, measured seconds, estimated seconds, test accuracy and loss);
 ``ratio_to_sgd`` = the run's summed step time over SGD's (default lr) summed over the
