@@ -59,7 +59,7 @@ LM_SIZES: dict[str, dict[str, int]] = {
 
 LM_MODELS: tuple[str, ...] = tuple(f"{fam}-bytes-{s}" for fam in ("gpt2", "llama") for s in LM_SIZES)
 
-LM_DEFAULTS: dict[str, Any] = {"batch_size": 32, "eval_subset": 256, "targets": "2.5,2.3"}
+LM_DEFAULTS: dict[str, Any] = {"batch_size": 32, "eval_subset": 256, "targets": "2.7,2.6,2.5"}
 """``tools.peer_bench``'s defaults on these models (targets: validation nats per byte)."""
 
 

@@ -5,7 +5,7 @@
                                [--methods sgd,adamw,tengrad,kfac,muon,soap,shampoo,psgd]
                                [--tengrad 'NAME:key=value,...' ...]
                                [--steps 300] [--batch-size 128|32] [--subset N] [--eval-every 25]
-                               [--eval-subset 2000|256] [--targets 0.85,0.88|2.5,2.3] [--lr-grid 1|3|5]
+                               [--eval-subset 2000|256] [--targets 0.85,0.88|2.7,2.6,2.5] [--lr-grid 1|3|5]
                                [--schedule constant|cosine]
                                [--warmup 2] [--seed 0] [--device cpu|cuda] [--threads N]
                                [--out DIR] [--plot]
@@ -50,7 +50,7 @@ Language models (``--model gpt2-bytes-SIZE | llama-bytes-SIZE``, :mod:`tools.lm_
 byte-level GPT-2 and its Llama-style twin on Shakespeare's plays (the ``lm`` extra, or
 ``--text PATH``), trained on next-byte cross-entropy; ``test_loss`` is the validation loss
 in nats per byte, ``test_acc`` the next-byte accuracy, and ``--targets`` are losses, reached
-at or below (defaults: batch 32, 256 validation windows, targets 2.5 and 2.3). TENGraD's
+at or below (defaults: batch 32, 256 validation windows, targets 2.7, 2.6 and 2.5). TENGraD's
 curvature comes every 20 steps there (``tools.peer_methods.lm_method``); the best lr is the
 one with the lowest final loss, and the verdict compares the lowest final losses.
 ``--dataset``, ``--data-dir`` and ``--subset`` do not apply to them.
@@ -382,7 +382,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="test images (default 2000) or validation windows (default 256) evaluated, a fixed subset")
     ap.add_argument("--targets", default=None,
                     help="test accuracies (fractions; default 0.85,0.88), or validation losses in nats/byte "
-                         "(language models; default 2.5,2.3)")
+                         "(language models; default 2.7,2.6,2.5)")
     ap.add_argument("--lr-grid", type=int, default=1, help="odd K: default lr × 3^j, j = -K//2..K//2")
     ap.add_argument("--warmup", type=int, default=2, help="rounds left out of the step-cost ratios")
     ap.add_argument("--schedule", default="constant", choices=SCHEDULES,

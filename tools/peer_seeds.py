@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("runs", nargs="+", help="tools.peer_bench --out directories (or results.json files), one per seed")
     ap.add_argument("--targets", default=None,
                     help="comma-separated test accuracies (default: the runs' own), e.g. 0.85,0.87,0.88; "
-                         "validation losses in nats/byte for language models, e.g. 2.5,2.3")
+                         "validation losses in nats/byte for language models, e.g. 2.7,2.6,2.5")
     ap.add_argument("--out", default=None, help="write the table and the verdict to this markdown file")
     ap.add_argument("--json", default=None, help="write the aggregate and the verdict to this JSON file")
     args = ap.parse_args(argv)
