@@ -177,3 +177,28 @@ def test_seeds_aggregate_losses() -> None:
     assert "steps to loss 2.5" in text and "final loss (nats/byte)" in text and "2.150 ± 0.050" in text
     with pytest.raises(ValueError, match="same --model"):
         peer_seeds.aggregate([seeds[0], {"summary": seeds[1]["summary"]}])
+
+
+def test_peak_memory_accounting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``peak_bytes`` (CUDA): what creating the run allocated, plus what its earlier steps
+    kept, plus the most a step allocated above its start; other runs' memory left out. The
+    allocator is scripted here (before, peak, after of each step)."""
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
+    run = peer_bench.make_run(peer_methods.METHODS["sgd"], 0.1, model, torch.randn(2, 1, 2, 2))
+    run.held_bytes = 100  # creating it
+    script = iter([(1000, 1500, 1040), (5000, 5300, 5000), (500, 1300, 520)])  # other runs come and go
+    state: dict[str, int] = {}
+
+    def start(t: torch.Tensor, reset: bool = False) -> int:
+        state["before"], state["peak"], state["after"] = next(script)
+        return state["before"]
+
+    monkeypatch.setattr(peer_bench, "_cuda_bytes", start)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: state["peak"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: state["after"])
+    x, y = torch.randn(6, 1, 2, 2), torch.tensor([0, 1, 2, 0, 1, 2])
+    peaks = []
+    for _ in range(3):
+        run.step(x, y, lambda: None)
+        peaks.append((run.peak_bytes, run.held_bytes))
+    assert peaks == [(600, 140), (600, 140), (940, 160)]
