@@ -34,10 +34,10 @@ import os
 import statistics
 from typing import Any
 
-from tools.peer_bench import family as peer_family
-from tools.peer_bench import verdict as peer_verdict
-from tools.peer_bench import verdict_lines as peer_verdict_lines
 from tools.peer_methods import METHODS
+from tools.peer_methods import family as peer_family
+from tools.peer_methods import verdict as peer_verdict
+from tools.peer_methods import verdict_lines as peer_verdict_lines
 
 
 def load(path: str) -> dict[str, Any]:
@@ -48,7 +48,7 @@ def load(path: str) -> dict[str, Any]:
 
 
 def _family(method: str, row: dict[str, Any]) -> str:
-    """The row's ``family``; for results written before it was stored, ``tools.peer_bench.family``
+    """The row's ``family``; for results written before it was stored, ``tools.peer_methods.family``
     of the registered method of that name (a ``--tengrad`` variant's name says nothing)."""
     if "family" in row:
         return str(row["family"])
@@ -118,7 +118,7 @@ def aggregate(results: list[dict[str, Any]], targets: list[str] | None = None) -
 
 
 def verdict(agg: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """``tools.peer_bench.verdict`` over the seeds: per target the fastest TENGraD and the fastest
+    """``tools.peer_methods.verdict`` over the seeds: per target the fastest TENGraD and the fastest
     rival by ``time`` (where every seed reached it) and TENGraD's ratio; the best mean final
     accuracy of each family."""
     summary = {m: {"family": a["family"], "final_acc": a["final_acc_mean"], "final_loss": a.get("final_loss_mean"),
