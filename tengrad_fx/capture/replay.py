@@ -267,10 +267,9 @@ def cover_by_replay(model: nn.Module, info: PrepareInfo, example_inputs: Sequenc
                 chosen[mod_name] = replays[mod_name]
                 continue
             parent = mod_name.rpartition(".")[0]
-            if failed[mod_name]:
-                _note(info, model, names, mod_name, failed[mod_name])
-                if parent:  # below the root: replaying the whole model is the reference, not a layer
-                    climbing.setdefault(parent, []).extend(names)
+            _note(info, model, names, mod_name, failed[mod_name])
+            if failed[mod_name] and parent:  # below the root: replaying the whole model is the reference
+                climbing.setdefault(parent, []).extend(names)
         groups = {mod_name: _names(chosen.pop(mod_name, None), mod_name) + names
                   for mod_name, names in climbing.items()}
     for mod_name, rp in chosen.items():
@@ -290,11 +289,13 @@ def _names(rp: Optional[Replay], mod_name: str) -> list[str]:
 
 
 def _note(info: PrepareInfo, model: nn.Module, names: list[str], mod_name: str, why: str) -> None:
-    """Add to each parameter's fallback reason why replaying ``mod_name`` does not cover it."""
+    """Add to each parameter's fallback reason why replaying ``mod_name`` does not cover it
+    (``why`` empty: no gradient reaches it on ``example_inputs``)."""
     cls = type(model.get_submodule(mod_name)).__name__
     for n in names:
-        first = info.fallback.get(n, "").split("; replaying ")[0] or "no capture kernel"
-        info.fallback[n] = f"{first}; replaying {cls} '{mod_name}' per sample is not exact: {why}"
+        first = info.fallback.get(n, "").split("; replaying ")[0].split("; unused")[0] or "no capture kernel"
+        info.fallback[n] = (f"{first}; replaying {cls} '{mod_name}' per sample is not exact: {why}" if why else
+                            f"{first}; unused on example_inputs (no gradient reaches it there)")
 
 
 def _by_module(names: list[str]) -> dict[str, list[str]]:
