@@ -388,6 +388,15 @@ class DistributedTENGraD(TENGraD):
 
     distribution: GlobalBatch
 
+    def __new__(cls, model: torch.nn.Module, *args: Any, **kwargs: Any) -> "DistributedTENGraD":
+        """An :class:`~.fsdp_optimizer.FSDPTENGraD` where ``model``'s parameters are DTensors
+        (FSDP2's ``fully_shard``)."""
+        if cls is DistributedTENGraD:
+            from .fsdp_optimizer import FSDPTENGraD, has_dtensor_params
+            if isinstance(model, torch.nn.Module) and has_dtensor_params(model):
+                return super().__new__(FSDPTENGraD)
+        return super().__new__(cls)
+
     def __init__(self, model: torch.nn.Module, lr: float, damping: float, *, mode: Mode = "auto",
                  placement: Placement = "auto", seed: int = 0, bandwidth: float = 50e9, flop_rate: float = 50e12,
                  **kwargs: Any):

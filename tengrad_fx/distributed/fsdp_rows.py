@@ -1,0 +1,138 @@
+"""The rows of a layer's ``J`` that one FSDP2 rank owns.
+
+``fully_shard`` shards every parameter on dim 0 over the mesh's shard dim: rank ``r``
+holds rows ``[a, b)`` of the weight (and of the bias, for kinds whose bias rows are the
+weight's). The per-sample gradients restricted to those rows come from the layer's
+records restricted alike, so the kernels of :mod:`tengrad_fx.curvature` compute, on the
+local shards ``g_r`` of the gradient, the partial product ``J_r g_r`` (``[M]``; summed over
+the shard group it is ``J g``) and this rank's rows of ``Jᵀ c``, without any full-size
+parameter, gradient or update:
+
+* Linear, ``W [o, f]``: ``G[..., a:b]`` (rows are output features; bias rows too);
+* ConvNd (``groups = 1``, not transposed), ``W [o, c, *k]``: ``G[:, a:b]``;
+* norm layers: the affine elements ``[a·r, b·r)`` of ``x̂`` and ``G`` (``r`` = elements
+  per row of ``γ``; channel-first kinds: channels ``a:b``);
+* Embedding, ``W [V, D]``: positions whose index is in ``[a, b)``, re-indexed from ``a``
+  (others, and padding, contribute nothing); a lookup tied to a Linear is recorded in the
+  Linear's layout (``G' = onehot``) and sliced as a Linear.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from ..capture.norm import CHANNEL_FIRST, NORM_KINDS
+from ..curvature.layer import KERNELS, CoveredLayer
+
+__all__ = ["RowSpec", "RowRecords", "row_range", "check_shardable", "row_records", "local"]
+
+
+def local(t: Tensor) -> Tensor:
+    """A DTensor's local shard (a plain tensor as is)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def row_range(p: Tensor) -> tuple[int, int]:
+    """``[a, b)``: the dim-0 rows of the DTensor ``p`` this rank holds."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)  # type: ignore[attr-defined]
+    return int(offset[0]), int(offset[0]) + int(shape[0])
+
+
+def check_shardable(lay: CoveredLayer) -> None:
+    """``ValueError`` naming the layer where its ``J`` cannot be cut by rows here."""
+    spec, kind = lay.spec, lay.kind
+    why = None
+    if lay.bias_only:
+        why = "a bias-only layer (frozen weight)"
+    elif kind == "linear" and spec.transposed:
+        why = "a transposed Linear (weight [d_in, d_out], e.g. Hugging Face's Conv1D)"
+    elif kind.startswith("conv") and (spec.transposed or spec.groups != 1):
+        why = "a transposed or grouped convolution"
+    elif kind not in ("linear", "embedding", "conv1d", "conv2d", "conv3d") and kind not in NORM_KINDS:
+        why = f"a layer of kind {kind!r}"
+    if why is not None:
+        raise ValueError(f"DistributedTENGraD (FSDP2): layer '{lay.name}' is {why}, whose rows are not cut here; "
+                         "leave it out of the optimizer's params (a plain optimizer for it) or out of fully_shard")
+
+
+class RowSpec:
+    """A layer's spec with its weight (and bias) replaced by this rank's shards (what the
+    kernels read for shapes); every other field is the layer's."""
+
+    def __init__(self, spec: Any, weight: Tensor, bias: Optional[Tensor]):
+        self._spec, self.weight, self.bias = spec, weight, bias
+        self.module = SimpleNamespace(padding_idx=None)  # embedding: padding is masked in the records
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._spec, name)
+
+
+@dataclass
+class RowRecords:
+    """One layer's records cut to this rank's rows: ``parts`` per call ``(I', G')``, the
+    kernel, the spec over the local shards, and ``k`` (the records' per-sample scale)."""
+
+    spec: RowSpec
+    parts: list[tuple[Tensor, Tensor]]
+    k: float
+
+    def jvp(self, gw: Tensor, gb: Optional[Tensor]) -> Tensor:
+        """``J_r g_r``, ``[M]``: this rank's rows' part of ``J g``."""
+        kernel = KERNELS[self.spec.kind]
+        out = sum(kernel.jvp(self.spec, I, G, gw, gb) for I, G in self.parts)
+        return out * self.k  # type: ignore[return-value]
+
+    def vjp(self, c: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        """This rank's rows of ``Jᵀ c`` as ``(weight shard, bias shard or None)``."""
+        kernel = KERNELS[self.spec.kind]
+        gw: Optional[Tensor] = None
+        gb: Optional[Tensor] = None
+        for I, G in self.parts:
+            w, b = kernel.vjp(self.spec, I, G, c)
+            gw = w if gw is None else gw + w
+            gb = b if gb is None else gb + b
+        assert gw is not None
+        bias = self.spec.bias
+        return gw.reshape(self.spec.weight.shape) * self.k, \
+            (gb.reshape(bias.shape) * self.k if bias is not None and gb is not None else None)
+
+
+def _cut(kind: str, spec: Any, I: Tensor, G: Tensor, a: int, b: int, rows_total: int) -> tuple[Tensor, Tensor]:
+    """One record ``(I, G)`` cut to the rows ``[a, b)`` of a weight with ``rows_total`` rows."""
+    if kind == "linear":
+        return I, G[..., a:b]
+    if kind.startswith("conv"):
+        return I, G[:, a:b]
+    if kind in CHANNEL_FIRST:
+        return I[:, a:b], G[:, a:b]
+    if kind in NORM_KINDS:  # trailing normalized dims: elements [a·r, b·r) of the flattened γ
+        C = spec.weight.numel()
+        r = C // rows_total
+        m = I.shape[0]
+        return I.reshape(m, -1, C)[..., a * r:b * r], G.reshape(m, -1, C)[..., a * r:b * r]
+    # embedding: idx [m, *pos], G [m, *pos, D]
+    pad = spec.module.padding_idx
+    keep = (I >= a) & (I < b)
+    if pad is not None:
+        keep &= I != pad
+    idx = torch.where(keep, I - a, torch.zeros_like(I))
+    return idx, G * keep.unsqueeze(-1).to(G.dtype)
+
+
+def row_records(lay: CoveredLayer) -> RowRecords:
+    """``lay``'s current (global) records cut to this rank's rows of its weight."""
+    spec = lay.spec
+    w, bias = lay.weight, lay.bias
+    a, b = row_range(w)
+    parts = []
+    for r in lay.records():
+        if r.I is None or r.G is None:
+            raise RuntimeError(f"layer '{lay.name}': only per-sample gradients were kept; FSDP2 needs I and G")
+        parts.append(_cut(lay.kind, spec, r.I, r.G, a, b, w.shape[0]))
+    row_spec = RowSpec(spec, local(w).detach(), None if bias is None else local(bias).detach())
+    return RowRecords(row_spec, parts, lay._scale())
