@@ -4,7 +4,7 @@ and the same model in one process on the concatenated batch (:func:`train_refere
 
 A run is a ``cfg`` dict: ``model`` ("block": embedding tied to the output head, one
 pre-norm transformer block with attention and an MLP, a final LayerNorm; "cnn": two
-convolutions with BatchNorm in eval mode and a Linear head), ``m`` (local batch),
+convolutions with BatchNorm (in eval mode, :func:`frozen_statistics`) and a Linear head), ``m`` (local batch),
 ``steps``, ``T``, ``fisher``, ``kl_clip``, ``shard`` ("blocks": ``fully_shard`` on each
 block and the root; "layers": on every Linear/conv too), ``mesh`` (``(R, S)``: HSDP,
 replicate × shard; default a 1-D mesh of all ranks), ``start`` (first global batch),
@@ -75,12 +75,19 @@ def make_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
     net: nn.Module = TinyLM() if kind == "block" else TinyCNN()
     net = net.double()
-    if kind == "cnn":  # BatchNorm with fixed statistics: per-sample structure, the same on every rank
-        for mod in net.modules():
-            if isinstance(mod, nn.BatchNorm2d):
-                mod.running_mean.uniform_(-0.2, 0.2)
-                mod.running_var.uniform_(0.5, 1.5)
-                mod.eval()
+    for mod in net.modules():
+        if isinstance(mod, nn.BatchNorm2d):
+            mod.running_mean.uniform_(-0.2, 0.2)
+            mod.running_var.uniform_(0.5, 1.5)
+    return net
+
+
+def frozen_statistics(net: nn.Module) -> nn.Module:
+    """BatchNorm in eval mode (fixed statistics: the per-sample structure, the same on
+    every rank; train-mode statistics would be each rank's batch's), after ``prepare``."""
+    for mod in net.modules():
+        if isinstance(mod, nn.BatchNorm2d):
+            mod.eval()
     return net
 
 
@@ -119,10 +126,10 @@ def _shard(net: nn.Module, cfg: dict[str, Any], world: int) -> Any:
     kw: dict[str, Any] = {"mesh": mesh}
     if cfg.get("mp"):
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.float64, reduce_dtype=torch.float64)
-    blocks = [mod for mod in net.modules() if isinstance(mod, (Block,))]
-    if cfg.get("shard") == "layers":
-        blocks += [mod for mod in net.modules() if isinstance(mod, (nn.Linear, nn.Conv2d)) and mod is not
-                   getattr(net, "head", None)]
+    blocks = [mod for mod in net.modules() if isinstance(mod, Block)]
+    if cfg.get("shard") == "layers":  # innermost first: fully_shard shards the parameters not yet sharded
+        blocks = [mod for mod in net.modules() if isinstance(mod, (nn.Linear, nn.Conv2d)) and mod is not
+                  getattr(net, "head", None)] + blocks
     for mod in blocks:
         fully_shard(mod, **kw)
     fully_shard(net, **kw)
@@ -143,7 +150,7 @@ def train_fsdp(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[s
         kind, m = cfg["model"], cfg["m"]
         net = make_model(kind)
         _shard(net, cfg, world)
-        net = tengrad_fx.prepare(net, example_inputs=(global_batch(kind, 2, 0)[0],))
+        net = frozen_statistics(tengrad_fx.prepare(net, example_inputs=(global_batch(kind, 2, 0)[0],)))
         opt = DistributedTENGraD(net, seed=cfg.get("seed", 0), **opt_kwargs(cfg))
         if cfg.get("load"):
             load_checkpoint(net, opt, cfg["load"])
@@ -193,7 +200,7 @@ def train_reference(cfg: dict[str, Any], world: int, targets: Optional[list[Opti
     ``targets[k]``; parameters after each step."""
     import tengrad_fx
     kind, M = cfg["model"], world * cfg["m"]
-    net = tengrad_fx.prepare(make_model(kind))
+    net = frozen_statistics(tengrad_fx.prepare(make_model(kind)))
     opt = tengrad_fx.TENGraD(net, **opt_kwargs(cfg))
     traj = [full_params(net)]
     for k in range(cfg["steps"]):

@@ -32,7 +32,7 @@ from ..optim.step.host import SkipStep
 from ..optim.step.update import apply_momentum_step, kl_clip_factor
 from ..optim.tengrad.tengrad import TENGraD
 from .comm import collective
-from .fsdp import FSDPShards, is_dtensor
+from .fsdp import FSDPShards, fsdp_modules, is_dtensor
 from .fsdp_rows import local
 from .optimizer import DistributedTENGraD
 
@@ -40,8 +40,8 @@ __all__ = ["FSDPTENGraD", "has_dtensor_params"]
 
 
 def has_dtensor_params(model: torch.nn.Module) -> bool:
-    """Are any of ``model``'s parameters DTensors (an FSDP2 model)?"""
-    return any(is_dtensor(p) for p in model.parameters())
+    """Is ``model`` an FSDP2 model: a module ``fully_shard`` wrapped, or a DTensor parameter?"""
+    return bool(fsdp_modules(model)) or any(is_dtensor(p) for p in model.parameters())
 
 
 class FSDPTENGraD(DistributedTENGraD):
@@ -71,6 +71,7 @@ class FSDPTENGraD(DistributedTENGraD):
             raise ValueError("DistributedTENGraD: distribution= is its own (FSDPShards); pass seed, "
                              "or use TENGraD(..., distribution=...)")
         TENGraD.__init__(self, model, lr, damping, distribution=FSDPShards(seed, bandwidth, flop_rate), **kwargs)
+        self._reduction_checked = True  # the loss-scale check reads whole weights: not on shards
         if self.kl_clip is not None and not same_lr(self.param_groups):
             raise ValueError("DistributedTENGraD (FSDP2): kl_clip needs one lr for all param groups")
 
