@@ -82,13 +82,19 @@ class RowRecords:
     k: float
 
     def jvp(self, gw: Tensor, gb: Optional[Tensor]) -> Tensor:
-        """``J_r g_r``, ``[M]``: this rank's rows' part of ``J g``."""
+        """``J_r g_r``, ``[M]``: this rank's rows' part of ``J g`` (zeros where it holds none)."""
+        if not gw.numel():
+            I, G = self.parts[0]
+            return G.new_zeros(G.shape[0])
         kernel = KERNELS[self.spec.kind]
         out = sum(kernel.jvp(self.spec, I, G, gw, gb) for I, G in self.parts)
         return out * self.k  # type: ignore[return-value]
 
     def vjp(self, c: Tensor) -> tuple[Tensor, Optional[Tensor]]:
         """This rank's rows of ``Jᵀ c`` as ``(weight shard, bias shard or None)``."""
+        bias = self.spec.bias
+        if not self.spec.weight.numel():  # no rows here
+            return torch.zeros_like(self.spec.weight), (None if bias is None else torch.zeros_like(bias))
         kernel = KERNELS[self.spec.kind]
         gw: Optional[Tensor] = None
         gb: Optional[Tensor] = None
@@ -97,7 +103,6 @@ class RowRecords:
             gw = w if gw is None else gw + w
             gb = b if gb is None else gb + b
         assert gw is not None
-        bias = self.spec.bias
         return gw.reshape(self.spec.weight.shape) * self.k, \
             (gb.reshape(bias.shape) * self.k if bias is not None and gb is not None else None)
 
