@@ -6,7 +6,9 @@ A run is a ``cfg`` dict: ``model`` ("block": embedding tied to the output head, 
 pre-norm transformer block with attention and an MLP, a final LayerNorm; "cnn": two
 convolutions with BatchNorm (in eval mode, :func:`frozen_statistics`) and a Linear head), ``m`` (local batch),
 ``steps``, ``T``, ``fisher``, ``kl_clip``, ``shard`` ("blocks": ``fully_shard`` on each
-block and the root; "layers": on every Linear/conv too), ``mesh`` (``(R, S)``: HSDP,
+block and the root; "layers": on every Linear/conv too; "root": on the root only), ``order``
+("prepare-first": ``prepare`` by torch.fx, then ``fully_shard``; with ``expect_error`` the
+optimizer's ``ValueError`` is returned), ``mesh`` (``(R, S)``: HSDP,
 replicate × shard; default a 1-D mesh of all ranks), ``start`` (first global batch),
 ``save``/``load`` (a torch.distributed.checkpoint directory written after the last step /
 loaded before the first).
@@ -126,7 +128,7 @@ def _shard(net: nn.Module, cfg: dict[str, Any], world: int) -> Any:
     kw: dict[str, Any] = {"mesh": mesh}
     if cfg.get("mp"):
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.float64, reduce_dtype=torch.float64)
-    blocks = [mod for mod in net.modules() if isinstance(mod, Block)]
+    blocks = [mod for mod in net.modules() if isinstance(mod, Block)] if cfg.get("shard") != "root" else []
     if cfg.get("shard") == "layers":  # innermost first: fully_shard shards the parameters not yet sharded
         blocks = [mod for mod in net.modules() if isinstance(mod, (nn.Linear, nn.Conv2d)) and mod is not
                   getattr(net, "head", None)] + blocks
@@ -149,9 +151,19 @@ def train_fsdp(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[s
     for cfg in cfgs:
         kind, m = cfg["model"], cfg["m"]
         net = make_model(kind)
-        _shard(net, cfg, world)
-        net = frozen_statistics(tengrad_fx.prepare(net, example_inputs=(global_batch(kind, 2, 0)[0],)))
-        opt = DistributedTENGraD(net, seed=cfg.get("seed", 0), **opt_kwargs(cfg))
+        if cfg.get("order") == "prepare-first":  # fx-prepared, then fully_shard
+            net = frozen_statistics(tengrad_fx.prepare(net))
+            _shard(net, cfg, world)
+        else:
+            _shard(net, cfg, world)
+            net = frozen_statistics(tengrad_fx.prepare(net, example_inputs=(global_batch(kind, 2, 0)[0],)))
+        try:
+            opt = DistributedTENGraD(net, seed=cfg.get("seed", 0), **opt_kwargs(cfg))
+        except ValueError as exc:
+            if not cfg.get("expect_error"):
+                raise
+            out.append({"error": str(exc)})
+            continue
         if cfg.get("load"):
             load_checkpoint(net, opt, cfg["load"])
         traj, targets = [full_params(net)], []

@@ -75,6 +75,37 @@ class FSDPTENGraD(DistributedTENGraD):
         if self.kl_clip is not None and not same_lr(self.param_groups):
             raise ValueError("DistributedTENGraD (FSDP2): kl_clip needs one lr for all param groups")
 
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """TENGraD's state dict in the form ``torch.distributed.checkpoint``'s
+        ``get_optimizer_state_dict`` keeps: the counters ride in the first param group
+        (``"tengrad"``), not in ``state``, and every parameter of a group with momentum has
+        a ``momentum_buffer`` (a DTensor of its placements; zeros before its first step,
+        which the first step's ``buf = μ·0 + d`` makes ``d`` as without one), so a fresh
+        optimizer's state dict is the template that loads a saved one on any mesh."""
+        sd = super().state_dict()
+        state = dict(sd["state"])
+        counters = state.pop(self.NAME)
+        pid = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if group["momentum"] and "momentum_buffer" not in state.get(pid, {}):
+                    state[pid] = {**state.get(pid, {}), "momentum_buffer": torch.zeros_like(p)}
+                pid += 1
+        groups = [dict(g) for g in sd["param_groups"]]
+        groups[0]["tengrad"] = counters
+        return {**sd, "state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load :meth:`state_dict`'s form (or TENGraD's); the next step takes curvature."""
+        sd = dict(state_dict)
+        groups = [dict(g) for g in sd["param_groups"]]
+        counters = groups[0].pop("tengrad", None) if groups else None
+        if counters is not None:
+            sd["state"] = {**sd["state"], self.NAME: counters}
+            sd["param_groups"] = groups
+        super().load_state_dict(sd)
+
     # ------------------------------------------------------------------ the step on local shards
     def _device_step(self, k: int, stats_step: bool, mc_step: bool, damping: Damping,
                      lrs: Optional[Sequence[Tensor]] = None) -> Tensor:

@@ -25,28 +25,47 @@ TWO = {
     "block-layers-T3-clip": dict(model="block", m=2, steps=5, T=3, shard="layers", kl_clip=0.01),
     "cnn-empirical-T1": dict(model="cnn", m=3, steps=5, T=1, shard="layers"),
     "cnn-mc-T3": dict(model="cnn", m=3, steps=5, T=3, fisher="mc"),
+    "block-prepare-first-root": dict(model="block", m=2, steps=3, T=1, order="prepare-first", shard="root"),
+    "block-prepare-first-blocks": dict(model="block", m=2, steps=1, order="prepare-first", expect_error=True),
+    "block-full-T3": dict(model="block", m=2, steps=5, T=3),  # uninterrupted run of the checkpoint tests
+    "block-save": dict(model="block", m=2, steps=3, T=3),  # + save (fixture)
+    "block-resume-2": dict(model="block", m=2, steps=2, T=3, start=3),  # + load (fixture)
 }
+RESUMES = ("block-full-T3", "block-save", "block-resume-2", "block-prepare-first-blocks")
 FOUR = {
     "block-empirical-T3": dict(model="block", m=2, steps=5, T=3),
     "block-hsdp-mc-T1": dict(model="block", m=2, steps=5, T=1, fisher="mc", mesh=(2, 2)),
     "cnn-hsdp-T3-mp": dict(model="cnn", m=2, steps=5, T=3, mesh=(2, 2), mp=True, shard="layers"),
+    "block-resume-4": dict(model="block", m=1, steps=2, T=3, start=3),  # + load (fixture)
 }
+ONE = {"block-resume-1": dict(model="block", m=4, steps=2, T=3, start=3)}  # + load (fixture)
 
 
-def _run(tmp: Any, world: int, table: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _run(tmp: Any, world: int, table: dict[str, dict[str, Any]], ckpt: Any = None) -> dict[str, Any]:
     cfgs = {k: dict(v) for k, v in table.items()}
+    for k, cfg in cfgs.items():
+        if k == "block-save":
+            cfg["save"] = str(ckpt)
+        elif k.startswith("block-resume"):
+            cfg["load"] = str(ckpt)
     res = run_ranks(train_fsdp, world, tmp, list(cfgs.values()), timeout=600)
-    return {"cfgs": cfgs, "ranks": {k: [r[i] for r in res] for i, k in enumerate(cfgs)}}
+    return {"cfgs": cfgs, "ranks": {k: [r[i] for r in res] for i, k in enumerate(cfgs)}, "ckpt": ckpt}
 
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _run(tmp_path_factory.mktemp("fsdp2"), 2, TWO)
+    d = tmp_path_factory.mktemp("fsdp2")
+    return _run(d, 2, TWO, d / "dcp")
 
 
 @pytest.fixture(scope="module")
-def four(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return _run(tmp_path_factory.mktemp("fsdp4"), 4, FOUR)
+def four(tmp_path_factory: pytest.TempPathFactory, two: dict[str, Any]) -> dict[str, Any]:
+    return _run(tmp_path_factory.mktemp("fsdp4"), 4, FOUR, two["ckpt"])
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory: pytest.TempPathFactory, two: dict[str, Any]) -> dict[str, Any]:
+    return _run(tmp_path_factory.mktemp("fsdp1"), 1, ONE, two["ckpt"])
 
 
 def _check_equal_to_global(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
@@ -67,15 +86,15 @@ def _check_equal_to_global(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> 
             assert all(torch.equal(other["traj"][k][n], got[k][n]) for n in got[k]), f"rank {r} differs"
 
 
-@pytest.mark.parametrize("name", list(TWO))
+@pytest.mark.parametrize("name", [k for k in TWO if k not in RESUMES])
 def test_two_ranks_equal_global_batch(two: dict[str, Any], name: str) -> None:
     ranks = two["ranks"][name]
     assert ranks[0]["type"] == "FSDPTENGraD"
-    assert ranks[0]["counters"] == {"step": 5, "skipped": 0, "uncaptured": 0}
+    assert ranks[0]["counters"] == {"step": two["cfgs"][name]["steps"], "skipped": 0, "uncaptured": 0}
     _check_equal_to_global(two["cfgs"][name], ranks)
 
 
-@pytest.mark.parametrize("name", list(FOUR))
+@pytest.mark.parametrize("name", [k for k in FOUR if k != "block-resume-4"])
 def test_four_ranks_equal_global_batch(four: dict[str, Any], name: str) -> None:
     _check_equal_to_global(four["cfgs"][name], four["ranks"][name])
 
@@ -87,3 +106,30 @@ def test_momentum_state_is_sharded(two: dict[str, Any]) -> None:
     for r in ranks:
         assert 0 < r["buf_bytes"] <= 0.6 * full
     assert sum(r["buf_bytes"] for r in ranks) == full
+
+
+def test_fx_prepared_then_sharded_submodules_is_refused(two: dict[str, Any]) -> None:
+    """``prepare`` by torch.fx, then ``fully_shard`` on submodules: a clear error naming the order."""
+    for r in two["ranks"]["block-prepare-first-blocks"]:
+        assert "fully_shard on the submodules and the root first" in r["error"]
+
+
+def test_checkpoint_resumes_bit_for_bit_on_the_same_world(two: dict[str, Any]) -> None:
+    """DCP save after 3 steps on 2 ranks, load on 2 ranks: the same bits as the uninterrupted run."""
+    full, resumed = two["ranks"]["block-full-T3"][0]["traj"], two["ranks"]["block-resume-2"][0]["traj"]
+    for k in range(3):
+        assert all(torch.equal(resumed[k][n], full[3 + k][n]) for n in full[0]), f"step {k}"
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_checkpoint_reshards(request: pytest.FixtureRequest, two: dict[str, Any], world: int) -> None:
+    """The 2-rank checkpoint loads on 1 and on 4 ranks (the same global batch): the loaded
+    parameters are the saved bits and the run goes on as the uninterrupted one (≤ 1e-10)."""
+    run = request.getfixturevalue("one" if world == 1 else "four")
+    resumed = run["ranks"][f"block-resume-{world}"][0]["traj"]
+    full = two["ranks"]["block-full-T3"][0]["traj"]
+    assert all(torch.equal(resumed[0][n], full[3][n]) for n in full[0])
+    for k in range(1, 3):
+        for n in full[0]:
+            d, dr = resumed[k][n] - resumed[k - 1][n], full[3 + k][n] - full[2 + k][n]
+            assert ((d - dr).norm() / dr.norm()).item() <= TOL, f"step {k}, {n}"
