@@ -8,7 +8,8 @@ convolutions with BatchNorm (in eval mode, :func:`frozen_statistics`) and a Line
 ``steps``, ``T``, ``fisher``, ``kl_clip``, ``shard`` ("blocks": ``fully_shard`` on each
 block and the root; "layers": on every Linear/conv too; "root": on the root only), ``order``
 ("prepare-first": ``prepare`` by torch.fx, then ``fully_shard``; with ``expect_error`` the
-optimizer's ``ValueError`` is returned), ``mesh`` (``(R, S)``: HSDP,
+optimizer's ``ValueError`` is returned), ``plain`` (``TENGraD`` itself, not
+``DistributedTENGraD``), ``mesh`` (``(R, S)``: HSDP,
 replicate × shard; default a 1-D mesh of all ranks), ``start`` (first global batch),
 ``save``/``load`` (a torch.distributed.checkpoint directory written after the last step /
 loaded before the first).
@@ -158,7 +159,10 @@ def train_fsdp(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[s
             _shard(net, cfg, world)
             net = frozen_statistics(tengrad_fx.prepare(net, example_inputs=(global_batch(kind, 2, 0)[0],)))
         try:
-            opt = DistributedTENGraD(net, seed=cfg.get("seed", 0), **opt_kwargs(cfg))
+            if cfg.get("plain"):  # single-process TENGraD on the sharded model
+                opt = tengrad_fx.TENGraD(net, **opt_kwargs(cfg))
+            else:
+                opt = DistributedTENGraD(net, seed=cfg.get("seed", 0), **opt_kwargs(cfg))
         except ValueError as exc:
             if not cfg.get("expect_error"):
                 raise

@@ -12,5 +12,5 @@ from .optimizer import DistributedTENGraD, GlobalBatch, mc_seed
 from .plan import assign_owners, choose_modes, choose_placement, solve_cost
 from .shard import shard_indices
 
-__all__ = ["DistributedTENGraD", "GlobalBatch", "FSDPShards", "FSDPTENGraD", "DistributedStepError", "mc_seed", "assign_owners", "choose_modes",
-           "choose_placement", "solve_cost", "shard_indices"]
+__all__ = ["DistributedTENGraD", "GlobalBatch", "FSDPShards", "FSDPTENGraD", "DistributedStepError", "mc_seed",
+           "assign_owners", "choose_modes", "choose_placement", "solve_cost", "shard_indices"]

@@ -37,6 +37,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import solve
 from ..curvature.layer import CoveredLayer
@@ -56,21 +58,19 @@ __all__ = ["FSDPShards", "is_dtensor", "fsdp_modules"]
 
 def is_dtensor(t: Tensor) -> bool:
     """Is ``t`` a ``torch.distributed.tensor.DTensor`` (an FSDP2 parameter)?"""
-    return hasattr(t, "device_mesh") and hasattr(t, "to_local")
+    return isinstance(t, DTensor)
 
 
-def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
     """The modules of ``model`` that ``fully_shard`` wrapped."""
-    from torch.distributed.fsdp import FSDPModule
     return [mod for mod in model.modules() if isinstance(mod, FSDPModule)]
 
 
-def _shard_dim(p: Tensor, name: str) -> int:
+def _shard_dim(p: DTensor, name: str) -> int:
     """The mesh dim ``p`` is sharded over (on tensor dim 0); ``ValueError`` otherwise."""
-    from torch.distributed.tensor import Replicate, Shard
-    placements = p.placements  # type: ignore[attr-defined]
-    dims = [d for d, pl in enumerate(placements) if isinstance(pl, Shard)]
-    if len(dims) != 1 or placements[dims[0]].dim != 0 or \
+    placements = p.placements
+    dims = [d for d, pl in enumerate(placements) if isinstance(pl, Shard) and pl.dim == 0]
+    if len(dims) != 1 or \
             not all(isinstance(pl, Replicate) for d, pl in enumerate(placements) if d != dims[0]):
         raise ValueError(f"DistributedTENGraD (FSDP2): parameter of layer '{name}' has placements {placements}; "
                          "expected fully_shard's Shard(0) on one mesh dim (Replicate on the others, HSDP)")
@@ -102,7 +102,7 @@ class FSDPShards(GlobalBatch):
         """``model`` with every FSDP module resharded (a forward, e.g. ``prepare``'s check,
         may leave the root's parameters gathered): the optimizer holds the sharded ones."""
         for mod in fsdp_modules(model):
-            mod.reshard()  # type: ignore[operator]
+            mod.reshard()
         return model
 
     def bind(self, opt: Host) -> None:
@@ -123,11 +123,11 @@ class FSDPShards(GlobalBatch):
         for lay in opt._layers:
             check_shardable(lay)
             for p in lay.params:
-                if not is_dtensor(p):
+                if not isinstance(p, DTensor):
                     raise ValueError(f"DistributedTENGraD (FSDP2): layer '{lay.name}' has a parameter that is not "
                                      "a DTensor; fully_shard every module whose parameters are optimized")
                 dim = _shard_dim(p, lay.name)
-                mesh = p.device_mesh  # type: ignore[attr-defined]
+                mesh = p.device_mesh
                 meshes.add((id(mesh), dim))
                 self.shard_group = mesh.get_group(dim)
         if len(meshes) > 1:

@@ -25,6 +25,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from ..optim.step.param_groups import Damping, same_lr
 from ..optim.step.result import StepResult
@@ -167,8 +168,8 @@ class FSDPTENGraD(DistributedTENGraD):
 
     def _update_dot(self, updates: dict[Tensor, Tensor]) -> Tensor:
         """``Σ u·g`` over the whole parameters (local shards, summed over the shard group)."""
-        parts = [torch.dot(u.reshape(-1), local(p.grad).reshape(-1).to(u.dtype))  # type: ignore[arg-type]
-                 for p, u in updates.items()]
+        parts = [torch.dot(u.reshape(-1), local(p.grad).reshape(-1).to(u.dtype))
+                 for p, u in updates.items() if p.grad is not None]
         dot = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
         group = self.distribution.shard_group
         collective("sum of the row shards' u·g", lambda: dist.all_reduce(dot, group=group))
@@ -178,8 +179,6 @@ class FSDPTENGraD(DistributedTENGraD):
 def _like(p: Tensor, shard: Tensor) -> Tensor:
     """``shard`` (a local tensor of ``p``'s local shape) as a DTensor of ``p``'s mesh and
     placements, sharing ``shard``'s memory; a plain tensor for a plain ``p``."""
-    if not is_dtensor(p):
+    if not isinstance(p, DTensor):
         return shard
-    from torch.distributed.tensor import DTensor
-    return DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False,  # type: ignore[attr-defined]
-                              shape=p.shape, stride=p.stride())
+    return DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())

@@ -24,6 +24,7 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from ..capture.norm import CHANNEL_FIRST, NORM_KINDS
 from ..curvature.layer import KERNELS, CoveredLayer
@@ -33,13 +34,14 @@ __all__ = ["RowSpec", "RowRecords", "row_range", "check_shardable", "row_records
 
 def local(t: Tensor) -> Tensor:
     """A DTensor's local shard (a plain tensor as is)."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def row_range(p: Tensor) -> tuple[int, int]:
     """``[a, b)``: the dim-0 rows of the DTensor ``p`` this rank holds."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)  # type: ignore[attr-defined]
+    assert isinstance(p, DTensor)
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     return int(offset[0]), int(offset[0]) + int(shape[0])
 
 
@@ -87,8 +89,8 @@ class RowRecords:
             I, G = self.parts[0]
             return G.new_zeros(G.shape[0])
         kernel = KERNELS[self.spec.kind]
-        out = sum(kernel.jvp(self.spec, I, G, gw, gb) for I, G in self.parts)
-        return out * self.k  # type: ignore[return-value]
+        out: Tensor = sum(kernel.jvp(self.spec, I, G, gw, gb) for I, G in self.parts)
+        return out * self.k
 
     def vjp(self, c: Tensor) -> tuple[Tensor, Optional[Tensor]]:
         """This rank's rows of ``Jᵀ c`` as ``(weight shard, bias shard or None)``."""

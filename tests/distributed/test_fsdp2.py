@@ -27,11 +27,12 @@ TWO = {
     "cnn-mc-T3": dict(model="cnn", m=3, steps=5, T=3, fisher="mc"),
     "block-prepare-first-root": dict(model="block", m=2, steps=3, T=1, order="prepare-first", shard="root"),
     "block-prepare-first-blocks": dict(model="block", m=2, steps=1, order="prepare-first", expect_error=True),
+    "block-plain-tengrad": dict(model="block", m=2, steps=1, plain=True, expect_error=True),
     "block-full-T3": dict(model="block", m=2, steps=5, T=3),  # uninterrupted run of the checkpoint tests
     "block-save": dict(model="block", m=2, steps=3, T=3),  # + save (fixture)
     "block-resume-2": dict(model="block", m=2, steps=2, T=3, start=3),  # + load (fixture)
 }
-RESUMES = ("block-full-T3", "block-save", "block-resume-2", "block-prepare-first-blocks")
+RESUMES = ("block-full-T3", "block-save", "block-resume-2", "block-prepare-first-blocks", "block-plain-tengrad")
 FOUR = {
     "block-empirical-T3": dict(model="block", m=2, steps=5, T=3),
     "block-hsdp-mc-T1": dict(model="block", m=2, steps=5, T=1, fisher="mc", mesh=(2, 2)),
@@ -112,6 +113,11 @@ def test_fx_prepared_then_sharded_submodules_is_refused(two: dict[str, Any]) -> 
     """``prepare`` by torch.fx, then ``fully_shard`` on submodules: a clear error naming the order."""
     for r in two["ranks"]["block-prepare-first-blocks"]:
         assert "fully_shard on the submodules and the root first" in r["error"]
+
+
+def test_single_process_tengrad_refuses_sharded_parameters(two: dict[str, Any]) -> None:
+    for r in two["ranks"]["block-plain-tengrad"]:
+        assert "use tengrad_fx.distributed.DistributedTENGraD" in r["error"]
 
 
 def test_checkpoint_resumes_bit_for_bit_on_the_same_world(two: dict[str, Any]) -> None:
