@@ -9,7 +9,8 @@ curvature step:
 1. every rank all-gathers the layers' records ``(I, G)`` over all data-parallel ranks
    (``M = W·m`` samples, rank order, ``G`` rescaled by ``1/W``: :mod:`.records`), builds the
    ``M × M`` Grams and factorizes ``K + MαI`` (TENGraD's own code; the same on every rank);
-2. it cuts the records to its rows (:mod:`.fsdp_rows`: ``G[..., R_r]`` for Linear).
+2. it cuts the records to its rows (:mod:`.fsdp_rows`: ``G[..., R_r]`` for Linear) and keeps
+   only those and the factors (the global records and the groups' stacks are dropped).
 
 Every step (curvature and reuse) then, per layer, with ``J_r`` the per-sample gradients'
 columns of rows ``R_r``::
@@ -53,12 +54,7 @@ from .fsdp_rows import RowRecords, check_shardable, local, row_records
 from .optimizer import GlobalBatch
 from .records import REPLICATED, check_records, gather_records
 
-__all__ = ["FSDPShards", "is_dtensor", "fsdp_modules"]
-
-
-def is_dtensor(t: Tensor) -> bool:
-    """Is ``t`` a ``torch.distributed.tensor.DTensor`` (an FSDP2 parameter)?"""
-    return isinstance(t, DTensor)
+__all__ = ["FSDPShards", "fsdp_modules"]
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
@@ -159,7 +155,18 @@ class FSDPShards(GlobalBatch):
         return groups
 
     def after_factorize(self, opt: Host) -> None:
-        """Nothing to release: the global records stay for the reuse steps' products."""
+        """Only the factors and this rank's rows of the records stay: the groups' stacks and
+        the store's global records are dropped (a rank keeps ``I`` and its columns of ``G``)."""
+        for grp in opt.curvature.groups:
+            grp.release()
+        store = opt._info.store
+        for lay in self.layers:
+            for site in lay.spec.sites:
+                store.records.pop(site, None)
+
+    def reuse_groups(self, opt: Host) -> list[LayerGroup]:
+        """None: the products run on the row records (:meth:`precondition`), not the groups."""
+        return []
 
     def precondition(self, opt: Host, push_through: bool, damping: Damping) -> StepResult:
         """This rank's rows of every cached layer's ``u`` (module docstring), keyed by the

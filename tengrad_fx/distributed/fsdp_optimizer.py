@@ -33,16 +33,11 @@ from ..optim.step.host import SkipStep
 from ..optim.step.update import apply_momentum_step, kl_clip_factor
 from ..optim.tengrad.tengrad import TENGraD
 from .comm import collective
-from .fsdp import FSDPShards, fsdp_modules, is_dtensor
+from .fsdp import FSDPShards
 from .fsdp_rows import local
 from .optimizer import DistributedTENGraD
 
-__all__ = ["FSDPTENGraD", "has_dtensor_params"]
-
-
-def has_dtensor_params(model: torch.nn.Module) -> bool:
-    """Is ``model`` an FSDP2 model: a module ``fully_shard`` wrapped, or a DTensor parameter?"""
-    return bool(fsdp_modules(model)) or any(is_dtensor(p) for p in model.parameters())
+__all__ = ["FSDPTENGraD"]
 
 
 class FSDPTENGraD(DistributedTENGraD):
@@ -182,3 +177,6 @@ def _like(p: Tensor, shard: Tensor) -> Tensor:
     if not isinstance(p, DTensor):
         return shard
     return DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+DistributedTENGraD.sharded_class = FSDPTENGraD

@@ -131,15 +131,21 @@ def _cut(kind: str, spec: Any, I: Tensor, G: Tensor, a: int, b: int, rows_total:
     return idx, G * keep.unsqueeze(-1).to(G.dtype)
 
 
-def row_records(lay: CoveredLayer) -> RowRecords:
-    """``lay``'s current (global) records cut to this rank's rows of its weight."""
+def row_records(lay: CoveredLayer, rows: Optional[tuple[int, int]] = None) -> RowRecords:
+    """``lay``'s current (global) records cut to the rows ``[a, b)`` of its weight (default:
+    this rank's, :func:`row_range`; then the spec holds the local shards, else the rows of
+    the whole parameters), as tensors of their own (no view keeps a whole record alive)."""
     spec = lay.spec
     w, bias = lay.weight, lay.bias
-    a, b = row_range(w)
+    a, b = row_range(w) if rows is None else rows
     parts = []
     for r in lay.records():
         if r.I is None or r.G is None:
             raise RuntimeError(f"layer '{lay.name}': only per-sample gradients were kept; FSDP2 needs I and G")
-        parts.append(_cut(lay.kind, spec, r.I, r.G, a, b, w.shape[0]))
-    row_spec = RowSpec(spec, local(w).detach(), None if bias is None else local(bias).detach())
+        I, G = _cut(lay.kind, spec, r.I, r.G, a, b, w.shape[0])
+        parts.append((I.contiguous(), G.contiguous()))
+    if rows is None:
+        row_spec = RowSpec(spec, local(w).detach(), None if bias is None else local(bias).detach())
+    else:
+        row_spec = RowSpec(spec, w.detach()[a:b], None if bias is None else bias.detach()[a:b])
     return RowRecords(row_spec, parts, lay._scale())

@@ -85,7 +85,7 @@ labels with a per-rank generator seeded from ``seed`` and the rank
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -117,6 +117,16 @@ Placement = Literal["auto", "owner", "replicate"]
 def mc_seed(seed: int, rank: int) -> int:
     """The MC-sampling seed of ``rank`` derived from the global ``seed``."""
     return (int(seed) * 1_000_003 + 7919 * (int(rank) + 1)) % (2 ** 63)
+
+
+def fully_sharded(model: Any) -> bool:
+    """Is ``model`` sharded by FSDP2: a module ``fully_shard`` wrapped, or a DTensor parameter?"""
+    if not isinstance(model, torch.nn.Module):
+        return False
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    return any(isinstance(mod, FSDPModule) for mod in model.modules()) or \
+        any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _prepared(model: torch.nn.Module) -> bool:
@@ -388,13 +398,13 @@ class DistributedTENGraD(TENGraD):
 
     distribution: GlobalBatch
 
+    sharded_class: ClassVar[Optional[type]] = None  # what FSDP2 models get (:mod:`.fsdp_optimizer` sets it)
+
     def __new__(cls, model: torch.nn.Module, *args: Any, **kwargs: Any) -> "DistributedTENGraD":
-        """An :class:`~.fsdp_optimizer.FSDPTENGraD` where ``model``'s parameters are DTensors
-        (FSDP2's ``fully_shard``)."""
-        if cls is DistributedTENGraD:
-            from .fsdp_optimizer import FSDPTENGraD, has_dtensor_params
-            if isinstance(model, torch.nn.Module) and has_dtensor_params(model):
-                return super().__new__(FSDPTENGraD)
+        """A :attr:`sharded_class` (:class:`~.fsdp_optimizer.FSDPTENGraD`) where ``model`` is
+        sharded by FSDP2's ``fully_shard``."""
+        if cls is DistributedTENGraD and cls.sharded_class is not None and fully_sharded(model):
+            return super().__new__(cls.sharded_class)
         return super().__new__(cls)
 
     def __init__(self, model: torch.nn.Module, lr: float, damping: float, *, mode: Mode = "auto",
