@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["make_model", "global_batch", "train_fsdp", "train_reference", "full_params"]
+__all__ = ["make_model", "global_batch", "train_fsdp", "train_reference", "full_params", "run_example"]
 
 VOCAB, SEQ, D = 11, 4, 6
 
@@ -229,3 +229,15 @@ def train_reference(cfg: dict[str, Any], world: int, targets: Optional[list[Opti
         opt.step()
         traj.append(full_params(net))
     return traj
+
+
+def run_example(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
+    """``examples/fsdp2_train.py``'s ``main(argv)`` on this rank: its losses."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "examples" / "fsdp2_train.py"
+    spec = importlib.util.spec_from_file_location("_example_fsdp2_train", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {"losses": module.main(argv)}
