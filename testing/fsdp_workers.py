@@ -111,6 +111,17 @@ def opt_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
                 fisher=cfg.get("fisher", "empirical"), kl_clip=cfg.get("kl_clip"))
 
 
+def state_bytes(opt: Any, params: list[torch.Tensor]) -> int:
+    """Bytes this process holds in ``opt``'s per-parameter state (DTensors: their local shards)."""
+    total = 0
+    for p in params:
+        for t in opt.state[p].values():
+            if isinstance(t, torch.Tensor):
+                local = t.to_local() if hasattr(t, "to_local") else t
+                total += local.numel() * local.element_size()
+    return total
+
+
 def full_params(net: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter by name, whole (DTensors gathered: for the tests' comparisons)."""
     out = {}
@@ -189,7 +200,7 @@ def train_fsdp(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[s
         bufs = {n: opt.state[p]["momentum_buffer"] for n, p in net.named_parameters()
                 if "momentum_buffer" in opt.state[p]}
         out.append({"traj": traj, "targets": targets, "type": type(opt).__name__, "counters": opt.counters,
-                    "buf_bytes": sum(b.to_local().numel() * b.element_size() for b in bufs.values()),
+                    "state_bytes": state_bytes(opt, list(net.parameters())),
                     "bufs": {n: b.full_tensor() for n, b in bufs.items()}})
     return out
 
@@ -211,9 +222,10 @@ def load_checkpoint(net: nn.Module, opt: Any, path: str) -> None:
 
 
 def train_reference(cfg: dict[str, Any], world: int, targets: Optional[list[Optional[torch.Tensor]]] = None,
-                    ) -> list[dict[str, torch.Tensor]]:
+                    stats: Optional[dict[str, Any]] = None) -> list[dict[str, torch.Tensor]]:
     """Single-process TENGraD on the concatenated batches (``world·m`` samples), MC with
-    ``targets[k]``; parameters after each step."""
+    ``targets[k]``; parameters after each step (``stats["state_bytes"]``: its per-parameter
+    state's bytes at the end)."""
     import tengrad_fx
     kind, M = cfg["model"], world * cfg["m"]
     net = frozen_statistics(tengrad_fx.prepare(make_model(kind)))
@@ -228,6 +240,8 @@ def train_reference(cfg: dict[str, Any], world: int, targets: Optional[list[Opti
         loss.backward()
         opt.step()
         traj.append(full_params(net))
+    if stats is not None:
+        stats["state_bytes"] = state_bytes(opt, list(net.parameters()))
     return traj
 
 
