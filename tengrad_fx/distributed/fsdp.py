@@ -124,11 +124,11 @@ class FSDPShards(GlobalBatch):
                                      "a DTensor; fully_shard every module whose parameters are optimized")
                 dim = _shard_dim(p, lay.name)
                 mesh = p.device_mesh
-                meshes.add((id(mesh), dim))
+                meshes.add((mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), dim))
                 self.shard_group = mesh.get_group(dim)
         if len(meshes) > 1:
             raise ValueError("DistributedTENGraD (FSDP2): the covered layers' parameters live on different device "
-                             "meshes; shard them all on one mesh")
+                             "meshes (ranks or shard dims); shard them all on one mesh")
 
     # ------------------------------------------------------------------ step
     def _exchange_records(self, opt: Host) -> None:
@@ -179,6 +179,9 @@ class FSDPShards(GlobalBatch):
         grads = [_local_grads(lay) for lay in layers]
         Jg = torch.stack([rows.jvp(gw, gb) for rows, (gw, gb) in zip(self._rows, grads)])  # [L, M] partial
         self._sum_shards(Jg, "sum of the row shards' J g")
+        S = dist.get_world_size(self.shard_group)
+        for lay in layers:  # a ring all-reduce of M values per layer
+            self.sharing.add_bytes(lay.name, 2 * (S - 1) * Jg.shape[1] * Jg.element_size() // S)
         alphas = cache.dampings(damping, opt.param_groups)
         c, beta, gamma = solve.woodbury_solve(cache.chol, Jg, alphas, None, 1.0, Jg.dtype)
         out: dict[Tensor, Tensor] = {}
