@@ -29,7 +29,16 @@ from torch.distributed.tensor import DTensor
 from ..capture.norm import CHANNEL_FIRST, NORM_KINDS
 from ..curvature.layer import KERNELS, CoveredLayer
 
-__all__ = ["RowSpec", "RowRecords", "row_range", "check_shardable", "row_records", "local"]
+__all__ = ["RowSpec", "RowRecords", "row_range", "check_shardable", "row_records", "local", "fully_sharded"]
+
+
+def fully_sharded(model: Any) -> bool:
+    """Is ``model`` sharded by FSDP2: a module ``fully_shard`` wrapped, or a DTensor parameter?"""
+    if not isinstance(model, torch.nn.Module):
+        return False
+    from torch.distributed.fsdp import FSDPModule
+    return any(isinstance(mod, FSDPModule) for mod in model.modules()) or \
+        any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def local(t: Tensor) -> Tensor:

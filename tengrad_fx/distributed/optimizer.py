@@ -103,6 +103,7 @@ from ..optim.tengrad.group_build import build_groups
 from ..optim.tengrad.tengrad import TENGraD
 from ..optim.tengrad.layer_groups import LayerGroup, precondition_groups
 from .comm import all_ok
+from .fsdp_rows import fully_sharded
 from .gram_blocks import GramBlocksStep
 from .plan import assign_owners, choose_modes, choose_placement, solve_cost
 from .records import REPLICATED, check_records, gather_records, record_bytes, sends_per_sample, to_per_sample
@@ -117,16 +118,6 @@ Placement = Literal["auto", "owner", "replicate"]
 def mc_seed(seed: int, rank: int) -> int:
     """The MC-sampling seed of ``rank`` derived from the global ``seed``."""
     return (int(seed) * 1_000_003 + 7919 * (int(rank) + 1)) % (2 ** 63)
-
-
-def fully_sharded(model: Any) -> bool:
-    """Is ``model`` sharded by FSDP2: a module ``fully_shard`` wrapped, or a DTensor parameter?"""
-    if not isinstance(model, torch.nn.Module):
-        return False
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-    return any(isinstance(mod, FSDPModule) for mod in model.modules()) or \
-        any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _prepared(model: torch.nn.Module) -> bool:
@@ -398,11 +389,9 @@ class DistributedTENGraD(TENGraD):
 
     distribution: GlobalBatch
 
-    sharded_class: ClassVar[Optional[type]] = None  # what FSDP2 models get (:mod:`.fsdp_optimizer` sets it)
+    sharded_class: ClassVar[Optional[type]] = None  # FSDP2 models' (set by .fsdp_optimizer: FSDPTENGraD)
 
     def __new__(cls, model: torch.nn.Module, *args: Any, **kwargs: Any) -> "DistributedTENGraD":
-        """A :attr:`sharded_class` (:class:`~.fsdp_optimizer.FSDPTENGraD`) where ``model`` is
-        sharded by FSDP2's ``fully_shard``."""
         if cls is DistributedTENGraD and cls.sharded_class is not None and fully_sharded(model):
             return super().__new__(cls.sharded_class)
         return super().__new__(cls)
