@@ -27,9 +27,11 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from ..capture.norm import CHANNEL_FIRST, NORM_KINDS
-from ..curvature.layer import KERNELS, CoveredLayer
+from ..curvature import tensors
+from ..curvature.layer import KERNELS, CoveredLayer, choose_strategy
 
-__all__ = ["RowSpec", "RowRecords", "row_range", "check_shardable", "row_records", "local", "fully_sharded"]
+__all__ = ["RowSpec", "RowRecords", "row_range", "row_chunk", "check_shardable", "row_records", "row_spec", "cut",
+           "local", "fully_sharded"]
 
 
 def fully_sharded(model: Any) -> bool:
@@ -44,6 +46,15 @@ def fully_sharded(model: Any) -> bool:
 def local(t: Tensor) -> Tensor:
     """A DTensor's local shard (a plain tensor as is)."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def row_chunk(n: int, shards: int, c: int) -> tuple[int, int]:
+    """``[a, b)``: the rows of an ``n``-row parameter that shard ``c`` of ``shards`` holds
+    (``torch.chunk``'s split, what ``fully_shard`` uses: ``⌈n/S⌉`` rows each, the last
+    ones fewer or none)."""
+    size = -(-n // shards)
+    a = min(c * size, n)
+    return a, min(a + size, n)
 
 
 def row_range(p: Tensor) -> tuple[int, int]:
@@ -101,6 +112,46 @@ class RowRecords:
         out: Tensor = sum(kernel.jvp(self.spec, I, G, gw, gb) for I, G in self.parts)
         return out * self.k
 
+    def gram(self) -> Tensor:
+        """``J_r J_rᵀ``, ``[M, M]``, of these rows (zeros where there are none): summed over
+        the row shards it is the layer's Gram. An embedding matches indices; other kinds
+        take the cheaper of the factored and the materialized form (:func:`choose_strategy`)."""
+        spec, kernel = self.spec, KERNELS[self.spec.kind]
+        M = self.parts[0][0].shape[0]
+        if not spec.weight.numel():
+            return self.parts[0][1].new_zeros(M, M)
+        if hasattr(kernel, "gram"):
+            return kernel.gram(spec, self.parts) * self.k ** 2
+        S_total = 0
+        for I, _ in self.parts:
+            g, S, f, o = kernel.dims(spec, tuple(I.shape))
+            S_total += S
+        if choose_strategy(M, g, S_total, f, o) == "materialize" or len(self.parts) > 1:
+            J = self._jacobian()
+            return (J @ J.T) * self.k ** 2
+        A, B = kernel.layout(spec, *self.parts[0])
+        K = tensors.gram_factor(A, B)
+        if spec.bias is not None:
+            bias_grads = getattr(kernel, "bias_grads", None)
+            if bias_grads is None:
+                K = K + tensors.gram_bias(B)
+            else:
+                db = bias_grads(spec, *self.parts[0])
+                K = K + db @ db.T
+        return K * self.k ** 2
+
+    def _jacobian(self) -> Tensor:
+        """``J_r`` materialized, ``[M, n_r]`` (unscaled): these rows' per-sample gradients."""
+        kernel = KERNELS[self.spec.kind]
+        dW: Optional[Tensor] = None
+        db: Optional[Tensor] = None
+        for I, G in self.parts:
+            w, b = kernel.per_sample_grads(self.spec, I, G)
+            w, b = w.reshape(w.shape[0], -1), b.reshape(b.shape[0], -1)
+            dW, db = (w, b) if dW is None or db is None else (dW + w, db + b)
+        assert dW is not None and db is not None
+        return dW if self.spec.bias is None else torch.cat([dW, db], 1)
+
     def vjp(self, c: Tensor) -> tuple[Tensor, Optional[Tensor]]:
         """This rank's rows of ``Jᵀ c`` as ``(weight shard, bias shard or None)``."""
         bias = self.spec.bias
@@ -118,7 +169,7 @@ class RowRecords:
             (gb.reshape(bias.shape) * self.k if bias is not None and gb is not None else None)
 
 
-def _cut(kind: str, spec: Any, I: Tensor, G: Tensor, a: int, b: int, rows_total: int) -> tuple[Tensor, Tensor]:
+def cut(kind: str, spec: Any, I: Tensor, G: Tensor, a: int, b: int, rows_total: int) -> tuple[Tensor, Tensor]:
     """One record ``(I, G)`` cut to the rows ``[a, b)`` of a weight with ``rows_total`` rows."""
     if kind == "linear":
         return I, G[..., a:b]
@@ -140,21 +191,25 @@ def _cut(kind: str, spec: Any, I: Tensor, G: Tensor, a: int, b: int, rows_total:
     return idx, G * keep.unsqueeze(-1).to(G.dtype)
 
 
+def row_spec(lay: CoveredLayer, rows: Optional[tuple[int, int]] = None) -> RowSpec:
+    """``lay``'s spec over this rank's shards (``rows``: over those rows of the whole parameters)."""
+    w, bias = lay.weight, lay.bias
+    if rows is None:
+        return RowSpec(lay.spec, local(w).detach(), None if bias is None else local(bias).detach())
+    a, b = rows
+    return RowSpec(lay.spec, w.detach()[a:b], None if bias is None else bias.detach()[a:b])
+
+
 def row_records(lay: CoveredLayer, rows: Optional[tuple[int, int]] = None) -> RowRecords:
     """``lay``'s current (global) records cut to the rows ``[a, b)`` of its weight (default:
     this rank's, :func:`row_range`; then the spec holds the local shards, else the rows of
     the whole parameters), as tensors of their own (no view keeps a whole record alive)."""
-    spec = lay.spec
-    w, bias = lay.weight, lay.bias
+    w = lay.weight
     a, b = row_range(w) if rows is None else rows
     parts = []
     for r in lay.records():
         if r.I is None or r.G is None:
             raise RuntimeError(f"layer '{lay.name}': only per-sample gradients were kept; FSDP2 needs I and G")
-        I, G = _cut(lay.kind, spec, r.I, r.G, a, b, w.shape[0])
+        I, G = cut(lay.kind, lay.spec, r.I, r.G, a, b, w.shape[0])
         parts.append((I.contiguous(), G.contiguous()))
-    if rows is None:
-        row_spec = RowSpec(spec, local(w).detach(), None if bias is None else local(bias).detach())
-    else:
-        row_spec = RowSpec(spec, w.detach()[a:b], None if bias is None else bias.detach()[a:b])
-    return RowRecords(row_spec, parts, lay._scale())
+    return RowRecords(row_spec(lay, rows), parts, lay._scale())

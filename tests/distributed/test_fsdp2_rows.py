@@ -13,7 +13,7 @@ from torch.func import functional_call, grad, vmap
 
 import tengrad_fx
 from tengrad_fx.curvature.layer import covered_layers
-from tengrad_fx.distributed.fsdp_rows import check_shardable, row_records
+from tengrad_fx.distributed.fsdp_rows import check_shardable, row_chunk, row_records
 
 M = 5
 
@@ -23,6 +23,8 @@ def _layer(name: str) -> tuple[nn.Module, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     if name == "linear":
         return nn.Linear(5, 7), torch.randn(M, 3, 5, generator=g)
+    if name == "linear-wide":  # one position, wide: the factored Gram
+        return nn.Linear(40, 30), torch.randn(M, 40, generator=g)
     if name == "conv":
         return nn.Conv2d(3, 6, 3, padding=1), torch.randn(M, 3, 4, 4, generator=g)
     if name == "layernorm":
@@ -78,3 +80,22 @@ def test_layers_without_row_cuts_are_refused(mod: nn.Module, what: str) -> None:
     net = tengrad_fx.prepare(nn.Sequential(mod))
     with pytest.raises(ValueError, match=f"layer '0' is a .*{what.split()[-1]}"):
         check_shardable(covered_layers(net)[0])
+
+
+@pytest.mark.parametrize("name", ["linear", "linear-wide", "conv", "layernorm", "batchnorm", "embedding"])
+def test_row_grams_sum_to_the_layer_gram(name: str) -> None:
+    """``Σ_r J_r J_rᵀ`` over a split of the rows into shards is ``J Jᵀ`` (the layer's own Gram)."""
+    mod, x = _layer(name)
+    mod = mod.double()
+    x = x if name == "embedding" else x.double()
+    net = tengrad_fx.prepare(nn.Sequential(mod))
+    if name == "batchnorm":
+        net.eval()
+    out = net(x)
+    R = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    ((out * R).sum() / M).backward()
+    lay = covered_layers(net)[0]
+    n = mod.weight.shape[0]
+    K = sum(row_records(lay, row_chunk(n, 3, c)).gram() for c in range(3))
+    J = lay.jacobian()
+    torch.testing.assert_close(K, J @ J.T, rtol=1e-12, atol=1e-12)
