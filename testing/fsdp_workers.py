@@ -8,7 +8,7 @@ convolutions with BatchNorm (in eval mode, :func:`frozen_statistics`) and a Line
 ``steps``, ``T``, ``fisher``, ``kl_clip``, ``shard`` ("blocks": ``fully_shard`` on each
 block and the root; "layers": on every Linear/conv too; "root": on the root only), ``order``
 ("prepare-first": ``prepare`` by torch.fx, then ``fully_shard``; with ``expect_error`` the
-optimizer's ``ValueError`` is returned), ``plain`` (``TENGraD`` itself, not
+optimizer's ``ValueError`` is returned), ``mode`` and ``bandwidth`` (the optimizer's), ``plain`` (``TENGraD`` itself, not
 ``DistributedTENGraD``), ``mesh`` (``(R, S)``: HSDP,
 replicate × shard; default a 1-D mesh of all ranks), ``start`` (first global batch),
 ``save``/``load`` (a torch.distributed.checkpoint directory written after the last step /
@@ -173,7 +173,8 @@ def train_fsdp(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[s
             if cfg.get("plain"):  # single-process TENGraD on the sharded model
                 opt = tengrad_fx.TENGraD(net, **opt_kwargs(cfg))
             else:
-                opt = DistributedTENGraD(net, seed=cfg.get("seed", 0), **opt_kwargs(cfg))
+                opt = DistributedTENGraD(net, seed=cfg.get("seed", 0), mode=cfg.get("mode", "auto"),
+                                         bandwidth=cfg.get("bandwidth", 50e9), **opt_kwargs(cfg))
         except ValueError as exc:
             if not cfg.get("expect_error"):
                 raise
@@ -200,6 +201,7 @@ def train_fsdp(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[s
         bufs = {n: opt.state[p]["momentum_buffer"] for n, p in net.named_parameters()
                 if "momentum_buffer" in opt.state[p]}
         out.append({"traj": traj, "targets": targets, "type": type(opt).__name__, "counters": opt.counters,
+                    "plan": opt.layer_plan(),
                     "state_bytes": state_bytes(opt, list(net.parameters())),
                     "bufs": {n: b.full_tensor() for n, b in bufs.items()}})
     return out

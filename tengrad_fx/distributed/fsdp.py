@@ -33,7 +33,8 @@ submodule never gathers them).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
 
 import torch
 import torch.distributed as dist
@@ -50,11 +51,12 @@ from ..optim.tengrad.distribution import Host
 from ..optim.tengrad.group_build import build_groups
 from ..optim.tengrad.layer_groups import LayerGroup
 from .comm import all_ok, collective
-from .fsdp_rows import RowRecords, check_shardable, local, row_records
-from .optimizer import GlobalBatch
+from .fsdp_exchange import choose_fsdp_modes, exchange_rows, shard_coordinates
+from .fsdp_rows import RowRecords, check_shardable, local, row_records, row_spec
+from .optimizer import GlobalBatch, Mode
 from .records import REPLICATED, check_records, gather_records
 
-__all__ = ["FSDPShards", "fsdp_modules"]
+__all__ = ["FSDPShards", "RowGroup", "fsdp_modules"]
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
@@ -73,15 +75,38 @@ def _shard_dim(p: DTensor, name: str) -> int:
     return dims[0]
 
 
+@dataclass(eq=False)
+class RowGroup(LayerGroup):
+    """``gram-blocks`` layers: only their Grams ``K [L, M, M]`` (summed from the row shards')
+    and, once factorized, the factors; the products run on the row records."""
+
+    form: ClassVar[str] = "row-blocks"
+    K: Optional[Tensor] = None
+
+    def gram(self) -> Tensor:
+        assert self.K is not None, "RowGroup: released"
+        return self.K
+
+    def release(self) -> None:
+        self.K = None
+
+
 class FSDPShards(GlobalBatch):
     """TENGraD's distribution over FSDP2-sharded parameters (module docstring): the global
     batch's Fisher blocks, every rank solving every layer for its own rows. Arguments as
     :class:`~.optimizer.DistributedTENGraD`'s ``seed``, ``bandwidth``, ``flop_rate``."""
 
-    def __init__(self, seed: int = 0, bandwidth: float = 50e9, flop_rate: float = 50e12):
+    def __init__(self, mode: Mode = "auto", seed: int = 0, bandwidth: float = 50e9, flop_rate: float = 50e12):
+        if mode not in ("auto", "gather", "gram-blocks"):  # "local" is DDP's only
+            raise ValueError("DistributedTENGraD (FSDP2): mode must be 'auto', 'gather' or 'gram-blocks', "
+                             f"got {mode!r}")
         super().__init__("gather", "replicate", seed, bandwidth, flop_rate)
+        self.mode = mode
         self.shard_group: Optional[Any] = None  # the process group of the mesh's shard dim
+        self._coords: list[int] = []  # each global rank's coordinate on the shard dim
+        self._shards = 1  # the shard dim's size
         self._rows: list[RowRecords] = []  # the cached layers' records cut to this rank's rows (group order)
+        self._row_parts: dict[str, list[tuple[Tensor, Tensor]]] = {}  # gram-blocks layers: this rank's cut
 
     def forget(self) -> None:
         super().forget()
@@ -126,28 +151,51 @@ class FSDPShards(GlobalBatch):
                 mesh = p.device_mesh
                 meshes.add((mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), dim))
                 self.shard_group = mesh.get_group(dim)
+                self._coords, self._shards = shard_coordinates(mesh, dim), mesh.size(dim)
         if len(meshes) > 1:
             raise ValueError("DistributedTENGraD (FSDP2): the covered layers' parameters live on different device "
                              "meshes (ranks or shard dims); shard them all on one mesh")
 
     # ------------------------------------------------------------------ step
     def _exchange_records(self, opt: Host) -> None:
-        """Every rank gets every captured layer's global-batch records (one bucketed
-        all_gather per dtype)."""
+        """Every rank gets the global batch's records of every captured layer: whole
+        (``gather``: one bucketed all_gather per dtype) or cut to its rows (``gram-blocks``:
+        one all_to_all per dtype, :mod:`.fsdp_exchange`), per layer by :func:`choose_fsdp_modes`."""
         layers = opt._layers
         live = check_records(layers)
         self._local, self._local_groups, self._rebuild_local = {}, [], False
-        self.owner = {layers[i].name: REPLICATED for i in live}
-        self.modes = {layers[i].name: "gather" for i in live}
-        gather_records(layers, live, [REPLICATED] * len(live), opt._info.store, self.rank, self.world, set(),
+        lays = [layers[i] for i in live]
+        M = self.world * lays[0].m if lays else 0
+        modes = choose_fsdp_modes(lays, M, self.world, self._shards, self.bandwidth, self.flop_rate, self.mode)
+        self.modes = {lay.name: md for lay, md in zip(lays, modes)}
+        self.owner = {lay.name: REPLICATED for lay in lays}
+        gather = [i for i, md in zip(live, modes) if md == "gather"]
+        blocks = [lay for lay, md in zip(lays, modes) if md == "gram-blocks"]
+        self._row_parts = exchange_rows(blocks, self._coords, self._shards, self.rank, self.sharing.add_bytes) \
+            if blocks else {}
+        gather_records(layers, gather, [REPLICATED] * len(gather), opt._info.store, self.rank, self.world, set(),
                        self.sharing.add_bytes)
-        self.layers = [layers[i] for i in live]
+        self.layers = lays
 
     def build_groups(self, opt: Host) -> list[LayerGroup]:
-        """Groups of every captured layer (its Gram over the global batch) and, per layer,
-        its records cut to this rank's rows (taken before the groups stack them)."""
-        rows = {lay.name: row_records(lay) for lay in self.layers}
-        groups, _ = build_groups(self.layers, opt.strategy, opt.jacobian_budget)
+        """Groups of the ``gather`` layers (their Grams over the global batch) and one
+        :class:`RowGroup` of the ``gram-blocks`` layers (Grams summed over the shard group
+        from the row shards'); per layer its records cut to this rank's rows (taken before
+        the groups stack them)."""
+        gather = [lay for lay in self.layers if self.modes[lay.name] == "gather"]
+        blocks = [lay for lay in self.layers if self.modes[lay.name] == "gram-blocks"]
+        rows = {lay.name: row_records(lay) for lay in gather}
+        k = float(self.world * blocks[0].m) if blocks and opt._info.loss_reduction == "mean" else 1.0
+        rows.update({lay.name: RowRecords(row_spec(lay), self._row_parts[lay.name], k) for lay in blocks})
+        self._row_parts = {}
+        groups = build_groups(gather, opt.strategy, opt.jacobian_budget)[0] if gather else []
+        if blocks:
+            K = torch.stack([rows[lay.name].gram() for lay in blocks])
+            self._sum_shards(K, "sum of the row shards' Grams")
+            S = self._shards
+            for lay in blocks:
+                self.sharing.add_bytes(lay.name, 2 * (S - 1) * K[0].numel() * K.element_size() // S)
+            groups.append(RowGroup(blocks, K.shape[-1], K=K))
         opt._info.store.jacobian_sites = set()
         opt.curvature.set_groups(groups)
         self._n_gather = len(groups)
@@ -160,7 +208,7 @@ class FSDPShards(GlobalBatch):
         for grp in opt.curvature.groups:
             grp.release()
         store = opt._info.store
-        for lay in self.layers:
+        for lay in self.layers:  # gram-blocks layers: this rank's own records
             for site in lay.spec.sites:
                 store.records.pop(site, None)
 

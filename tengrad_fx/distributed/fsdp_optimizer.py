@@ -35,38 +35,39 @@ from ..optim.tengrad.tengrad import TENGraD
 from .comm import collective
 from .fsdp import FSDPShards
 from .fsdp_rows import local
-from .optimizer import DistributedTENGraD
+from .optimizer import DistributedTENGraD, Mode
 
 __all__ = ["FSDPTENGraD"]
 
 
 class FSDPTENGraD(DistributedTENGraD):
     """TENGraD on an FSDP2 model (module docstring): ``TENGraD(model, lr, damping,
-    distribution=FSDPShards(seed, bandwidth, flop_rate), **kwargs)`` with the step on
+    distribution=FSDPShards(mode, seed, bandwidth, flop_rate), **kwargs)`` with the step on
     local shards.
 
     Args:
         model: ``prepare(model, example_inputs=...)`` of a model ``fully_shard`` was applied to.
         seed: global seed of the MC Fisher's label sampling (per-rank seeds :func:`.optimizer.mc_seed`).
         **kwargs: TENGraD's options; ``graft``, ``orthogonalize``, ``compile``, ``cuda_graph``,
-            ``curvature_samples`` and ``fisher="gauss-newton"`` are not supported (``ValueError``);
-            ``mode``/``placement`` may be given as ``"auto"`` or ``"gather"``/``"replicate"``
-            (every rank solves every layer for its rows).
+            ``curvature_samples`` and ``fisher="gauss-newton"`` are not supported (``ValueError``).
+        mode: ``"gather"`` (whole records all-gathered), ``"gram-blocks"`` (each rank receives its
+            rows' cut of the records; the Gram summed from the row shards') or ``"auto"`` (per
+            layer, :func:`.fsdp_exchange.choose_fsdp_modes`).
+        placement: ``"auto"`` or ``"replicate"`` (every rank solves every layer for its rows).
     """
 
     distribution: FSDPShards
 
-    def __init__(self, model: torch.nn.Module, lr: float, damping: float, *, mode: str = "auto",
+    def __init__(self, model: torch.nn.Module, lr: float, damping: float, *, mode: Mode = "auto",
                  placement: str = "auto", seed: int = 0, bandwidth: float = 50e9, flop_rate: float = 50e12,
                  **kwargs: Any):
-        if mode not in ("auto", "gather") or placement not in ("auto", "replicate"):
-            raise ValueError("DistributedTENGraD (FSDP2): every rank gathers the records and solves every layer for "
-                             f"its own rows; mode must be 'auto' or 'gather' and placement 'auto' or 'replicate', "
-                             f"got mode={mode!r}, placement={placement!r}")
+        if placement not in ("auto", "replicate"):
+            raise ValueError("DistributedTENGraD (FSDP2): every rank solves every layer for its own rows; placement "
+                             f"must be 'auto' or 'replicate', got {placement!r}")
         if "distribution" in kwargs:
             raise ValueError("DistributedTENGraD: distribution= is its own (FSDPShards); pass seed, "
                              "or use TENGraD(..., distribution=...)")
-        TENGraD.__init__(self, model, lr, damping, distribution=FSDPShards(seed, bandwidth, flop_rate), **kwargs)
+        TENGraD.__init__(self, model, lr, damping, distribution=FSDPShards(mode, seed, bandwidth, flop_rate), **kwargs)
         self._reduction_checked = True  # the loss-scale check reads whole weights: not on shards
         if self.kl_clip is not None and not same_lr(self.param_groups):
             raise ValueError("DistributedTENGraD (FSDP2): kl_clip needs one lr for all param groups")

@@ -21,13 +21,17 @@ from testing.fsdp_workers import train_fsdp, train_reference
 TOL = 1e-10
 
 TWO = {
-    "block-empirical-T1": dict(model="block", m=3, steps=5, T=1),
-    "block-mc-T3": dict(model="block", m=3, steps=5, T=3, fisher="mc"),
+    "block-empirical-T1": dict(model="block", m=3, steps=5, T=1, mode="gather"),
+    "block-mc-T3": dict(model="block", m=3, steps=5, T=3, fisher="mc", mode="gather"),
     "block-mc-T1": dict(model="block", m=3, steps=5, T=1, fisher="mc"),
     "block-empirical-T3": dict(model="block", m=3, steps=5, T=3),
     "block-layers-T3-clip": dict(model="block", m=2, steps=5, T=3, shard="layers", kl_clip=0.01),
     "cnn-empirical-T1": dict(model="cnn", m=3, steps=5, T=1, shard="layers"),
     "cnn-mc-T3": dict(model="cnn", m=3, steps=5, T=3, fisher="mc"),
+    "block-blocks-T1": dict(model="block", m=3, steps=5, T=1, mode="gram-blocks"),
+    "block-blocks-mc-T3-clip": dict(model="block", m=2, steps=5, T=3, mode="gram-blocks", fisher="mc",
+                                    kl_clip=0.01),
+    "cnn-blocks-T3": dict(model="cnn", m=3, steps=5, T=3, mode="gram-blocks", shard="layers"),
     "block-prepare-first-root": dict(model="block", m=2, steps=3, T=1, order="prepare-first", shard="root"),
     "block-prepare-first-blocks": dict(model="block", m=2, steps=1, order="prepare-first", expect_error=True),
     "block-plain-tengrad": dict(model="block", m=2, steps=1, plain=True, expect_error=True),
@@ -37,8 +41,10 @@ TWO = {
 }
 RESUMES = ("block-full-T3", "block-save", "block-resume-2", "block-prepare-first-blocks", "block-plain-tengrad")
 FOUR = {
-    "block-empirical-T3": dict(model="block", m=2, steps=5, T=3),
+    "block-empirical-T3": dict(model="block", m=2, steps=5, T=3, mode="gather"),
     "block-hsdp-mc-T1": dict(model="block", m=2, steps=5, T=1, fisher="mc", mesh=(2, 2)),
+    "block-hsdp-blocks-T3": dict(model="block", m=2, steps=5, T=3, mesh=(2, 2), mode="gram-blocks"),
+    "cnn-blocks-mc-T1": dict(model="cnn", m=2, steps=5, T=1, fisher="mc", mode="gram-blocks"),
     "cnn-hsdp-T3-mp": dict(model="cnn", m=2, steps=5, T=3, mesh=(2, 2), mp=True, shard="layers"),
     "block-resume-4": dict(model="block", m=1, steps=2, T=3, start=3),  # + load (fixture)
 }
@@ -147,3 +153,16 @@ def test_checkpoint_reshards(request: pytest.FixtureRequest, two: dict[str, Any]
         for n in full[0]:
             d, dr = resumed[k][n] - resumed[k - 1][n], full[3 + k][n] - full[2 + k][n]
             assert ((d - dr).norm() / dr.norm()).item() <= TOL, f"step {k}, {n}"
+
+
+def test_modes_per_layer(two: dict[str, Any]) -> None:
+    """``mode="gram-blocks"`` / ``"gather"`` take it for every layer; ``"auto"`` picks per
+    layer (on the CNN both: the first convolution's and the norms' cut saves more than the
+    Grams' all-reduce costs, the second convolution's and the head's does not)."""
+    forced = two["ranks"]["block-blocks-T1"][0]["plan"]
+    assert forced and {v["mode"] for v in forced.values()} == {"gram-blocks"}
+    assert {v["mode"] for v in two["ranks"]["block-empirical-T1"][0]["plan"].values()} == {"gather"}
+    mixed = two["ranks"]["cnn-mc-T3"]
+    assert {v["mode"] for v in mixed[0]["plan"].values()} == {"gather", "gram-blocks"}
+    assert all(r["plan"] == mixed[0]["plan"] for r in mixed)
+    assert all(v["placement"] == "replicate" for v in forced.values())
