@@ -8,8 +8,8 @@ convolutions with BatchNorm (in eval mode, :func:`frozen_statistics`) and a Line
 ``steps``, ``T``, ``fisher``, ``kl_clip``, ``shard`` ("blocks": ``fully_shard`` on each
 block and the root; "layers": on every Linear/conv too; "root": on the root only), ``order``
 ("prepare-first": ``prepare`` by torch.fx, then ``fully_shard``; with ``expect_error`` the
-optimizer's ``ValueError`` is returned), ``mode`` and ``bandwidth`` (the optimizer's), ``plain`` (``TENGraD`` itself, not
-``DistributedTENGraD``), ``mesh`` (``(R, S)``: HSDP,
+optimizer's ``ValueError`` is returned), ``mode`` and ``bandwidth`` (the optimizer's),
+``plain`` (``TENGraD`` itself, not ``DistributedTENGraD``), ``mesh`` (``(R, S)``: HSDP,
 replicate × shard; default a 1-D mesh of all ranks), ``start`` (first global batch),
 ``save``/``load`` (a torch.distributed.checkpoint directory written after the last step /
 loaded before the first).
