@@ -19,9 +19,11 @@ own random batch:
   the reuse steps are measured (gather: only ``u`` moves; gram-blocks: the ``m``-vectors
   ``J_a g``, ``c`` and the ``Jᵀc`` partial sums);
 * ``fsdp-sgd``: FSDP2 (``fully_shard`` on every Linear/conv and the root) + ``torch.optim.SGD``;
-* ``fsdp-tengrad`` / ``fsdp-tengrad-T20``: the same model prepared after ``fully_shard``,
-  ``DistributedTENGraD`` on the shards (:mod:`tengrad_fx.distributed.fsdp`), ``T = 1`` / the
-  reuse steps of ``T = 20`` (only the ``[L, M]`` all-reduce of ``J_r g_r`` moves). Their
+* ``fsdp-tengrad`` / ``fsdp-tengrad-blocks`` / ``fsdp-tengrad-T20``: the same model prepared
+  after ``fully_shard``, ``DistributedTENGraD`` on the shards (:mod:`tengrad_fx.distributed.fsdp`),
+  ``T = 1`` with ``mode="gather"`` (whole records all-gathered) / ``"gram-blocks"`` (each
+  rank receives its rows' cut) / the reuse steps of ``T = 20`` (``mode="auto"``; only the
+  ``[L, M]`` all-reduce of ``J_r g_r`` moves). Their
   ``DDP MB/rank`` column is FSDP's own traffic: parameters all-gathered in the forward and
   the backward and gradients reduce-scattered, ``3·(N−1)/N·n·4`` bytes per rank.
 
@@ -61,7 +63,7 @@ from testing.spawn import run_ranks
 __all__ = ["run_distributed", "report_distributed"]
 
 METHODS = ("ddp-sgd", "dist-tengrad", "dist-tengrad-replicate", "dist-tengrad-blocks", "dist-tengrad-local",
-           "dist-tengrad-T20", "dist-tengrad-blocks-T20", "fsdp-sgd", "fsdp-tengrad", "fsdp-tengrad-T20")
+           "dist-tengrad-T20", "dist-tengrad-blocks-T20", "fsdp-sgd", "fsdp-tengrad", "fsdp-tengrad-blocks", "fsdp-tengrad-T20")
 PER_LAYER = {"dist-tengrad": ("gather", "curvature"), "dist-tengrad-T20": ("gather", "reuse"),
              "dist-tengrad-blocks": ("gram-blocks", "curvature"), "dist-tengrad-blocks-T20": ("gram-blocks", "reuse")}
 
@@ -77,7 +79,9 @@ def _build_fsdp(method: str, model: torch.nn.Module, example: torch.Tensor) -> t
         return model, torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9, weight_decay=1e-3), None
     net = tengrad_fx.prepare(model, example_inputs=(example[:2],))
     opt = DistributedTENGraD(net, lr=0.03, damping=0.03, weight_decay=1e-3, fisher="empirical", kl_clip=0.01,
-                             curvature_every=20 if method.endswith("T20") else 1)
+                             curvature_every=20 if method.endswith("T20") else 1,
+                             mode="auto" if method.endswith("T20") else "gram-blocks" if "blocks" in method else
+                             "gather")
     return net, opt, net
 
 
