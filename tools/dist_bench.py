@@ -63,7 +63,8 @@ from testing.spawn import run_ranks
 __all__ = ["run_distributed", "report_distributed"]
 
 METHODS = ("ddp-sgd", "dist-tengrad", "dist-tengrad-replicate", "dist-tengrad-blocks", "dist-tengrad-local",
-           "dist-tengrad-T20", "dist-tengrad-blocks-T20", "fsdp-sgd", "fsdp-tengrad", "fsdp-tengrad-blocks", "fsdp-tengrad-T20")
+           "dist-tengrad-T20", "dist-tengrad-blocks-T20", "fsdp-sgd", "fsdp-tengrad", "fsdp-tengrad-blocks",
+           "fsdp-tengrad-T20")
 PER_LAYER = {"dist-tengrad": ("gather", "curvature"), "dist-tengrad-T20": ("gather", "reuse"),
              "dist-tengrad-blocks": ("gram-blocks", "curvature"), "dist-tengrad-blocks-T20": ("gram-blocks", "reuse")}
 
