@@ -4,13 +4,17 @@
 Parameters are DTensors sharded on dim 0 over the mesh's shard dim (``[Shard(0)]``, or
 ``[Replicate(), Shard(0)]`` for HSDP); rank ``r`` holds rows ``R_r`` of every weight and
 its gradient ``g_r`` (FSDP's reduce-scatter of the global batch's mean gradient). Per
-curvature step:
+curvature step, per layer (``mode``; ``"auto"``: :func:`.fsdp_exchange.choose_fsdp_modes`):
 
-1. every rank all-gathers the layers' records ``(I, G)`` over all data-parallel ranks
-   (``M = W·m`` samples, rank order, ``G`` rescaled by ``1/W``: :mod:`.records`), builds the
-   ``M × M`` Grams and factorizes ``K + MαI`` (TENGraD's own code; the same on every rank);
-2. it cuts the records to its rows (:mod:`.fsdp_rows`: ``G[..., R_r]`` for Linear) and keeps
-   only those and the factors (the global records and the groups' stacks are dropped).
+* ``"gather"``: every rank all-gathers the layer's records ``(I, G)`` over all data-parallel
+  ranks (``M = W·m`` samples, rank order, ``G`` rescaled by ``1/W``: :mod:`.records`) and
+  builds the ``M × M`` Gram (TENGraD's own groups; the same on every rank), then cuts the
+  records to its rows (:mod:`.fsdp_rows`: ``G[..., R_r]`` for Linear);
+* ``"gram-blocks"``: every rank receives only its rows' cut of every rank's records (one
+  all_to_all per dtype, :mod:`.fsdp_exchange`), forms ``J_r J_rᵀ`` and one all_reduce over
+  the shard group gives ``K = Σ_r J_r J_rᵀ`` (:class:`RowGroup`).
+
+Then it factorizes ``K + MαI`` and keeps only the factors and its rows of the records.
 
 Every step (curvature and reuse) then, per layer, with ``J_r`` the per-sample gradients'
 columns of rows ``R_r``::
