@@ -138,8 +138,10 @@ def _shard(net: nn.Module, cfg: dict[str, Any], world: int) -> Any:
     mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=("replicate", "shard")) if shape else \
         init_device_mesh("cpu", (world,))
     kw: dict[str, Any] = {"mesh": mesh}
-    if cfg.get("mp"):
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.float64, reduce_dtype=torch.float64)
+    if cfg.get("mp"):  # "low": compute in float32, gradients reduced in float64
+        low = cfg["mp"] == "low"
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.float32 if low else torch.float64,
+                                               reduce_dtype=torch.float64)
     blocks = [mod for mod in net.modules() if isinstance(mod, Block)] if cfg.get("shard") != "root" else []
     if cfg.get("shard") == "layers":  # innermost first: fully_shard shards the parameters not yet sharded
         blocks = [mod for mod in net.modules() if isinstance(mod, (nn.Linear, nn.Conv2d)) and mod is not

@@ -103,6 +103,12 @@ class RowRecords:
     parts: list[tuple[Tensor, Tensor]]
     k: float
 
+    def __post_init__(self) -> None:
+        """Records in the parameters' dtype (a mixed-precision forward records in its
+        compute dtype; the products meet the gradient shards, in the parameters')."""
+        dtype = self.spec.weight.dtype
+        self.parts = [(_in(I, dtype), _in(G, dtype)) for I, G in self.parts]
+
     def jvp(self, gw: Tensor, gb: Optional[Tensor]) -> Tensor:
         """``J_r g_r``, ``[M]``: this rank's rows' part of ``J g`` (zeros where it holds none)."""
         if not gw.numel():
@@ -160,6 +166,7 @@ class RowRecords:
         kernel = KERNELS[self.spec.kind]
         gw: Optional[Tensor] = None
         gb: Optional[Tensor] = None
+        c = c.to(self.spec.weight.dtype)
         for I, G in self.parts:
             w, b = kernel.vjp(self.spec, I, G, c)
             gw = w if gw is None else gw + w
@@ -167,6 +174,11 @@ class RowRecords:
         assert gw is not None
         return gw.reshape(self.spec.weight.shape) * self.k, \
             (gb.reshape(bias.shape) * self.k if bias is not None and gb is not None else None)
+
+
+def _in(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """A floating ``t`` in ``dtype`` (indices as they are)."""
+    return t.to(dtype) if t.is_floating_point() else t
 
 
 def cut(kind: str, spec: Any, I: Tensor, G: Tensor, a: int, b: int, rows_total: int) -> tuple[Tensor, Tensor]:
