@@ -23,7 +23,8 @@ columns of rows ``R_r``::
     c    = (K + MαI)⁻¹ J g               (the cached factors, on every rank)
     u_r  = (g_r − J_rᵀ c) / α            (this rank's rows only; for Linear Σ_i c_i G_i[:, R_r]ᵀ I_i)
 
-so no rank forms a full parameter, gradient or update; the KL clip's ``Σ u·g`` and
+(the Woodbury form on every step, curvature steps included: the push-through form would
+need a probe over the whole gradient) so no rank forms a full parameter, gradient or update; the KL clip's ``Σ u·g`` and
 ``Σ‖g‖²`` are two more values of one all_reduce, the step's finite flag one more
 all_reduce over all ranks. Momentum buffers are DTensors sharded like their parameters
 (the update runs on the local shards: :class:`~.fsdp_optimizer.FSDPTENGraD`).

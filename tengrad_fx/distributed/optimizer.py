@@ -374,7 +374,8 @@ class DistributedTENGraD(TENGraD):
 
     Args:
         model: ``DDP(prepare(model))`` or ``prepare(DDP(model))`` (or the prepared model
-            itself, when the gradients are averaged over the ranks some other way).
+            itself, when the gradients are averaged over the ranks some other way); a model
+            sharded by FSDP2 makes this an :class:`~.fsdp_optimizer.FSDPTENGraD`.
         mode: global-batch Fisher with ``"gather"`` (records gathered where a layer is
             solved, ``u`` broadcast), ``"gram-blocks"`` (Gram from the ranks' blocks, the
             per-step products data-parallel) or ``"auto"`` (per layer by
