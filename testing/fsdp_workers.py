@@ -9,7 +9,8 @@ convolutions with BatchNorm (in eval mode, :func:`frozen_statistics`) and a Line
 block and the root; "layers": on every Linear/conv too; "root": on the root only), ``order``
 ("prepare-first": ``prepare`` by torch.fx, then ``fully_shard``; with ``expect_error`` the
 optimizer's ``ValueError`` is returned), ``mode`` and ``bandwidth`` (the optimizer's),
-``plain`` (``TENGraD`` itself, not ``DistributedTENGraD``), ``mesh`` (``(R, S)``: HSDP,
+``plain`` (``TENGraD`` itself, not ``DistributedTENGraD``), ``nan_rank``/``nan_step``
+(that rank's gradient shard gets a NaN before that step), ``mesh`` (``(R, S)``: HSDP,
 replicate × shard; default a 1-D mesh of all ranks), ``start`` (first global batch),
 ``save``/``load`` (a torch.distributed.checkpoint directory written after the last step /
 loaded before the first).
@@ -196,6 +197,8 @@ def train_fsdp(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[s
             targets.append(opt.last_mc_targets if cfg.get("fisher") == "mc" else None)
             opt.last_mc_targets = None
             loss.backward()
+            if cfg.get("nan_rank") == rank and cfg.get("nan_step") == k:  # a NaN in this rank's gradient shard
+                next(p for p in net.parameters() if p.grad is not None).grad.to_local().view(-1)[0] = float("nan")
             opt.step()
             traj.append(full_params(net))
         if cfg.get("save"):

@@ -36,13 +36,14 @@ TWO = {
     "block-prepare-first-blocks": dict(model="block", m=2, steps=1, order="prepare-first", expect_error=True),
     "block-mp-float32": dict(model="block", m=3, steps=3, T=1, mp="low", mode="gather"),
     "block-mp-float32-blocks": dict(model="block", m=3, steps=3, T=1, mp="low", mode="gram-blocks"),
+    "block-nan": dict(model="block", m=2, steps=3, T=1, nan_rank=1, nan_step=1),
     "block-plain-tengrad": dict(model="block", m=2, steps=1, plain=True, expect_error=True),
     "block-full-T3": dict(model="block", m=2, steps=5, T=3),  # uninterrupted run of the checkpoint tests
     "block-save": dict(model="block", m=2, steps=3, T=3),  # + save (fixture)
     "block-resume-2": dict(model="block", m=2, steps=2, T=3, start=3),  # + load (fixture)
 }
 RESUMES = ("block-full-T3", "block-save", "block-resume-2", "block-prepare-first-blocks", "block-plain-tengrad",
-           "block-mp-float32", "block-mp-float32-blocks")
+           "block-mp-float32", "block-mp-float32-blocks", "block-nan")
 FOUR = {
     "block-empirical-T3": dict(model="block", m=2, steps=5, T=3, mode="gather"),
     "block-hsdp-mc-T1": dict(model="block", m=2, steps=5, T=1, fisher="mc", mesh=(2, 2)),
@@ -185,3 +186,12 @@ def test_mixed_precision_float32_compute(two: dict[str, Any], name: str) -> None
             d, dr = got[k][n] - got[k - 1][n], ref[k][n] - ref[k - 1][n]
             assert got[k][n].dtype == torch.float64
             assert ((d - dr).norm() / dr.norm()).item() < 1e-2, f"step {k - 1}, {n}"
+
+
+def test_nonfinite_gradient_shard_on_one_rank_skips_on_all(two: dict[str, Any]) -> None:
+    ranks = two["ranks"]["block-nan"]
+    for r in ranks:
+        assert r["counters"]["skipped"] == 1 and r["counters"]["step"] == 2
+        assert all(torch.equal(r["traj"][2][n], r["traj"][1][n]) for n in r["traj"][1])  # step 1: unchanged
+        assert all(torch.isfinite(t).all() for t in r["traj"][3].values())
+        assert not all(torch.equal(r["traj"][3][n], r["traj"][2][n]) for n in r["traj"][2])  # step 2 moved
