@@ -96,6 +96,15 @@ def _check_arguments(model: nn.Module, loss_reduction: str) -> None:
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
 
 
+def _fully_sharded(model: nn.Module) -> bool:
+    """Does ``model`` hold a module sharded by ``torch.distributed.fsdp.fully_shard``?"""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a build without torch.distributed
+        return False
+    return any(isinstance(mod, FSDPModule) for mod in model.modules())
+
+
 def _candidates(model: nn.Module, only_linear_conv: bool) -> tuple[dict[str, nn.Module], dict[str, str]]:
     """The modules to cover, by name, and ``parameter name -> reason`` for the parameters of
     the modules left out."""
@@ -148,15 +157,6 @@ def _rewritten(model: nn.Module, candidates: dict[str, nn.Module], info: Prepare
     info.layers = list(ctx.layers.values())
     info.method = "fx-dual" if dual else "fx"
     return prepared
-
-
-def _fully_sharded(model: nn.Module) -> bool:
-    """Does ``model`` hold a module sharded by ``torch.distributed.fsdp.fully_shard``?"""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a build without torch.distributed
-        return False
-    return any(isinstance(mod, FSDPModule) for mod in model.modules())
 
 
 def _verify(prepared: nn.Module, info: PrepareInfo, example_inputs: Sequence[Any]) -> None:
