@@ -137,6 +137,9 @@ class FSDPShards(GlobalBatch):
         with ``fully_shard`` on submodules is refused (their hooks would never run)."""
         super().bind(opt)
         info = opt._info
+        # the covered parameters as the optimizer holds them (prepare's check ran forwards, which
+        # may have left the root's gathered ones registered): whether gradients are held is read here
+        info.store.params = [p for spec in info.layers for p in (spec.weight, spec.bias) if p is not None]
         if info.method != "surgery":
             model = getattr(opt, "model", None)
             subs = [] if model is None else [mod for mod in fsdp_modules(model) if mod is not model]
