@@ -23,7 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["make_model", "global_batch", "train_fsdp", "train_reference", "full_params", "run_example"]
+__all__ = ["make_model", "global_batch", "train_fsdp", "train_reference", "full_params", "run_example",
+           "train_accumulated", "accumulated_reference"]
 
 VOCAB, SEQ, D = 11, 4, 6
 
@@ -262,3 +263,50 @@ def run_example(rank: int, world: int, argv: list[str]) -> dict[str, Any]:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return {"losses": module.main(argv)}
+
+
+def _accumulated_step(net: nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor, k: int) -> None:
+    """One step over ``k`` equal micro-batches of ``(x, y)``, each loss times ``1/k``."""
+    opt.zero_grad()
+    for xj, yj in zip(x.chunk(k), y.chunk(k)):
+        (_loss(net(xj), yj) / k).backward()
+    opt.step()
+
+
+def train_accumulated(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[list[dict[str, torch.Tensor]]]:
+    """Per ``cfg``: ``cfg["accum"]`` micro-batches per step on every rank (FSDP2, empirical
+    Fisher); parameters after each step."""
+    import tengrad_fx
+    from tengrad_fx.distributed import DistributedTENGraD
+    out = []
+    for cfg in cfgs:
+        kind, m = cfg["model"], cfg["m"]
+        net = make_model(kind)
+        _shard(net, cfg, world)
+        net = frozen_statistics(tengrad_fx.prepare(net, example_inputs=(global_batch(kind, 2, 0)[0],)))
+        opt = DistributedTENGraD(net, mode=cfg.get("mode", "auto"), **opt_kwargs(cfg))
+        traj = [full_params(net)]
+        for k in range(cfg["steps"]):
+            x, y = global_batch(kind, world * m, k)
+            _accumulated_step(net, opt, x[rank * m:(rank + 1) * m], y[rank * m:(rank + 1) * m], cfg["accum"])
+            traj.append(full_params(net))
+        out.append(traj)
+    return out
+
+
+def accumulated_reference(cfg: dict[str, Any], world: int) -> list[dict[str, torch.Tensor]]:
+    """Single-process TENGraD over the same micro-batches (all ranks' ``j``-th ones are the
+    reference's ``j``-th micro-batch: the union of the records is the same set of samples)."""
+    import tengrad_fx
+    kind, m, acc = cfg["model"], cfg["m"], cfg["accum"]
+    net = frozen_statistics(tengrad_fx.prepare(make_model(kind)))
+    opt = tengrad_fx.TENGraD(net, **opt_kwargs(cfg))
+    traj = [full_params(net)]
+    for k in range(cfg["steps"]):
+        x, y = global_batch(kind, world * m, k)
+        parts = [(x[r * m:(r + 1) * m].chunk(acc), y[r * m:(r + 1) * m].chunk(acc)) for r in range(world)]
+        xs = torch.cat([torch.cat([px[j] for px, _ in parts]) for j in range(acc)])
+        ys = torch.cat([torch.cat([py[j] for _, py in parts]) for j in range(acc)])
+        _accumulated_step(net, opt, xs, ys, acc)
+        traj.append(full_params(net))
+    return traj
