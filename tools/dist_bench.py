@@ -17,7 +17,15 @@ own random batch:
 * ``dist-tengrad-local``: ``mode="local"`` (per-rank Fisher blocks, updates averaged);
 * ``dist-tengrad-T20`` / ``dist-tengrad-blocks-T20``: ``T = 20``, gather / gram-blocks;
   the reuse steps are measured (gather: only ``u`` moves; gram-blocks: the ``m``-vectors
-  ``J_a g``, ``c`` and the ``Jᵀc`` partial sums).
+  ``J_a g``, ``c`` and the ``Jᵀc`` partial sums);
+* ``fsdp-sgd``: FSDP2 (``fully_shard`` on every Linear/conv and the root) + ``torch.optim.SGD``;
+* ``fsdp-tengrad`` / ``fsdp-tengrad-blocks`` / ``fsdp-tengrad-T20``: the same model prepared
+  after ``fully_shard``, ``DistributedTENGraD`` on the shards (:mod:`tengrad_fx.distributed.fsdp`),
+  ``T = 1`` with ``mode="gather"`` (whole records all-gathered) / ``"gram-blocks"`` (each
+  rank receives its rows' cut) / the reuse steps of ``T = 20`` (``mode="auto"``; only the
+  ``[L, M]`` all-reduce of ``J_r g_r`` moves). Their
+  ``DDP MB/rank`` column is FSDP's own traffic: parameters all-gathered in the forward and
+  the backward and gradients reduce-scattered, ``3·(N−1)/N·n·4`` bytes per rank.
 
 Per method: the median step time (the slowest rank's, each round), its ratio to
 ``ddp-sgd``, and the bytes each rank sends per step: DDP's gradient all-reduce (ring:
@@ -55,14 +63,34 @@ from testing.spawn import run_ranks
 __all__ = ["run_distributed", "report_distributed"]
 
 METHODS = ("ddp-sgd", "dist-tengrad", "dist-tengrad-replicate", "dist-tengrad-blocks", "dist-tengrad-local",
-           "dist-tengrad-T20", "dist-tengrad-blocks-T20")
+           "dist-tengrad-T20", "dist-tengrad-blocks-T20", "fsdp-sgd", "fsdp-tengrad", "fsdp-tengrad-blocks",
+           "fsdp-tengrad-T20")
 PER_LAYER = {"dist-tengrad": ("gather", "curvature"), "dist-tengrad-T20": ("gather", "reuse"),
              "dist-tengrad-blocks": ("gram-blocks", "curvature"), "dist-tengrad-blocks-T20": ("gram-blocks", "reuse")}
+
+
+def _build_fsdp(method: str, model: torch.nn.Module, example: torch.Tensor) -> tuple[Any, Any, Any]:
+    """An ``fsdp-*`` method: ``fully_shard`` on every module with parameters, then the root."""
+    from torch.distributed.fsdp import fully_shard
+    for mod in model.modules():
+        if mod is not model and any(True for _ in mod.parameters(recurse=False)):
+            fully_shard(mod)
+    fully_shard(model)
+    if method == "fsdp-sgd":
+        return model, torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9, weight_decay=1e-3), None
+    net = tengrad_fx.prepare(model, example_inputs=(example[:2],))
+    opt = DistributedTENGraD(net, lr=0.03, damping=0.03, weight_decay=1e-3, fisher="empirical", kl_clip=0.01,
+                             curvature_every=20 if method.endswith("T20") else 1,
+                             mode="auto" if method.endswith("T20") else "gram-blocks" if "blocks" in method else
+                             "gather")
+    return net, opt, net
 
 
 def _build(method: str, base: torch.nn.Module, example: torch.Tensor) -> tuple[Any, Any, Any]:
     """``(forward module, optimizer, prepared model or None)``."""
     model = copy.deepcopy(base)
+    if method.startswith("fsdp"):
+        return _build_fsdp(method, model, example)
     if method == "ddp-sgd":
         ddp = DDP(model)
         return ddp, torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9, weight_decay=1e-3), None
@@ -136,7 +164,8 @@ def _rank_main(rank: int, world: int, model_name: str, m: int, steps: int, warmu
                 tg_bytes[meth].append(sent)
     ring = 2.0 * (world - 1) / world * n_params * 4
     local_err = _local_error(base, *batches[0])
-    res = {meth: {"step_s": statistics.median(times[meth]), "ddp_bytes": ring,
+    fsdp = 3.0 * (world - 1) / world * n_params * 4
+    res = {meth: {"step_s": statistics.median(times[meth]), "ddp_bytes": fsdp if meth.startswith("fsdp") else ring,
                   "tengrad_bytes": statistics.median(tg_bytes[meth]) if tg_bytes[meth] else 0.0}
            for meth in METHODS}
     blocks = runs["dist-tengrad-blocks"][1]

@@ -97,6 +97,15 @@ def _check_arguments(model: nn.Module, loss_reduction: str) -> None:
         raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
 
 
+def _fully_sharded(model: nn.Module) -> bool:
+    """Does ``model`` hold a module sharded by ``torch.distributed.fsdp.fully_shard``?"""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a build without torch.distributed
+        return False
+    return any(isinstance(mod, FSDPModule) for mod in model.modules())
+
+
 def _candidates(model: nn.Module, only_linear_conv: bool) -> tuple[dict[str, nn.Module], dict[str, str]]:
     """The modules to cover, by name, and ``parameter name -> reason`` for the parameters of
     the modules left out."""
@@ -132,6 +141,9 @@ def _rewritten(model: nn.Module, candidates: dict[str, nn.Module], info: Prepare
     ctx = RewriteContext(model=model, store=info.store, candidates=candidates, fallback=info.fallback,
                          runtime_batch=example_inputs is None, added_params=added_params)
     try:
+        if _fully_sharded(model):  # FSDP2's hooks gather each module's parameters: its forward must run
+            raise _TraceFailed("fully_shard (FSDP2) modules: their forwards gather their parameters, so the "
+                               "covered modules are swapped in place")
         prepared, dual = _prepare_fx(ctx)
     except _TraceFailed as exc:
         if example_inputs is None:

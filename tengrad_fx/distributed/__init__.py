@@ -2,13 +2,15 @@
 solved on different ranks (:mod:`.optimizer`; the records moved by :mod:`.records`, the
 per-step products of ``gram-blocks`` layers in :mod:`.gram_blocks`), the owner assignment
 and the cost models (:mod:`.plan`), the collectives (:mod:`.comm`) and the per-rank
-data shards (:mod:`.shard`).
+data shards (:mod:`.shard`); FSDP2-sharded models in :mod:`.fsdp` (:class:`FSDPTENGraD`).
 
 Sits above :mod:`tengrad_fx.optim` (imports run one way)."""
 from .comm import DistributedStepError
+from .fsdp import FSDPShards
+from .fsdp_optimizer import FSDPTENGraD
 from .optimizer import DistributedTENGraD, GlobalBatch, mc_seed
 from .plan import assign_owners, choose_modes, choose_placement, solve_cost
 from .shard import shard_indices
 
-__all__ = ["DistributedTENGraD", "GlobalBatch", "DistributedStepError", "mc_seed", "assign_owners", "choose_modes",
-           "choose_placement", "solve_cost", "shard_indices"]
+__all__ = ["DistributedTENGraD", "GlobalBatch", "FSDPShards", "FSDPTENGraD", "DistributedStepError", "mc_seed",
+           "assign_owners", "choose_modes", "choose_placement", "solve_cost", "shard_indices"]

@@ -85,7 +85,7 @@ labels with a per-rank generator seeded from ``seed`` and the rank
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -103,6 +103,7 @@ from ..optim.tengrad.group_build import build_groups
 from ..optim.tengrad.tengrad import TENGraD
 from ..optim.tengrad.layer_groups import LayerGroup, precondition_groups
 from .comm import all_ok
+from .fsdp_rows import fully_sharded
 from .gram_blocks import GramBlocksStep
 from .plan import assign_owners, choose_modes, choose_placement, solve_cost
 from .records import REPLICATED, check_records, gather_records, record_bytes, sends_per_sample, to_per_sample
@@ -373,7 +374,8 @@ class DistributedTENGraD(TENGraD):
 
     Args:
         model: ``DDP(prepare(model))`` or ``prepare(DDP(model))`` (or the prepared model
-            itself, when the gradients are averaged over the ranks some other way).
+            itself, when the gradients are averaged over the ranks some other way); a model
+            sharded by FSDP2 makes this an :class:`~.fsdp_optimizer.FSDPTENGraD`.
         mode: global-batch Fisher with ``"gather"`` (records gathered where a layer is
             solved, ``u`` broadcast), ``"gram-blocks"`` (Gram from the ranks' blocks, the
             per-step products data-parallel) or ``"auto"`` (per layer by
@@ -387,6 +389,13 @@ class DistributedTENGraD(TENGraD):
     """
 
     distribution: GlobalBatch
+
+    sharded_class: ClassVar[Optional[type]] = None  # FSDP2 models' (set by .fsdp_optimizer: FSDPTENGraD)
+
+    def __new__(cls, model: torch.nn.Module, *args: Any, **kwargs: Any) -> "DistributedTENGraD":
+        if cls is DistributedTENGraD and cls.sharded_class is not None and fully_sharded(model):
+            return super().__new__(cls.sharded_class)
+        return super().__new__(cls)
 
     def __init__(self, model: torch.nn.Module, lr: float, damping: float, *, mode: Mode = "auto",
                  placement: Placement = "auto", seed: int = 0, bandwidth: float = 50e9, flop_rate: float = 50e12,

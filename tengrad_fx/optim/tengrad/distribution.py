@@ -79,7 +79,12 @@ class SingleProcess:
         return model
 
     def bind(self, opt: Host) -> None:
-        """Called once by TENGraD's constructor, after its options and layers are set."""
+        """Called once by TENGraD's constructor, after its options and layers are set; a
+        model sharded by FSDP2 (DTensor parameters) is refused here: one process sees one shard."""
+        if any(hasattr(p, "device_mesh") and hasattr(p, "to_local") for p in opt._group_params()):
+            raise ValueError("TENGraD: the parameters are DTensors (a model sharded by torch.distributed.fsdp."
+                             "fully_shard); use tengrad_fx.distributed.DistributedTENGraD(model, ...), which "
+                             "preconditions each rank's shard with the global batch's Fisher")
 
     def reset(self, opt: Host) -> None:
         """The layers changed or a state was loaded: forget what was planned."""

@@ -1,0 +1,122 @@
+"""The records of FSDP2 ``gram-blocks`` layers: each rank receives, from every
+data-parallel rank, only the part of its records that its own rows need.
+
+Rank ``d`` holds rows ``R_d`` of a layer's weight; the per-sample gradients restricted to
+``R_d`` need the records cut to ``R_d`` (:func:`.fsdp_rows.cut`: for Linear ``I`` and
+``G[..., R_d]``, so ``1/S`` of ``G``). Every rank cuts its ``m`` rows of records for every
+destination and one ``all_to_all`` per dtype delivers them: rank ``d`` ends with the
+global batch's ``M = W·m`` rows of its cut (rank order, ``G`` rescaled by ``1/W`` as in
+:mod:`.records`), and the layer's Gram is ``K = Σ_d J_d J_dᵀ`` (one all_reduce of
+``M × M`` per layer over the shard group). :func:`choose_fsdp_modes` picks, per layer,
+this or the all-gather of whole records (``gather``) by their bytes and Gram flops.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..capture.norm import NORM_KINDS
+from ..curvature.layer import CoveredLayer, gram_flops
+from .comm import collective
+from .fsdp_rows import cut, row_chunk
+
+__all__ = ["shard_coordinates", "exchange_rows", "choose_fsdp_modes"]
+
+Pieces = list[tuple[str, int, int, str]]  # (layer name, site index, record index, field)
+
+
+def shard_coordinates(mesh: Any, dim: int) -> list[int]:
+    """Each global rank's coordinate along the mesh's shard dim ``dim`` (ranks off the
+    mesh: 0; they never hold rows)."""
+    grid = mesh.mesh
+    out = [0] * dist.get_world_size()
+    for idx in torch.nonzero(grid >= 0).tolist():
+        out[int(grid[tuple(idx)])] = idx[dim]
+    return out
+
+
+def _cut_for(lay: CoveredLayer, I: Tensor, G: Tensor, coord: int, shards: int) -> tuple[Tensor, Tensor]:
+    rows_total = lay.weight.shape[0]
+    a, b = row_chunk(rows_total, shards, coord)
+    return cut(lay.kind, lay.spec, I, G, a, b, rows_total)
+
+
+def exchange_rows(layers: list[CoveredLayer], coords: list[int], shards: int, rank: int,
+                  count: Callable[[str, int], None]) -> dict[str, list[tuple[Tensor, Tensor]]]:
+    """Per layer, this rank's cut of the global batch's records, ``[(I', G')]`` per call
+    (``M`` rows, rank order; ``G'`` rescaled by ``1/W``); one ``all_to_all`` per dtype.
+    ``coords``: :func:`shard_coordinates`; ``count(name, bytes)``: the bytes sent per layer."""
+    world = len(coords)
+    send: dict[torch.dtype, list[list[Tensor]]] = {}
+    shapes: dict[torch.dtype, list[tuple[tuple[str, int, int, str], torch.Size]]] = {}
+    for lay in layers:
+        store = lay._info.store
+        for s, site in enumerate(lay.spec.sites):
+            for j, r in enumerate(store.records.get(site, [])):
+                assert r.I is not None and r.G is not None
+                for d in range(world):
+                    for f, t in zip("IG", _cut_for(lay, r.I, r.G, coords[d], shards)):
+                        per_dest = send.setdefault(t.dtype, [[] for _ in range(world)])
+                        per_dest[d].append(t.reshape(-1))
+                        if d == rank:  # what every source sends here has this rank's cut's shapes
+                            shapes.setdefault(t.dtype, []).append(((lay.name, s, j, f), t.shape))
+                        else:
+                            count(lay.name, t.numel() * t.element_size())
+    got: dict[tuple[str, int, int, str], list[Tensor]] = {}
+    for dtype, per_dest in send.items():
+        flat = torch.cat([t for dest in per_dest for t in dest])
+        in_splits = [sum(t.numel() for t in dest) for dest in per_dest]
+        mine = [math.prod(shape) for _, shape in shapes[dtype]]
+        out = _all_to_all(flat, [sum(mine)] * world, in_splits)
+        for src in out.split(sum(mine)):
+            for (key, shape), part in zip(shapes[dtype], src.split(mine)):
+                got.setdefault(key, []).append(part.view(shape))
+    result: dict[str, list[tuple[Tensor, Tensor]]] = {}
+    for lay in layers:
+        parts = []
+        for s, site in enumerate(lay.spec.sites):
+            for j, _ in enumerate(lay._info.store.records.get(site, [])):
+                I = torch.cat(got[(lay.name, s, j, "I")])
+                G = torch.cat(got[(lay.name, s, j, "G")]) * (1.0 / world)
+                parts.append((I, G))
+        result[lay.name] = parts
+    return result
+
+
+def _all_to_all(flat: Tensor, out_splits: list[int], in_splits: list[int]) -> Tensor:
+    """``flat``'s ``in_splits`` parts to the ranks in order; the ``out_splits`` parts received."""
+    out = flat.new_empty(sum(out_splits))
+    collective("exchange of the row shards' records",
+               lambda: dist.all_to_all_single(out, flat, out_splits, in_splits))
+    return out
+
+
+def choose_fsdp_modes(layers: list[CoveredLayer], M: int, world: int, shards: int, bandwidth: float,
+                      flop_rate: float, mode: str) -> list[str]:
+    """Per layer ``"gather"`` (whole records all-gathered; every rank forms the whole Gram)
+    or ``"gram-blocks"`` (:func:`exchange_rows`; the Gram summed from the row shards'),
+    the faster by this rank's curvature-step time: received bytes at ``bandwidth`` plus
+    Gram flops at ``flop_rate`` (the per-step work is the same in both). From shapes every
+    rank shares, so every rank decides alike. ``mode``: ``"auto"``, or one for all."""
+    if mode != "auto":
+        return [mode] * len(layers)
+    out = []
+    for lay in layers:
+        recs = lay.records()
+        whole = sum(t.numel() * t.element_size() for r in recs for t in (r.I, r.G) if t is not None)
+        frac = -(-lay.weight.shape[0] // shards) / lay.weight.shape[0]  # the largest shard's rows
+        part = whole if lay.kind == "embedding" else \
+            sum((r.I.numel() * (frac if lay.kind in NORM_KINDS else 1.0) + r.G.numel() * frac) * r.G.element_size()
+                for r in recs if r.I is not None and r.G is not None)
+        g, S, f, o = lay.dims(recs)
+        es = recs[0].G.element_size() if recs[0].G is not None else 4
+        gather = (world - 1) * whole / bandwidth + min(gram_flops(M, g, S, f, o).values()) / flop_rate
+        scale_g, scale_o = (frac, 1.0) if lay.kind in NORM_KINDS else (1.0, frac)
+        blocks = ((world - 1) * part + 2.0 * (shards - 1) / shards * M * M * es) / bandwidth + \
+            min(gram_flops(M, max(1, round(g * scale_g)), S, f, max(1, round(o * scale_o))).values()) / flop_rate
+        out.append("gram-blocks" if blocks < gather else "gather")
+    return out

@@ -1,0 +1,183 @@
+"""``FSDPTENGraD``: :class:`~.optimizer.DistributedTENGraD` over FSDP2-sharded parameters
+(:class:`~.fsdp.FSDPShards`); ``DistributedTENGraD(model, ...)`` is one where the model's
+parameters are DTensors.
+
+The preconditioned updates are this rank's rows (local tensors, :mod:`.fsdp`); the shared
+step (KL clip, weight decay, momentum, the masked skip) runs on the local shards of the
+parameters, gradients and momentum buffers with the same kernels as single-process
+TENGraD, and the buffers are kept as DTensors of their parameters' placements (what
+``torch.distributed.checkpoint`` saves and reshards). Per parameter this rank keeps
+``1/S`` of the momentum (``S`` = shard group size).
+
+Setup (one process per rank, e.g. under ``torchrun``)::
+
+    dist.init_process_group("gloo")           # or "nccl"
+    for block in model.blocks:
+        fully_shard(block)                     # fully_shard FIRST ...
+    fully_shard(model)
+    net = tengrad_fx.prepare(model, example_inputs=(x[:2],))   # ... then prepare (module surgery)
+    opt = DistributedTENGraD(net, lr=..., damping=...)           # an FSDPTENGraD
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from ..optim.step.param_groups import Damping, same_lr
+from ..optim.step.result import StepResult
+from ..optim.step.host import SkipStep
+from ..optim.step.update import apply_momentum_step, kl_clip_factor
+from ..optim.tengrad.tengrad import TENGraD
+from .comm import collective
+from .fsdp import FSDPShards
+from .fsdp_rows import local
+from .optimizer import DistributedTENGraD, Mode
+
+__all__ = ["FSDPTENGraD"]
+
+
+class FSDPTENGraD(DistributedTENGraD):
+    """TENGraD on an FSDP2 model (module docstring): ``TENGraD(model, lr, damping,
+    distribution=FSDPShards(mode, seed, bandwidth, flop_rate), **kwargs)`` with the step on
+    local shards.
+
+    Args:
+        model: ``prepare(model, example_inputs=...)`` of a model ``fully_shard`` was applied to.
+        seed: global seed of the MC Fisher's label sampling (per-rank seeds :func:`.optimizer.mc_seed`).
+        **kwargs: TENGraD's options; ``graft``, ``orthogonalize``, ``compile``, ``cuda_graph``,
+            ``curvature_samples`` and ``fisher="gauss-newton"`` are not supported (``ValueError``).
+        mode: ``"gather"`` (whole records all-gathered), ``"gram-blocks"`` (each rank receives its
+            rows' cut of the records; the Gram summed from the row shards') or ``"auto"`` (per
+            layer, :func:`.fsdp_exchange.choose_fsdp_modes`).
+        placement: ``"auto"`` or ``"replicate"`` (every rank solves every layer for its rows).
+    """
+
+    distribution: FSDPShards
+
+    def __init__(self, model: torch.nn.Module, lr: float, damping: float, *, mode: Mode = "auto",
+                 placement: str = "auto", seed: int = 0, bandwidth: float = 50e9, flop_rate: float = 50e12,
+                 **kwargs: Any):
+        if placement not in ("auto", "replicate"):
+            raise ValueError("DistributedTENGraD (FSDP2): every rank solves every layer for its own rows; placement "
+                             f"must be 'auto' or 'replicate', got {placement!r}")
+        if "distribution" in kwargs:
+            raise ValueError("DistributedTENGraD: distribution= is its own (FSDPShards); pass seed, "
+                             "or use TENGraD(..., distribution=...)")
+        TENGraD.__init__(self, model, lr, damping, distribution=FSDPShards(mode, seed, bandwidth, flop_rate), **kwargs)
+        self._reduction_checked = True  # the loss-scale check reads whole weights: not on shards
+        if self.kl_clip is not None and not same_lr(self.param_groups):
+            raise ValueError("DistributedTENGraD (FSDP2): kl_clip needs one lr for all param groups")
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """TENGraD's state dict in the form ``torch.distributed.checkpoint``'s
+        ``get_optimizer_state_dict`` keeps: the counters ride in the first param group
+        (``"tengrad"``), not in ``state``, and every parameter of a group with momentum has
+        a ``momentum_buffer`` (a DTensor of its placements; zeros before its first step,
+        which the first step's ``buf = μ·0 + d`` makes ``d`` as without one), so a fresh
+        optimizer's state dict is the template that loads a saved one on any mesh."""
+        sd = super().state_dict()
+        state = dict(sd["state"])
+        counters = state.pop(self.NAME)
+        pid = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if group["momentum"] and "momentum_buffer" not in state.get(pid, {}):
+                    state[pid] = {**state.get(pid, {}), "momentum_buffer": torch.zeros_like(p)}
+                pid += 1
+        groups = [dict(g) for g in sd["param_groups"]]
+        groups[0]["tengrad"] = counters
+        return {**sd, "state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load :meth:`state_dict`'s form (or TENGraD's); the next step takes curvature."""
+        sd = dict(state_dict)
+        groups = [dict(g) for g in sd["param_groups"]]
+        counters = groups[0].pop("tengrad", None) if groups else None
+        if counters is not None:
+            sd["state"] = {**sd["state"], self.NAME: counters}
+            sd["param_groups"] = groups
+        super().load_state_dict(sd)
+
+    # ------------------------------------------------------------------ the step on local shards
+    def _device_step(self, k: int, stats_step: bool, mc_step: bool, damping: Damping,
+                     lrs: Optional[Sequence[Tensor]] = None) -> Tensor:
+        """``u`` (this rank's rows), then the update masked by the flag all ranks share."""
+        self.last_result = result = self._updates(k, stats_step, mc_step, damping)
+        return self._masked_step(result, lrs)
+
+    def _masked_step(self, result: StepResult, lrs: Optional[Sequence[Tensor]]) -> Tensor:
+        """The update, masked by the step's flag (:meth:`.fsdp.FSDPShards.finish`: finite
+        local gradients and updates and valid factors on every rank), counted on the device."""
+        updates, _, ug = self._kept(result)
+        ok = result.ok if result.ok is not None else \
+            torch.ones((), dtype=torch.bool, device=local(self._group_params()[0]).device)
+        self._apply(updates, ug, lrs, ok, masked=True)
+        self._count(ok)
+        return ok
+
+    def _apply(self, updates: dict[Tensor, Tensor], ug: Optional[Tensor], lrs: Optional[Sequence[Tensor]],
+               ok: Tensor, masked: bool) -> None:
+        """``ν`` from ``Σ u·g`` over the whole parameters, then each group's momentum step on
+        the local shards (:func:`~tengrad_fx.optim.step.update.apply_momentum_step`); new
+        momentum buffers become DTensors of their parameter's placements."""
+        groups = self.param_groups
+        glrs: Sequence[float | Tensor] = lrs or [g["lr"] for g in groups]
+        if self.kl_clip is not None and ug is None:
+            ug = self._update_dot(updates)
+        nu = kl_clip_factor(updates, glrs[0], self.kl_clip, ug)
+        if nu is not None:
+            if self._kl_clipped is None:
+                self._kl_clipped = torch.zeros((), dtype=torch.int64, device=nu.device)
+            self._kl_clipped.add_((nu < 1.0) & ok)
+        reads = [self._local_step(g, glr, updates, nu, ok if masked else None) for g, glr in zip(groups, glrs)]
+        if any(r is False for r in reads):
+            raise SkipStep("non-finite gradient, curvature or update")
+
+    def _local_step(self, group: dict[str, Any], lr: float | Tensor, updates: dict[Tensor, Tensor],
+                    nu: Optional[Tensor], ok: Optional[Tensor]) -> Optional[bool]:
+        """One group's momentum step on its parameters' local shards (the shards' ``.grad``
+        set for the kernel's reading, then cleared)."""
+        params = [p for p in group["params"] if p.grad is not None]
+        shards = [local(p.detach()) for p in params]
+        state: dict[Tensor, dict[str, Tensor]] = {}
+        ups: dict[Tensor, Tensor] = {}
+        for p, s in zip(params, shards):
+            s.grad = local(p.grad)
+            buf = self.state[p].get("momentum_buffer")
+            state[s] = {} if buf is None else {"momentum_buffer": local(buf)}
+            if p in updates:
+                ups[s] = updates[p]
+        try:
+            read = apply_momentum_step(state, shards, ups, lr, group["momentum"], group["weight_decay"], nu, ok)
+        finally:
+            for s in shards:
+                s.grad = None
+        for p, s in zip(params, shards):
+            if "momentum_buffer" in state[s] and "momentum_buffer" not in self.state[p]:
+                self.state[p]["momentum_buffer"] = _like(p, state[s]["momentum_buffer"])
+        return read
+
+    def _update_dot(self, updates: dict[Tensor, Tensor]) -> Tensor:
+        """``Σ u·g`` over the whole parameters (local shards, summed over the shard group)."""
+        parts = [torch.dot(u.reshape(-1), local(p.grad).reshape(-1).to(u.dtype))
+                 for p, u in updates.items() if p.grad is not None]
+        dot = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
+        group = self.distribution.shard_group
+        collective("sum of the row shards' u·g", lambda: dist.all_reduce(dot, group=group))
+        return dot
+
+
+def _like(p: Tensor, shard: Tensor) -> Tensor:
+    """``shard`` (a local tensor of ``p``'s local shape) as a DTensor of ``p``'s mesh and
+    placements, sharing ``shard``'s memory; a plain tensor for a plain ``p``."""
+    if not isinstance(p, DTensor):
+        return shard
+    return DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+DistributedTENGraD.sharded_class = FSDPTENGraD

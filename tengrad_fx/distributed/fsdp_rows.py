@@ -1,0 +1,227 @@
+"""The rows of a layer's ``J`` that one FSDP2 rank owns.
+
+``fully_shard`` shards every parameter on dim 0 over the mesh's shard dim: rank ``r``
+holds rows ``[a, b)`` of the weight (and of the bias, for kinds whose bias rows are the
+weight's). The per-sample gradients restricted to those rows come from the layer's
+records restricted alike, so the kernels of :mod:`tengrad_fx.curvature` compute, on the
+local shards ``g_r`` of the gradient, the partial product ``J_r g_r`` (``[M]``; summed over
+the shard group it is ``J g``) and this rank's rows of ``Jᵀ c``, without any full-size
+parameter, gradient or update:
+
+* Linear, ``W [o, f]``: ``G[..., a:b]`` (rows are output features; bias rows too);
+* ConvNd (``groups = 1``, not transposed), ``W [o, c, *k]``: ``G[:, a:b]``;
+* norm layers: the affine elements ``[a·r, b·r)`` of ``x̂`` and ``G`` (``r`` = elements
+  per row of ``γ``; channel-first kinds: channels ``a:b``);
+* Embedding, ``W [V, D]``: positions whose index is in ``[a, b)``, re-indexed from ``a``
+  (others, and padding, contribute nothing); a lookup tied to a Linear is recorded in the
+  Linear's layout (``G' = onehot``) and sliced as a Linear.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from ..capture.norm import CHANNEL_FIRST, NORM_KINDS
+from ..curvature import tensors
+from ..curvature.layer import KERNELS, CoveredLayer, choose_strategy
+
+__all__ = ["RowSpec", "RowRecords", "row_range", "row_chunk", "check_shardable", "row_records", "row_spec", "cut",
+           "local", "fully_sharded"]
+
+
+def fully_sharded(model: Any) -> bool:
+    """Is ``model`` sharded by FSDP2: a module ``fully_shard`` wrapped, or a DTensor parameter?"""
+    if not isinstance(model, torch.nn.Module):
+        return False
+    from torch.distributed.fsdp import FSDPModule
+    return any(isinstance(mod, FSDPModule) for mod in model.modules()) or \
+        any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def local(t: Tensor) -> Tensor:
+    """A DTensor's local shard (a plain tensor as is)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def row_chunk(n: int, shards: int, c: int) -> tuple[int, int]:
+    """``[a, b)``: the rows of an ``n``-row parameter that shard ``c`` of ``shards`` holds
+    (``torch.chunk``'s split, what ``fully_shard`` uses: ``⌈n/S⌉`` rows each, the last
+    ones fewer or none)."""
+    size = -(-n // shards)
+    a = min(c * size, n)
+    return a, min(a + size, n)
+
+
+def row_range(p: Tensor) -> tuple[int, int]:
+    """``[a, b)``: the dim-0 rows of the DTensor ``p`` this rank holds."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    assert isinstance(p, DTensor)
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return int(offset[0]), int(offset[0]) + int(shape[0])
+
+
+def check_shardable(lay: CoveredLayer) -> None:
+    """``ValueError`` naming the layer where its ``J`` cannot be cut by rows here."""
+    spec, kind = lay.spec, lay.kind
+    why = None
+    if lay.bias_only:
+        why = "a bias-only layer (frozen weight)"
+    elif kind == "linear" and spec.transposed:
+        why = "a transposed Linear (weight [d_in, d_out], e.g. Hugging Face's Conv1D)"
+    elif kind.startswith("conv") and (spec.transposed or spec.groups != 1):
+        why = "a transposed or grouped convolution"
+    elif kind not in ("linear", "embedding", "conv1d", "conv2d", "conv3d") and kind not in NORM_KINDS:
+        why = f"a layer of kind {kind!r}"
+    if why is not None:
+        raise ValueError(f"DistributedTENGraD (FSDP2): layer '{lay.name}' is {why}, whose rows are not cut here; "
+                         "leave it out of the optimizer's params (a plain optimizer for it) or out of fully_shard")
+
+
+class RowSpec:
+    """A layer's spec with its weight (and bias) replaced by this rank's shards (what the
+    kernels read for shapes); every other field is the layer's."""
+
+    def __init__(self, spec: Any, weight: Tensor, bias: Optional[Tensor]):
+        self._spec, self.weight, self.bias = spec, weight, bias
+        self.module = SimpleNamespace(padding_idx=None)  # embedding: padding is masked in the records
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._spec, name)
+
+
+@dataclass
+class RowRecords:
+    """One layer's records cut to this rank's rows: ``parts`` per call ``(I', G')``, the
+    kernel, the spec over the local shards, and ``k`` (the records' per-sample scale)."""
+
+    spec: RowSpec
+    parts: list[tuple[Tensor, Tensor]]
+    k: float
+
+    def __post_init__(self) -> None:
+        """Records in the parameters' dtype (a mixed-precision forward records in its
+        compute dtype; the products meet the gradient shards, in the parameters')."""
+        dtype = self.spec.weight.dtype
+        self.parts = [(_in(I, dtype), _in(G, dtype)) for I, G in self.parts]
+
+    def jvp(self, gw: Tensor, gb: Optional[Tensor]) -> Tensor:
+        """``J_r g_r``, ``[M]``: this rank's rows' part of ``J g`` (zeros where it holds none)."""
+        if not gw.numel():
+            I, G = self.parts[0]
+            return G.new_zeros(G.shape[0])
+        kernel = KERNELS[self.spec.kind]
+        out: Tensor = sum(kernel.jvp(self.spec, I, G, gw, gb) for I, G in self.parts)
+        return out * self.k
+
+    def gram(self) -> Tensor:
+        """``J_r J_rᵀ``, ``[M, M]``, of these rows (zeros where there are none): summed over
+        the row shards it is the layer's Gram. An embedding matches indices; other kinds
+        take the cheaper of the factored and the materialized form (:func:`choose_strategy`)."""
+        spec, kernel = self.spec, KERNELS[self.spec.kind]
+        M = self.parts[0][0].shape[0]
+        if not spec.weight.numel():
+            return self.parts[0][1].new_zeros(M, M)
+        if hasattr(kernel, "gram"):
+            return kernel.gram(spec, self.parts) * self.k ** 2
+        S_total = 0
+        for I, _ in self.parts:
+            g, S, f, o = kernel.dims(spec, tuple(I.shape))
+            S_total += S
+        if choose_strategy(M, g, S_total, f, o) == "materialize" or len(self.parts) > 1:
+            J = self._jacobian()
+            return (J @ J.T) * self.k ** 2
+        A, B = kernel.layout(spec, *self.parts[0])
+        K = tensors.gram_factor(A, B)
+        if spec.bias is not None:
+            bias_grads = getattr(kernel, "bias_grads", None)
+            if bias_grads is None:
+                K = K + tensors.gram_bias(B)
+            else:
+                db = bias_grads(spec, *self.parts[0])
+                K = K + db @ db.T
+        return K * self.k ** 2
+
+    def _jacobian(self) -> Tensor:
+        """``J_r`` materialized, ``[M, n_r]`` (unscaled): these rows' per-sample gradients."""
+        kernel = KERNELS[self.spec.kind]
+        dW: Optional[Tensor] = None
+        db: Optional[Tensor] = None
+        for I, G in self.parts:
+            w, b = kernel.per_sample_grads(self.spec, I, G)
+            w, b = w.reshape(w.shape[0], -1), b.reshape(b.shape[0], -1)
+            dW, db = (w, b) if dW is None or db is None else (dW + w, db + b)
+        assert dW is not None and db is not None
+        return dW if self.spec.bias is None else torch.cat([dW, db], 1)
+
+    def vjp(self, c: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        """This rank's rows of ``Jᵀ c`` as ``(weight shard, bias shard or None)``."""
+        bias = self.spec.bias
+        if not self.spec.weight.numel():  # no rows here
+            return torch.zeros_like(self.spec.weight), (None if bias is None else torch.zeros_like(bias))
+        kernel = KERNELS[self.spec.kind]
+        gw: Optional[Tensor] = None
+        gb: Optional[Tensor] = None
+        c = c.to(self.spec.weight.dtype)
+        for I, G in self.parts:
+            w, b = kernel.vjp(self.spec, I, G, c)
+            gw = w if gw is None else gw + w
+            gb = b if gb is None else gb + b
+        assert gw is not None
+        return gw.reshape(self.spec.weight.shape) * self.k, \
+            (gb.reshape(bias.shape) * self.k if bias is not None and gb is not None else None)
+
+
+def _in(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """A floating ``t`` in ``dtype`` (indices as they are)."""
+    return t.to(dtype) if t.is_floating_point() else t
+
+
+def cut(kind: str, spec: Any, I: Tensor, G: Tensor, a: int, b: int, rows_total: int) -> tuple[Tensor, Tensor]:
+    """One record ``(I, G)`` cut to the rows ``[a, b)`` of a weight with ``rows_total`` rows."""
+    if kind == "linear":
+        return I, G[..., a:b]
+    if kind.startswith("conv"):
+        return I, G[:, a:b]
+    if kind in CHANNEL_FIRST:
+        return I[:, a:b], G[:, a:b]
+    if kind in NORM_KINDS:  # trailing normalized dims: elements [a·r, b·r) of the flattened γ
+        C = spec.weight.numel()
+        r = C // rows_total
+        m = I.shape[0]
+        return I.reshape(m, -1, C)[..., a * r:b * r], G.reshape(m, -1, C)[..., a * r:b * r]
+    # embedding: idx [m, *pos], G [m, *pos, D]
+    pad = spec.module.padding_idx
+    keep = (I >= a) & (I < b)
+    if pad is not None:
+        keep &= I != pad
+    idx = torch.where(keep, I - a, torch.zeros_like(I))
+    return idx, G * keep.unsqueeze(-1).to(G.dtype)
+
+
+def row_spec(lay: CoveredLayer, rows: Optional[tuple[int, int]] = None) -> RowSpec:
+    """``lay``'s spec over this rank's shards (``rows``: over those rows of the whole parameters)."""
+    w, bias = lay.weight, lay.bias
+    if rows is None:
+        return RowSpec(lay.spec, local(w).detach(), None if bias is None else local(bias).detach())
+    a, b = rows
+    return RowSpec(lay.spec, w.detach()[a:b], None if bias is None else bias.detach()[a:b])
+
+
+def row_records(lay: CoveredLayer, rows: Optional[tuple[int, int]] = None) -> RowRecords:
+    """``lay``'s current (global) records cut to the rows ``[a, b)`` of its weight (default:
+    this rank's, :func:`row_range`; then the spec holds the local shards, else the rows of
+    the whole parameters), as tensors of their own (no view keeps a whole record alive)."""
+    w = lay.weight
+    a, b = row_range(w) if rows is None else rows
+    parts = []
+    for r in lay.records():
+        if r.I is None or r.G is None:
+            raise RuntimeError(f"layer '{lay.name}': only per-sample gradients were kept; FSDP2 needs I and G")
+        I, G = cut(lay.kind, lay.spec, r.I, r.G, a, b, w.shape[0])
+        parts.append((I.contiguous(), G.contiguous()))
+    return RowRecords(row_spec(lay, rows), parts, lay._scale())
