@@ -261,3 +261,32 @@ def test_newton_schulz_takes_equal_shapes_as_one_batch() -> None:
         ref = newton_schulz_polar(mat, scale=0.2 * max(mat.shape) ** 0.5).reshape(p.shape)
         torch.testing.assert_close(out[p], ref, rtol=0, atol=1e-13)
     assert out[bias] is updates[bias]
+
+
+def test_group_without_orthogonalize_keeps_its_ngd_update() -> None:
+    """A param group with ``"orthogonalize": False`` (Muon's recipe for the output layer):
+    its weight's update is the dense NGD update, the other weights' the SVD polar factor."""
+    template, model, _ = setup("mlp")
+    names = [n for n, _ in model.named_parameters()]
+    params = dict(model.named_parameters())
+    head = names[-2:]  # the last Linear's weight and bias
+    groups = [{"params": [params[n] for n in names if n not in head]},
+              {"params": [params[n] for n in head], "orthogonalize": False}]
+    opt = TENGraD(model, lr=1.0, damping=0.05, momentum=0.0, weight_decay=0.0, curvature_every=1, kl_clip=None,
+                  params=groups, orthogonalize=True)
+    x, y = batch("mlp", 8, 1)
+    ref_model = snapshot(template, model)
+    forward_backward(model, opt, x, y)
+    g = full_grad(ref_model, x, y, F.cross_entropy)
+    ref = dense_u(ref_model, x, y, F.cross_entropy, g, 0.05, layer_params(model))
+    want = {n: u if (n in head or u.ndim < 2) else _svd_polar(u) for n, u in ref.items()}
+    assert_matches(step_delta(model, opt), want)
+
+
+def test_group_orthogonalize_is_checked() -> None:
+    _, model, _ = setup("mlp")
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['orthogonalize'\] is True"):
+        TENGraD(model, lr=0.1, damping=0.1, params=[{"params": list(model.parameters()), "orthogonalize": True}])
+    with pytest.raises(ValueError, match="must be True or False"):
+        TENGraD(model, lr=0.1, damping=0.1, orthogonalize=True,
+                params=[{"params": list(model.parameters()), "orthogonalize": "eigh"}])

@@ -41,8 +41,9 @@ from ... import solve
 from ..step.checks import check_choice
 from ..step.update import finite_flag, zeroed_unless
 
-__all__ = ["GRAFTS", "GRAFT_BETA2", "GRAFT_EPS", "ORTHO_RMS", "POLAR_METHODS", "check_graft", "check_orthogonalize",
-           "graft_updates", "orthogonalize_updates", "orthogonalized"]
+__all__ = ["GRAFTS", "GRAFT_BETA2", "GRAFT_EPS", "ORTHO_RMS", "POLAR_METHODS", "check_graft",
+           "check_group_orthogonalize", "check_orthogonalize", "graft_updates", "orthogonalize_updates",
+           "orthogonalized"]
 
 GRAFTS = ("sgd", "rmsprop")
 GRAFT_BETA2, GRAFT_EPS = 0.999, 1e-8  # Adam's
@@ -131,16 +132,32 @@ def check_orthogonalize(value: Any) -> Optional[str]:
     return str(value)
 
 
-def orthogonalize_updates(updates: dict[Tensor, Tensor], method: str = "eigh") -> dict[Tensor, Tensor]:
-    """``updates`` with every ≥ 2-D parameter's ``u`` (viewed ``[shape[0], -1]``) replaced by
-    ``ORTHO_RMS·√max(rows, cols)·polar(u)``, ``polar`` by ``method`` (:data:`POLAR_METHODS`);
-    other entries as they are (module docstring). ``"newton-schulz"`` takes the weights of
-    one matrix shape (and dtype, device) as one batch: its launches grow with the number of
-    distinct shapes, not of weights."""
+def check_group_orthogonalize(groups: list[dict[str, Any]], method: Optional[str] | bool) -> None:
+    """A param group's ``"orthogonalize"`` is a bool (its weights take the optimizer's polar
+    factor or not); ``True`` needs ``orthogonalize=`` on the optimizer (the method)."""
+    for i, g in enumerate(groups):
+        value = g.get("orthogonalize", None)
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            raise ValueError(f"param_groups[{i}]['orthogonalize'] must be True or False (the method is the "
+                             f"optimizer's orthogonalize=), got {value!r}")
+        if value and not method:
+            raise ValueError(f"param_groups[{i}]['orthogonalize'] is True but the optimizer has orthogonalize=False; "
+                             "pass orthogonalize=True, 'eigh' or 'newton-schulz' to TENGraD")
+
+
+def orthogonalize_updates(updates: dict[Tensor, Tensor], method: str = "eigh",
+                          only: Optional[set[Tensor]] = None) -> dict[Tensor, Tensor]:
+    """``updates`` with every ≥ 2-D parameter's ``u`` (viewed ``[shape[0], -1]``; those in
+    ``only`` where given) replaced by ``ORTHO_RMS·√max(rows, cols)·polar(u)``, ``polar`` by
+    ``method`` (:data:`POLAR_METHODS`); other entries as they are (module docstring).
+    ``"newton-schulz"`` takes the weights of one matrix shape (and dtype, device) as one
+    batch: its launches grow with the number of distinct shapes, not of weights."""
     out = dict(updates)
     groups: dict[tuple[Any, ...], list[Tensor]] = {}
     for p, u in updates.items():
-        if orthogonalized(p, updates):
+        if orthogonalized(p, updates) and (only is None or p in only):
             groups.setdefault((u.shape[0], math.prod(u.shape[1:]), u.dtype, u.device), []).append(p)
     for (rows, cols, _, _), ps in groups.items():
         scale = ORTHO_RMS * max(rows, cols) ** 0.5

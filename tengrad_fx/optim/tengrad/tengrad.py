@@ -42,8 +42,8 @@ from .cache import CurvatureCache
 from .distribution import SingleProcess
 from .fused_runner import FusedStep
 from .gauss_newton import gauss_newton_capture
-from .graft import GRAFT_BETA2, GRAFT_EPS, check_graft, check_orthogonalize, graft_updates, orthogonalize_updates, \
-    orthogonalized
+from .graft import GRAFT_BETA2, GRAFT_EPS, check_graft, check_group_orthogonalize, check_orthogonalize, \
+    graft_updates, orthogonalize_updates, orthogonalized
 from .cuda_graphs import GraphRunner
 from .group_cost import reuse_cost
 from .jacobian_sites import marked_jacobian_sites
@@ -86,6 +86,8 @@ class TENGraD(StepSkeleton):
             (after any graft; :mod:`.graft`; lr in AdamW's units). ``True`` or ``"eigh"``: exact (an
             eigendecomposition per weight: a host read on CUDA, no CUDA graphs); ``"newton-schulz"``:
             Muon's five quintic steps (matmuls only; capturable). Default off: the update is NGD's.
+            A param group with ``"orthogonalize": False`` keeps its weights' updates (grafted, if
+            ``graft``): Muon's recipe leaves the embeddings and the output layer to Adam.
         curvature_samples: ``k``: the curvature of the first ``k`` samples of each curvature batch
             (:mod:`.subsample`; reuse steps cost ``∝ k``); every update is ``(F_k + αI)⁻¹ g``. None: all.
         fisher: ``"empirical"`` (G from the training loss), ``"mc"`` (labels sampled from the model's
@@ -196,6 +198,7 @@ class TENGraD(StepSkeleton):
         self._init_skeleton(model, info, grad_scaler)
         self.graft, self.fisher, self.mc_loss, self.kl_clip = graft, fisher, mc_loss, kl_clip
         self.orthogonalize: str | Literal[False] = check_orthogonalize(orthogonalize) or False
+        check_group_orthogonalize(self.param_groups, self.orthogonalize)
         self.update_form = update_form
         self.solve_dtype, self.strategy, self.gram_tf32, self.compile = \
             ex.solve_dtype, ex.strategy, bool(ex.gram_tf32), bool(ex.compile)
@@ -356,13 +359,13 @@ class TENGraD(StepSkeleton):
         """The ``graft`` and ``orthogonalize`` options on the natural-gradient updates (of every
         layer: a distributed step shares the layers' updates first); ``Σ u·g`` is then the KL clip's."""
         updates = result.updates
-        if self.graft is not None:
-            params = self._group_params()
-            if self.orthogonalize:  # a polar factor discards the grafted norm: those weights skip the graft
-                params = [p for p in params if not orthogonalized(p, updates)]
+        polar = {p for g in self.param_groups if g.get("orthogonalize", True) for p in g["params"]
+                 if orthogonalized(p, updates)} if self.orthogonalize else set()
+        if self.graft is not None:  # a polar factor discards the grafted norm: those weights skip the graft
+            params = [p for p in self._group_params() if p not in polar]
             updates = {**updates, **graft_updates(updates, params, self.state, self.graft, GRAFT_BETA2, GRAFT_EPS)}
-        if self.orthogonalize:
-            updates = orthogonalize_updates(updates, self.orthogonalize)
+        if polar and self.orthogonalize:
+            updates = orthogonalize_updates(updates, self.orthogonalize, only=polar)
         if updates is result.updates:
             return result
         return StepResult(updates, result.ok, None, result.grad_sq)
