@@ -83,8 +83,19 @@ def _peer(cls: str, **fixed: Any) -> Callable[[nn.Module, float], torch.optim.Op
 
 
 def _project(name: str, **fixed: Any) -> Callable[..., torch.optim.Optimizer]:
-    """``make_optimizer(name, model, "fashion-mnist", lr=lr, **fixed, **options)``."""
-    return lambda model, lr, **options: make_optimizer(name, model, _FM, lr=lr, **{**fixed, **options})
+    """``make_optimizer(name, model, "fashion-mnist", lr=lr, **fixed, **options)``; a TENGraD
+    option ``head_lr`` puts the embeddings and the output layer (:func:`_head`) in a param
+    group of that lr without the polar factor (Muon's recipe: Adam-like steps there)."""
+    def build(model: nn.Module, lr: float, **options: Any) -> torch.optim.Optimizer:
+        opts = {**fixed, **options}
+        head_lr = opts.pop("head_lr", None)
+        if head_lr is not None:
+            head = _head(model)
+            opts["params"] = [dict(params=[p for p in model.parameters() if p not in head]),
+                              dict(params=[p for p in model.parameters() if p in head], lr=float(head_lr),
+                                   orthogonalize=False)]
+        return make_optimizer(name, model, _FM, lr=lr, **opts)
+    return build
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (

@@ -125,6 +125,22 @@ def test_lm_methods() -> None:
                                               "transformer.h.0.ln_1.weight")}
 
 
+def test_head_lr_groups_the_embeddings_and_output_layer() -> None:
+    """A TENGraD variant's ``head_lr``: embeddings and the output layer in their own group, at
+    that lr, without the polar factor; the hidden weights keep the variant's lr."""
+    import tengrad_fx
+
+    model, context = lm.build_lm("llama-bytes-t")
+    net = tengrad_fx.prepare(model, example_inputs={"input_ids": torch.randint(0, 256, (2, context))})
+    method = peer_methods.tengrad_method("h", {"preset": "orthogonal", "orthogonalize": "newton-schulz",
+                                               "head_lr": 1e-4})
+    opt = method.make(net, 0.01)
+    hidden, head = opt.param_groups
+    named = {id(p): n for n, p in net.named_parameters()}
+    assert head["lr"] == 1e-4 and head["orthogonalize"] is False and hidden["lr"] == 0.01
+    assert sorted(named[id(p)] for p in head["params"]) == ["lm_head.weight", "model.embed_tokens.weight"]
+
+
 @pytest.mark.parametrize("model", ["gpt2-bytes-t", "llama-bytes-t"])
 def test_race_runs_every_method(model: str, docs_text: Path, tmp_path: Path) -> None:
     """A few interleaved steps of every method: finite losses, the validation loss as the
