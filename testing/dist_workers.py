@@ -102,7 +102,7 @@ def train_ranks(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[
         opt = DistributedTENGraD(ddp, placement=cfg.get("placement", "owner"), mode=cfg.get("mode", "gather"),
                                  seed=cfg.get("seed", 0), bandwidth=cfg.get("bandwidth", 50e9),
                                  flop_rate=cfg.get("flop_rate", 50e12), **_opt_kwargs(cfg), **param_groups(net, cfg))
-        opt._overlap = not cfg.get("sequential", False)
+        opt.distribution.overlap = not cfg.get("sequential", False)
         if cfg.get("load"):
             ck = torch.load(cfg["load"], weights_only=False)
             net.load_state_dict(ck["model"])
@@ -133,7 +133,7 @@ def train_ranks(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[
             torch.distributed.barrier()  # written before any rank loads it
         bufs = [opt.state[p]["momentum_buffer"].clone() for p in net.parameters() if "momentum_buffer" in opt.state[p]]
         out.append({"traj": traj, "targets": targets, "bufs": bufs, "counters": opt.counters,
-                    "owner": dict(opt._owner), "plan": opt.layer_plan(), "bytes": dict(opt.comm_bytes)})
+                    "owner": dict(opt.distribution.owner), "plan": opt.layer_plan(), "bytes": dict(opt.comm_bytes)})
     return out
 
 

@@ -48,8 +48,8 @@ flops at ``flop_rate``);
 ``layer_plan()`` reports each layer's mode, placement and owner.
 
 Overlap (async handles; the arithmetic is the same as without, so results are bit for
-bit those of the sequential order, ``_overlap = False``; tested): the records of all layers travel together (one
-bucket per ``(owner, dtype)``, all in flight); on every step the all-gather of the
+bit those of the sequential order, ``distribution.overlap = False``; tested): the records
+of all layers travel together (one bucket per ``(owner, dtype)``, all in flight); on every step the all-gather of the
 gram-blocks layers' ``J_a g`` is in flight while the rank solves its gather layers, and
 the owners' ``u`` broadcasts are in flight while it finishes the gram-blocks layers
 (``c``, ``J_aᵀ c_a``, their all-reduce). Not overlapped: the records' arrival with the
@@ -446,14 +446,3 @@ class DistributedTENGraD(TENGraD):
     def seed(self) -> int:
         return self.distribution.seed
 
-    @property
-    def _overlap(self) -> bool:
-        return self.distribution.overlap
-
-    @_overlap.setter
-    def _overlap(self, value: bool) -> None:
-        self.distribution.overlap = value
-
-    @property
-    def _owner(self) -> dict[str, int]:
-        return self.distribution.owner

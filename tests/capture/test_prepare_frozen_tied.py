@@ -123,7 +123,7 @@ def test_unfreeze_after_prepare_works_and_old_optimizer_warns() -> None:
     sq_loss(prepared(x), y).backward()
     new_opt.step()
     assert not torch.equal(prepared.stem.weight, w0)
-    assert "stem" in {lay.name for grp in new_opt._curv for lay in grp.layers}
+    assert "stem" in {lay.name for grp in new_opt.curvature.groups for lay in grp.layers}
     # freezing again after prepare: left out at once
     prepared.fc.requires_grad_(False)
     assert [lay.name for lay in covered_layers(prepared)] == ["stem", "conv"]
@@ -177,4 +177,4 @@ def test_frozen_layers_report_with_functional_loss() -> None:
     opt = TENGraD(prepared, lr=0.1, damping=0.1)
     F.cross_entropy(prepared(x), y).backward()
     opt.step()
-    assert sorted(lay.name for grp in opt._curv for lay in grp.layers) == ["conv", "stem"]
+    assert sorted(lay.name for grp in opt.curvature.groups for lay in grp.layers) == ["conv", "stem"]

@@ -20,7 +20,7 @@ M, ALPHA = 6, 0.05
 
 
 def _conv_groups(opt) -> list[ConvStackGroup]:  # type: ignore[no-untyped-def]
-    return [g for g in opt._curv if isinstance(g, ConvStackGroup)]
+    return [g for g in opt.curvature.groups if isinstance(g, ConvStackGroup)]
 
 
 @pytest.mark.parametrize("cuda_graph", [False, True])
@@ -48,7 +48,7 @@ def test_steps_equal_dense_ngd_across_curvature_refills(cuda_graph: bool) -> Non
             assert len(kept) == (3 if cuda_graph else 1)
     assert kept is not None
     for g, U in kept:  # the group was refilled; its operands rewritten in place only where a graph reads them
-        assert g in opt._curv and (g.bmm_operands().U is U) == cuda_graph  # type: ignore[union-attr]
+        assert g in opt.curvature.groups and (g.bmm_operands().U is U) == cuda_graph  # type: ignore[union-attr]
     assert opt.curvature_steps == 2
 
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import tengrad_fx
 from tengrad_fx.curvature import conv_stack, factored, materialized
 from tengrad_fx.optim.tengrad.layer_groups import LayerGroup
+from testing.calls import count_calls
 from testing.distributed import free_port
 
 KERNELS = {"materialized": materialized, "factored": factored}
@@ -35,27 +36,10 @@ GROUP_FORM = {"materialized": "P", "factored": "IG"}
 ROOT = pathlib.Path(tengrad_fx.__file__).parent
 
 
-def _count(monkeypatch, modules: dict[str, Any], names: tuple[str, ...]) -> Counter:
-    """Wrap ``names`` of each of ``modules`` by a counter that calls the original; the
-    counts by ``"<module>.<function>"``."""
-    counts: Counter = Counter()
-
-    def counting(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return fn(*args, **kwargs)
-        return wrapped
-
-    for mod_name, mod in modules.items():
-        for name in names:
-            monkeypatch.setattr(mod, name, counting(f"{mod_name}.{name}", getattr(mod, name)))
-    return counts
-
-
 @pytest.fixture
 def calls(monkeypatch) -> Counter:
     """Counts of the calls of every stacked form's kernel, by ``"<module>.<function>"``."""
-    return _count(monkeypatch, KERNELS, PRODUCTS)
+    return count_calls(monkeypatch, KERNELS, PRODUCTS)
 
 
 def _mlp() -> nn.Module:
@@ -103,9 +87,9 @@ def _only(calls: Counter, form: str) -> dict[str, int]:
 @pytest.mark.parametrize("update_form", ["auto", "woodbury"])
 def test_groups_path_calls_the_form_kernels(calls: Counter, monkeypatch, form: str, update_form: str) -> None:
     got, opt = _train(_tengrad(update_form=update_form, **SETTINGS[form]))
-    assert {g.form for g in opt._curv} == {GROUP_FORM[form]}
+    assert {g.form for g in opt.curvature.groups} == {GROUP_FORM[form]}
     n = _only(calls, form)
-    steps_groups = 2 * len(opt._curv)  # one Gram, J g and u per group and curvature step
+    steps_groups = 2 * len(opt.curvature.groups)  # one Gram, J g and u per group and curvature step
     assert n["gram"] == steps_groups and n["jvp"] == steps_groups and n["woodbury"] == steps_groups, n
     monkeypatch.undo()  # the kernels as defined: the counted run changed nothing
     assert torch.equal(got, _train(_tengrad(update_form=update_form, **SETTINGS[form]))[0])
@@ -114,7 +98,8 @@ def test_groups_path_calls_the_form_kernels(calls: Counter, monkeypatch, form: s
 @pytest.mark.parametrize("form", list(KERNELS))
 def test_fused_path_calls_the_form_kernels(calls: Counter, form: str) -> None:
     got, opt = _train(_tengrad(compile=True, update_form="woodbury", **SETTINGS[form]))
-    assert opt._curv and not any(isinstance(g, LayerGroup) for g in opt._curv)  # the fused path ran
+    groups = opt.curvature.groups
+    assert groups and not any(isinstance(g, LayerGroup) for g in groups)  # the fused path ran
     n = _only(calls, form)
     per_layer = 3 * 2  # three layers of different shapes, two curvature steps
     assert n["gram"] == per_layer and n["jvp"] == per_layer and n["vjp"] == per_layer, n
@@ -138,7 +123,7 @@ def test_gram_blocks_call_the_form_kernels(calls: Counter, one_rank: Any, form: 
 
     got, opt = _train(lambda pm: DistributedTENGraD(pm, lr=0.1, damping=0.05, mode="gram-blocks", curvature_every=1,
                                                     kl_clip=None, **SETTINGS[form]))
-    assert opt.distribution._n_gather == 0 and opt._curv, "every layer in gram-blocks"
+    assert opt.distribution._n_gather == 0 and opt.curvature.groups, "every layer in gram-blocks"
     n = _only(calls, form)
     assert n["gram"] > 0 and n["jvp"] > 0 and n["vjp"] > 0, n  # the Gram, J_a g and J_aᵀ c_a
     ref, _ = _train(_tengrad(**SETTINGS[form]))
@@ -149,7 +134,7 @@ def test_gram_blocks_call_the_form_kernels(calls: Counter, one_rank: Any, form: 
 def test_conv_stacks_call_their_kernels(monkeypatch, request, path: str) -> None:
     """Convolution stacks (no fused form) take their Gram, ``J g`` and ``Jᵀ c`` from
     :mod:`tengrad_fx.curvature.conv_stack` on both paths that have them."""
-    calls = _count(monkeypatch, {"conv_stack": conv_stack}, ("gram", "jvp", "vjp"))
+    calls = count_calls(monkeypatch, {"conv_stack": conv_stack}, ("gram", "jvp", "vjp"))
     if path == "groups":
         _, opt = _train(_tengrad(strategy="factor"), conv=True)
     else:
@@ -158,7 +143,7 @@ def test_conv_stacks_call_their_kernels(monkeypatch, request, path: str) -> None
         request.getfixturevalue("one_rank")
         _, opt = _train(lambda pm: DistributedTENGraD(pm, lr=0.1, damping=0.05, mode="gram-blocks",
                                                       curvature_every=1, kl_clip=None, strategy="factor"), conv=True)
-    stacks = [g for g in opt._curv if g.form == "conv"]
+    stacks = [g for g in opt.curvature.groups if g.form == "conv"]
     assert [len(g.layers) for g in stacks] == [1, 2]
     n = {name: calls[f"conv_stack.{name}"] for name in ("gram", "jvp", "vjp")}
     assert n["gram"] == 2 * len(stacks) and n["jvp"] >= 2 * len(stacks) and n["vjp"] >= 2 * len(stacks), n

@@ -39,7 +39,7 @@ def _run(cuda_graph: bool, schedule: bool = False, two_groups: bool = False, **k
         opt.mc_capture(out)
         F.cross_entropy(out, y).backward()
         opt.step()
-        groups.append(list(opt._curv))
+        groups.append(list(opt.curvature.groups))
     return [p.detach().clone() for p in pm.parameters()], opt, groups
 
 

@@ -52,8 +52,8 @@ def _run(sizes: list[int], reuse: bool, monkeypatch: pytest.MonkeyPatch, strateg
         opt.zero_grad()
         F.cross_entropy(pm(x), y).backward()
         opt.step()
-        groups.append(list(opt._curv))
-        ptrs.append([s.data_ptr() for grp in opt._curv if len(grp.layers) > 1 or grp.cols is not None
+        groups.append(list(opt.curvature.groups))
+        ptrs.append([s.data_ptr() for grp in opt.curvature.groups if len(grp.layers) > 1 or grp.cols is not None
                      for s in grp.stacks() if s is not None])
     monkeypatch.undo()
     return [p.detach().clone() for p in pm.parameters()], groups, ptrs
@@ -140,7 +140,7 @@ def test_static_refill_with_cuda_graph_option_on_cpu_across_batch_sizes(T: int) 
             F.cross_entropy(pm(x), y).backward()
             opt.step()
             versions.append((opt.graph_runner.version + opt.curvature.version))
-            ids.append([id(g) for g in opt._curv])
+            ids.append([id(g) for g in opt.curvature.groups])
         return [p.detach().clone() for p in pm.parameters()], versions, ids
 
     ref, _, _ = run(False)

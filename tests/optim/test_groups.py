@@ -48,9 +48,9 @@ def test_grouped_steps_equal_dense_block_ngd(strategy: str, fisher: str, form: s
     kinds = check_steps_against_dense(model, template, opt, batches, alpha, fisher,
                                       tengrad_fx.get_info(model).covered)
     assert kinds == [True, False, True]
-    sizes = sorted(len(grp.layers) for grp in opt._curv)
+    sizes = sorted(len(grp.layers) for grp in opt.curvature.groups)
     assert sizes[-1] >= 2, sizes  # two equal layers (or more, packed: group_build)
-    forms = {(grp.form, grp.strategy if grp.form == "conv" else "", len(grp.layers)) for grp in opt._curv}
+    forms = {(grp.form, grp.strategy if grp.form == "conv" else "", len(grp.layers)) for grp in opt.curvature.groups}
     if strategy in ("factor", "materialize-nobudget"):  # the two 3→3 convolutions: one stacked group
         assert ("conv", strategy.split("-")[0], 2) in forms, forms
     assert opt.counters == {"step": 3, "skipped": 0, "uncaptured": 0}
@@ -110,18 +110,19 @@ def test_update_dot_equals_sum_of_u_times_g(strategy: str, fisher: str) -> None:
         F.cross_entropy(out, y).backward()
         if t:
             for use_pt in (True, False):
-                updates, dots = precondition_groups(opt._curv, opt.curvature.chol, use_pt, 0.07, "mean", dot=True)
+                updates, dots = precondition_groups(opt.curvature.groups, opt.curvature.chol, use_pt, 0.07, "mean",
+                                                    dot=True)
                 assert dots is not None
                 ug, gsq = dots
                 ref = sum((u * p.grad).sum() for p, u in updates.items())
                 torch.testing.assert_close(ug, ref, rtol=1e-10, atol=1e-12)
                 # Σ‖g‖² over the same parameters (what certifies their gradients finite)
                 torch.testing.assert_close(gsq, sum((p.grad ** 2).sum() for p in updates), rtol=1e-12, atol=0.0)
-            pushed = [grp.probe(*grp.grads(), 1.0 / x.shape[0]) for grp in opt._curv]
+            pushed = [grp.probe(*grp.grads(), 1.0 / x.shape[0]) for grp in opt.curvature.groups]
             seen_push |= bool(torch.cat(pushed).all())
         opt.step()
     assert seen_push == (fisher == "empirical")
-    forms = {grp.form for grp in opt._curv}
+    forms = {grp.form for grp in opt.curvature.groups}
     assert forms == {"materialize": {"P"}, "auto": {"P", "IG"}, "factor": {"IG", "conv"}}[strategy], forms
 
 
@@ -144,7 +145,7 @@ def test_conv_probe_samples_channels_and_still_sees_a_changed_gradient(monkeypat
     opt = TENGraD(pm, lr=0.1, damping=0.1, curvature_every=1, kl_clip=None, strategy="factor")
     F.cross_entropy(pm(x), y).backward()
     opt.step()
-    conv = next(g for g in opt._curv if g.form == "conv" and len(g.layers) == 2)
+    conv = next(g for g in opt.curvature.groups if g.form == "conv" and len(g.layers) == 2)
     assert len(conv.layers) == 2
     calls = []
     real = conv_stack.channel_sums

@@ -87,16 +87,16 @@ def test_kept_between_steps_is_at_most_each_layers_smaller_form() -> None:
     for _ in range(2):
         _step(pm, opt, x, y)
     kept = tensor_bytes(kept_tensors(opt))
-    bound = sum(min(j, ig) for j, ig in sizes.values()) + _small_tensors(opt) + _padding(opt._curv)
+    bound = sum(min(j, ig) for j, ig in sizes.values()) + _small_tensors(opt) + _padding(opt.curvature.groups)
     assert kept <= bound, (kept, bound)
-    assert {g.form for g in opt._curv} == {"P", "conv", "IG"}
+    assert {g.form for g in opt.curvature.groups} == {"P", "conv", "IG"}
     pm, opt, x, y, _ = _setup(budget=1024)
     _step(pm, opt, x, y)
     assert tensor_bytes(kept_tensors(opt)) > bound
 
 
 def _stack_bytes(opt) -> int:
-    return tensor_bytes([t for g in opt._curv for t in g.stacks() if t is not None])
+    return tensor_bytes([t for g in opt.curvature.groups for t in g.stacks() if t is not None])
 
 
 @pytest.mark.parametrize("T", [1, 10])
@@ -116,7 +116,7 @@ def test_step_transient_is_one_layers_jacobian_and_vectors(T: int, monkeypatch) 
     for i in range(3):
         old = _stack_bytes(opt) if T == 1 else 0  # not needed by a curvature step
         lb = _step(pm, opt, x, y)
-        packed = tensor_bytes([g.Pw for g in opt._curv if g.cols is not None])  # made new by packing
+        packed = tensor_bytes([g.Pw for g in opt.curvature.groups if g.cols is not None])  # made new by packing
         assert lb.peak - (lb.start - old) <= bound + packed, (i, lb.peak - lb.start + old, bound, packed)
 
 

@@ -86,7 +86,7 @@ def test_reuse_step_forms_u_inside_the_gemm(prepared) -> None:
         F.cross_entropy(pm(x), y).backward()
         with OpCounter() as oc:
             opt.step()
-    groups = len(opt._curv)
+    groups = len(opt.curvature.groups)
     ops = {str(k): v for k, v in oc.ops.items()}
     assert ops.get("aten.bmm.default", 0) == 0 and ops.get("aten.div.Tensor", 0) == 0, ops
     assert ops.get("aten.sub.Tensor", 0) == 0, ops
@@ -119,11 +119,11 @@ def test_curvature_work_of_a_3c1f_shape_is_a_handful_of_kernels() -> None:
     F.cross_entropy(pm(x), y).backward()
     with OpCounter() as oc:
         opt._refresh(0.1)
-    assert [(g.form, len(g.layers), g.cols is not None) for g in opt._curv] == \
+    assert [(g.form, len(g.layers), g.cols is not None) for g in opt.curvature.groups] == \
         [("P", 3, True), ("IG", 1, False), ("IG", 1, False)]
     assert oc.ops["aten.linalg_cholesky_ex.default"] == 1, oc.ops
     assert oc.kernels <= 28, dict(oc.ops)
-    for grp, bound in zip(opt._curv, (6, 15, 15)):
+    for grp, bound in zip(opt.curvature.groups, (6, 15, 15)):
         gw, gb = grp.grads()
         with OpCounter() as oc:
             ok = grp.probe(gw, gb, 1.0 / x.shape[0])

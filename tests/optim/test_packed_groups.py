@@ -65,7 +65,7 @@ def test_packed_groups_equal_dense_block_ngd(strategy: str, fisher: str, form: s
     def probe_first_step(t: int, x: torch.Tensor) -> None:  # which layers took push-through
         if t != 0 or fisher != "empirical" or form != "auto":
             return
-        packed = next(grp for grp in opt._curv if grp.cols is not None)
+        packed = next(grp for grp in opt.curvature.groups if grp.cols is not None)
         ok = packed.probe(*packed.grads(), 1.0 / x.shape[0])
         penalized = torch.tensor([lay.name in ("1", "8") for lay in packed.layers])
         assert torch.equal(ok, ~penalized if penalty else torch.ones_like(penalized)), (ok, penalized)
@@ -73,8 +73,8 @@ def test_packed_groups_equal_dense_block_ngd(strategy: str, fisher: str, form: s
     kinds = check_steps_against_dense(model, template, opt, batches, alpha, fisher, info.covered,
                                       _penalty if penalty else None, probe_first_step)
     assert kinds == [True, False, True]
-    packed = [grp for grp in opt._curv if grp.cols is not None]
-    assert len(packed) == 1, [(grp.form, [lay.name for lay in grp.layers]) for grp in opt._curv]
+    packed = [grp for grp in opt.curvature.groups if grp.cols is not None]
+    assert len(packed) == 1, [(grp.form, [lay.name for lay in grp.layers]) for grp in opt.curvature.groups]
     grp = packed[0]
     layer_kinds = {lay.kind for lay in grp.layers}
     assert {"batchnorm", "groupnorm", "layernorm"} <= layer_kinds, layer_kinds

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx import solve
+from testing.calls import count_calls
 from testing.distributed import free_port
 
 SHARED = ("damped_cholesky_ex", "solve_cholesky", "woodbury_solve", "woodbury_coefficients", "woodbury_combine",
@@ -28,17 +29,7 @@ SHARED = ("damped_cholesky_ex", "solve_cholesky", "woodbury_solve", "woodbury_co
 @pytest.fixture
 def calls(monkeypatch) -> Counter:
     """Counts of the calls of the :data:`SHARED` functions through ``tengrad_fx.solve``."""
-    counts: Counter = Counter()
-
-    def counting(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            counts[name] += 1
-            return fn(*args, **kwargs)
-        return wrapped
-
-    for name in SHARED:
-        monkeypatch.setattr(solve, name, counting(name, getattr(solve, name)))
-    return counts
+    return count_calls(monkeypatch, {"": solve}, tuple(SHARED))
 
 
 def _mlp() -> nn.Module:

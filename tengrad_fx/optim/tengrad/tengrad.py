@@ -224,11 +224,6 @@ class TENGraD(StepSkeleton):
         """``T``: the schedule's interval (:attr:`schedule`)."""
         return self.schedule.every
 
-    @property
-    def _curv(self) -> list[Any]:
-        """The cached groups (:attr:`curvature`)."""
-        return self.curvature.groups
-
     def _groups_changed(self) -> None:
         """Parameters were added: the layers are re-read, the next step takes curvature."""
         self._layers = grouped_layers(self.model, self.param_groups)
