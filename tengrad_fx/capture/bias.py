@@ -18,14 +18,11 @@ import torch
 from torch import Tensor
 
 from .amp import acc, autocast_off
-from .eager import capture_op, use_custom_ops
+from .eager import alias, capture_op, use_custom_ops
 from .norm_ops import per_sample_sums
 from .store import Record, lookup
 
 __all__ = ["bias_site"]
-
-_unsafe_view = torch.ops.aten._unsafe_view.default
-
 
 def _forward(y: Tensor, C: int, channel_first: bool, key: int, site: int) -> Tensor:
     """The custom op's forward: a copy of ``y`` (a custom op's output may not alias its input)."""
@@ -37,7 +34,7 @@ def _eager_forward(y: Tensor, C: int, channel_first: bool, key: int, site: int) 
     """The eager Function's forward: ``y`` itself, as an alias without a view relation
     (in-place ops on the output stay allowed), or a copy of a non-contiguous ``y``."""
     lookup(key).begin()
-    return _unsafe_view(y, y.shape) if y.is_contiguous() else y.clone()
+    return alias(y)
 
 
 def _eager_backward(grad: Tensor, C: int, channel_first: bool, key: int, site: int) -> Tensor:

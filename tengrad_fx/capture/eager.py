@@ -33,7 +33,16 @@ from torch.library import infer_schema
 
 from .record_guard import kept_apart
 
-__all__ = ["FORCE_CUSTOM_OPS", "use_custom_ops", "capture_op"]
+__all__ = ["FORCE_CUSTOM_OPS", "use_custom_ops", "capture_op", "alias"]
+
+_unsafe_view = torch.ops.aten._unsafe_view.default
+
+
+def alias(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as an alias without a view relation (what ``matmul`` itself returns), or a copy
+    of a non-contiguous ``t``: autograd forbids in-place ops on a view made inside a custom
+    Function, so the capture ops and sites return this for their outputs."""
+    return _unsafe_view(t, t.shape) if t.is_contiguous() else t.clone()
 
 # True: run the custom ops in eager mode too (the path torch.compile takes)
 FORCE_CUSTOM_OPS = False

@@ -38,7 +38,7 @@ from torch import Tensor
 from .amp import acc, as_dtype, autocast_off, cast_lower
 from .bias import bias_site
 from .per_sample_conv import per_sample_conv_weight_grads
-from .eager import capture_op, use_custom_ops
+from .eager import alias, capture_op, use_custom_ops
 from .folded_rows import FOLDS, fold_rows, unfold_rows
 from .store import Record, lookup
 
@@ -104,7 +104,6 @@ def _check_batch(x: Tensor, batch: Optional[int], name: str) -> None:
         )
 
 
-_unsafe_view = torch.ops.aten._unsafe_view.default
 _convolution_backward = torch.ops.aten.convolution_backward.default
 # output_padding of a convolution that is not transposed, by spatial dims
 _NO_OUTPUT_PADDING = {1: (0,), 2: (0, 0), 3: (0, 0, 0)}
@@ -115,9 +114,7 @@ def _not_a_view(out: Tensor) -> Tensor:
     and Conv1d return views). Autograd forbids in-place ops on a view made inside a custom
     op, so an in-place activation or ``+=`` after a captured layer would raise; an alias
     without the view relation (what ``matmul`` itself returns) is safe, nothing else holds it."""
-    if not out._is_view():
-        return out
-    return _unsafe_view(out, out.shape) if out.is_contiguous() else out.clone()
+    return alias(out) if out._is_view() else out
 
 
 # --------------------------------------------------------------------------- linear

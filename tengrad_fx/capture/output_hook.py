@@ -29,6 +29,8 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from .eager import alias
+
 __all__ = ["WANTED", "attach", "graph_breaks_allowed", "maybe_attach", "muted", "release", "want_output",
            "wants_output"]
 
@@ -88,9 +90,7 @@ class _OutputSite(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, t: Tensor, key: int, cell: list[Tensor]) -> Tensor:
         ctx.key, ctx.cell = key, cell
-        # an alias without a view relation, as the capture ops return (in-place ops on the
-        # output stay allowed)
-        return torch.ops.aten._unsafe_view.default(t, t.shape) if t.is_contiguous() else t.clone()
+        return alias(t)  # as the capture ops return (in-place ops on the output stay allowed)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:

@@ -36,6 +36,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from . import ops
+from .eager import alias
 from .info import PrepareInfo
 from .inputs import leading_dim, map_tensors, resize_batch, run_call, tensor_leaves
 from .match import LayerSpec
@@ -98,10 +99,11 @@ def _tap(mod: nn.Module, rp: Replay, m: int, inputs: Any, out: Any) -> Any:
     leaves, tree = pytree.tree_flatten(inputs)
     batched = [isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == m and (rp.positions is None or p in rp.positions)
                for p, t in enumerate(leaves)]
-    if rp.learning:
+    if rp.learning or rp.checking:
         for p, b in enumerate(batched):
             rp.learned[p] = rp.learned.get(p, True) and b
-        return out
+        if rp.learning:
+            return out
     outs = tensor_leaves(out)
     tapped = [j for j, t in enumerate(outs) if t.is_floating_point() and t.requires_grad and t.dim() > 0
               and t.shape[0] == m]
@@ -124,9 +126,7 @@ class _Tap(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, call: _Call, *outs: Tensor) -> tuple[Tensor, ...]:
         ctx.call = call
-        # aliases without a view relation (in-place ops on the outputs stay allowed)
-        return tuple(torch.ops.aten._unsafe_view.default(t, t.shape) if t.is_contiguous() else t.clone()
-                     for t in outs)
+        return tuple(alias(t) for t in outs)  # in-place ops on the outputs stay allowed
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[Tensor]) -> tuple[Optional[Tensor], ...]:
@@ -285,7 +285,7 @@ def cover_by_replay(model: nn.Module, info: PrepareInfo, example_inputs: Sequenc
 
 def _names(rp: Optional[Replay], mod_name: str) -> list[str]:
     """The full names of the parameters ``rp`` replays (none for None)."""
-    return [] if rp is None else [f"{mod_name}.{n}" if mod_name else n for n in rp.names]
+    return [] if rp is None else [f"{mod_name}.{n}" for n in rp.names]
 
 
 def _note(info: PrepareInfo, model: nn.Module, names: list[str], mod_name: str, why: str) -> None:
@@ -324,7 +324,7 @@ def _check(model: nn.Module, info: PrepareInfo, groups: dict[str, list[str]], si
     for those that fail (reason ``""``: no gradient reaches its parameters there, nothing to
     climb for)."""
     store, key = info.store, info.store.key
-    replays = {name: _install(model.get_submodule(name), Replay(key, [n[len(name) + 1:] if name else n for n in names],
+    replays = {name: _install(model.get_submodule(name), Replay(key, [n[len(name) + 1:] for n in names],
                                                                 [sites[n] for n in names], checking=True))
                for name, names in groups.items()}
     names = [n for ns in groups.values() for n in ns]
@@ -336,6 +336,8 @@ def _check(model: nn.Module, info: PrepareInfo, groups: dict[str, list[str]], si
             _learn_positions(model, list(replays.values()), example_inputs)
             outs = [t for t in tensor_leaves(run_call(model, list(example_inputs)))
                     if t.is_floating_point() and t.requires_grad]
+            for rp in replays.values():  # learnt at both batch sizes
+                rp.positions = frozenset(p for p, ok in rp.learned.items() if ok)
             total = sum(((t * torch.randn_like(t)).sum() for t in outs), torch.zeros(()))
             ref = torch.autograd.grad(total, params, allow_unused=True) if outs else [None] * len(params)
         grads = dict(zip(names, ref))
@@ -350,14 +352,14 @@ def _check(model: nn.Module, info: PrepareInfo, groups: dict[str, list[str]], si
 
 def _learn_positions(model: nn.Module, replays: list[Replay], example_inputs: Sequence[Any]) -> None:
     """Which input leaves of each replayed module index samples: those whose leading dim is
-    the batch in every call, at the example batch and at one more (a constant that happens
-    to have the batch's size at one batch size does not at both)."""
-    m0 = leading_dim(*example_inputs) or 1
+    the batch in every call at one more than the example batch (a shapes-only forward), and
+    then (the checking forward, which narrows :attr:`Replay.positions` further) at the
+    example batch: a constant that happens to have the batch's size at one batch size does
+    not at both."""
     for rp in replays:
         rp.learning = True
     try:
-        for n in (m0 + 1, m0):
-            run_call(model, resize_batch(example_inputs, n) if n != m0 else list(example_inputs))
+        run_call(model, resize_batch(example_inputs, (leading_dim(*example_inputs) or 1) + 1))
     finally:
         for rp in replays:
             rp.learning = False
