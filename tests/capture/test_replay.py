@@ -6,6 +6,7 @@ back with the reason; a constant input that has the batch's size is not sliced p
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from torch import Tensor
 
 from tengrad_fx import TENGraD, get_info, prepare, unprepare
 from testing.oracle import check_covered_layers, dense_layer_updates
+from testing.tengrad_step import assert_matches, step_delta
 
 D, T, C = 4, 3, 3
 
@@ -135,23 +137,24 @@ def test_replayed_parameters_are_covered_and_exact() -> None:
     check_covered_layers(orig, model, x[:2], y[:2], tol=1e-10)  # at batch 2: `rows` has the batch's size
 
 
-def test_replayed_tengrad_step_is_dense_block_ngd() -> None:
+def _assert_step_is_dense_block_ngd(backward: Callable[[nn.Module, Tensor, Tensor], None]) -> None:
+    """``backward(model, x, y)`` on a batch of 5, then one TENGraD step (lr 1, no momentum):
+    each replayed parameter moves by dense block NGD's ``(F + αI)⁻¹ g`` of the whole batch."""
     net = _net()
     orig = _reference(net)
     x, y = _batch(5)
     model = prepare(net, example_inputs=(x[:2],))
     damping = 0.1
     opt = TENGraD(model, lr=1.0, damping=damping, momentum=0.0, curvature_every=1, kl_clip=None)
-    F.cross_entropy(model(x), y).backward()
+    backward(model, x, y)
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt.step()
+    delta = step_delta(model, opt)
     want = dense_layer_updates(orig, x, y, F.cross_entropy, grads, damping, get_info(model).covered)
-    params = dict(model.named_parameters())
-    for n in REPLAYED:
-        step = before[n] - params[n].detach()
-        err = ((step - want[n]).norm() / want[n].norm()).item()
-        assert err <= 1e-9, f"{n}: rel err {err:.2e}"
+    assert_matches({n: delta[n] for n in REPLAYED}, {n: want[n] for n in REPLAYED}, tol=1e-9)
+
+
+def test_replayed_tengrad_step_is_dense_block_ngd() -> None:
+    _assert_step_is_dense_block_ngd(lambda model, x, y: F.cross_entropy(model(x), y).backward())
 
 
 def test_module_that_mixes_samples_falls_back_with_reason() -> None:
@@ -189,19 +192,8 @@ def test_unprepare_restores_replayed_modules() -> None:
 def test_replayed_rows_accumulate_over_micro_batches() -> None:
     """Two micro-batches (2 and 3 samples), each loss weighed by its share: one step equals
     dense block NGD on the whole batch for the replayed parameters."""
-    net = _net()
-    orig = _reference(net)
-    x, y = _batch(5)
-    model = prepare(net, example_inputs=(x[:2],))
-    damping = 0.1
-    opt = TENGraD(model, lr=1.0, damping=damping, momentum=0.0, curvature_every=1, kl_clip=None)
-    for sl in (slice(0, 2), slice(2, 5)):
-        (F.cross_entropy(model(x[sl]), y[sl]) * (sl.stop - sl.start) / 5).backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt.step()
-    want = dense_layer_updates(orig, x, y, F.cross_entropy, grads, damping, get_info(model).covered)
-    params = dict(model.named_parameters())
-    for n in REPLAYED:
-        err = ((before[n] - params[n].detach() - want[n]).norm() / want[n].norm()).item()
-        assert err <= 1e-9, f"{n}: rel err {err:.2e}"
+    def two_micro_batches(model: nn.Module, x: Tensor, y: Tensor) -> None:
+        for sl in (slice(0, 2), slice(2, 5)):
+            (F.cross_entropy(model(x[sl]), y[sl]) * (sl.stop - sl.start) / 5).backward()
+
+    _assert_step_is_dense_block_ngd(two_micro_batches)

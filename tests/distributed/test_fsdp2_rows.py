@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.func import functional_call, grad, vmap
 
 import tengrad_fx
-from tengrad_fx.curvature.layer import covered_layers
+from tengrad_fx.curvature.layer import CoveredLayer, covered_layers
 from tengrad_fx.distributed.fsdp_rows import check_shardable, row_chunk, row_records
 
 M = 5
@@ -37,18 +37,25 @@ def _layer(name: str) -> tuple[nn.Module, torch.Tensor]:
     return nn.Embedding(9, 4, padding_idx=2), torch.randint(0, 9, (M, 6), generator=g)
 
 
-@pytest.mark.parametrize("name", ["linear", "conv", "layernorm", "batchnorm", "embedding"])
-@pytest.mark.parametrize("rows", [(0, 2), (1, 4), (3, 3)])
-def test_row_products_equal_per_sample_gradients(name: str, rows: tuple[int, int]) -> None:
+def _captured(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor, CoveredLayer]:
+    """Layer ``name`` (float64; BatchNorm in eval mode) prepared alone, after one backward of
+    ``Σ out·R / M``: (module, input, R, its covered layer)."""
     mod, x = _layer(name)
     mod = mod.double()
     x = x if name == "embedding" else x.double()
     net = tengrad_fx.prepare(nn.Sequential(mod))
     if name == "batchnorm":
         net.eval()
-    R = torch.randn(M, *net(x).shape[1:], dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    ((net(x) * R).sum() / M).backward()
-    lay = covered_layers(net)[0]
+    out = net(x)
+    R = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    ((out * R).sum() / M).backward()
+    return mod, x, R, covered_layers(net)[0]
+
+
+@pytest.mark.parametrize("name", ["linear", "conv", "layernorm", "batchnorm", "embedding"])
+@pytest.mark.parametrize("rows", [(0, 2), (1, 4), (3, 3)])
+def test_row_products_equal_per_sample_gradients(name: str, rows: tuple[int, int]) -> None:
+    mod, x, R, lay = _captured(name)
     a, b = rows
     cut = row_records(lay, rows)
 
@@ -85,16 +92,7 @@ def test_layers_without_row_cuts_are_refused(mod: nn.Module, what: str) -> None:
 @pytest.mark.parametrize("name", ["linear", "linear-wide", "conv", "layernorm", "batchnorm", "embedding"])
 def test_row_grams_sum_to_the_layer_gram(name: str) -> None:
     """``Σ_r J_r J_rᵀ`` over a split of the rows into shards is ``J Jᵀ`` (the layer's own Gram)."""
-    mod, x = _layer(name)
-    mod = mod.double()
-    x = x if name == "embedding" else x.double()
-    net = tengrad_fx.prepare(nn.Sequential(mod))
-    if name == "batchnorm":
-        net.eval()
-    out = net(x)
-    R = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    ((out * R).sum() / M).backward()
-    lay = covered_layers(net)[0]
+    mod, _, _, lay = _captured(name)
     n = mod.weight.shape[0]
     K = sum(row_records(lay, row_chunk(n, 3, c)).gram() for c in range(3))
     J = lay.jacobian()

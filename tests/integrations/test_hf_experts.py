@@ -14,6 +14,7 @@ import torch
 from tengrad_fx import TENGraD, get_info, prepare, unprepare
 from tengrad_fx.capture.experts import ExpertLinear
 from testing.oracle import check_covered_layers, dense_layer_updates
+from testing.tengrad_step import assert_matches, step_delta
 
 from ._hf import Call, token_loss
 
@@ -45,12 +46,17 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, 64, (4, 5), generator=gen), torch.randint(0, 64, (4, 5), generator=gen)
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_mixtral_experts_covered_and_exact() -> None:
+def _prepared() -> tuple[torch.nn.Module, Call, torch.Tensor, torch.Tensor]:
+    """(Mixtral prepared on the batch's first two samples, its ``batched_mm`` reference, x, y)."""
     wrapper = Call(_mixtral())
     ref = _reference(wrapper)
     x, y = _batch()
-    model = prepare(wrapper, example_inputs=(x[:2],))
+    return prepare(wrapper, example_inputs=(x[:2],)), ref, x, y
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_mixtral_experts_covered_and_exact() -> None:
+    model, ref, x, y = _prepared()
     info = get_info(model)
     experts = sorted(n for n in info.covered if ".experts." in n)
     assert [n.rsplit(".", 2)[1:] for n in experts] == [["experts", "down_proj"], ["experts", "gate_up_proj"]], \
@@ -62,25 +68,17 @@ def test_mixtral_experts_covered_and_exact() -> None:
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_mixtral_tengrad_step_is_dense_block_ngd() -> None:
-    wrapper = Call(_mixtral())
-    ref = _reference(wrapper)
-    x, y = _batch()
-    model = prepare(wrapper, example_inputs=(x[:2],))
+    model, ref, x, y = _prepared()
     damping = 0.05
     opt = TENGraD(model, lr=1.0, damping=damping, momentum=0.0, curvature_every=1, kl_clip=None)
     token_loss(model(x), y).backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt.step()
+    delta = step_delta(model, opt)
     covered = get_info(model).covered
     want_ref = dense_layer_updates(ref, x, y, token_loss, grads, damping, covered)
-    params = dict(model.named_parameters())
     moe = [n for n in covered if ".experts." in n or n.endswith("mlp.gate.weight")]
     assert len(moe) == 3
-    for n in moe:
-        step = before[n] - params[n].detach()
-        err = ((step - want_ref[n]).norm() / want_ref[n].norm()).item()
-        assert err <= 1e-8, f"{n}: rel err {err:.2e}"
+    assert_matches({n: delta[n] for n in moe}, {n: want_ref[n] for n in moe}, tol=1e-8)
 
 
 @pytest.mark.parametrize("transposed", [False, True])
