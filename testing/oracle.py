@@ -59,10 +59,11 @@ def explicit_jacobian(psg: dict[str, Tensor], weight_name: str, bias_name: Optio
 
 def dense_layer_updates(model: nn.Module, x: Tensor, y: Tensor, loss_fn: Callable[[Tensor, Tensor], Tensor],
                         grads: dict[str, Tensor], damping: float,
-                        covered: dict[str, str]) -> dict[str, Tensor]:
-    """``{param name: u}`` with ``u = solve(JᵀJ/m + αI, g)`` per covered layer (``covered``:
+                        covered: dict[str, str], metric: Optional[dict[str, Tensor]] = None) -> dict[str, Tensor]:
+    """``{param name: u}`` with ``u = solve(JᵀJ/m + αD, g)`` per covered layer (``covered``:
     param name -> layer name, as in ``PrepareInfo.covered``), ``J`` from ``vmap(grad)``
-    on the ORIGINAL ``model`` and ``g`` from ``grads``."""
+    on the ORIGINAL ``model`` and ``g`` from ``grads``; ``D`` diagonal, from ``metric``
+    (param name -> its diagonal, the parameter's shape; I where absent)."""
     psg = per_sample_grads_reference(model, x, loss_fn, y)
     layers: dict[str, list[str]] = {}
     for pn, layer in covered.items():
@@ -76,7 +77,9 @@ def dense_layer_updates(model: nn.Module, x: Tensor, y: Tensor, loss_fn: Callabl
         J = torch.cat([psg[n].flatten(1) for n in names], 1)
         m, n = J.shape
         gv = torch.cat([grads[k].flatten() for k in names])
-        u = torch.linalg.solve(J.T @ J / m + damping * torch.eye(n, dtype=J.dtype), gv)
+        d = torch.cat([(metric[k] if metric and k in metric else torch.ones_like(grads[k])).flatten()
+                       for k in names])
+        u = torch.linalg.solve(J.T @ J / m + damping * torch.diag(d.to(J.dtype)), gv)
         off = 0
         for k in names:
             out[k] = u[off: off + grads[k].numel()].view_as(grads[k])

@@ -180,6 +180,9 @@ class GlobalBatch(SingleProcess):
                              "are gathered whole); leave it None, or use TENGraD on one process")
         if options.get("fisher") == "gauss-newton":
             raise ValueError("DistributedTENGraD: fisher='gauss-newton' is not supported; use 'empirical' or 'mc'")
+        if options.get("metric") is not None:
+            raise ValueError("DistributedTENGraD: metric is not supported (its moments and scaled records are "
+                             "per process); leave it None, or use TENGraD on one process")
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(model, DistributedDataParallel) and not _prepared(model):

@@ -25,6 +25,7 @@ the output tensor): :meth:`~tengrad_fx.optim.step.skeleton.StepSkeleton.mc_captu
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Any, Callable, Iterable, Literal, Optional, Sequence
 
 import torch
@@ -47,6 +48,7 @@ from .graft import GRAFT_BETA2, GRAFT_EPS, check_graft, check_group_orthogonaliz
 from .cuda_graphs import GraphRunner
 from .group_cost import reuse_cost
 from .jacobian_sites import marked_jacobian_sites
+from .metric import make_metric
 from .options import Execution, jacobian_budget_bytes, resolve_execution, resolve_schedule, use_cuda_graph
 from .resume import restore_records, save_records
 from .schedule import CurvatureSchedule
@@ -88,6 +90,10 @@ class TENGraD(StepSkeleton):
             Muon's five quintic steps (matmuls only; capturable). Default off: the update is NGD's.
             A param group with ``"orthogonalize": False`` keeps its weights' updates (grafted, if
             ``graft``): Muon's recipe leaves the embeddings and the output layer to Adam.
+        metric: ``"factored"``: ``u = (F + αD)⁻¹ g`` with a Kronecker-diagonal ``D`` of mean 1 from
+            factored second moments of the gradients (Adafactor's; :mod:`.metric`), still exact by
+            Woodbury; directions the rows do not span get ``g/(αD)``. None: ``D = I`` (the paper's).
+        metric_beta2: the EMA factor of ``metric``'s second moments.
         curvature_samples: ``k``: the curvature of the first ``k`` samples of each curvature batch
             (:mod:`.subsample`; reuse steps cost ``∝ k``); every update is ``(F_k + αI)⁻¹ g``. None: all.
         fisher: ``"empirical"`` (G from the training loss), ``"mc"`` (labels sampled from the model's
@@ -156,6 +162,8 @@ class TENGraD(StepSkeleton):
         curvature_growth: Optional[float] = None,
         graft: Optional[str] = None,
         orthogonalize: bool | str = False,
+        metric: Optional[Literal["factored"]] = None,
+        metric_beta2: float = 0.99,
         curvature_samples: Optional[int] = None,
         fisher: Literal["empirical", "mc", "gauss-newton"] = "empirical",
         mc_loss: Literal["cross_entropy", "mse"] = "cross_entropy",
@@ -179,7 +187,7 @@ class TENGraD(StepSkeleton):
             strategy=strategy, jacobian_budget_mb=jacobian_budget_mb, compile=compile, cuda_graph=cuda_graph,
             gram_tf32=gram_tf32, solve_dtype=solve_dtype))
         self.distribution = dist = SingleProcess() if distribution is None else distribution
-        dist.check(dict(vars(ex), curvature_samples=curvature_samples, fisher=fisher))
+        dist.check(dict(vars(ex), curvature_samples=curvature_samples, fisher=fisher, metric=metric))
         model = dist.unwrap(model)
         info = get_info(model)  # raises ValueError for an unprepared model
         check_nonneg("lr", lr)
@@ -199,6 +207,7 @@ class TENGraD(StepSkeleton):
         self.graft, self.fisher, self.mc_loss, self.kl_clip = graft, fisher, mc_loss, kl_clip
         self.orthogonalize: str | Literal[False] = check_orthogonalize(orthogonalize) or False
         check_group_orthogonalize(self.param_groups, self.orthogonalize)
+        self.metric = make_metric(metric, metric_beta2)
         self.update_form = update_form
         self.solve_dtype, self.strategy, self.gram_tf32, self.compile = \
             ex.solve_dtype, ex.strategy, bool(ex.gram_tf32), bool(ex.compile)
@@ -309,14 +318,18 @@ class TENGraD(StepSkeleton):
         """``u = (F + αI)⁻¹ g`` of its layer for every covered parameter with a gradient
         (shared by the :attr:`distribution`), with the step's flags."""
         t0 = time.perf_counter()
-        dist, cache = self.distribution, self.curvature
+        dist, cache, metric = self.distribution, self.curvature, self.metric
+        if metric is not None:
+            metric.observe(self.state, self._layers)
+            if curvature_step:  # the new records become the rows J S (before they move)
+                metric.freeze(self.state, self._layers)
         dist.begin(self, curvature_step)
         t_begin = time.perf_counter()
         self._gram_seconds = 0.0
         subsampled = curvature_step and self._subsampled()
         # push-through needs g = the captured batch's Jᵀ1: an empirical curvature step of the whole batch
         push_through = curvature_step and not mc_step and not subsampled and self.update_form == "auto"
-        result = self._fused_updates(push_through, damping) if curvature_step else None
+        result = self._fused_updates(push_through, damping) if curvature_step and metric is None else None
         t1 = time.perf_counter()
         if result is None:  # the modular path
             if curvature_step or not cache.modular():
@@ -324,7 +337,8 @@ class TENGraD(StepSkeleton):
             elif damping != cache.damping:
                 cache.factorize(damping, self.param_groups)
             t1 = time.perf_counter()
-            result = dist.precondition(self, push_through, damping)
+            with metric.scaled_grads(self.state, self._layers) if metric is not None else nullcontext():
+                result = dist.precondition(self, push_through, damping)
         if curvature_step:
             cache.sched, cache.recapture = step, False
         self._count_uncaptured(result.updates)
@@ -333,7 +347,7 @@ class TENGraD(StepSkeleton):
         self._t_apply = t2  # the sharing and shaping of the updates count as "solve" (_updates)
         result = dist.finish(self, result)
         self.timings.update(dist.timings(t_begin - t0))
-        return result
+        return result if metric is None else metric.unscale(self.state, self._layers, result)
 
     def _fused_updates(self, push_through: bool, damping: Damping) -> Optional[StepResult]:
         """A curvature step by the fused update (``compile``), None where it does not apply

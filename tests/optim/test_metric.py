@@ -1,0 +1,161 @@
+"""``TENGraD(..., metric="factored")``: ``u = (F + αD)⁻¹ g`` with a Kronecker-diagonal ``D``.
+
+Exactness in float64 against a dense solve with ``D`` built here from the gradients'
+history (EMAs of the row and column means of ``g²``, ``a = √r/mean(√r)``, ``b = √c/mean(√c)``,
+``D = a ⊗ b``, the bias ``a``'s output side), independently of ``optim.tengrad.metric``:
+an MLP at ``T = 1`` and ``T = 3`` (reuse steps keep the curvature step's ``D`` and
+Fisher), and a small language model with a tied embedding / output layer, a padding index
+and a transposed Linear (Hugging Face's ``Conv1D``). A resumed run continues bit for bit.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import tengrad_fx
+from tengrad_fx import TENGraD
+from tengrad_fx.optim.tengrad.metric import FLOOR
+from testing.oracle import dense_layer_updates
+from testing.tengrad_step import assert_matches, batch, forward_backward, full_grad, layer_params, setup, snapshot, \
+    step_delta
+
+BETA2 = 0.9
+
+
+def _factor(moment: torch.Tensor) -> torch.Tensor:
+    root = moment.sqrt()
+    return (root / root.mean()).clamp_min(FLOOR)
+
+
+def _metric(history: dict[str, list[torch.Tensor]], out_rows: dict[str, bool],
+            biases: dict[str, str]) -> dict[str, torch.Tensor]:
+    """``{param name: D}`` from each weight's gradients so far (EMA from zero, factor ``BETA2``)."""
+    out = {}
+    for name, grads in history.items():
+        if grads[0].ndim != 2:
+            continue
+        r = c = torch.zeros(())
+        for g in grads:
+            r = BETA2 * r + (1 - BETA2) * g.square().mean(1)
+            c = BETA2 * c + (1 - BETA2) * g.square().mean(0)
+        a, b = _factor(r), _factor(c)
+        out[name] = a[:, None] * b[None, :]
+        if name in biases:
+            out[biases[name]] = a if out_rows[name] else b
+    return out
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_factored_metric_step_equals_dense_solve(every: int) -> None:
+    """Five steps of the MLP: each update is ``solve(JᵀJ/m + αD, g)`` with ``J`` and ``D``
+    of the last curvature step and ``g`` of this one."""
+    template, model, opt = setup("mlp", metric="factored", metric_beta2=BETA2, curvature_every=every)
+    layers = layer_params(model)
+    covered = {pn: lay for lay, names in layers.items() for pn in names}
+    biases = {names[0]: names[1] for names in layers.values() if len(names) == 2}
+    history: dict[str, list[torch.Tensor]] = {}
+    for t in range(5):
+        x, y = batch("mlp", 8, t)
+        ref_model = snapshot(template, model)
+        forward_backward(model, opt, x, y)
+        g = full_grad(ref_model, x, y, F.cross_entropy)
+        for n, gn in g.items():
+            history.setdefault(n, []).append(gn)
+        if t % every == 0:
+            D = _metric(history, {n: True for n in biases}, biases)
+            curv = (ref_model, x, y)
+        ref = dense_layer_updates(*curv, F.cross_entropy, g, 0.05, covered, metric=D)
+        assert_matches(step_delta(model, opt), ref)
+
+
+class TinyLM(nn.Module):
+    """Embedding (vocab 7, padding index 0) tied to the output Linear (with a bias), a
+    transposed Linear in between; logits ``[B, S, 7]``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+        torch.manual_seed(1)
+        self.emb = nn.Embedding(7, 5, padding_idx=0)
+        self.mix = Conv1D(5, 5)
+        self.head = nn.Linear(5, 7)
+        self.head.weight = self.emb.weight
+        nn.init.normal_(self.mix.weight, std=0.5)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.emb(idx))))
+
+
+def _lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def test_factored_metric_on_a_tied_language_model() -> None:
+    """Three steps of :class:`TinyLM` (``T = 1``): the tied table ``[7, 5]`` gets
+    ``D = a ⊗ b`` over its rows (vocabulary) and columns, the head's bias ``a``, the
+    transposed Linear ``[d_in, d_out]`` its bias the columns' ``b``."""
+    pytest.importorskip("transformers")
+    net = TinyLM().double()
+    template = copy.deepcopy(net)
+    gen = torch.Generator().manual_seed(3)
+    x0 = torch.randint(0, 7, (2, 4), generator=gen)
+    model = tengrad_fx.prepare(net, example_inputs=(x0,))
+    opt = TENGraD(model, lr=1.0, damping=0.05, momentum=0.0, weight_decay=0.0, curvature_every=1, kl_clip=None,
+                  metric="factored", metric_beta2=BETA2)
+    covered = tengrad_fx.get_info(model).covered
+    assert {"emb.weight", "mix.weight", "head.bias"} <= set(covered)
+    biases = {"emb.weight": "head.bias", "mix.weight": "mix.bias"}
+    history: dict[str, list[torch.Tensor]] = {}
+    for _ in range(3):
+        x, y = torch.randint(0, 7, (6, 4), generator=gen), torch.randint(0, 7, (6, 4), generator=gen)
+        ref_model = snapshot(template, model)
+        opt.zero_grad()
+        _lm_loss(model(x), y).backward()
+        g = full_grad(ref_model, x, y, _lm_loss)
+        for n, gn in g.items():
+            history.setdefault(n, []).append(gn)
+        D = _metric(history, {"emb.weight": True, "mix.weight": False}, biases)
+        ref = dense_layer_updates(ref_model, x, y, _lm_loss, g, 0.05, covered, metric=D)
+        assert_matches(step_delta(model, opt), ref)
+
+
+def test_factored_metric_resumes_bit_for_bit() -> None:
+    """``T = 3``, saved after a curvature step (the next reuses it): the loaded optimizer's
+    next steps equal the uninterrupted run's bit for bit (the moments, ``S`` and the scaled
+    records travel in the state)."""
+    def run(stop: int | None) -> dict[str, torch.Tensor]:
+        template, model, opt = setup("mlp", metric="factored", curvature_every=3, momentum=0.9, lr=0.1)
+        for t in range(5):
+            if t == stop:
+                sd, params = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+                _, model, opt = setup("mlp", metric="factored", curvature_every=3, momentum=0.9, lr=0.1)
+                model.load_state_dict(params)
+                opt.load_state_dict(sd)
+            x, y = batch("mlp", 8, t)
+            forward_backward(model, opt, x, y)
+            opt.step()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    whole, resumed = run(None), run(1)
+    assert all(torch.equal(whole[n], resumed[n]) for n in whole)
+
+
+def test_metric_changes_the_step_and_bad_values_are_named() -> None:
+    """The metric is not the identity (the update differs from the plain step's on the
+    same batch); an unknown metric or a ``metric_beta2`` outside ``[0, 1)`` is a ValueError
+    naming it."""
+    deltas = []
+    for metric in (None, "factored"):
+        _, model, opt = setup("mlp", metric=metric)
+        x, y = batch("mlp", 8, 0)
+        forward_backward(model, opt, x, y)
+        deltas.append(step_delta(model, opt))
+    assert (deltas[0]["0.weight"] - deltas[1]["0.weight"]).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="metric"):
+        setup("mlp", metric="diagonal")
+    with pytest.raises(ValueError, match="metric_beta2"):
+        setup("mlp", metric="factored", metric_beta2=1.0)
