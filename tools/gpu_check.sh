@@ -8,6 +8,8 @@
 # rows if time is left. Everything is teed to $OUT/log.txt; the JSON/CSV tables are packed
 # into $OUT/results.tgz after every step, so a run cut short still returns what it finished.
 #   OUT=gpu_out bash tools/gpu_check.sh     # from the repository root (data in .data/fashion-mnist)
+#   PARTS="tests lm" OUT=gpu_out bash tools/gpu_check.sh   # only some parts: tests, images (the image
+#                                           # benches and races, the default with tests), lm (the language-model race)
 # The peers need pytorch-optimizer; on a machine without pip access carry its wheel in .whl/.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -17,6 +19,8 @@ mkdir -p "$OUT" /tmp/gc
 L="$OUT/log.txt"
 J=/tmp/gc/json
 mkdir -p "$J"
+PARTS=${PARTS:-tests images}
+want() { [[ " $PARTS " == *" $1 "* ]]; }
 step() { tar czf "$OUT/results.tgz" -C "$J" . 2>/dev/null; echo; echo "=== $(date -u +%T) $*" | tee -a "$L"; }
 step device
 { $PY -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))"
@@ -25,10 +29,13 @@ if ls .whl/pytorch_optimizer-*.whl >/dev/null 2>&1 && ! $PY -c "import pytorch_o
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=.:/tmp/site
 fi
+if want tests; then
 step "GPU tests"
-timeout 120 $PY -m pytest -q -p no:cacheprovider -rfs tests/optim/test_cuda.py tests/optim/test_syncs.py \
+timeout 150 $PY -m pytest -q -p no:cacheprovider -rfs tests/optim/test_cuda.py tests/optim/test_syncs.py \
   tests/optim/test_graphs.py $(grep -rl "cuda.is_available" tests --include='test_*.py' | grep -v "optim/test_cuda.py\|tests/compile/") \
   2>&1 | tail -40 | tee -a "$L"
+fi
+if want images; then
 ROWS=sgd,tengrad,tengrad-mc,tengrad-mc-T100,tengrad-mc-T100-eager
 step "bench 3c1f"
 timeout 60 $PY -m tools.bench --device cuda --model 3c1f --m 128 --methods $ROWS \
@@ -95,4 +102,19 @@ step "reproduce fmnist kfac,ekfac,kbfgs (1 seed)"
 timeout 200 $PY -m tools.reproduce fmnist --methods kbfgs,kfac,ekfac --device cuda \
   --data-dir .data/fashion-mnist --out /tmp/gc/repro --no-progress 2>&1 | grep -v "^logs" | tee -a "$L"
 cp /tmp/gc/repro/table.csv "$J/table-baselines.csv" 2>/dev/null
+fi
+if want lm; then
+# The language-model race on CUDA (docs/workloads.md): GPT-2 and its Llama twin at the -l size
+# (6 blocks, width 384, context 256), seed 0 first, then seeds 1 and 2 of both while time is left.
+# LM_METHODS and LM_VARIANTS (--tengrad NAME:OPTIONS flags) choose the methods.
+LM_METHODS=${LM_METHODS:-sgd,adamw,muon,tengrad,tengrad-orth-ns}
+for s in ${LM_SEEDS:-0 1 2}; do
+  for M in gpt2 llama; do
+    step "peer bench $M-bytes-l seed $s on CUDA (${LM_STEPS:-300} steps)"
+    timeout ${LM_TIMEOUT:-100} $PY -m tools.peer_bench --device cuda --model "$M-bytes-l" --seed "$s" \
+      --methods "$LM_METHODS" ${LM_VARIANTS:-} --steps ${LM_STEPS:-300} --warmup 4 --eval-every 10 \
+      --targets 2.4,2.2,2.0 --out "$J/lm-$M-l-s$s" 2>&1 | grep -v Warn | tee -a "$L"
+  done
+done
+fi
 step done

@@ -28,6 +28,8 @@ table tied to a Linear, whose lookups are recorded as Linear calls) and Embeddin
 ``S``); the moments are updated on every step, on the device. They live in the optimizer's
 state of each weight (``metric_rows`` ``[R]``, ``metric_cols`` ``[C]``, and the fixed
 ``metric_scale_rows`` / ``metric_scale_cols``: ``S``'s factors), so ``state_dict`` keeps them.
+Reuse steps replay as CUDA graphs as before; curvature steps take the modular path (no fused
+update under ``compile``). One process only (``DistributedTENGraD`` refuses it).
 """
 from __future__ import annotations
 
