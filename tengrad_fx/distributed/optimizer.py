@@ -120,6 +120,11 @@ def mc_seed(seed: int, rank: int) -> int:
     return (int(seed) * 1_000_003 + 7919 * (int(rank) + 1)) % (2 ** 63)
 
 
+def nccl_backend() -> bool:
+    """Is the default process group's backend NCCL (alone, or NCCL for CUDA tensors)?"""
+    return "nccl" in str(dist.get_backend()).lower()
+
+
 def _prepared(model: torch.nn.Module) -> bool:
     try:
         get_info(model)
@@ -136,7 +141,6 @@ class GlobalBatch(SingleProcess):
 
     saves_records = False  # records are per owner: a resumed run takes curvature first
     agreed_skips = True
-    capturable = False  # the step's collectives are not captured in CUDA graphs
 
     def __init__(self, mode: Mode = "auto", placement: Placement = "auto", seed: int = 0,
                  bandwidth: float = 50e9, flop_rate: float = 50e12):
@@ -149,6 +153,8 @@ class GlobalBatch(SingleProcess):
         if placement not in ("auto", "owner", "replicate"):
             raise ValueError(f"DistributedTENGraD: placement must be 'auto', 'owner' or 'replicate', got {placement!r}")
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        # a reuse step's collectives (broadcast, all_gather, all_reduce) are captured by NCCL only
+        self.capturable = nccl_backend()
         self.mode, self.placement, self.seed = mode, placement, int(seed)
         self.bandwidth, self.flop_rate = float(bandwidth), float(flop_rate)
         self.overlap = True  # False: the same collectives one after the other (tests: identical bits)
@@ -171,10 +177,10 @@ class GlobalBatch(SingleProcess):
 
     # ------------------------------------------------------------------ construction
     def check(self, options: dict[str, Any]) -> None:
-        for opt in ("compile", "cuda_graph"):
-            if options.get(opt):
-                raise ValueError(f"DistributedTENGraD: {opt}=True is not supported (the step's collectives are "
-                                 "not captured); leave it False")
+        if options.get("compile"):
+            raise ValueError("DistributedTENGraD: compile=True is not supported (the fused update solves every "
+                             "layer from this rank's own records, without the records' exchange, so it would "
+                             "precondition with this rank's batch only); leave it False")
         if options.get("curvature_samples") is not None:
             raise ValueError("DistributedTENGraD: curvature_samples is not supported (the global batch's records "
                              "are gathered whole); leave it None, or use TENGraD on one process")
@@ -190,6 +196,10 @@ class GlobalBatch(SingleProcess):
         if opt._info.loss_reduction != "mean":
             raise ValueError("DistributedTENGraD: prepare(..., loss_reduction='mean') is required (DDP averages "
                              "the gradients over the ranks, i.e. the global loss is the mean over the global batch)")
+        if opt.cuda_graph and not self.capturable and any(p.is_cuda for p in opt._group_params()):
+            raise ValueError(f"DistributedTENGraD: cuda_graph=True with CUDA parameters needs the NCCL backend "
+                             f"(the process group's is {dist.get_backend()!r}, whose collectives on CUDA tensors "
+                             "cannot be captured in a CUDA graph); pass cuda_graph=False or leave it None")
 
     def reset(self, opt: Host) -> None:
         self.forget()
@@ -198,6 +208,11 @@ class GlobalBatch(SingleProcess):
         return set()  # every rank records I and G: the records agree across ranks
 
     def has_curvature(self, opt: Host) -> bool:
+        return not self.fresh
+
+    def has_factors(self, opt: Host) -> bool:
+        """Every rank took curvature (a rank may solve no layer itself and hold no factor):
+        the ranks agree on which reuse steps run through a CUDA graph."""
         return not self.fresh
 
     # ------------------------------------------------------------------ MC
@@ -225,6 +240,8 @@ class GlobalBatch(SingleProcess):
         t0 = time.perf_counter()
         self.sharing.reset(opt._layers)
         if curvature_step:
+            # a captured reuse step reads this step's records and factors: its graphs are replaced
+            opt.curvature.version += 1
             if self.mode == "local":
                 self.layers = [lay for lay in opt._layers if lay.captured]
             else:
