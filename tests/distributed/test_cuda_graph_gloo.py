@@ -79,6 +79,28 @@ def graph_ranks(rank: int, world: int) -> dict[str, Any]:
                            for name, case in CASES.items()}
     net = tengrad_fx.prepare(make_model("mlp"))
     out["default"] = DistributedTENGraD(DDP(net), lr=0.1, damping=0.05).cuda_graph
+    out["fsdp2"] = _fsdp2_refusal(world)
+    return out
+
+
+def _fsdp2_refusal(world: int) -> dict[str, Any]:
+    """``cuda_graph=True`` on an FSDP2 model: the error; the default there (off)."""
+    import tengrad_fx
+    from tengrad_fx.distributed import DistributedTENGraD
+    from testing import fsdp_workers as fw
+
+    def model() -> torch.nn.Module:
+        net = fw.make_model("block")
+        fw._shard(net, {}, world)
+        return tengrad_fx.prepare(net, example_inputs=(fw.global_batch("block", 2, 0)[0],))
+
+    out: dict[str, Any] = {"error": None}
+    try:
+        DistributedTENGraD(model(), lr=0.1, damping=0.05, cuda_graph=True)
+    except ValueError as exc:
+        out["error"] = str(exc)
+    opt = DistributedTENGraD(model(), lr=0.1, damping=0.05)
+    out["default"], out["type"] = opt.cuda_graph, type(opt).__name__
     return out
 
 
@@ -130,3 +152,10 @@ def test_default_is_off_on_gloo(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
         assert r["default"] is False
         assert all(r[name][True]["capturable"] is False for name in CASES)
+
+
+def test_fsdp2_refuses_cuda_graph_with_the_reason(ranks: list[dict[str, Any]]) -> None:
+    for r in ranks:
+        got = r["fsdp2"]
+        assert got["type"] == "FSDPTENGraD" and got["default"] is False
+        assert got["error"] is not None and "cuda_graph=True" in got["error"] and "DTensor" in got["error"], got
