@@ -81,6 +81,10 @@ all-reduced flag, so every rank agrees). A failed collective (a rank that raised
 died, a timeout) raises :class:`~.comm.DistributedStepError`. The MC Fisher samples
 labels with a per-rank generator seeded from ``seed`` and the rank
 (:func:`mc_seed`); ``opt.last_mc_targets`` holds this rank's last sample.
+
+CUDA graphs (``cuda_graph``, default on for NCCL and CUDA parameters): the reuse steps of
+every mode, collectives included, are captured and replayed on every rank alike
+(:mod:`tengrad_fx.optim.tengrad.cuda_graphs`; docs/distributed.md); on gloo they run eagerly.
 """
 from __future__ import annotations
 
@@ -102,7 +106,7 @@ from ..optim.tengrad.distribution import Host, SingleProcess
 from ..optim.tengrad.group_build import build_groups
 from ..optim.tengrad.tengrad import TENGraD
 from ..optim.tengrad.layer_groups import LayerGroup, precondition_groups
-from .comm import all_ok
+from .comm import all_ok, nccl_backend
 from .fsdp_rows import fully_sharded
 from .gram_blocks import GramBlocksStep
 from .plan import assign_owners, choose_modes, choose_placement, solve_cost
@@ -118,11 +122,6 @@ Placement = Literal["auto", "owner", "replicate"]
 def mc_seed(seed: int, rank: int) -> int:
     """The MC-sampling seed of ``rank`` derived from the global ``seed``."""
     return (int(seed) * 1_000_003 + 7919 * (int(rank) + 1)) % (2 ** 63)
-
-
-def nccl_backend() -> bool:
-    """Is the default process group's backend NCCL (alone, or NCCL for CUDA tensors)?"""
-    return "nccl" in str(dist.get_backend()).lower()
 
 
 def _prepared(model: torch.nn.Module) -> bool:
@@ -153,8 +152,7 @@ class GlobalBatch(SingleProcess):
         if placement not in ("auto", "owner", "replicate"):
             raise ValueError(f"DistributedTENGraD: placement must be 'auto', 'owner' or 'replicate', got {placement!r}")
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
-        # a reuse step's collectives (broadcast, all_gather, all_reduce) are captured by NCCL only
-        self.capturable = nccl_backend()
+        self.capturable = nccl_backend()  # a reuse step's broadcasts, all_gathers, all_reduces: NCCL captures them
         self.mode, self.placement, self.seed = mode, placement, int(seed)
         self.bandwidth, self.flop_rate = float(bandwidth), float(flop_rate)
         self.overlap = True  # False: the same collectives one after the other (tests: identical bits)
@@ -178,9 +176,8 @@ class GlobalBatch(SingleProcess):
     # ------------------------------------------------------------------ construction
     def check(self, options: dict[str, Any]) -> None:
         if options.get("compile"):
-            raise ValueError("DistributedTENGraD: compile=True is not supported (the fused update solves every "
-                             "layer from this rank's own records, without the records' exchange, so it would "
-                             "precondition with this rank's batch only); leave it False")
+            raise ValueError("DistributedTENGraD: compile=True is not supported (the fused update bypasses the "
+                             "distributed solve: the owners' factors, the gram-blocks products); leave it False")
         if options.get("curvature_samples") is not None:
             raise ValueError("DistributedTENGraD: curvature_samples is not supported (the global batch's records "
                              "are gathered whole); leave it None, or use TENGraD on one process")
@@ -210,10 +207,7 @@ class GlobalBatch(SingleProcess):
     def has_curvature(self, opt: Host) -> bool:
         return not self.fresh
 
-    def has_factors(self, opt: Host) -> bool:
-        """Every rank took curvature (a rank may solve no layer itself and hold no factor):
-        the ranks agree on which reuse steps run through a CUDA graph."""
-        return not self.fresh
+    has_factors = has_curvature  # on every rank alike (a rank may hold no factor): the same graph steps
 
     # ------------------------------------------------------------------ MC
     def _generator(self, device: torch.device, purpose: str = "mc") -> torch.Generator:
@@ -400,9 +394,10 @@ class DistributedTENGraD(TENGraD):
         placement: ``"auto"``, ``"owner"`` or ``"replicate"`` (module docstring).
         bandwidth, flop_rate: the cost models' bytes/s and flop/s per rank (``"auto"``).
         seed: global seed of the MC Fisher's label sampling (per-rank seeds :func:`mc_seed`).
-        **kwargs: TENGraD's options (``compile`` and ``cuda_graph`` are off here: the
-            step's collectives are not captured in CUDA graphs; ``curvature_samples`` and
-            ``fisher="gauss-newton"`` are not supported: ``ValueError``).
+        **kwargs: TENGraD's options (``cuda_graph``: reuse steps replayed as CUDA graphs,
+            collectives included, default on for NCCL and CUDA parameters, module docstring;
+            ``compile``, ``curvature_samples`` and ``fisher="gauss-newton"`` are not supported:
+            ``ValueError``).
     """
 
     distribution: GlobalBatch
