@@ -27,7 +27,15 @@ CASES = {
     "auto-empirical": dict(model="cnn", mode="auto", fisher="empirical"),
     "auto-mc": dict(model="cnn", mode="auto", fisher="mc"),
     "local-empirical": dict(model="mlp", mode="local", fisher="empirical"),
+    "gather-one-layer": dict(model="linear", mode="gather", fisher="empirical"),  # rank 1 owns no layer
 }
+
+
+def _model(kind: str) -> torch.nn.Module:
+    if kind != "linear":
+        return make_model(kind)
+    torch.manual_seed(0)
+    return torch.nn.Linear(6, 4).double()  # the inputs and classes of "mlp"
 
 
 def _probe_states(opt: Any) -> list[torch.Tensor]:
@@ -41,8 +49,8 @@ def _run(rank: int, world: int, case: dict[str, Any], cuda_graph: bool) -> dict[
     from torch.nn.parallel import DistributedDataParallel as DDP
     from tengrad_fx.distributed import DistributedTENGraD
     from tengrad_fx.utils.dispatch import SyncCounter
-    kind = case["model"]
-    net = tengrad_fx.prepare(make_model(kind))
+    kind = "mlp" if case["model"] == "linear" else case["model"]
+    net = tengrad_fx.prepare(_model(case["model"]))
     ddp = DDP(net)
     opt = DistributedTENGraD(ddp, lr=0.1, damping=0.05, mode=case["mode"], placement="owner", bandwidth=1e9,
                              flop_rate=1e10, curvature_every=T, fisher=case["fisher"], kl_clip=0.01,
@@ -67,7 +75,8 @@ def _run(rank: int, world: int, case: dict[str, Any], cuda_graph: bool) -> dict[
     return {"traj": traj, "syncs": syncs, "probe_moved": probe_moved, "cuda_graph": opt.cuda_graph,
             "eager_runs": runner.graphs.eager_runs, "static_grads": len(runner.grads),
             "modes": sorted(set(m["mode"] for m in opt.layer_plan().values())),
-            "capturable": opt.distribution.capturable, "curvature_steps": opt.curvature_steps}
+            "capturable": opt.distribution.capturable, "curvature_steps": opt.curvature_steps,
+            "owners": sorted(set(m["owner"] for m in opt.layer_plan().values() if m["owner"] is not None))}
 
 
 def graph_ranks(rank: int, world: int) -> dict[str, Any]:
@@ -145,6 +154,7 @@ def test_cases_cover_the_modes(ranks: list[dict[str, Any]]) -> None:
     assert r["auto-empirical"][True]["modes"] == ["gather", "gram-blocks"]
     assert r["gram-blocks-empirical"][True]["modes"] == ["gram-blocks"]
     assert r["gather-mc"][True]["modes"] == ["gather"]
+    assert r["gather-one-layer"][True]["owners"] == [0]  # rank 1 holds no factor, yet takes the graph path
 
 
 def test_default_is_off_on_gloo(ranks: list[dict[str, Any]]) -> None:
