@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["DistributedStepError", "collective", "all_gather_meta", "all_ok", "all_sum", "Bucket", "pack",
-           "unpack", "gather_buckets", "start_broadcasts", "wait_all", "broadcast_buckets"]
+__all__ = ["DistributedStepError", "collective", "nccl_backend", "all_gather_meta", "all_ok", "all_sum", "Bucket",
+           "pack", "unpack", "gather_buckets", "start_broadcasts", "wait_all", "broadcast_buckets"]
 
 T = TypeVar("T")
 
@@ -46,6 +46,11 @@ def collective(what: str, fn: Callable[[], T]) -> T:
             f"DistributedTENGraD (rank {_rank()}): {what} failed: {type(exc).__name__}: {exc}. Another rank has "
             "most likely raised, died or timed out (see its own error); the wait is bounded by the process "
             "group's timeout (init_process_group(timeout=...)).") from exc
+
+
+def nccl_backend() -> bool:
+    """Is the default process group's backend NCCL (alone, or NCCL for CUDA tensors)?"""
+    return "nccl" in str(dist.get_backend()).lower()
 
 
 def all_gather_meta(obj: Any, what: str) -> list[Any]:

@@ -107,6 +107,7 @@ class FSDPShards(GlobalBatch):
                              f"got {mode!r}")
         super().__init__("gather", "replicate", seed, bandwidth, flop_rate)
         self.mode = mode
+        self.capturable = False  # cuda_graph stays off (check)
         self.shard_group: Optional[Any] = None  # the process group of the mesh's shard dim
         self._coords: list[int] = []  # each global rank's coordinate on the shard dim
         self._shards = 1  # the shard dim's size
@@ -119,6 +120,12 @@ class FSDPShards(GlobalBatch):
 
     def check(self, options: dict[str, Any]) -> None:
         super().check(options)
+        if options.get("cuda_graph"):
+            raise ValueError("DistributedTENGraD (FSDP2): cuda_graph=True is not supported: a replayed reuse step "
+                             "reads the gradients from static buffers, and FSDP2's gradients are DTensors that its "
+                             "reduce-scatter allocates anew on every backward, which the graph runner's buffer copy "
+                             "does not handle (DTensor has no sharding rule for aten._foreach_copy_); leave it "
+                             "False or None (off under FSDP2)")
         for opt in ("graft", "orthogonalize"):
             if options.get(opt):
                 raise ValueError(f"DistributedTENGraD (FSDP2): {opt} is not supported on sharded parameters "

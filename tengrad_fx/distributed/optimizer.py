@@ -81,6 +81,10 @@ all-reduced flag, so every rank agrees). A failed collective (a rank that raised
 died, a timeout) raises :class:`~.comm.DistributedStepError`. The MC Fisher samples
 labels with a per-rank generator seeded from ``seed`` and the rank
 (:func:`mc_seed`); ``opt.last_mc_targets`` holds this rank's last sample.
+
+CUDA graphs (``cuda_graph``, default on for NCCL and CUDA parameters): the reuse steps of
+every mode, collectives included, are captured and replayed on every rank alike
+(:mod:`tengrad_fx.optim.tengrad.cuda_graphs`; docs/distributed.md); on gloo they run eagerly.
 """
 from __future__ import annotations
 
@@ -102,7 +106,7 @@ from ..optim.tengrad.distribution import Host, SingleProcess
 from ..optim.tengrad.group_build import build_groups
 from ..optim.tengrad.tengrad import TENGraD
 from ..optim.tengrad.layer_groups import LayerGroup, precondition_groups
-from .comm import all_ok
+from .comm import all_ok, nccl_backend
 from .fsdp_rows import fully_sharded
 from .gram_blocks import GramBlocksStep
 from .plan import assign_owners, choose_modes, choose_placement, solve_cost
@@ -136,7 +140,6 @@ class GlobalBatch(SingleProcess):
 
     saves_records = False  # records are per owner: a resumed run takes curvature first
     agreed_skips = True
-    capturable = False  # the step's collectives are not captured in CUDA graphs
 
     def __init__(self, mode: Mode = "auto", placement: Placement = "auto", seed: int = 0,
                  bandwidth: float = 50e9, flop_rate: float = 50e12):
@@ -149,6 +152,7 @@ class GlobalBatch(SingleProcess):
         if placement not in ("auto", "owner", "replicate"):
             raise ValueError(f"DistributedTENGraD: placement must be 'auto', 'owner' or 'replicate', got {placement!r}")
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.capturable = nccl_backend()  # a reuse step's broadcasts, all_gathers, all_reduces: NCCL captures them
         self.mode, self.placement, self.seed = mode, placement, int(seed)
         self.bandwidth, self.flop_rate = float(bandwidth), float(flop_rate)
         self.overlap = True  # False: the same collectives one after the other (tests: identical bits)
@@ -171,10 +175,9 @@ class GlobalBatch(SingleProcess):
 
     # ------------------------------------------------------------------ construction
     def check(self, options: dict[str, Any]) -> None:
-        for opt in ("compile", "cuda_graph"):
-            if options.get(opt):
-                raise ValueError(f"DistributedTENGraD: {opt}=True is not supported (the step's collectives are "
-                                 "not captured); leave it False")
+        if options.get("compile"):
+            raise ValueError("DistributedTENGraD: compile=True is not supported (the fused update bypasses the "
+                             "distributed solve: the owners' factors, the gram-blocks products); leave it False")
         if options.get("curvature_samples") is not None:
             raise ValueError("DistributedTENGraD: curvature_samples is not supported (the global batch's records "
                              "are gathered whole); leave it None, or use TENGraD on one process")
@@ -193,6 +196,10 @@ class GlobalBatch(SingleProcess):
         if opt._info.loss_reduction != "mean":
             raise ValueError("DistributedTENGraD: prepare(..., loss_reduction='mean') is required (DDP averages "
                              "the gradients over the ranks, i.e. the global loss is the mean over the global batch)")
+        if opt.cuda_graph and not self.capturable and any(p.is_cuda for p in opt._group_params()):
+            raise ValueError(f"DistributedTENGraD: cuda_graph=True with CUDA parameters needs the NCCL backend "
+                             f"(the process group's is {dist.get_backend()!r}, whose collectives on CUDA tensors "
+                             "cannot be captured in a CUDA graph); pass cuda_graph=False or leave it None")
 
     def reset(self, opt: Host) -> None:
         self.forget()
@@ -202,6 +209,8 @@ class GlobalBatch(SingleProcess):
 
     def has_curvature(self, opt: Host) -> bool:
         return not self.fresh
+
+    has_factors = has_curvature  # on every rank alike (a rank may hold no factor): the same graph steps
 
     # ------------------------------------------------------------------ MC
     def _generator(self, device: torch.device, purpose: str = "mc") -> torch.Generator:
@@ -228,6 +237,8 @@ class GlobalBatch(SingleProcess):
         t0 = time.perf_counter()
         self.sharing.reset(opt._layers)
         if curvature_step:
+            # a captured reuse step reads this step's records and factors: its graphs are replaced
+            opt.curvature.version += 1
             if self.mode == "local":
                 self.layers = [lay for lay in opt._layers if lay.captured]
             else:
@@ -386,9 +397,10 @@ class DistributedTENGraD(TENGraD):
         placement: ``"auto"``, ``"owner"`` or ``"replicate"`` (module docstring).
         bandwidth, flop_rate: the cost models' bytes/s and flop/s per rank (``"auto"``).
         seed: global seed of the MC Fisher's label sampling (per-rank seeds :func:`mc_seed`).
-        **kwargs: TENGraD's options (``compile`` and ``cuda_graph`` are off here: the
-            step's collectives are not captured in CUDA graphs; ``curvature_samples`` and
-            ``fisher="gauss-newton"`` are not supported: ``ValueError``).
+        **kwargs: TENGraD's options (``cuda_graph``: reuse steps replayed as CUDA graphs,
+            collectives included, default on for NCCL and CUDA parameters, module docstring;
+            ``compile``, ``curvature_samples`` and ``fisher="gauss-newton"`` are not supported:
+            ``ValueError``).
     """
 
     distribution: GlobalBatch

@@ -38,10 +38,10 @@ RUNS: dict[str, dict[str, Any]] = {
                                                          compile=False, momentum=0.0, solve_dtype=torch.float64)),
     "params-groups": dict(steps=4, opts=dict(curvature_every=2, params="two-groups")),
     "grad-scaler": dict(steps=4, scaler=True, opts=dict(curvature_every=2, fisher="mc")),
+    "cuda-graph-gram-blocks": dict(steps=6, mode="gram-blocks", opts=dict(curvature_every=3, cuda_graph=True)),
 }
 REFUSED: dict[str, dict[str, Any]] = {
     "compile": dict(compile=True),
-    "cuda_graph": dict(cuda_graph=True),
     "curvature_samples": dict(curvature_samples=4),
     "fisher": dict(fisher="gauss-newton"),
     "distribution": dict(distribution="single-process"),
@@ -52,7 +52,7 @@ COVERED = {
     "curvature_samples": "refused", "fisher": "mc-mse-materialize", "mc_loss": "mc-mse-materialize",
     "kl_clip": "warmup", "update_form": "graft-orth-woodbury", "solve_dtype": "tf32-no-graph-no-momentum",
     "jacobian_budget_mb": "mc-mse-materialize", "strategy": "mc-mse-materialize",
-    "compile": "refused", "cuda_graph": "refused", "gram_tf32": "tf32-no-graph-no-momentum",
+    "compile": "refused", "cuda_graph": "cuda-graph-gram-blocks", "gram_tf32": "tf32-no-graph-no-momentum",
     "grad_scaler": "grad-scaler", "params": "params-groups", "schedule": "grouped-config",
     "execution": "grouped-config", "distribution": "refused",
 }

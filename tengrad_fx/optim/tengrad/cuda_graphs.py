@@ -19,7 +19,11 @@ static tensors are replaced; :meth:`GraphRunner.key`):
 * if capture fails, one warning, and every later step runs eagerly;
 * at most ``MAX_KEYS`` keys are captured: a damping, momentum or weight decay that changes
   on every step makes every key new, so after ``MAX_KEYS`` distinct keys the step runs
-  eagerly (one warning) rather than capturing a graph per step.
+  eagerly (one warning) rather than capturing a graph per step;
+* when a version changes (a static tensor was replaced: a curvature step of other shapes, or
+  of :class:`tengrad_fx.distributed.GlobalBatch`, whose records and factors are new on every
+  curvature step) the graphs held are dropped (their memory freed; they would never replay
+  again), so only the keys of the current versions count towards ``MAX_KEYS``.
 
 Only reuse steps (no new curvature) are captured; curvature steps run eagerly. On a CPU
 the same code runs, eagerly (``run`` calls the function; the static-buffer copies still
@@ -115,6 +119,7 @@ class GraphRunner:
         self.version = 0
         self.grads: dict[Tensor, Tensor] = {}  # param -> its static gradient buffer
         self.lrs: list[Tensor] = []  # static lr per group
+        self._versions: Optional[tuple[int, int]] = None  # (version, curvature version) of the graphs held
 
     def clear(self) -> None:
         self.graphs.clear()
@@ -135,6 +140,9 @@ class GraphRunner:
         """``fn(lrs)`` through the graph of this step's key: static gradients, static lrs."""
         self.static_grads(params)
         lrs = self.static_lrs(param_groups, params[0])
+        if (self.version, curvature_version) != self._versions:  # graphs of replaced tensors never replay again
+            self.graphs.clear()
+            self._versions = (self.version, curvature_version)
         key = self.key(params, param_groups, kl_clip, curvature_version)
         return self.graphs.run(key, lambda: fn(lrs), params[0].device)
 

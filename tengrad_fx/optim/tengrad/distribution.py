@@ -51,6 +51,8 @@ class Host(Protocol):
     def mc_loss(self) -> Literal["cross_entropy", "mse"]: ...
     @property
     def curvature_every(self) -> int: ...
+    @property
+    def cuda_graph(self) -> bool: ...  # reuse steps go through the graph runner (:mod:`.cuda_graphs`)
     def _group_params(self) -> list[Tensor]: ...
 
 
@@ -96,6 +98,11 @@ class SingleProcess:
     def has_curvature(self, opt: Host) -> bool:
         """Is there curvature to reuse (else the next step takes it, whatever the schedule)?"""
         return bool(opt.curvature.groups)
+
+    def has_factors(self, opt: Host) -> bool:
+        """Are the factors a reuse step solves with cached (else it runs eagerly, not as a
+        CUDA graph)?"""
+        return opt.curvature.chol is not None
 
     def mc_sample(self, opt: Host, outputs: Tensor, targets: Optional[Tensor],
                   mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[torch.Generator]]:

@@ -387,7 +387,7 @@ class TENGraD(StepSkeleton):
         """Reuse steps with ``cuda_graph``: static gradients and lrs, then the graph of this
         kind (:class:`~.cuda_graphs.GraphRunner`); else eagerly."""
         runner = self.graph_runner
-        params = runner.params(stats_step, self.curvature.chol is not None, self.param_groups, self.state)
+        params = runner.params(stats_step, self.distribution.has_factors(self), self.param_groups, self.state)
         if params is None:
             return fn(None)
         # a replay runs no Python of the step: its whole device time is reported as "apply"
