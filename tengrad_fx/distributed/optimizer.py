@@ -47,16 +47,10 @@ solves ``c`` and broadcasts it (``M`` values), each rank computes ``J_aᵀ c_a``
 flops at ``flop_rate``);
 ``layer_plan()`` reports each layer's mode, placement and owner.
 
-Overlap (async handles; the arithmetic is the same as without, so results are bit for
-bit those of the sequential order, ``distribution.overlap = False``; tested): the records
-of all layers travel together (one bucket per ``(owner, dtype)``, all in flight); on every step the all-gather of the
-gram-blocks layers' ``J_a g`` is in flight while the rank solves its gather layers, and
-the owners' ``u`` broadcasts are in flight while it finishes the gram-blocks layers
-(``c``, ``J_aᵀ c_a``, their all-reduce). Not overlapped: the records' arrival with the
-Gram (the Gram of a layer needs all ``M`` rows; computing ``K_aa`` early would change the
-summation and the bits), and the momentum update with the ``u`` broadcasts (the KL clip
-needs ``Σ u·g`` over every layer before any parameter moves, and the update is one fused
-pass over all parameters).
+Overlap (async handles, the same arithmetic, so the bits of the sequential order,
+``distribution.overlap = False``): the records of all layers travel together; the
+all-gather of the ``J_a g`` and the owners' ``u`` broadcasts are in flight while the rank
+solves (docs/distributed.md, "Overlap").
 
 Placement, per layer (``placement``): ``"owner"`` as above; ``"replicate"``: every rank
 all-gathers the layer's records and solves it, so its ``u`` (or, for ``gram-blocks``,
@@ -183,9 +177,10 @@ class GlobalBatch(SingleProcess):
                              "are gathered whole); leave it None, or use TENGraD on one process")
         if options.get("fisher") == "gauss-newton":
             raise ValueError("DistributedTENGraD: fisher='gauss-newton' is not supported; use 'empirical' or 'mc'")
-        if options.get("metric") is not None:
-            raise ValueError("DistributedTENGraD: metric is not supported (its moments and scaled records are "
-                             "per process); leave it None, or use TENGraD on one process")
+        for opt in ("metric", "relative_damping"):
+            if options.get(opt):
+                raise ValueError(f"DistributedTENGraD: {opt} is not supported (one process only); leave it off, "
+                                 "or use TENGraD on one process")
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(model, DistributedDataParallel) and not _prepared(model):

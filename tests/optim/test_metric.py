@@ -1,4 +1,5 @@
-"""``TENGraD(..., metric="factored")``: ``u = (F + αD)⁻¹ g`` with a Kronecker-diagonal ``D``.
+"""``TENGraD(..., metric="factored")``: ``u = (F + αD)⁻¹ g`` with a Kronecker-diagonal ``D``;
+``relative_damping``: each layer's ``α_l = α·tr(F_l)/m`` (with a metric, of ``D^{-1/2} F_l D^{-1/2}``).
 
 Exactness in float64 against a dense solve with ``D`` built here from the gradients'
 history (EMAs of the row and column means of ``g²``, ``a = √r/mean(√r)``, ``b = √c/mean(√c)``,
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 import tengrad_fx
 from tengrad_fx import TENGraD
 from tengrad_fx.optim.tengrad.metric import FLOOR
-from testing.oracle import dense_layer_updates
+from testing.oracle import dense_layer_updates, per_sample_grads_reference
 from testing.tengrad_step import assert_matches, batch, forward_backward, full_grad, layer_params, setup, snapshot, \
     step_delta
 
@@ -49,11 +50,26 @@ def _metric(history: dict[str, list[torch.Tensor]], out_rows: dict[str, bool],
     return out
 
 
-@pytest.mark.parametrize("every", [1, 3])
-def test_factored_metric_step_equals_dense_solve(every: int) -> None:
-    """Five steps of the MLP: each update is ``solve(JᵀJ/m + αD, g)`` with ``J`` and ``D``
-    of the last curvature step and ``g`` of this one."""
-    template, model, opt = setup("mlp", metric="factored", metric_beta2=BETA2, curvature_every=every)
+def _relative(model: nn.Module, x: torch.Tensor, y: torch.Tensor, covered: dict[str, str],
+              D: dict[str, torch.Tensor], alpha: float) -> dict[str, float]:
+    """``{param name: α_l}``, ``α_l = α·Σ_i ‖J_i D^{-1/2}‖²/m²`` over the layer's parameters."""
+    psg = per_sample_grads_reference(model, x, F.cross_entropy, y)
+    m = y.shape[0]
+    total: dict[str, float] = {}
+    for pn, lay in covered.items():
+        d = D.get(pn, torch.ones_like(psg[pn][0]))
+        total[lay] = total.get(lay, 0.0) + float((psg[pn].square() / d).sum())
+    return {pn: alpha * total[lay] / m ** 2 for pn, lay in covered.items()}
+
+
+@pytest.mark.parametrize("every,metric,relative", [(1, "factored", False), (3, "factored", False),
+                                                   (1, None, True), (3, "factored", True)])
+def test_step_equals_dense_solve(every: int, metric: str | None, relative: bool) -> None:
+    """Five steps of the MLP: each update is ``solve(JᵀJ/m + α_l D, g)`` with ``J``, ``D`` and
+    ``α_l`` of the last curvature step and ``g`` of this one (``α_l = α`` or, relative,
+    ``α·tr(D^{-1/2} F_l D^{-1/2})/m``)."""
+    template, model, opt = setup("mlp", metric=metric, metric_beta2=BETA2, curvature_every=every,
+                                 relative_damping=relative, lr=0.02)
     layers = layer_params(model)
     covered = {pn: lay for lay, names in layers.items() for pn in names}
     biases = {names[0]: names[1] for names in layers.values() if len(names) == 2}
@@ -66,9 +82,14 @@ def test_factored_metric_step_equals_dense_solve(every: int) -> None:
         for n, gn in g.items():
             history.setdefault(n, []).append(gn)
         if t % every == 0:
-            D = _metric(history, {n: True for n in biases}, biases)
+            D = _metric(history, {n: True for n in biases}, biases) if metric else {}
+            alphas = _relative(ref_model, x, y, covered, D, 0.05) if relative else None
             curv = (ref_model, x, y)
-        ref = dense_layer_updates(*curv, F.cross_entropy, g, 0.05, covered, metric=D)
+        ref = {}
+        for pn, lay in covered.items():  # per layer: its α_l
+            alpha = alphas[pn] if alphas else 0.05
+            names = {n: lay for n, layer in covered.items() if layer == lay}
+            ref.update(dense_layer_updates(*curv, F.cross_entropy, g, alpha, names, metric=D))
         assert_matches(step_delta(model, opt), ref)
 
 

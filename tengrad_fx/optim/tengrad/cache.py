@@ -31,13 +31,16 @@ class CurvatureCache:
         chol: ``[L_total, m, m]``: every layer's factor, group order (None: none cached).
         ok: device ``bool``: every cached factor is valid.
         damping: the damping ``chol`` was factorized with.
+        relative: each layer's ``α_l = α·tr(K_l)/m²`` (:func:`relative_dampings`), kept in
+            :attr:`alphas` ``[L_total]``.
         sched: the schedule count of the last curvature step.
         recapture: the next step takes curvature whatever the schedule (a skipped one was seen).
         version: bumped when a static tensor of a captured step is replaced.
     """
 
-    def __init__(self, solve_dtype: Optional[torch.dtype], gram_tf32: bool, static: bool):
-        self.solve_dtype, self.gram_tf32, self.static = solve_dtype, gram_tf32, static
+    def __init__(self, solve_dtype: Optional[torch.dtype], gram_tf32: bool, static: bool, relative: bool = False):
+        self.solve_dtype, self.gram_tf32, self.static, self.relative = solve_dtype, gram_tf32, static, relative
+        self.alphas: Optional[Tensor] = None
         self.groups: list[Any] = []
         self.K: list[Tensor] = []
         self.chol: Optional[Tensor] = None
@@ -84,6 +87,8 @@ class CurvatureCache:
                 raise RuntimeError("TENGraD: covered layers captured different batch sizes")
             K = self.K[0] if len(self.K) == 1 else torch.cat(self.K)
             alphas = layer_dampings(damping, param_groups, self.layers())
+            if self.relative:
+                alphas = self._relative(K, alphas)
             chol, ok = solve.damped_cholesky_ex(K, m * alphas, self.solve_dtype)
             ok = ok.all()
             if self.static and old_chol is not None and old_ok is not None and old_chol.shape == chol.shape \
@@ -100,4 +105,26 @@ class CurvatureCache:
 
     def dampings(self, damping: Damping, param_groups: list[dict[str, Any]]) -> Any:
         """``damping``, or the ``[L_total]`` ``α`` of the cached layers (group order)."""
+        if self.relative and self.alphas is not None:
+            return self.alphas
         return layer_dampings(damping, param_groups, self.layers())
+
+    def _relative(self, K: Tensor, alphas: Any) -> Tensor:
+        """:func:`relative_dampings`, into :attr:`alphas` in place where it has their shape
+        (a captured reuse step reads the same storage)."""
+        new = relative_dampings(K, alphas)
+        if self.alphas is not None and self.alphas.shape == new.shape and self.alphas.device == new.device:
+            return self.alphas.copy_(new)
+        self.alphas = new
+        return new
+
+
+def relative_dampings(K: Tensor, alphas: Any) -> Tensor:
+    """``[L]`` float64: ``α_l·tr(K_l)/m²`` for the Grams ``K [L, m, m]`` (``alphas``: ``α``, or
+    ``[L]``), floored at the least positive float64. ``tr(K_l)/m²`` is the mean of the ``m``
+    eigenvalues of ``F_l = J_lᵀJ_l/m`` on the rows' span, so ``α`` is relative to each
+    layer's own curvature (K-FAC's trace-normalized damping)."""
+    m = K.shape[-1]
+    mean_eig = K.diagonal(dim1=-2, dim2=-1).sum(-1).to(torch.float64) / (m * m)
+    scale = alphas.to(K.device) if isinstance(alphas, Tensor) else alphas
+    return (scale * mean_eig).clamp_min(torch.finfo(torch.float64).tiny)

@@ -94,6 +94,9 @@ class TENGraD(StepSkeleton):
             factored second moments of the gradients (Adafactor's; :mod:`.metric`), still exact by
             Woodbury; directions the rows do not span get ``g/(αD)``. None: ``D = I`` (the paper's).
         metric_beta2: the EMA factor of ``metric``'s second moments.
+        relative_damping: each layer's ``α_l = α·tr(F_l)/m`` on the rows' span (``tr(K_l)/m²``: the
+            mean of ``F_l``'s ``m`` eigenvalues there), so ``α`` is relative to the layer's own scale
+            (:func:`.cache.relative_dampings`); False: ``α`` as given (the paper's).
         curvature_samples: ``k``: the curvature of the first ``k`` samples of each curvature batch
             (:mod:`.subsample`; reuse steps cost ``∝ k``); every update is ``(F_k + αI)⁻¹ g``. None: all.
         fisher: ``"empirical"`` (G from the training loss), ``"mc"`` (labels sampled from the model's
@@ -164,6 +167,7 @@ class TENGraD(StepSkeleton):
         orthogonalize: bool | str = False,
         metric: Optional[Literal["factored"]] = None,
         metric_beta2: float = 0.99,
+        relative_damping: bool = False,
         curvature_samples: Optional[int] = None,
         fisher: Literal["empirical", "mc", "gauss-newton"] = "empirical",
         mc_loss: Literal["cross_entropy", "mse"] = "cross_entropy",
@@ -187,7 +191,8 @@ class TENGraD(StepSkeleton):
             strategy=strategy, jacobian_budget_mb=jacobian_budget_mb, compile=compile, cuda_graph=cuda_graph,
             gram_tf32=gram_tf32, solve_dtype=solve_dtype))
         self.distribution = dist = SingleProcess() if distribution is None else distribution
-        dist.check(dict(vars(ex), curvature_samples=curvature_samples, fisher=fisher, metric=metric))
+        dist.check(dict(vars(ex), curvature_samples=curvature_samples, fisher=fisher, metric=metric,
+                                 relative_damping=relative_damping))
         model = dist.unwrap(model)
         info = get_info(model)  # raises ValueError for an unprepared model
         check_nonneg("lr", lr)
@@ -215,7 +220,7 @@ class TENGraD(StepSkeleton):
         self.jacobian_budget = jacobian_budget_bytes(ex)
         self.cuda_graph = use_cuda_graph(ex, self.orthogonalize == "eigh", dist.capturable,
                                          any(p.is_cuda for p in self._group_params()))
-        self.curvature = CurvatureCache(self.solve_dtype, self.gram_tf32, self.cuda_graph)
+        self.curvature = CurvatureCache(self.solve_dtype, self.gram_tf32, self.cuda_graph, relative_damping)
         self.graph_runner = GraphRunner(self.cuda_graph)
         self._fused = FusedStep((ex.compile if not isinstance(ex.compile, bool) else "inductor")
                                 if self.compile else None)
@@ -352,7 +357,7 @@ class TENGraD(StepSkeleton):
     def _fused_updates(self, push_through: bool, damping: Damping) -> Optional[StepResult]:
         """A curvature step by the fused update (``compile``), None where it does not apply
         (per-group dampings, or a layer without a fused form: the modular path)."""
-        if not self.compile or isinstance(damping, tuple):
+        if not self.compile or isinstance(damping, tuple) or self.curvature.relative:
             return None
         fused = self._fused(self._layers, push_through, damping, self._info.loss_reduction, self.solve_dtype)
         if fused is None:
