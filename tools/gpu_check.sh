@@ -31,7 +31,7 @@ if ls .whl/pytorch_optimizer-*.whl >/dev/null 2>&1 && ! $PY -c "import pytorch_o
 fi
 if want tests; then
 step "GPU tests"
-timeout 150 $PY -m pytest -q -p no:cacheprovider -rfs tests/optim/test_cuda.py tests/optim/test_syncs.py \
+timeout ${TESTS_TIMEOUT:-150} $PY -m pytest -q -p no:cacheprovider -rfs tests/optim/test_cuda.py tests/optim/test_syncs.py \
   tests/optim/test_graphs.py $(grep -rl "cuda.is_available" tests --include='test_*.py' | grep -v "optim/test_cuda.py\|tests/compile/") \
   2>&1 | tail -40 | tee -a "$L"
 fi
