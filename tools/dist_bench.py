@@ -46,7 +46,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -59,8 +59,9 @@ from tengrad_fx.distributed.plan import assign_owners, choose_modes, solve_cost
 from tengrad_fx.distributed.records import record_bytes
 from tengrad_fx.zoo.bench_models import build_model
 from testing.spawn import run_ranks
+from tools.opt_memory import curvature_bytes, param_bytes, state_bytes
 
-__all__ = ["run_distributed", "report_distributed"]
+__all__ = ["METHODS", "method_list", "run_distributed", "report_distributed", "to_json"]
 
 METHODS = ("ddp-sgd", "dist-tengrad", "dist-tengrad-replicate", "dist-tengrad-blocks", "dist-tengrad-local",
            "dist-tengrad-T20", "dist-tengrad-blocks-T20", "fsdp-sgd", "fsdp-tengrad", "fsdp-tengrad-blocks",
@@ -132,16 +133,40 @@ def _auto_modes(opt: Any, world: int, m: int, bandwidth: float, flop_rate: float
     return {lay.name: md for lay, md in zip(lays, modes)}
 
 
+def method_list(spec: Optional[str]) -> list[str]:
+    """``--methods`` of ``--distributed``: a comma list of :data:`METHODS` (None: all of
+    them), in :data:`METHODS`' order, ``ddp-sgd`` (the baseline) always among them."""
+    if spec is None:
+        return list(METHODS)
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise ValueError(f"--methods: unknown distributed method(s) {unknown}; choose from {list(METHODS)}")
+    return [meth for meth in METHODS if meth in names or meth == "ddp-sgd"]
+
+
+def _memory(runs: dict[str, tuple[Any, Any, Any]], full: int) -> dict[str, dict[str, float]]:
+    """Per method: this rank's optimizer state bytes, their ratio to the whole model's
+    parameter bytes ``full``, and the curvature bytes kept after the last step (:mod:`tools.opt_memory`)."""
+    out = {}
+    for meth, (_, opt, net) in runs.items():
+        state = state_bytes(opt)
+        out[meth] = {"state_bytes": state, "state_ratio": state / full, "curvature_bytes": curvature_bytes(opt, net)}
+    return out
+
+
 def _rank_main(rank: int, world: int, model_name: str, m: int, steps: int, warmup: int,
-               bandwidth: float = 50e9, flop_rate: float = 50e12) -> dict[str, Any]:
+               bandwidth: float = 50e9, flop_rate: float = 50e12, methods: Optional[list[str]] = None,
+               ) -> dict[str, Any]:
     torch.manual_seed(0)
     base, shape = build_model(model_name)
     g = torch.Generator().manual_seed(100 + rank)
     batches = [(torch.randn(m, *shape, generator=g), torch.randint(0, 10, (m,), generator=g)) for _ in range(3)]
-    runs = {meth: _build(meth, base, batches[0][0]) for meth in METHODS}
+    methods = methods or list(METHODS)
+    runs = {meth: _build(meth, base, batches[0][0]) for meth in methods}
     n_params = sum(p.numel() for p in base.parameters())
-    times: dict[str, list[float]] = {meth: [] for meth in METHODS}
-    tg_bytes: dict[str, list[int]] = {meth: [] for meth in METHODS}
+    times: dict[str, list[float]] = {meth: [] for meth in methods}
+    tg_bytes: dict[str, list[int]] = {meth: [] for meth in methods}
     per_layer: dict[tuple[str, str], dict[str, int]] = {}  # (mode, step kind) -> layer -> bytes
     for r in range(warmup + steps):
         x, y = batches[r % len(batches)]
@@ -165,22 +190,37 @@ def _rank_main(rank: int, world: int, model_name: str, m: int, steps: int, warmu
     ring = 2.0 * (world - 1) / world * n_params * 4
     local_err = _local_error(base, *batches[0])
     fsdp = 3.0 * (world - 1) / world * n_params * 4
+    full = param_bytes(base)
+    memory = _memory(runs, full)
     res = {meth: {"step_s": statistics.median(times[meth]), "ddp_bytes": fsdp if meth.startswith("fsdp") else ring,
-                  "tengrad_bytes": statistics.median(tg_bytes[meth]) if tg_bytes[meth] else 0.0}
-           for meth in METHODS}
-    blocks = runs["dist-tengrad-blocks"][1]
-    layer_n = {lay.name: sum(p.numel() for p in (lay.weight, lay.bias) if p is not None) for lay in blocks._layers}
-    return {"rank": rank, "results": res, "per_layer": per_layer, "n_params": n_params, "local_error": local_err,
-            "layer_n": layer_n, "auto": _auto_modes(blocks, world, m, bandwidth, flop_rate),
-            "rates": (bandwidth, flop_rate)}
+                  "tengrad_bytes": statistics.median(tg_bytes[meth]) if tg_bytes[meth] else 0.0, **memory[meth]}
+           for meth in methods}
+    ddp_tengrad = [runs[meth][1] for meth in ("dist-tengrad-blocks", *methods)
+                   if meth in runs and meth.startswith("dist-")]
+    layer_n: dict[str, int] = {}
+    auto: dict[str, str] = {}
+    if ddp_tengrad:  # the per-layer table: any DDP TENGraD's captured layers
+        layer_n = {lay.name: sum(p.numel() for p in (lay.weight, lay.bias) if p is not None)
+                   for lay in ddp_tengrad[0]._layers}
+        auto = _auto_modes(ddp_tengrad[0], world, m, bandwidth, flop_rate)
+    return {"rank": rank, "results": res, "per_layer": per_layer, "n_params": n_params, "param_bytes": full,
+            "local_error": local_err, "layer_n": layer_n, "auto": auto, "rates": (bandwidth, flop_rate)}
 
 
 def run_distributed(world: int, model: str = "tiny", m: int = 32, steps: int = 6, warmup: int = 2,
-                    threads: int = 1, bandwidth: float = 50e9, flop_rate: float = 50e12) -> list[dict[str, Any]]:
-    """Every rank's results (:func:`_rank_main`) from ``world`` spawned gloo ranks."""
+                    threads: int = 1, bandwidth: float = 50e9, flop_rate: float = 50e12,
+                    methods: Optional[str] = None) -> list[dict[str, Any]]:
+    """Every rank's results (:func:`_rank_main`) from ``world`` spawned gloo ranks
+    (``methods``: a comma list, :func:`method_list`)."""
+    meths = method_list(methods)
     with tempfile.TemporaryDirectory() as d:
-        return run_ranks(_rank_main, world, Path(d), model, m, steps, warmup, bandwidth, flop_rate, timeout=3600.0,
-                         pg_timeout=600.0, threads=threads)
+        return run_ranks(_rank_main, world, Path(d), model, m, steps, warmup, bandwidth, flop_rate, meths,
+                         timeout=3600.0, pg_timeout=600.0, threads=threads)
+
+
+def to_json(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ranks' results with JSON keys: ``per_layer``'s ``(mode, step kind)`` as ``"mode/kind"``."""
+    return [{**rk, "per_layer": {"/".join(k): v for k, v in rk["per_layer"].items()}} for rk in ranks]
 
 
 def report_distributed(ranks: list[dict[str, Any]], world: int, model: str, m: int) -> str:
@@ -189,12 +229,19 @@ def report_distributed(ranks: list[dict[str, Any]], world: int, model: str, m: i
     sgd = res["ddp-sgd"]["step_s"]
     lines = [f"distributed bench: {world} gloo ranks (CPU), model {model}, m = {m} per rank "
              f"(global {world * m}), {ranks[0]['n_params']} parameters",
-             f"{'method':24s} {'step ms':>9s} {'x DDP-SGD':>10s} {'DDP MB/rank':>12s} {'TENGraD MB/rank (r0..)':>24s}"]
+             f"{'method':24s} {'step ms':>9s} {'x DDP-SGD':>10s} {'DDP MB/rank':>12s} {'TENGraD MB/rank (r0..)':>24s}"
+             f" {'state MB/rank':>14s} {'x params':>9s} {'curvature MB/rank (r0..)':>26s}"]
     for meth, r in res.items():
         tg = " ".join(f"{rk['results'][meth]['tengrad_bytes'] / 2**20:.3f}" for rk in ranks)
+        state = max(rk["results"][meth]["state_bytes"] for rk in ranks)
+        curv = " ".join(f"{rk['results'][meth]['curvature_bytes'] / 2**20:.3f}" for rk in ranks)
         note = " (reuse steps)" if meth.endswith("T20") else ""
         lines.append(f"{meth:24s} {r['step_s'] * 1e3:9.1f} {r['step_s'] / sgd:10.2f} "
-                     f"{r['ddp_bytes'] / 2**20:12.3f} {tg:>24s}{note}")
+                     f"{r['ddp_bytes'] / 2**20:12.3f} {tg:>24s} {state / 2**20:14.3f} "
+                     f"{state / ranks[0]['param_bytes']:9.3f} {curv:>26s}{note}")
+    lines.append(f"state: the optimizer's per-parameter tensors on the largest rank (x params: over the whole "
+                 f"model's {ranks[0]['param_bytes'] / 2**20:.3f} MB of parameters); curvature: records, Grams and "
+                 f"factors kept after the last step")
     lines += _per_layer_table(ranks, world)
     lines.append(f"local-Fisher update vs the global-batch one (first step, float64): relative difference "
                  f"{ranks[0]['local_error']:.3g}")
