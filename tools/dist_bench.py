@@ -1,11 +1,12 @@
 """``python -m tools.bench --distributed N``: distributed TENGraD vs DDP-SGD on N ranks.
 
     python -m tools.bench --distributed 2 [--model tiny|small|3c1f] [--m 32] [--steps 6] [--warmup 2]
+                          [--methods ddp-sgd,fsdp-tengrad,...] [--json out.json]
 
 Starts ``N`` gloo processes on this machine (CPU; on a multi-GPU machine the same code
 runs under NCCL through ``torchrun``, not from here), each with ``--m`` samples per rank
 (global batch ``N·m``). Methods, interleaved one step each per round, every rank on its
-own random batch:
+own random batch (``--methods``: a comma list of them, default all; ``ddp-sgd`` always runs):
 
 * ``ddp-sgd``: ``DDP(model)`` + ``torch.optim.SGD`` (the baseline);
 * ``dist-tengrad``: ``DDP(prepare(model))`` + ``DistributedTENGraD`` (gather mode, each
@@ -31,7 +32,11 @@ Per method: the median step time (the slowest rank's, each round), its ratio to
 ``ddp-sgd``, and the bytes each rank sends per step: DDP's gradient all-reduce (ring:
 ``2·(N−1)/N·n·4`` bytes per rank for ``n`` float32 parameters) and TENGraD's own
 payload (records to owners, ``u`` from owners, counted point to point: what the rank
-puts on the wire if each receiver got its own copy). Then, per layer, the bytes per rank
+puts on the wire if each receiver got its own copy); the optimizer's memory per rank
+(:mod:`tools.opt_memory`): its per-parameter state (momentum buffers; a DTensor's local
+shard) on the largest rank, as MB and as a ratio to the whole model's parameter bytes
+(about 1 under DDP, about ``1/N`` under FSDP2), and per rank the curvature kept after the
+last step (records, Grams, factors; each storage once). Then, per layer, the bytes per rank
 of one curvature step and one reuse step in each mode (the busiest rank's), beside the
 layer's share of DDP's all-reduce, with the ratio of the totals to DDP-SGD's bytes, and
 the mode ``mode="auto"`` picks for the layer (:func:`tengrad_fx.distributed.plan.choose_modes`
@@ -195,14 +200,14 @@ def _rank_main(rank: int, world: int, model_name: str, m: int, steps: int, warmu
     res = {meth: {"step_s": statistics.median(times[meth]), "ddp_bytes": fsdp if meth.startswith("fsdp") else ring,
                   "tengrad_bytes": statistics.median(tg_bytes[meth]) if tg_bytes[meth] else 0.0, **memory[meth]}
            for meth in methods}
-    ddp_tengrad = [runs[meth][1] for meth in ("dist-tengrad-blocks", *methods)
-                   if meth in runs and meth.startswith("dist-")]
+    ddp_tengrad = [runs[meth][1] for meth in methods if meth.startswith("dist-")]
     layer_n: dict[str, int] = {}
     auto: dict[str, str] = {}
-    if ddp_tengrad:  # the per-layer table: any DDP TENGraD's captured layers
+    if ddp_tengrad:  # the per-layer table: any DDP TENGraD's layers
         layer_n = {lay.name: sum(p.numel() for p in (lay.weight, lay.bias) if p is not None)
                    for lay in ddp_tengrad[0]._layers}
-        auto = _auto_modes(ddp_tengrad[0], world, m, bandwidth, flop_rate)
+    if "dist-tengrad-blocks" in runs:  # the auto pick needs every layer's records on this rank
+        auto = _auto_modes(runs["dist-tengrad-blocks"][1], world, m, bandwidth, flop_rate)
     return {"rank": rank, "results": res, "per_layer": per_layer, "n_params": n_params, "param_bytes": full,
             "local_error": local_err, "layer_n": layer_n, "auto": auto, "rates": (bandwidth, flop_rate)}
 
@@ -227,18 +232,23 @@ def report_distributed(ranks: list[dict[str, Any]], world: int, model: str, m: i
     """The printed table (module docstring)."""
     res = ranks[0]["results"]
     sgd = res["ddp-sgd"]["step_s"]
+
+    def per_rank(meth: str, key: str) -> str:
+        return " ".join(f"{rk['results'][meth][key] / 2**20:.3f}" for rk in ranks)
+
+    wt = max(24, *(len(per_rank(meth, "tengrad_bytes")) for meth in res))
+    wc = max(26, *(len(per_rank(meth, "curvature_bytes")) for meth in res))
     lines = [f"distributed bench: {world} gloo ranks (CPU), model {model}, m = {m} per rank "
              f"(global {world * m}), {ranks[0]['n_params']} parameters",
-             f"{'method':24s} {'step ms':>9s} {'x DDP-SGD':>10s} {'DDP MB/rank':>12s} {'TENGraD MB/rank (r0..)':>24s}"
-             f" {'state MB/rank':>14s} {'x params':>9s} {'curvature MB/rank (r0..)':>26s}"]
+             f"{'method':24s} {'step ms':>9s} {'x DDP-SGD':>10s} {'DDP MB/rank':>12s} "
+             f"{'TENGraD MB/rank (r0..)':>{wt}s} {'state MB/rank':>14s} {'x params':>9s} "
+             f"{'curvature MB/rank (r0..)':>{wc}s}"]
     for meth, r in res.items():
-        tg = " ".join(f"{rk['results'][meth]['tengrad_bytes'] / 2**20:.3f}" for rk in ranks)
         state = max(rk["results"][meth]["state_bytes"] for rk in ranks)
-        curv = " ".join(f"{rk['results'][meth]['curvature_bytes'] / 2**20:.3f}" for rk in ranks)
         note = " (reuse steps)" if meth.endswith("T20") else ""
         lines.append(f"{meth:24s} {r['step_s'] * 1e3:9.1f} {r['step_s'] / sgd:10.2f} "
-                     f"{r['ddp_bytes'] / 2**20:12.3f} {tg:>24s} {state / 2**20:14.3f} "
-                     f"{state / ranks[0]['param_bytes']:9.3f} {curv:>26s}{note}")
+                     f"{r['ddp_bytes'] / 2**20:12.3f} {per_rank(meth, 'tengrad_bytes'):>{wt}s} {state / 2**20:14.3f} "
+                     f"{state / ranks[0]['param_bytes']:9.3f} {per_rank(meth, 'curvature_bytes'):>{wc}s}{note}")
     lines.append(f"state: the optimizer's per-parameter tensors on the largest rank (x params: over the whole "
                  f"model's {ranks[0]['param_bytes'] / 2**20:.3f} MB of parameters); curvature: records, Grams and "
                  f"factors kept after the last step")
@@ -262,13 +272,17 @@ def _per_layer_table(ranks: list[dict[str, Any]], world: int) -> list[str]:
              f"DDP-SGD's all-reduce; auto: mode='auto' at {bw / 1e9:g} GB/s, {fr / 1e12:g} TFLOP/s):",
              f"  {'layer':20s} {'DDP':>9s} {'gather curv':>12s} {'gather reuse':>13s} {'blocks curv':>12s} "
              f"{'blocks reuse':>13s}  auto"]
+    measured = [True] + [any(c in rk["per_layer"] for rk in ranks) for c in cols]  # "-": a method not run
+
+    def row(label: str, vals: list[float], scale: float, digits: int) -> str:
+        return f"  {label:20s} " + " ".join(f"{v / scale:{w}.{digits}f}" if ok else f"{'-':>{w}s}"
+                                             for v, w, ok in zip(vals, (9, 12, 13, 12, 13), measured))
+
     totals = [0.0] * (len(cols) + 1)
     for n in names:
         vals = [ring * layer_n[n]] + [max(rk["per_layer"].get(c, {}).get(n, 0) for rk in ranks) for c in cols]
         totals = [t + v for t, v in zip(totals, vals)]
-        lines.append(f"  {n:20s} " + " ".join(f"{v / 1024:{w}.1f}" for v, w in zip(vals, (9, 12, 13, 12, 13)))
-                     + f"  {ranks[0]['auto'].get(n, '?')}")
-    lines.append(f"  {'total':20s} " + " ".join(f"{v / 1024:{w}.1f}" for v, w in zip(totals, (9, 12, 13, 12, 13))))
-    ddp = totals[0] or 1.0
-    lines.append(f"  {'x DDP-SGD':20s} " + " ".join(f"{v / ddp:{w}.2f}" for v, w in zip(totals, (9, 12, 13, 12, 13))))
+        lines.append(row(n, vals, 1024, 1) + f"  {ranks[0]['auto'].get(n, '-')}")
+    lines.append(row("total", totals, 1024, 1))
+    lines.append(row("x DDP-SGD", totals, totals[0] or 1.0, 2))
     return lines
