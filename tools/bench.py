@@ -5,7 +5,7 @@
                           [--json out.json] [--memory] [--device cpu|cuda] [--threads 2]
                           [--ops] [--profile DIR] [--malloc steady|default]
     python -m tools.bench --capture [--model tiny] ...                # capture's forward+backward cost
-    python -m tools.bench --distributed N [--model tiny] [--m 32]    # N gloo ranks: tools.dist_bench
+    python -m tools.bench --distributed N [--model tiny] [--m 32] [--methods a,b]  # N gloo ranks: tools.dist_bench
 
 Every method trains its own copy of the same initial model on the same random batches;
 steps are interleaved (one step of each method per round) so machine noise hits all
@@ -62,7 +62,7 @@ from tengrad_fx.optim.registry import make_optimizer
 from tengrad_fx.zoo.bench_models import MODEL_NAMES, build_model
 from tools import step_facts
 from tools.capture_bench import main_capture
-from tools.dist_bench import report_distributed, run_distributed
+from tools.dist_bench import report_distributed, run_distributed, to_json
 
 # name -> (constructor of an optimizer over (prepared or plain) model, needs prepare).
 # All with the paper's Fashion-MNIST lr / wd / damping (tengrad_fx.optim.registry); the
@@ -267,10 +267,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--m", type=int, default=None, help="batch size (default 128; tiny: 32)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--methods", default="sgd,tengrad,tengrad-mc,tengrad-T20",
-                    help=f"comma list of {sorted(METHODS)}; 'paper' = {PAPER_ROWS}; 'all' adds the "
-                         f"baselines ({BASELINES}): on CPU use them with --model small (K-FAC's 10369² "
-                         "factor of 3C1F is slow)")
+    ap.add_argument("--methods", default=None,
+                    help=f"comma list of {sorted(METHODS)} (default sgd,tengrad,tengrad-mc,tengrad-T20); "
+                         f"'paper' = {PAPER_ROWS}; 'all' adds the baselines ({BASELINES}): on CPU use them "
+                         "with --model small (K-FAC's 10369² factor of 3C1F is slow); --distributed: a comma "
+                         "list of tools.dist_bench.METHODS (default all)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default 2; tiny: 1)")
     ap.add_argument("--ops", action="store_true", help="print aten ops and host syncs per opt.step()")
@@ -295,12 +296,13 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     if args.distributed:
         ranks = run_distributed(args.distributed, args.model, args.m, args.steps, args.warmup, args.threads,
-                                args.bandwidth, args.flop_rate)
+                                args.bandwidth, args.flop_rate, args.methods)
         print(report_distributed(ranks, args.distributed, args.model, args.m))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(ranks, f, indent=2)
+                json.dump(to_json(ranks), f, indent=2)
         return
+    args.methods = args.methods or "sgd,tengrad,tengrad-mc,tengrad-T20"
     if args.capture:
         _, sync, base, batches = setup(args)
         res = main_capture(args, base, batches, sync)

@@ -1,11 +1,12 @@
 """``python -m tools.bench --distributed N``: distributed TENGraD vs DDP-SGD on N ranks.
 
     python -m tools.bench --distributed 2 [--model tiny|small|3c1f] [--m 32] [--steps 6] [--warmup 2]
+                          [--methods ddp-sgd,fsdp-tengrad,...] [--json out.json]
 
 Starts ``N`` gloo processes on this machine (CPU; on a multi-GPU machine the same code
 runs under NCCL through ``torchrun``, not from here), each with ``--m`` samples per rank
 (global batch ``N·m``). Methods, interleaved one step each per round, every rank on its
-own random batch:
+own random batch (``--methods``: a comma list of them, default all; ``ddp-sgd`` always runs):
 
 * ``ddp-sgd``: ``DDP(model)`` + ``torch.optim.SGD`` (the baseline);
 * ``dist-tengrad``: ``DDP(prepare(model))`` + ``DistributedTENGraD`` (gather mode, each
@@ -31,7 +32,11 @@ Per method: the median step time (the slowest rank's, each round), its ratio to
 ``ddp-sgd``, and the bytes each rank sends per step: DDP's gradient all-reduce (ring:
 ``2·(N−1)/N·n·4`` bytes per rank for ``n`` float32 parameters) and TENGraD's own
 payload (records to owners, ``u`` from owners, counted point to point: what the rank
-puts on the wire if each receiver got its own copy). Then, per layer, the bytes per rank
+puts on the wire if each receiver got its own copy); the optimizer's memory per rank
+(:mod:`tools.opt_memory`): its per-parameter state (momentum buffers; a DTensor's local
+shard) on the largest rank, as MB and as a ratio to the whole model's parameter bytes
+(about 1 under DDP, about ``1/N`` under FSDP2), and per rank the curvature kept after the
+last step (records, Grams, factors; each storage once). Then, per layer, the bytes per rank
 of one curvature step and one reuse step in each mode (the busiest rank's), beside the
 layer's share of DDP's all-reduce, with the ratio of the totals to DDP-SGD's bytes, and
 the mode ``mode="auto"`` picks for the layer (:func:`tengrad_fx.distributed.plan.choose_modes`
@@ -46,7 +51,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -59,8 +64,9 @@ from tengrad_fx.distributed.plan import assign_owners, choose_modes, solve_cost
 from tengrad_fx.distributed.records import record_bytes
 from tengrad_fx.zoo.bench_models import build_model
 from testing.spawn import run_ranks
+from tools.opt_memory import curvature_bytes, param_bytes, state_bytes
 
-__all__ = ["run_distributed", "report_distributed"]
+__all__ = ["METHODS", "method_list", "run_distributed", "report_distributed", "to_json"]
 
 METHODS = ("ddp-sgd", "dist-tengrad", "dist-tengrad-replicate", "dist-tengrad-blocks", "dist-tengrad-local",
            "dist-tengrad-T20", "dist-tengrad-blocks-T20", "fsdp-sgd", "fsdp-tengrad", "fsdp-tengrad-blocks",
@@ -132,16 +138,40 @@ def _auto_modes(opt: Any, world: int, m: int, bandwidth: float, flop_rate: float
     return {lay.name: md for lay, md in zip(lays, modes)}
 
 
+def method_list(spec: Optional[str]) -> list[str]:
+    """``--methods`` of ``--distributed``: a comma list of :data:`METHODS` (None: all of
+    them), in :data:`METHODS`' order, ``ddp-sgd`` (the baseline) always among them."""
+    if spec is None:
+        return list(METHODS)
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise ValueError(f"--methods: unknown distributed method(s) {unknown}; choose from {list(METHODS)}")
+    return [meth for meth in METHODS if meth in names or meth == "ddp-sgd"]
+
+
+def _memory(runs: dict[str, tuple[Any, Any, Any]], full: int) -> dict[str, dict[str, float]]:
+    """Per method: this rank's optimizer state bytes, their ratio to the whole model's
+    parameter bytes ``full``, and the curvature bytes kept after the last step (:mod:`tools.opt_memory`)."""
+    out = {}
+    for meth, (_, opt, net) in runs.items():
+        state = state_bytes(opt)
+        out[meth] = {"state_bytes": state, "state_ratio": state / full, "curvature_bytes": curvature_bytes(opt, net)}
+    return out
+
+
 def _rank_main(rank: int, world: int, model_name: str, m: int, steps: int, warmup: int,
-               bandwidth: float = 50e9, flop_rate: float = 50e12) -> dict[str, Any]:
+               bandwidth: float = 50e9, flop_rate: float = 50e12, methods: Optional[list[str]] = None,
+               ) -> dict[str, Any]:
     torch.manual_seed(0)
     base, shape = build_model(model_name)
     g = torch.Generator().manual_seed(100 + rank)
     batches = [(torch.randn(m, *shape, generator=g), torch.randint(0, 10, (m,), generator=g)) for _ in range(3)]
-    runs = {meth: _build(meth, base, batches[0][0]) for meth in METHODS}
+    methods = methods or list(METHODS)
+    runs = {meth: _build(meth, base, batches[0][0]) for meth in methods}
     n_params = sum(p.numel() for p in base.parameters())
-    times: dict[str, list[float]] = {meth: [] for meth in METHODS}
-    tg_bytes: dict[str, list[int]] = {meth: [] for meth in METHODS}
+    times: dict[str, list[float]] = {meth: [] for meth in methods}
+    tg_bytes: dict[str, list[int]] = {meth: [] for meth in methods}
     per_layer: dict[tuple[str, str], dict[str, int]] = {}  # (mode, step kind) -> layer -> bytes
     for r in range(warmup + steps):
         x, y = batches[r % len(batches)]
@@ -165,36 +195,63 @@ def _rank_main(rank: int, world: int, model_name: str, m: int, steps: int, warmu
     ring = 2.0 * (world - 1) / world * n_params * 4
     local_err = _local_error(base, *batches[0])
     fsdp = 3.0 * (world - 1) / world * n_params * 4
+    full = param_bytes(base)
+    memory = _memory(runs, full)
     res = {meth: {"step_s": statistics.median(times[meth]), "ddp_bytes": fsdp if meth.startswith("fsdp") else ring,
-                  "tengrad_bytes": statistics.median(tg_bytes[meth]) if tg_bytes[meth] else 0.0}
-           for meth in METHODS}
-    blocks = runs["dist-tengrad-blocks"][1]
-    layer_n = {lay.name: sum(p.numel() for p in (lay.weight, lay.bias) if p is not None) for lay in blocks._layers}
-    return {"rank": rank, "results": res, "per_layer": per_layer, "n_params": n_params, "local_error": local_err,
-            "layer_n": layer_n, "auto": _auto_modes(blocks, world, m, bandwidth, flop_rate),
-            "rates": (bandwidth, flop_rate)}
+                  "tengrad_bytes": statistics.median(tg_bytes[meth]) if tg_bytes[meth] else 0.0, **memory[meth]}
+           for meth in methods}
+    ddp_tengrad = [runs[meth][1] for meth in methods if meth.startswith("dist-")]
+    layer_n: dict[str, int] = {}
+    auto: dict[str, str] = {}
+    if ddp_tengrad:  # the per-layer table: any DDP TENGraD's layers
+        layer_n = {lay.name: sum(p.numel() for p in (lay.weight, lay.bias) if p is not None)
+                   for lay in ddp_tengrad[0]._layers}
+    if "dist-tengrad-blocks" in runs:  # the auto pick needs every layer's records on this rank
+        auto = _auto_modes(runs["dist-tengrad-blocks"][1], world, m, bandwidth, flop_rate)
+    return {"rank": rank, "results": res, "per_layer": per_layer, "n_params": n_params, "param_bytes": full,
+            "local_error": local_err, "layer_n": layer_n, "auto": auto, "rates": (bandwidth, flop_rate)}
 
 
 def run_distributed(world: int, model: str = "tiny", m: int = 32, steps: int = 6, warmup: int = 2,
-                    threads: int = 1, bandwidth: float = 50e9, flop_rate: float = 50e12) -> list[dict[str, Any]]:
-    """Every rank's results (:func:`_rank_main`) from ``world`` spawned gloo ranks."""
+                    threads: int = 1, bandwidth: float = 50e9, flop_rate: float = 50e12,
+                    methods: Optional[str] = None) -> list[dict[str, Any]]:
+    """Every rank's results (:func:`_rank_main`) from ``world`` spawned gloo ranks
+    (``methods``: a comma list, :func:`method_list`)."""
+    meths = method_list(methods)
     with tempfile.TemporaryDirectory() as d:
-        return run_ranks(_rank_main, world, Path(d), model, m, steps, warmup, bandwidth, flop_rate, timeout=3600.0,
-                         pg_timeout=600.0, threads=threads)
+        return run_ranks(_rank_main, world, Path(d), model, m, steps, warmup, bandwidth, flop_rate, meths,
+                         timeout=3600.0, pg_timeout=600.0, threads=threads)
+
+
+def to_json(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The ranks' results with JSON keys: ``per_layer``'s ``(mode, step kind)`` as ``"mode/kind"``."""
+    return [{**rk, "per_layer": {"/".join(k): v for k, v in rk["per_layer"].items()}} for rk in ranks]
 
 
 def report_distributed(ranks: list[dict[str, Any]], world: int, model: str, m: int) -> str:
     """The printed table (module docstring)."""
     res = ranks[0]["results"]
     sgd = res["ddp-sgd"]["step_s"]
+
+    def per_rank(meth: str, key: str) -> str:
+        return " ".join(f"{rk['results'][meth][key] / 2**20:.3f}" for rk in ranks)
+
+    wt = max(24, *(len(per_rank(meth, "tengrad_bytes")) for meth in res))
+    wc = max(26, *(len(per_rank(meth, "curvature_bytes")) for meth in res))
     lines = [f"distributed bench: {world} gloo ranks (CPU), model {model}, m = {m} per rank "
              f"(global {world * m}), {ranks[0]['n_params']} parameters",
-             f"{'method':24s} {'step ms':>9s} {'x DDP-SGD':>10s} {'DDP MB/rank':>12s} {'TENGraD MB/rank (r0..)':>24s}"]
+             f"{'method':24s} {'step ms':>9s} {'x DDP-SGD':>10s} {'DDP MB/rank':>12s} "
+             f"{'TENGraD MB/rank (r0..)':>{wt}s} {'state MB/rank':>14s} {'x params':>9s} "
+             f"{'curvature MB/rank (r0..)':>{wc}s}"]
     for meth, r in res.items():
-        tg = " ".join(f"{rk['results'][meth]['tengrad_bytes'] / 2**20:.3f}" for rk in ranks)
+        state = max(rk["results"][meth]["state_bytes"] for rk in ranks)
         note = " (reuse steps)" if meth.endswith("T20") else ""
         lines.append(f"{meth:24s} {r['step_s'] * 1e3:9.1f} {r['step_s'] / sgd:10.2f} "
-                     f"{r['ddp_bytes'] / 2**20:12.3f} {tg:>24s}{note}")
+                     f"{r['ddp_bytes'] / 2**20:12.3f} {per_rank(meth, 'tengrad_bytes'):>{wt}s} {state / 2**20:14.3f} "
+                     f"{state / ranks[0]['param_bytes']:9.3f} {per_rank(meth, 'curvature_bytes'):>{wc}s}{note}")
+    lines.append(f"state: the optimizer's per-parameter tensors on the largest rank (x params: over the whole "
+                 f"model's {ranks[0]['param_bytes'] / 2**20:.3f} MB of parameters); curvature: records, Grams and "
+                 f"factors kept after the last step")
     lines += _per_layer_table(ranks, world)
     lines.append(f"local-Fisher update vs the global-batch one (first step, float64): relative difference "
                  f"{ranks[0]['local_error']:.3g}")
@@ -215,13 +272,17 @@ def _per_layer_table(ranks: list[dict[str, Any]], world: int) -> list[str]:
              f"DDP-SGD's all-reduce; auto: mode='auto' at {bw / 1e9:g} GB/s, {fr / 1e12:g} TFLOP/s):",
              f"  {'layer':20s} {'DDP':>9s} {'gather curv':>12s} {'gather reuse':>13s} {'blocks curv':>12s} "
              f"{'blocks reuse':>13s}  auto"]
+    measured = [True] + [any(c in rk["per_layer"] for rk in ranks) for c in cols]  # "-": a method not run
+
+    def row(label: str, vals: list[float], scale: float, digits: int) -> str:
+        return f"  {label:20s} " + " ".join(f"{v / scale:{w}.{digits}f}" if ok else f"{'-':>{w}s}"
+                                             for v, w, ok in zip(vals, (9, 12, 13, 12, 13), measured))
+
     totals = [0.0] * (len(cols) + 1)
     for n in names:
         vals = [ring * layer_n[n]] + [max(rk["per_layer"].get(c, {}).get(n, 0) for rk in ranks) for c in cols]
         totals = [t + v for t, v in zip(totals, vals)]
-        lines.append(f"  {n:20s} " + " ".join(f"{v / 1024:{w}.1f}" for v, w in zip(vals, (9, 12, 13, 12, 13)))
-                     + f"  {ranks[0]['auto'].get(n, '?')}")
-    lines.append(f"  {'total':20s} " + " ".join(f"{v / 1024:{w}.1f}" for v, w in zip(totals, (9, 12, 13, 12, 13))))
-    ddp = totals[0] or 1.0
-    lines.append(f"  {'x DDP-SGD':20s} " + " ".join(f"{v / ddp:{w}.2f}" for v, w in zip(totals, (9, 12, 13, 12, 13))))
+        lines.append(row(n, vals, 1024, 1) + f"  {ranks[0]['auto'].get(n, '-')}")
+    lines.append(row("total", totals, 1024, 1))
+    lines.append(row("x DDP-SGD", totals, totals[0] or 1.0, 2))
     return lines
