@@ -49,6 +49,7 @@ class MaterializedGroup(LayerGroup):
 
     def release(self) -> None:
         del self.Pw, self.Pb
+        self._slices = None  # the records' views of the stacks would keep them alive
 
     def _point_record(self, r: Any, x: Tensor, y: Optional[Tensor]) -> None:
         if r.P is not None:
@@ -152,6 +153,7 @@ class FactoredLinearGroup(LayerGroup):
 
     def release(self) -> None:
         del self.A, self.B
+        self._slices = None
 
     def gram(self) -> Tensor:
         return factored.gram(self.A, self.B, self.k * self.k, self.has_bias)
@@ -201,7 +203,7 @@ class ConvStackGroup(LayerGroup):
 
     def release(self) -> None:
         del self.A, self.B
-        self._bmm = None
+        self._bmm, self._slices = None, None
 
     def _layer_slice(self, X: Tensor, i: int, Y: Optional[Tensor] = None,
                      records: bool = True) -> tuple[Tensor, Optional[Tensor]]:
