@@ -177,9 +177,9 @@ class GlobalBatch(SingleProcess):
                              "are gathered whole); leave it None, or use TENGraD on one process")
         if options.get("fisher") == "gauss-newton":
             raise ValueError("DistributedTENGraD: fisher='gauss-newton' is not supported; use 'empirical' or 'mc'")
-        for opt in ("metric", "relative_damping"):
+        for opt, named in (("metric", "metric (and metric_beta2)"), ("relative_damping", "relative_damping")):
             if options.get(opt):
-                raise ValueError(f"DistributedTENGraD: {opt} is not supported (one process only); leave it off, "
+                raise ValueError(f"DistributedTENGraD: {named} is not supported (one process only); leave it off, "
                                  "or use TENGraD on one process")
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -45,6 +45,9 @@ REFUSED: dict[str, dict[str, Any]] = {
     "curvature_samples": dict(curvature_samples=4),
     "fisher": dict(fisher="gauss-newton"),
     "distribution": dict(distribution="single-process"),
+    "metric": dict(metric="factored"),
+    "metric_beta2": dict(metric="factored", metric_beta2=0.9),
+    "relative_damping": dict(relative_damping=True),
 }
 COVERED = {
     "momentum": "warmup", "weight_decay": "warmup", "curvature_every": "warmup", "curvature_warmup": "warmup",
@@ -55,6 +58,7 @@ COVERED = {
     "compile": "refused", "cuda_graph": "cuda-graph-gram-blocks", "gram_tf32": "tf32-no-graph-no-momentum",
     "grad_scaler": "grad-scaler", "params": "params-groups", "schedule": "grouped-config",
     "execution": "grouped-config", "distribution": "refused",
+    "metric": "refused", "metric_beta2": "refused", "relative_damping": "refused",
 }
 
 
