@@ -123,6 +123,20 @@ def forward_backward(model: nn.Module, opt: TENGraD, x, y, loss_fn: LossFn = F.c
     return out
 
 
+def recorded_step(template: nn.Module, model: nn.Module, opt: TENGraD, seed: int,
+                  history: dict[str, list[torch.Tensor]]) -> tuple[nn.Module, torch.Tensor, torch.Tensor,
+                                                                   dict[str, torch.Tensor]]:
+    """The MLP's batch ``seed`` (m = 8) through ``model``'s forward and backward:
+    ``(reference model before the step, x, y, g)``, ``g`` also appended to ``history``."""
+    x, y = batch("mlp", 8, seed)
+    ref_model = snapshot(template, model)
+    forward_backward(model, opt, x, y)
+    g = full_grad(ref_model, x, y, F.cross_entropy)
+    for n, gn in g.items():
+        history.setdefault(n, []).append(gn)
+    return ref_model, x, y, g
+
+
 def assert_matches(delta: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], tol: float = TOL) -> None:
     assert ref, "no covered layer"
     for k, u_ref in ref.items():

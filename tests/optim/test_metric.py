@@ -21,8 +21,8 @@ import tengrad_fx
 from tengrad_fx import TENGraD
 from tengrad_fx.optim.tengrad.metric import FLOOR
 from testing.oracle import dense_layer_updates, per_sample_grads_reference
-from testing.tengrad_step import assert_matches, batch, forward_backward, full_grad, layer_params, setup, snapshot, \
-    step_delta
+from testing.tengrad_step import assert_matches, batch, forward_backward, full_grad, layer_params, recorded_step, \
+    setup, snapshot, step_delta
 
 BETA2 = 0.9
 
@@ -75,12 +75,7 @@ def test_step_equals_dense_solve(every: int, metric: str | None, relative: bool)
     biases = {names[0]: names[1] for names in layers.values() if len(names) == 2}
     history: dict[str, list[torch.Tensor]] = {}
     for t in range(5):
-        x, y = batch("mlp", 8, t)
-        ref_model = snapshot(template, model)
-        forward_backward(model, opt, x, y)
-        g = full_grad(ref_model, x, y, F.cross_entropy)
-        for n, gn in g.items():
-            history.setdefault(n, []).append(gn)
+        ref_model, x, y, g = recorded_step(template, model, opt, t, history)
         if t % every == 0:
             D = _metric(history, {n: True for n in biases}, biases) if metric else {}
             alphas = _relative(ref_model, x, y, covered, D, 0.05) if relative else None

@@ -22,7 +22,8 @@ from tengrad_fx.solve import POLAR_FLOOR, newton_schulz_polar
 from tengrad_fx.utils.dispatch import OpCounter
 from testing.oracle import newton_schulz_reference
 from testing.tengrad_step import (
-    assert_matches, batch, dense_u, forward_backward, full_grad, layer_params, setup, snapshot, step_delta,
+    assert_matches, batch, dense_u, forward_backward, full_grad, layer_params, recorded_step, setup, snapshot,
+    step_delta,
 )
 
 
@@ -122,12 +123,7 @@ def test_shaped_step_equals_dense_ngd_reference(graft, orthogonalize) -> None:
     layers = layer_params(model)
     history: dict[str, list[torch.Tensor]] = {}
     for t in (1, 2):
-        x, y = batch("mlp", 8, t)
-        ref_model = snapshot(template, model)
-        forward_backward(model, opt, x, y)
-        g = full_grad(ref_model, x, y, F.cross_entropy)
-        for n, gn in g.items():
-            history.setdefault(n, []).append(gn)
+        ref_model, x, y, g = recorded_step(template, model, opt, t, history)
         ref = dense_u(ref_model, x, y, F.cross_entropy, g, 0.05, layers)
         if graft is not None:
             a = {n: g[n] if graft == "sgd" else _rms_direction(history[n]) for n in ref}
