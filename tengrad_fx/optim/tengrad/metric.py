@@ -6,7 +6,7 @@ the identity. With ``S = D^{-1/2}``,
     u = S (S F S + αI)⁻¹ S g,
 
 and ``S F S`` is the Fisher of the rows ``J S``: the plain step's Woodbury solve, run on the
-records scaled by ``S`` (:meth:`FactoredMetric.scale_records`) and on ``S g``
+records scaled by ``S`` (:meth:`FactoredMetric.freeze`, :func:`scale_record`) and on ``S g``
 (:meth:`FactoredMetric.scaled_grads`), gives ``S⁻¹ u`` (:meth:`FactoredMetric.unscale`).
 So the inverse stays exact for the chosen ``D``; only the ``m`` directions the rows span
 see the curvature, and every other direction gets ``g / (α D)`` instead of SGD's ``g / α``.
@@ -145,7 +145,7 @@ class FactoredMetric:
                 w, b = lay.weight, lay.bias
                 if w.grad is not None:
                     saved.append((w, w.grad))
-                    w.grad = w.grad * s_rows[:, None] * s_cols[None, :]
+                    w.grad = w.grad * _weight_side(s_rows, s_cols)
                 if b is not None and b.grad is not None:
                     saved.append((b, b.grad))
                     b.grad = b.grad * _out_side(lay, s_rows, s_cols)
@@ -161,10 +161,15 @@ class FactoredMetric:
         for lay, s_rows, s_cols in self._pairs(state, layers):
             w, b = lay.weight, lay.bias
             if w in updates:
-                updates[w] = updates[w] * s_rows[:, None] * s_cols[None, :]
+                updates[w] = updates[w] * _weight_side(s_rows, s_cols)
             if b is not None and b in updates:
                 updates[b] = updates[b] * _out_side(lay, s_rows, s_cols)
         return StepResult(updates, result.ok, result.update_dot, result.grad_sq)
+
+
+def _weight_side(s_rows: Tensor, s_cols: Tensor) -> Tensor:
+    """``S`` of a weight ``[R, C]``: the outer product of its row and column factors."""
+    return s_rows[:, None] * s_cols[None, :]
 
 
 def _out_side(layer: CoveredLayer, s_rows: Tensor, s_cols: Tensor) -> Tensor:
@@ -183,7 +188,7 @@ def scale_record(layer: CoveredLayer, rec: Record, s_rows: Tensor, s_cols: Tenso
     if rec.P is not None:
         m = rec.P.shape[0]
         R, C = layer.weight.shape
-        rec.P = (rec.P.reshape(m, R, C) * s_rows[:, None] * s_cols[None, :]).reshape(rec.P.shape)
+        rec.P = (rec.P.reshape(m, R, C) * _weight_side(s_rows, s_cols)).reshape(rec.P.shape)
         if rec.Gsum is not None and rec.Gsum.numel():
             rec.Gsum = rec.Gsum * _out_side(layer, s_rows, s_cols)
         return
