@@ -142,3 +142,24 @@ def assert_matches(delta: dict[str, torch.Tensor], ref: dict[str, torch.Tensor],
     for k, u_ref in ref.items():
         r = rel(delta[k], u_ref)
         assert r <= tol, f"{k}: rel err {r:.2e}"
+
+
+def assert_graphs_match_eager(device: str, steps: int = 7, **opt_kw) -> None:
+    """The MLP trained ``steps`` steps in float32 on ``device`` with ``cuda_graph=True`` equals
+    ``cuda_graph=False`` (``opt_kw``: the other options): on a CPU the graph runner runs
+    eagerly, bit for bit; on CUDA the reuse steps replay, to float32 rounding."""
+    def run(graph: bool) -> tuple[dict[str, torch.Tensor], TENGraD]:
+        _, model, opt = setup("mlp", cuda_graph=graph, **opt_kw)
+        model.to(device, torch.float32)
+        for t in range(steps):
+            x, y = batch("mlp", 8, t)
+            forward_backward(model, opt, x.to(device, torch.float32), y.to(device))
+            opt.step()
+        return {n: p.detach().cpu() for n, p in model.named_parameters()}, opt
+
+    (eager, _), (graphed, opt) = run(False), run(True)
+    if device == "cpu":
+        assert all(torch.equal(eager[n], graphed[n]) for n in eager)
+    else:
+        assert opt.graph_runner.graphs.replays > 0
+        assert all(torch.allclose(eager[n], graphed[n], rtol=1e-5, atol=1e-6) for n in eager)

@@ -233,7 +233,7 @@ class GlobalBatch(SingleProcess):
         self.sharing.reset(opt._layers)
         if curvature_step:
             # a captured reuse step reads this step's records and factors: its graphs are replaced
-            opt.curvature.version += 1
+            opt.curvature.replaced()
             if self.mode == "local":
                 self.layers = [lay for lay in opt._layers if lay.captured]
             else:

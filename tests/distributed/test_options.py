@@ -31,7 +31,7 @@ RUNS: dict[str, dict[str, Any]] = {
                                                                       curvature_warmup=2)),
     "grouped-config": dict(steps=5, opts=dict(schedule="every3-warmup1", execution="factor-float64")),
     "graft-orth-woodbury": dict(steps=4, opts=dict(curvature_every=2, graft="sgd", orthogonalize="newton-schulz",
-                                                   update_form="woodbury", kl_clip=None)),
+                                                   orthogonalize_momentum=True, update_form="woodbury", kl_clip=None)),
     "mc-mse-materialize": dict(steps=4, opts=dict(curvature_every=2, fisher="mc", mc_loss="mse", kl_clip=None,
                                                   strategy="materialize", jacobian_budget_mb=1.0)),
     "tf32-no-graph-no-momentum": dict(steps=3, opts=dict(curvature_every=2, gram_tf32=True, cuda_graph=False,
@@ -52,6 +52,7 @@ REFUSED: dict[str, dict[str, Any]] = {
 COVERED = {
     "momentum": "warmup", "weight_decay": "warmup", "curvature_every": "warmup", "curvature_warmup": "warmup",
     "curvature_growth": "growth", "graft": "graft-orth-woodbury", "orthogonalize": "graft-orth-woodbury",
+    "orthogonalize_momentum": "graft-orth-woodbury",
     "curvature_samples": "refused", "fisher": "mc-mse-materialize", "mc_loss": "mc-mse-materialize",
     "kl_clip": "warmup", "update_form": "graft-orth-woodbury", "solve_dtype": "tf32-no-graph-no-momentum",
     "jacobian_budget_mb": "mc-mse-materialize", "strategy": "mc-mse-materialize",

@@ -21,8 +21,10 @@ import tengrad_fx
 from tengrad_fx import TENGraD
 from tengrad_fx.optim.tengrad.metric import FLOOR
 from testing.oracle import dense_layer_updates, per_sample_grads_reference
-from testing.tengrad_step import assert_matches, batch, forward_backward, full_grad, layer_params, recorded_step, \
-    setup, snapshot, step_delta
+from testing.tengrad_step import (
+    assert_graphs_match_eager, assert_matches, batch, forward_backward, full_grad, layer_params, recorded_step, setup,
+    snapshot, step_delta,
+)
 
 BETA2 = 0.9
 
@@ -183,19 +185,5 @@ def test_metric_and_relative_damping_replay_as_cuda_graphs(device: str) -> None:
     """``T = 3``, 7 steps with ``cuda_graph=True`` equal ``cuda_graph=False`` (on a CPU the
     graph runner runs eagerly: bit for bit; on CUDA the reuse steps replay, to float32
     rounding): the moments, ``S`` and the relative ``α_l`` are read from static storage."""
-    def run(graph: bool) -> tuple[dict[str, torch.Tensor], TENGraD]:
-        _, model, opt = setup("mlp", metric="factored", relative_damping=True, curvature_every=3, lr=0.02,
-                              momentum=0.9, cuda_graph=graph)
-        model.to(device, torch.float32)
-        for t in range(7):
-            x, y = batch("mlp", 8, t)
-            forward_backward(model, opt, x.to(device, torch.float32), y.to(device))
-            opt.step()
-        return {n: p.detach().cpu() for n, p in model.named_parameters()}, opt
-
-    (eager, _), (graphed, opt) = run(False), run(True)
-    if device == "cpu":
-        assert all(torch.equal(eager[n], graphed[n]) for n in eager)
-    else:
-        assert opt.graph_runner.graphs.replays > 0
-        assert all(torch.allclose(eager[n], graphed[n], rtol=1e-5, atol=1e-6) for n in eager)
+    assert_graphs_match_eager(device, metric="factored", relative_damping=True, curvature_every=3, lr=0.02,
+                              momentum=0.9)

@@ -56,7 +56,8 @@ class StepSkeleton(torch.optim.Optimizer):
 
     Subclasses set ``NAME`` (key of the counters in ``self.state``) and implement
     :meth:`_needs_capture`, :meth:`_updates` (a :class:`~.result.StepResult`); optionally
-    :meth:`_check_capture`, :meth:`_after_update`, :meth:`_run_device`.
+    :meth:`_check_capture`, :meth:`_after_update`, :meth:`_run_device`, :meth:`_momentum_parts`,
+    :meth:`_commit`.
     """
 
     NAME = "optimizer"
@@ -424,10 +425,18 @@ class StepSkeleton(torch.optim.Optimizer):
             if self._kl_clipped is None:
                 self._kl_clipped = torch.zeros((), dtype=torch.int64, device=nu.device)
             self._kl_clipped.add_((nu < 1.0) & ok)
-        reads = [apply_momentum_step(self.state, g["params"], updates, glr, g["momentum"], g["weight_decay"],
-                                     nu, ok if masked else None) for g, glr in zip(groups, glrs)]
+        reads = [apply_momentum_step(self.state, ps, updates, glr, mu, g["weight_decay"], nu, ok if masked else None)
+                 for g, glr in zip(groups, glrs) for ps, mu in self._momentum_parts(g)]
         if any(r is False for r in reads):  # the warm-up host read found a skip
             raise SkipStep("non-finite gradient, curvature or update")
+        self._commit(ok if masked else None)
+
+    def _momentum_parts(self, group: dict[str, Any]) -> list[tuple[list[Tensor], float]]:
+        """``[(params, μ)]``: the parameters of ``group`` by the momentum of their step."""
+        return [(group["params"], group["momentum"])]
+
+    def _commit(self, ok: Optional[Tensor]) -> None:
+        """Store state that waits for the step's flag ``ok`` (None: the step is taken)."""
 
     def _loss_scale(self) -> Optional[Tensor]:
         """The GradScaler's current scale (device scalar), None without one: what the

@@ -67,6 +67,11 @@ class CurvatureCache:
         """Factors of :class:`LayerGroup` s are cached (the modular path can reuse them)."""
         return self.chol is not None and all(isinstance(g, LayerGroup) for g in self.groups)
 
+    def replaced(self) -> None:
+        """Tensors a captured step reads were replaced outside the cache (e.g. new records):
+        bump :attr:`version`, so graphs that read the old ones are dropped."""
+        self.version += 1
+
     def set_groups(self, groups: list[LayerGroup], kept: Sequence[Any] = ()) -> None:
         """Cache ``groups`` and their Grams (``kept``: the previous groups, for the version)."""
         if self.static and not (len(kept) == len(groups) and all(o is n for o, n in zip(kept, groups))):

@@ -34,8 +34,10 @@ a new capture of the same layers and shapes into the same stacks (``reuse``,
 gradient buffer and its record slices (no zeros, no views made per step).
 
 Which materialized layers keep ``J`` (:func:`keeps_jacobian`): by default each layer
-whose ``J`` is no larger than its own ``I, G``, so the kept records are at most those of
-an all-factored model; with a number (``jacobian_budget_mb``) every one within it.
+whose ``J`` is at most ``min(4, S/8)`` times its own ``I, G`` (``S`` positions per sample,
+at least 1×: :func:`default_jacobian_cap`), since a kept ``J`` makes a reuse step's products
+``S×`` cheaper; so the kept records are at most 4× those of an all-factored model. With a
+number (``jacobian_budget_mb``) every one within it.
 """
 from __future__ import annotations
 
@@ -49,13 +51,15 @@ from ...curvature.layer import KERNELS, CoveredLayer, Strategy, choose_strategy
 from .group_forms import ConvStackGroup, FactoredLinearGroup, MaterializedGroup, PackedGroup, SingleLayerGroup
 from .layer_groups import LayerGroup, pack_views, stack
 
-__all__ = ["build_groups", "initial_sites", "factored_bytes", "keeps_jacobian", "kept_sites", "previous_stacks",
+__all__ = ["JACOBIAN_RATIO_MAX", "POSITIONS_PER_RATIO", "build_groups", "default_jacobian_cap", "initial_sites",
+           "factored_bytes", "keeps_jacobian", "kept_sites", "previous_stacks",
            "PACK_MAX_BYTES",
            "PACK_MAX_RATIO", "STACK_BYTES"]
 
 PACK_MAX_BYTES = 16 * 2**20
 PACK_MAX_RATIO = 4.0
 STACK_BYTES = 64 * 2**20
+JACOBIAN_RATIO_MAX, POSITIONS_PER_RATIO = 4.0, 8  # default_jacobian_cap: J ≤ min(4, S/8)·(I, G)
 """Bound on one stack of an equal-shape group, and so on the transient of making it (its
 records and the stack are alive together while it is copied; the records are then
 pointed at the stack and the members released before the next group is stacked). Layers
@@ -93,12 +97,22 @@ def factored_bytes(layer: CoveredLayer, in_shapes: list[tuple[int, ...]], itemsi
     return total * itemsize
 
 
-def keeps_jacobian(p_bytes: int, ig_bytes: int, budget: Optional[float]) -> bool:
+def default_jacobian_cap(layer: CoveredLayer, in_shapes: list[tuple[int, ...]], itemsize: int) -> float:
+    """The most bytes a materialized layer's ``J`` may take and be kept by default: its
+    ``I, G``'s bytes (:func:`factored_bytes`) times ``min(JACOBIAN_RATIO_MAX, S / POSITIONS_PER_RATIO)``,
+    at least 1, with ``S`` its positions per sample over all calls. Kept, ``J g`` and
+    ``Jᵀ c`` cost ``2·m·n`` flops each on a reuse step; from ``I, G`` they cost about
+    ``2·m·S·n`` (a Linear over a sequence, a convolution over its output map), ``S×`` more."""
+    S = sum(layer._kernel.dims(layer.spec, shape)[1] for shape in in_shapes)
+    ratio = min(JACOBIAN_RATIO_MAX, max(1.0, S / POSITIONS_PER_RATIO))
+    return ratio * factored_bytes(layer, in_shapes, itemsize)
+
+
+def keeps_jacobian(p_bytes: int, cap: float, budget: Optional[float]) -> bool:
     """Whether a layer the cost model materializes keeps its ``J`` (``p_bytes``) between
     steps: within the bytes left of a flat ``budget``, or, with ``budget=None`` (TENGraD's
-    default), where ``J`` is no larger than the layer's ``I, G`` (``ig_bytes``), so that
-    keeping ``J`` never holds more than keeping the layer factored would."""
-    return p_bytes <= (ig_bytes if budget is None else budget)
+    default), within the layer's own ``cap`` (:func:`default_jacobian_cap`)."""
+    return p_bytes <= (cap if budget is None else budget)
 
 
 def kept_sites(candidates: list[tuple[CoveredLayer, int, list[tuple[int, ...]]]], sites: set[int],
@@ -109,7 +123,7 @@ def kept_sites(candidates: list[tuple[CoveredLayer, int, list[tuple[int, ...]]]]
     for layer, m, shapes in candidates:
         es = layer.weight.element_size()
         nbytes = m * sum(p.numel() for p in (layer.weight, layer.bias) if p is not None) * es
-        if keeps_jacobian(nbytes, factored_bytes(layer, shapes, es), budget):
+        if keeps_jacobian(nbytes, default_jacobian_cap(layer, shapes, es), budget):
             budget = None if budget is None else budget - nbytes
             sites.update(layer.spec.sites)
     return sites
@@ -265,7 +279,7 @@ def _place(layer: CoveredLayer, strategy: Strategy, budget: Optional[float], sit
     I, G = recs[0].I, recs[0].G
     if how == "materialize":
         es = _itemsize(recs, weight)
-        ig = 0 if budget is not None else factored_bytes(layer, [r.in_shape for r in recs], es)
+        ig = 0.0 if budget is not None else default_jacobian_cap(layer, [r.in_shape for r in recs], es)
         n = weight.numel() + (bias.numel() if bias is not None else 0)
         if keeps_jacobian(m * n * es, ig, budget):  # (no P made for nothing)
             Pw, Pb, kP = _materialized(layer, recs, bias is not None, k)
@@ -319,7 +333,7 @@ def build_groups(layers: list[CoveredLayer], strategy: str, budget: Optional[flo
                  static: bool = False) -> tuple[list[LayerGroup], set[int]]:
     """Groups of the trainable covered layers with a record in the store, and the call
     sites whose ``J`` is kept (materialized by later backwards, by :func:`keeps_jacobian`:
-    within ``budget`` bytes, or with None no larger than the layer's ``I, G``; added to
+    within ``budget`` bytes, or with None within :func:`default_jacobian_cap`; added to
     ``sites``, e.g. the kept choice of layers not captured this time).
     ``packed=False``: equal shapes only (no zero columns, e.g. where ``J g`` / ``Jᵀ c``
     of a group travel between ranks).

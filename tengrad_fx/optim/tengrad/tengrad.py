@@ -43,8 +43,6 @@ from .cache import CurvatureCache
 from .distribution import SingleProcess
 from .fused_runner import FusedStep
 from .gauss_newton import gauss_newton_capture
-from .graft import GRAFT_BETA2, GRAFT_EPS, check_graft, check_group_orthogonalize, check_orthogonalize, \
-    graft_updates, orthogonalize_updates, orthogonalized
 from .cuda_graphs import GraphRunner
 from .group_cost import reuse_cost
 from .jacobian_sites import marked_jacobian_sites
@@ -52,6 +50,7 @@ from .metric import make_metric
 from .options import Execution, jacobian_budget_bytes, resolve_execution, resolve_schedule, use_cuda_graph
 from .resume import restore_records, save_records
 from .schedule import CurvatureSchedule
+from .shaping import UpdateShaping
 from .subsample import check_curvature_samples
 
 __all__ = ["TENGraD"]
@@ -90,6 +89,8 @@ class TENGraD(StepSkeleton):
             Muon's five quintic steps (matmuls only; capturable). Default off: the update is NGD's.
             A param group with ``"orthogonalize": False`` keeps its weights' updates (grafted, if
             ``graft``): Muon's recipe leaves the embeddings and the output layer to Adam.
+        orthogonalize_momentum: the polar factor of the momentum (Muon's order, Nesterov, the
+            group's ``momentum``) instead of the heavy ball on the polar factors (:mod:`.shaping`).
         metric: ``"factored"``: ``u = (F + αD)⁻¹ g`` with a Kronecker-diagonal ``D`` of mean 1 from
             factored second moments of the gradients (Adafactor's; :mod:`.metric`), still exact by
             Woodbury; directions the rows do not span get ``g/(αD)``. None: ``D = I`` (the paper's).
@@ -110,10 +111,11 @@ class TENGraD(StepSkeleton):
             otherwise), ``"woodbury"`` (always the general form).
         solve_dtype: dtype of the m×m Cholesky (default: the parameters'); e.g. float64.
         jacobian_budget_mb: which layers the cost model materializes keep ``J`` between steps (the
-            rest use theirs through ``I, G``). Default (None): each layer whose ``J`` is no larger than its
-            own ``I, G`` (``group_build.keeps_jacobian``), or with ``strategy="materialize"`` a flat
-            1024 MiB. A number: a flat budget in MiB for all kept ``J``s, in layer order (more memory;
-            faster reuse steps where ``J`` is larger than ``I, G`` on a CPU).
+            rest use theirs through ``I, G``). Default (None): each layer whose ``J`` is at most
+            ``min(4, S/8)`` times its own ``I, G`` (``S`` positions per sample, at least 1×; a kept ``J``
+            makes its reuse products ``S×`` cheaper: ``group_build.default_jacobian_cap``), or with
+            ``strategy="materialize"`` a flat 1024 MiB. A number: a flat budget in MiB for all kept ``J``s,
+            in layer order.
         strategy: Gram strategy for all layers: ``"auto"``, ``"factor"``, ``"materialize"``.
         compile: run the whole update (Gram → Cholesky → solve → Jᵀc over all layers,
             :func:`tengrad_fx.optim.tengrad.fused_update.fused_update`) under ``torch.compile``; layers
@@ -165,6 +167,7 @@ class TENGraD(StepSkeleton):
         curvature_growth: Optional[float] = None,
         graft: Optional[str] = None,
         orthogonalize: bool | str = False,
+        orthogonalize_momentum: bool = False,
         metric: Optional[Literal["factored"]] = None,
         metric_beta2: float = 0.99,
         relative_damping: bool = False,
@@ -199,7 +202,6 @@ class TENGraD(StepSkeleton):
         check_positive("damping", damping)
         check_unit("momentum", momentum)
         check_nonneg("weight_decay", weight_decay)
-        check_graft(graft, GRAFT_BETA2, GRAFT_EPS)
         self.curvature_samples = check_curvature_samples(curvature_samples)
         check_choice("fisher", fisher, ("empirical", "mc", "gauss-newton"))
         check_choice("mc_loss", mc_loss, ("cross_entropy", "mse"))
@@ -209,9 +211,9 @@ class TENGraD(StepSkeleton):
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
         super().__init__(optimizer_params(model, params, type(self).__name__), defaults)
         self._init_skeleton(model, info, grad_scaler)
-        self.graft, self.fisher, self.mc_loss, self.kl_clip = graft, fisher, mc_loss, kl_clip
-        self.orthogonalize: str | Literal[False] = check_orthogonalize(orthogonalize) or False
-        check_group_orthogonalize(self.param_groups, self.orthogonalize)
+        self.fisher, self.mc_loss, self.kl_clip = fisher, mc_loss, kl_clip
+        self.shaping = UpdateShaping(graft, orthogonalize, orthogonalize_momentum, self.param_groups)
+        self.graft, self.orthogonalize = graft, self.shaping.orthogonalize or False
         self.metric = make_metric(metric, metric_beta2)
         self.update_form = update_form
         self.solve_dtype, self.strategy, self.gram_tf32, self.compile = \
@@ -334,7 +336,7 @@ class TENGraD(StepSkeleton):
         subsampled = curvature_step and self._subsampled()
         # push-through needs g = the captured batch's Jᵀ1: an empirical curvature step of the whole batch
         push_through = curvature_step and not mc_step and not subsampled and self.update_form == "auto"
-        result = self._fused_updates(push_through, damping) if curvature_step and metric is None else None
+        result = self._fused_updates(push_through, damping) if curvature_step else None
         t1 = time.perf_counter()
         if result is None:  # the modular path
             if curvature_step or not cache.modular():
@@ -356,8 +358,8 @@ class TENGraD(StepSkeleton):
 
     def _fused_updates(self, push_through: bool, damping: Damping) -> Optional[StepResult]:
         """A curvature step by the fused update (``compile``), None where it does not apply
-        (per-group dampings, or a layer without a fused form: the modular path)."""
-        if not self.compile or isinstance(damping, tuple) or self.curvature.relative:
+        (per-group or relative dampings, a metric, or a layer without a fused form: the modular path)."""
+        if not self.compile or isinstance(damping, tuple) or self.curvature.relative or self.metric is not None:
             return None
         fused = self._fused(self._layers, push_through, damping, self._info.loss_reduction, self.solve_dtype)
         if fused is None:
@@ -370,19 +372,15 @@ class TENGraD(StepSkeleton):
         return StepResult(updates, flag)
 
     def _shape_updates(self, result: StepResult) -> StepResult:
-        """The ``graft`` and ``orthogonalize`` options on the natural-gradient updates (of every
-        layer: a distributed step shares the layers' updates first); ``Σ u·g`` is then the KL clip's."""
-        updates = result.updates
-        polar = {p for g in self.param_groups if g.get("orthogonalize", True) for p in g["params"]
-                 if orthogonalized(p, updates)} if self.orthogonalize else set()
-        if self.graft is not None:  # a polar factor discards the grafted norm: those weights skip the graft
-            params = [p for p in self._group_params() if p not in polar]
-            updates = {**updates, **graft_updates(updates, params, self.state, self.graft, GRAFT_BETA2, GRAFT_EPS)}
-        if polar and self.orthogonalize:
-            updates = orthogonalize_updates(updates, self.orthogonalize, only=polar)
-        if updates is result.updates:
-            return result
-        return StepResult(updates, result.ok, None, result.grad_sq)
+        """``graft``, ``orthogonalize_momentum`` and ``orthogonalize`` on the natural-gradient
+        updates (of every layer: a distributed step shares them first; :mod:`.shaping`)."""
+        return self.shaping.shape(result, self.param_groups, self._group_params(), self.state)
+
+    def _momentum_parts(self, group: dict[str, Any]) -> list[tuple[list[Tensor], float]]:
+        return self.shaping.momentum_parts(group)
+
+    def _commit(self, ok: Optional[Tensor]) -> None:
+        self.shaping.commit(ok)
 
     def _after_update(self, stats_step: bool, closure: Optional[Callable[[], Tensor]]) -> None:
         if self.timings:
