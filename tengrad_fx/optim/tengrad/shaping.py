@@ -66,7 +66,7 @@ class UpdateShaping:
               state: Any) -> StepResult:
         """``result`` with its updates grafted, momentum-ed and orthogonalized as configured;
         ``params``: every parameter in a group (the graft's candidates)."""
-        updates = result.updates
+        updates, self._pending = result.updates, []  # a skip raised before the last commit drops its b'
         polar = {p for g in groups if g.get("orthogonalize", True) for p in g["params"]
                  if orthogonalized(p, updates)} if self.orthogonalize else set()
         self._polar = polar
@@ -86,7 +86,6 @@ class UpdateShaping:
         """``{p: v = u + μ·b'}`` with ``b' = μ·b + u`` for the weights in ``polar``, by
         ``_foreach`` ops per group; the ``(b, b')`` pairs wait for :meth:`commit`."""
         out: dict[Tensor, Tensor] = {}
-        self._pending = []
         for g in groups:
             ps = [p for p in g["params"] if p in polar]
             if not ps:
