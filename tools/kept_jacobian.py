@@ -79,7 +79,6 @@ def main() -> None:
     ap.add_argument("--models", default="3c1f,resnet18,mixer,gpt2-bytes-m,llama-bytes-m")
     ap.add_argument("--m", type=int, default=32)
     a = ap.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     print(f"m={a.m}; reuse = a reuse step's curvature flops / the covered layers' forward+backward flops")
     print(f"{'model':16} {'rule':8} {'kept J':>9} {'reuse':>8} {'curvature MB':>13}")
     for name in a.models.split(","):

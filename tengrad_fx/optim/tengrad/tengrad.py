@@ -213,7 +213,6 @@ class TENGraD(StepSkeleton):
         self._init_skeleton(model, info, grad_scaler)
         self.fisher, self.mc_loss, self.kl_clip = fisher, mc_loss, kl_clip
         self.shaping = UpdateShaping(graft, orthogonalize, orthogonalize_momentum, self.param_groups)
-        self.graft, self.orthogonalize = graft, self.shaping.orthogonalize or False
         self.metric = make_metric(metric, metric_beta2)
         self.update_form = update_form
         self.solve_dtype, self.strategy, self.gram_tf32, self.compile = \
@@ -234,6 +233,16 @@ class TENGraD(StepSkeleton):
         info.store.jacobian_sites = dist.initial_sites(self)
         self._watch_output()
         capturing(model, True)
+
+    @property
+    def graft(self) -> Optional[str]:
+        """The ``graft`` option (:attr:`shaping`'s)."""
+        return self.shaping.graft
+
+    @property
+    def orthogonalize(self) -> str | Literal[False]:
+        """The polar factor's method, or False (:attr:`shaping`'s)."""
+        return self.shaping.orthogonalize or False
 
     @property
     def curvature_every(self) -> int:
