@@ -4,7 +4,8 @@ Records hold ``I = idx [m, *positions]`` and ``G [m, *positions, D]``; positions
 ``idx == padding_idx`` carry no gradient. Sample ``i``'s gradient is ``Z_i = Σ_s
 onehot(idx_i[s]) G_i[s]ᵀ``, so ``K_ij = Σ_{s,t: idx_i[s] = idx_j[t]} ⟨G_i[s], G_j[t]⟩``.
 :func:`gram` forms ``Z`` only on the rows ``U`` the batch touches (``[m, U, D]``, in chunks
-of ``D`` bounded by ``tensors.DEFAULT_BLOCK_BYTES``): ``2·m²·U·D`` flops. ``auto`` always
+of ``D`` bounded by ``tensors.DEFAULT_BLOCK_BYTES``): ``2·m²·U·D`` flops; with few positions
+(``S² ≤ 2U``) from the position pairs instead, ``m²·S²·D`` flops. ``auto`` always
 takes this form (``MATERIALIZE = False``); the dense per-sample gradients
 (:func:`per_sample_grads`, ``[m, vocab·D]``) exist for tests and small vocabularies.
 """
@@ -51,19 +52,32 @@ def _scatter(idx: Tensor, g: Tensor, rows: Tensor, n_rows: int) -> Tensor:
 
 
 def gram(spec: LayerSpec, recs: list[tuple[Tensor, Tensor]]) -> Tensor:
-    """``J Jᵀ`` (unscaled), ``[m, m]``, over all calls' positions by index matching."""
+    """``J Jᵀ`` (unscaled), ``[m, m]``, over all calls' positions by index matching: by
+    position pairs where ``S² ≤ 2U`` (:func:`_pair_gram`), else through ``Z``."""
     flats = [_flat(spec, I, G) for I, G in recs]
     idx = torch.cat([f[0] for f in flats], 1)
     g = torch.cat([f[1] for f in flats], 1)
     m, S, D = g.shape
     uniq, inv = torch.unique(idx, return_inverse=True)
     U = uniq.numel()
+    if S * S <= 2 * U and (m * S) ** 2 * g.element_size() <= DEFAULT_BLOCK_BYTES:
+        return _pair_gram(idx, g)
     chunk = max(1, min(D, DEFAULT_BLOCK_BYTES // max(1, m * U * g.element_size())))
     K = g.new_zeros(m, m)
     for d0 in range(0, D, chunk):
         Z = _scatter(idx, g[..., d0:d0 + chunk], inv.reshape(m, S), U).reshape(m, -1)
         K.addmm_(Z, Z.T)
     return K
+
+
+def _pair_gram(idx: Tensor, g: Tensor) -> Tensor:
+    """``K_ij = Σ_{s,t} [idx_i[s] = idx_j[t]]·⟨g_i[s], g_j[t]⟩`` from the ``(m·S)²`` position
+    pairs: ``m²·S²·D`` flops against ``Z``'s ``2·m²·U·D`` (one position per sample, as
+    ``position_rows`` records have: ``(idx idxᵀ equal) ⊙ (g gᵀ)``)."""
+    m, S, D = g.shape
+    flat, keys = g.reshape(m * S, D), idx.reshape(m * S)
+    P = (flat @ flat.T) * (keys[:, None] == keys[None, :]).to(g.dtype)
+    return P if S == 1 else P.reshape(m, S, m, S).sum((1, 3))
 
 
 def jvp(spec: LayerSpec, I: Tensor, G: Tensor, vW: Tensor, vb: Optional[Tensor]) -> Tensor:

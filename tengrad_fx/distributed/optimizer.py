@@ -172,9 +172,10 @@ class GlobalBatch(SingleProcess):
         if options.get("compile"):
             raise ValueError("DistributedTENGraD: compile=True is not supported (the fused update bypasses the "
                              "distributed solve: the owners' factors, the gram-blocks products); leave it False")
-        if options.get("curvature_samples") is not None:
-            raise ValueError("DistributedTENGraD: curvature_samples is not supported (the global batch's records "
-                             "are gathered whole); leave it None, or use TENGraD on one process")
+        for rows in ("curvature_samples", "position_rows"):
+            if options.get(rows) is not None:
+                raise ValueError(f"DistributedTENGraD: {rows} is not supported (the global batch's records "
+                                 "are gathered whole); leave it None, or use TENGraD on one process")
         if options.get("fisher") == "gauss-newton":
             raise ValueError("DistributedTENGraD: fisher='gauss-newton' is not supported; use 'empirical' or 'mc'")
         for opt, named in (("metric", "metric (and metric_beta2)"), ("relative_damping", "relative_damping")):
@@ -394,7 +395,7 @@ class DistributedTENGraD(TENGraD):
         seed: global seed of the MC Fisher's label sampling (per-rank seeds :func:`mc_seed`).
         **kwargs: TENGraD's options (``cuda_graph``: reuse steps replayed as CUDA graphs,
             collectives included, default on for NCCL and CUDA parameters, module docstring;
-            ``compile``, ``curvature_samples`` and ``fisher="gauss-newton"`` are not supported:
+            ``compile``, ``curvature_samples``, ``position_rows`` and ``fisher="gauss-newton"`` are not supported:
             ``ValueError``).
     """
 

@@ -3,12 +3,14 @@
 The one home of TENGraD's maths after the Grams: the damped factorization with its
 jitter retries (:func:`damped_cholesky_ex`), the Woodbury / push-through coefficients
 (:func:`woodbury_solve`, :func:`woodbury_coefficients`, :func:`woodbury_combine`) and the
-push-through probe's rule (:func:`push_through_holds`), and the orthogonal polar factor of an
+push-through probe's rule (:func:`push_through_holds`), Grams of different sizes in one batch
+(:func:`pad_gram`, :func:`pad_rows`), and the orthogonal polar factor of an
 update (:func:`polar_factor`, exact; :func:`newton_schulz_polar`, Muon's matmul-only
 approximation). Callers look these up here at call time (``solve.f(...)``).
 """
 from .polar import NEWTON_SCHULZ_COEFFS, NEWTON_SCHULZ_STEPS, POLAR_FLOOR, newton_schulz_polar, polar_factor
 from .probe import probe_tolerance, push_through_holds
+from .ragged import pad_gram, pad_rows
 from .woodbury import CholeskyFailed, damped_cholesky, damped_cholesky_ex, push_through_rhs, push_through_scale, \
     solve_cholesky, woodbury_apply, woodbury_coefficients, woodbury_combine, woodbury_push_through, \
     woodbury_solve
@@ -16,4 +18,4 @@ from .woodbury import CholeskyFailed, damped_cholesky, damped_cholesky_ex, push_
 __all__ = ["damped_cholesky", "damped_cholesky_ex", "solve_cholesky", "woodbury_solve", "woodbury_coefficients",
            "woodbury_combine", "push_through_rhs", "push_through_scale", "woodbury_apply", "woodbury_push_through",
            "probe_tolerance", "push_through_holds", "CholeskyFailed", "POLAR_FLOOR", "polar_factor",
-           "NEWTON_SCHULZ_COEFFS", "NEWTON_SCHULZ_STEPS", "newton_schulz_polar"]
+           "NEWTON_SCHULZ_COEFFS", "NEWTON_SCHULZ_STEPS", "newton_schulz_polar", "pad_gram", "pad_rows"]

@@ -103,3 +103,19 @@ def test_embedding_fallback_reasons() -> None:
     assert "max_norm" in fb["net.a.weight"] and "scale_grad_by_freq" in fb["net.b.weight"]
     assert "sparse" in fb["net.c.weight"]
     assert "net.head.weight" in tengrad_fx.get_info(prepared).covered
+
+
+@settings(max_examples=20, deadline=None)
+@given(m=st.integers(1, 6), S=st.integers(1, 4), vocab=st.integers(1, 12), seed=st.integers(0, 2**16))
+def test_both_gram_routes_equal_the_dense_gram(m: int, S: int, vocab: int, seed: int) -> None:
+    """The position-pair route and the ``Z`` route each give ``Z Zᵀ`` of the dense per-sample
+    gradients, whichever the kernel would pick for these sizes."""
+    from tengrad_fx.curvature import embedding
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, vocab, (m, S), generator=gen)
+    g = torch.randn(m, S, 3, generator=gen, dtype=torch.float64)
+    Z = embedding._scatter(idx, g, idx, vocab).reshape(m, -1)
+    uniq, inv = torch.unique(idx, return_inverse=True)
+    Zu = embedding._scatter(idx, g, inv.reshape(m, S), uniq.numel()).reshape(m, -1)
+    assert rel(embedding._pair_gram(idx, g), Z @ Z.T) <= TOL
+    assert rel(Zu @ Zu.T, Z @ Z.T) <= TOL

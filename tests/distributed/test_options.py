@@ -43,6 +43,7 @@ RUNS: dict[str, dict[str, Any]] = {
 REFUSED: dict[str, dict[str, Any]] = {
     "compile": dict(compile=True),
     "curvature_samples": dict(curvature_samples=4),
+    "position_rows": dict(position_rows=64),
     "fisher": dict(fisher="gauss-newton"),
     "distribution": dict(distribution="single-process"),
     "metric": dict(metric="factored"),
@@ -53,7 +54,8 @@ COVERED = {
     "momentum": "warmup", "weight_decay": "warmup", "curvature_every": "warmup", "curvature_warmup": "warmup",
     "curvature_growth": "growth", "graft": "graft-orth-woodbury", "orthogonalize": "graft-orth-woodbury",
     "orthogonalize_momentum": "graft-orth-woodbury",
-    "curvature_samples": "refused", "fisher": "mc-mse-materialize", "mc_loss": "mc-mse-materialize",
+    "curvature_samples": "refused", "position_rows": "refused",
+    "fisher": "mc-mse-materialize", "mc_loss": "mc-mse-materialize",
     "kl_clip": "warmup", "update_form": "graft-orth-woodbury", "solve_dtype": "tf32-no-graph-no-momentum",
     "jacobian_budget_mb": "mc-mse-materialize", "strategy": "mc-mse-materialize",
     "compile": "refused", "cuda_graph": "cuda-graph-gram-blocks", "gram_tf32": "tf32-no-graph-no-momentum",

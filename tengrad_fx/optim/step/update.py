@@ -16,7 +16,8 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["finite_flag", "all_finite", "update_dot", "kl_clip_factor", "apply_momentum_step", "zeroed_unless"]
+__all__ = ["finite_flag", "all_finite", "update_dot", "kl_clip_factor", "apply_momentum_step", "selected",
+           "zeroed_unless"]
 
 
 def finite_flag(ts: Iterable[Tensor], extra: Optional[Tensor] = None) -> Optional[Tensor]:
@@ -71,15 +72,24 @@ def kl_clip_factor(updates: dict[Tensor, Tensor], lr: float | Tensor, kl_clip: O
 def zeroed_unless(ds: list[Tensor], ok: Tensor) -> list[Tensor]:
     """``ds`` with every entry zeroed where ``ok`` is False (a select, so NaN/inf go too):
     one ``cat`` + one ``where`` per dtype."""
-    out: list[Optional[Tensor]] = [None] * len(ds)
+    return selected(ok, ds, None)
+
+
+def selected(ok: Tensor, when: list[Tensor], otherwise: Optional[list[Tensor]]) -> list[Tensor]:
+    """``when[i]`` where the device bool ``ok`` holds, else ``otherwise[i]`` (None: zeros), as
+    views of one flat tensor per dtype: one ``cat`` per list + one ``where`` per dtype, no
+    host read. ``otherwise[i]`` has ``when[i]``'s shape and dtype."""
+    out: list[Optional[Tensor]] = [None] * len(when)
     by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, d in enumerate(ds):
+    for i, d in enumerate(when):
         by_dtype.setdefault(d.dtype, []).append(i)
     for idx in by_dtype.values():
-        flat = torch.cat([ds[i].reshape(-1) for i in idx])
-        flat = torch.where(ok, flat, torch.zeros((), dtype=flat.dtype, device=flat.device))
-        for i, part in zip(idx, flat.split([ds[i].numel() for i in idx])):
-            out[i] = part.view(ds[i].shape)
+        flat = torch.cat([when[i].reshape(-1) for i in idx])
+        other = torch.zeros((), dtype=flat.dtype, device=flat.device) if otherwise is None \
+            else torch.cat([otherwise[i].reshape(-1) for i in idx])
+        flat = torch.where(ok, flat, other)
+        for i, part in zip(idx, flat.split([when[i].numel() for i in idx])):
+            out[i] = part.view(when[i].shape)
     return out  # type: ignore[return-value]
 
 

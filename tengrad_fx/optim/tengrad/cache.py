@@ -81,19 +81,21 @@ class CurvatureCache:
         self.groups = groups
 
     def factorize(self, damping: Damping, param_groups: list[dict[str, Any]]) -> None:
-        """One batched Cholesky of every layer's ``K + mαI`` (all layers share ``m``; ``α``
-        per layer with per-group dampings, :func:`~..step.param_groups.layer_dampings`)."""
+        """One batched Cholesky of every layer's ``K + mαI`` (``α`` per layer with per-group
+        dampings, :func:`~..step.param_groups.layer_dampings`; layers with fewer rows than
+        the most, ``position_rows``, zero-padded: :mod:`tengrad_fx.solve.ragged`)."""
         groups: list[LayerGroup] = self.groups
         old_chol, old_ok = self.chol, self.ok
         self.chol, self.ok = None, None
         if groups:
-            m = groups[0].m
-            if any(grp.m != m for grp in groups):
-                raise RuntimeError("TENGraD: covered layers captured different batch sizes")
-            K = self.K[0] if len(self.K) == 1 else torch.cat(self.K)
+            ms = [grp.m for grp in groups for _ in grp.layers]
+            M = max(ms)
+            Ks = [solve.pad_gram(Kg, M) for Kg in self.K]
+            K = Ks[0] if len(Ks) == 1 else torch.cat(Ks)
+            m: Any = M if min(ms) == M else torch.tensor(ms, dtype=torch.float64, device=K.device)
             alphas = layer_dampings(damping, param_groups, self.layers())
             if self.relative:
-                alphas = self._relative(K, alphas)
+                alphas = self._relative(K, alphas, m)
             chol, ok = solve.damped_cholesky_ex(K, m * alphas, self.solve_dtype)
             ok = ok.all()
             if self.static and old_chol is not None and old_ok is not None and old_chol.shape == chol.shape \
@@ -114,22 +116,23 @@ class CurvatureCache:
             return self.alphas
         return layer_dampings(damping, param_groups, self.layers())
 
-    def _relative(self, K: Tensor, alphas: Any) -> Tensor:
+    def _relative(self, K: Tensor, alphas: Any, m: Any) -> Tensor:
         """:func:`relative_dampings`, into :attr:`alphas` in place where it has their shape
         (a captured reuse step reads the same storage)."""
-        new = relative_dampings(K, alphas)
+        new = relative_dampings(K, alphas, m)
         if self.alphas is not None and self.alphas.shape == new.shape and self.alphas.device == new.device:
             return self.alphas.copy_(new)
         self.alphas = new
         return new
 
 
-def relative_dampings(K: Tensor, alphas: Any) -> Tensor:
+def relative_dampings(K: Tensor, alphas: Any, m: Any = None) -> Tensor:
     """``[L]`` float64: ``α_l·tr(K_l)/m²`` for the Grams ``K [L, m, m]`` (``alphas``: ``α``, or
-    ``[L]``), floored at the least positive float64. ``tr(K_l)/m²`` is the mean of the ``m``
+    ``[L]``; ``m``: the rows, ``K``'s size by default, or ``[L]`` for zero-padded Grams),
+    floored at the least positive float64. ``tr(K_l)/m²`` is the mean of the ``m``
     eigenvalues of ``F_l = J_lᵀJ_l/m`` on the rows' span, so ``α`` is relative to each
     layer's own curvature (K-FAC's trace-normalized damping)."""
-    m = K.shape[-1]
+    m = K.shape[-1] if m is None else m
     mean_eig = K.diagonal(dim1=-2, dim2=-1).sum(-1).to(torch.float64) / (m * m)
     scale = alphas.to(K.device) if isinstance(alphas, Tensor) else alphas
     return (scale * mean_eig).clamp_min(torch.finfo(torch.float64).tiny)

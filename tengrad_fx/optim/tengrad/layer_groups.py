@@ -283,7 +283,8 @@ def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, da
                         loss_reduction: str,
                         dot: bool = False) -> tuple[dict[Tensor, Tensor], Optional[tuple[Tensor, Tensor]]]:
     """``({param: u}, dots)`` for every parameter with a gradient of ``groups`` (``chol``
-    ``[L_total, m, m]``: their factors of ``K + mαI``, in group order): per group ``J g``,
+    ``[L_total, M, M]``: their factors of ``K + mαI``, in group order, zero-padded to the
+    most rows ``M``: :mod:`tengrad_fx.solve.ragged`): per group ``J g``,
     one solve for all layers, per group ``Jᵀ c``. With ``use_pt`` (empirical curvature
     steps) each layer takes the push-through form ``u = scale·Jᵀ(K + mαI)⁻¹1`` where its
     probe holds (picked on the device; ``J g`` is computed either way), else
@@ -296,11 +297,14 @@ def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, da
     ``damping``: ``α``, or ``[L_total]`` (one per layer, group order)."""
     per_layer = use_pt or isinstance(damping, Tensor)  # β differs per layer
     m = groups[0].m
+    M = max(grp.m for grp in groups)  # fewer rows than M: zero-padded (solve.ragged)
+    if use_pt and M != min(grp.m for grp in groups):
+        raise ValueError("push-through needs every layer's rows to be the batch's samples")
     scale = solve.push_through_scale(m, loss_reduction)
     grads, rhs, push, jgs, sqs = [], [], [], [], []
     for grp in groups:
         gw, gb = grp.grads()
-        Jg = grp.jvp(gw, gb)
+        Jg = solve.pad_rows(grp.jvp(gw, gb), M)
         if dot:
             jgs.append(Jg)
             if per_layer:  # ‖g_l‖² per layer
@@ -331,5 +335,5 @@ def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, da
             gsq = torch.dot(norms, norms)
             dots = (torch.add(gsq * a, cJg, alpha=-a), gsq)
     for grp, (gw, gb), beta, c in zip(groups, grads, betas, c_all.split(sizes)):
-        out.update(grp.split(*grp.woodbury(c, gw, gb, beta, gamma)))
+        out.update(grp.split(*grp.woodbury(c if grp.m == M else c[..., :grp.m], gw, gb, beta, gamma)))
     return out, dots

@@ -9,11 +9,13 @@ from typing import Any, Literal, Optional
 
 import torch
 
-from ..step.checks import check_choice, check_nonneg
+from ..step.checks import check_choice, check_nonneg, check_positive, check_unit
+from .position_rows import check_position_rows
 from .schedule import CurvatureSchedule
+from .subsample import check_curvature_samples
 
-__all__ = ["Execution", "CurvatureSchedule", "resolve_schedule", "resolve_execution", "jacobian_budget_bytes",
-           "use_cuda_graph"]
+__all__ = ["Execution", "CurvatureSchedule", "check_options", "resolve_schedule", "resolve_execution",
+           "jacobian_budget_bytes", "use_cuda_graph"]
 
 
 @dataclass(frozen=True)
@@ -104,3 +106,24 @@ def use_cuda_graph(ex: Execution, eigh: bool, capturable: bool, on_cuda: bool) -
     if ex.cuda_graph is None:
         return not eigh and capturable and on_cuda
     return bool(ex.cuda_graph)
+
+
+def check_options(*, lr: float, damping: float, momentum: float, weight_decay: float, fisher: str, mc_loss: str,
+                  kl_clip: Optional[float], update_form: str, curvature_samples: Optional[int],
+                  position_rows: Optional[int]) -> None:
+    """``ValueError`` naming the first of TENGraD's keywords of these names out of its range,
+    or a pair of them that do not go together."""
+    check_nonneg("lr", lr)
+    check_positive("damping", damping)
+    check_unit("momentum", momentum)
+    check_nonneg("weight_decay", weight_decay)
+    check_curvature_samples(curvature_samples)
+    check_position_rows(position_rows)
+    if position_rows is not None and (curvature_samples is not None or fisher == "gauss-newton"):
+        raise ValueError("position_rows draws rows of the whole batch's records: leave curvature_samples None "
+                         "and use fisher='empirical' or 'mc' with it")
+    check_choice("fisher", fisher, ("empirical", "mc", "gauss-newton"))
+    check_choice("mc_loss", mc_loss, ("cross_entropy", "mse"))
+    if kl_clip is not None:
+        check_positive("kl_clip", kl_clip)
+    check_choice("update_form", update_form, ("auto", "woodbury"))

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ..step.result import StepResult
+from ..step.update import selected
 from .graft import (GRAFT_BETA2, GRAFT_EPS, check_graft, check_group_orthogonalize, check_orthogonalize,
                     graft_updates, orthogonalize_updates, orthogonalized)
 
@@ -114,13 +115,5 @@ class UpdateShaping:
         pending, self._pending = self._pending, []
         if not pending:
             return
-        bufs = [b for b, _ in pending]
-        if ok is None:
-            torch._foreach_copy_(bufs, [n for _, n in pending])
-            return
-        for dtype in {b.dtype for b in bufs}:
-            pairs = [(b, n) for b, n in pending if b.dtype == dtype]
-            flat = torch.where(ok, torch.cat([n.reshape(-1) for _, n in pairs]),
-                               torch.cat([b.reshape(-1) for b, _ in pairs]))
-            parts = flat.split([b.numel() for b, _ in pairs])
-            torch._foreach_copy_([b for b, _ in pairs], [part.view(b.shape) for (b, _), part in zip(pairs, parts)])
+        bufs, new = [b for b, _ in pending], [n for _, n in pending]
+        torch._foreach_copy_(bufs, new if ok is None else selected(ok, new, bufs))

@@ -33,7 +33,6 @@ from torch import Tensor
 
 from ...capture.info import get_info
 from ...capture.prepare import capturing
-from ..step.checks import check_choice, check_nonneg, check_positive, check_unit
 from ..step.mc import mc_capture
 from ..step.param_groups import Damping, grouped_layers, optimizer_params
 from ..step.result import StepResult
@@ -47,11 +46,12 @@ from .cuda_graphs import GraphRunner
 from .group_cost import reuse_cost
 from .jacobian_sites import marked_jacobian_sites
 from .metric import make_metric
-from .options import Execution, jacobian_budget_bytes, resolve_execution, resolve_schedule, use_cuda_graph
+from .options import (Execution, check_options, jacobian_budget_bytes, resolve_execution, resolve_schedule,
+                      use_cuda_graph)
+from .position_rows import draw_position_rows, position_sites
 from .resume import restore_records, save_records
 from .schedule import CurvatureSchedule
 from .shaping import UpdateShaping
-from .subsample import check_curvature_samples
 
 __all__ = ["TENGraD"]
 
@@ -100,6 +100,10 @@ class TENGraD(StepSkeleton):
             (:func:`.cache.relative_dampings`); False: ``α`` as given (the paper's).
         curvature_samples: ``k``: the curvature of the first ``k`` samples of each curvature batch
             (:mod:`.subsample`; reuse steps cost ``∝ k``); every update is ``(F_k + αI)⁻¹ g``. None: all.
+        position_rows: ``k``: Linear and Embedding layers over sequences take ``k`` rows drawn from
+            their ``m·S`` (sample, position) pairs on each curvature step in place of one row per
+            sample (K-FAC's "expand" rows, :mod:`.position_rows`; not with ``curvature_samples`` or
+            the Gauss-Newton Fisher). None: one row per sample (the paper's).
         fisher: ``"empirical"`` (G from the training loss), ``"mc"`` (labels sampled from the model's
             prediction, :meth:`mc_capture`, run by the optimizer when the backward reaches the model's output;
             ``mc_loss``) or ``"gauss-newton"`` (exact GGN of ``½‖out − y‖²``, regression with ≤ 16 outputs:
@@ -172,6 +176,7 @@ class TENGraD(StepSkeleton):
         metric_beta2: float = 0.99,
         relative_damping: bool = False,
         curvature_samples: Optional[int] = None,
+        position_rows: Optional[int] = None,
         fisher: Literal["empirical", "mc", "gauss-newton"] = "empirical",
         mc_loss: Literal["cross_entropy", "mse"] = "cross_entropy",
         kl_clip: Optional[float] = 0.01,
@@ -194,20 +199,14 @@ class TENGraD(StepSkeleton):
             strategy=strategy, jacobian_budget_mb=jacobian_budget_mb, compile=compile, cuda_graph=cuda_graph,
             gram_tf32=gram_tf32, solve_dtype=solve_dtype))
         self.distribution = dist = SingleProcess() if distribution is None else distribution
-        dist.check(dict(vars(ex), curvature_samples=curvature_samples, fisher=fisher, metric=metric,
-                                 relative_damping=relative_damping))
+        dist.check(dict(vars(ex), curvature_samples=curvature_samples, position_rows=position_rows, fisher=fisher,
+                        metric=metric, relative_damping=relative_damping))
         model = dist.unwrap(model)
         info = get_info(model)  # raises ValueError for an unprepared model
-        check_nonneg("lr", lr)
-        check_positive("damping", damping)
-        check_unit("momentum", momentum)
-        check_nonneg("weight_decay", weight_decay)
-        self.curvature_samples = check_curvature_samples(curvature_samples)
-        check_choice("fisher", fisher, ("empirical", "mc", "gauss-newton"))
-        check_choice("mc_loss", mc_loss, ("cross_entropy", "mse"))
-        if kl_clip is not None:
-            check_positive("kl_clip", kl_clip)
-        check_choice("update_form", update_form, ("auto", "woodbury"))
+        check_options(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay, fisher=fisher,
+                      mc_loss=mc_loss, kl_clip=kl_clip, update_form=update_form,
+                      curvature_samples=curvature_samples, position_rows=position_rows)
+        self.curvature_samples, self.position_rows = curvature_samples, position_rows
         defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
         super().__init__(optimizer_params(model, params, type(self).__name__), defaults)
         self._init_skeleton(model, info, grad_scaler)
@@ -230,7 +229,8 @@ class TENGraD(StepSkeleton):
         self._gram_seconds = 0.0
         self._t_apply = 0.0  # when the update was ready (perf_counter): the "apply" timing starts there
         dist.bind(self)
-        info.store.jacobian_sites = dist.initial_sites(self)
+        sites = dist.initial_sites(self)  # position rows are drawn from I, G: those layers start factored
+        info.store.jacobian_sites = sites - position_sites(self._layers) if self.position_rows else sites
         self._watch_output()
         capturing(model, True)
 
@@ -298,8 +298,13 @@ class TENGraD(StepSkeleton):
     # ------------------------------------------------------------------ curvature
     def _subsampled(self) -> bool:
         """The records cut to the first ``curvature_samples`` samples
-        (:meth:`~tengrad_fx.capture.store.CaptureStore.keep_samples`); whether they are fewer than the batch."""
-        return self.curvature_samples is not None and self._info.store.keep_samples(self.curvature_samples)
+        (:meth:`~tengrad_fx.capture.store.CaptureStore.keep_samples`) or drawn as ``position_rows``
+        (:mod:`.position_rows`); whether they are now other rows than the batch's samples."""
+        store = self._info.store
+        if self.position_rows is not None:
+            device = self._layers[0].weight.device if self._layers else torch.device("cpu")
+            return draw_position_rows(store, self._layers, self.position_rows, self._mc_rng.get(device))
+        return self.curvature_samples is not None and store.keep_samples(self.curvature_samples)
 
     def _refresh(self, damping: Damping) -> None:
         """Grams and Cholesky factors of every layer solved here from the store, by groups of
@@ -335,6 +340,7 @@ class TENGraD(StepSkeleton):
         (shared by the :attr:`distribution`), with the step's flags."""
         t0 = time.perf_counter()
         dist, cache, metric = self.distribution, self.curvature, self.metric
+        subsampled = curvature_step and self._subsampled()  # the rows are chosen first: the metric scales those
         if metric is not None:
             metric.observe(self.state, self._layers)
             if curvature_step:  # the new records become the rows J S (before they move)
@@ -342,7 +348,6 @@ class TENGraD(StepSkeleton):
         dist.begin(self, curvature_step)
         t_begin = time.perf_counter()
         self._gram_seconds = 0.0
-        subsampled = curvature_step and self._subsampled()
         # push-through needs g = the captured batch's Jᵀ1: an empirical curvature step of the whole batch
         push_through = curvature_step and not mc_step and not subsampled and self.update_form == "auto"
         result = self._fused_updates(push_through, damping) if curvature_step else None
@@ -368,7 +373,8 @@ class TENGraD(StepSkeleton):
     def _fused_updates(self, push_through: bool, damping: Damping) -> Optional[StepResult]:
         """A curvature step by the fused update (``compile``), None where it does not apply
         (per-group or relative dampings, a metric, or a layer without a fused form: the modular path)."""
-        if not self.compile or isinstance(damping, tuple) or self.curvature.relative or self.metric is not None:
+        if not self.compile or isinstance(damping, tuple) or self.curvature.relative or self.metric is not None \
+                or self.position_rows is not None:
             return None
         fused = self._fused(self._layers, push_through, damping, self._info.loss_reduction, self.solve_dtype)
         if fused is None:
