@@ -1,13 +1,13 @@
 """``TENGraD(position_rows=k)``: one row of ``J`` per (sample, position), ``k`` of them drawn.
 
 Reference (float64, ``testing.oracle``): on a model whose outputs at position ``t`` depend on
-its input at ``t`` only (Embedding → LayerNorm → Linear → Tanh → Linear → Linear, the output
-layer tied to the embedding or not) under the mean cross-entropy over every position, row
-``(i, t)`` is ``∇ℓ_it``: ``vmap(grad)`` of each position run as a sequence of one. Per
-Linear / Embedding ``u = solve(J_kᵀJ_k/k + αI, g)`` with ``J_k`` the rows the optimizer drew
-(the same draw replayed from the seeded generator) and ``g`` the whole batch's gradient; the
-LayerNorm keeps one row per sequence (``vmap(grad)`` over the sequences), so the step solves
-Grams of two sizes together.
+its input at ``t`` only (Embedding → LayerNorm → Linear → Tanh → Linear (or Hugging Face's
+transposed ``Conv1D``) → Linear, the output layer tied to the embedding or not) under the
+mean cross-entropy over every position, row ``(i, t)`` is ``∇ℓ_it``: ``vmap(grad)`` of each
+position run as a sequence of one. Per Linear / Embedding ``u = solve(J_kᵀJ_k/k + αI, g)``
+with ``J_k`` the rows the optimizer drew (the same draw replayed from the seeded generator)
+and ``g`` the whole batch's gradient; the LayerNorm keeps one row per sequence
+(``vmap(grad)`` over the sequences), so the step solves Grams of two sizes together.
 """
 from __future__ import annotations
 
@@ -31,12 +31,16 @@ M, S, ALPHA, SEED = 3, 4, 0.05, 11
 class TinyLM(nn.Module):
     """Tokens ``[B, S]`` → logits ``[B, S, V]``, position by position."""
 
-    def __init__(self, tied: bool):
+    def __init__(self, tied: bool, conv1d: bool = False):
         super().__init__()
         self.emb = nn.Embedding(V, D)
         self.norm = nn.LayerNorm(D)
         self.fc = nn.Linear(D, H)
-        self.proj = nn.Linear(H, D)
+        if conv1d:  # Hugging Face's transposed Linear, weight [d_in, d_out]
+            from transformers.pytorch_utils import Conv1D
+            self.proj: nn.Module = Conv1D(D, H)
+        else:
+            self.proj = nn.Linear(H, D)
         self.head = nn.Linear(D, V, bias=False)
         if tied:
             self.head.weight = self.emb.weight
@@ -54,9 +58,9 @@ def _batch(seed: int, m: int = M) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randint(0, V, (m, S), generator=g), torch.randint(0, V, (m, S), generator=g)
 
 
-def _setup(tied: bool = False, **kw):
+def _setup(tied: bool = False, conv1d: bool = False, **kw):
     torch.manual_seed(0)
-    net = TinyLM(tied).double()
+    net = TinyLM(tied, conv1d).double()
     template = copy.deepcopy(net)
     model = tengrad_fx.prepare(net, example_inputs=(_batch(99, 2)[0],))
     args = dict(lr=1.0, damping=ALPHA, momentum=0.0, weight_decay=0.0, curvature_every=100, kl_clip=None,
@@ -91,11 +95,13 @@ def _step(model, opt, tok, y, targets=None):
     return step_delta(model, opt)
 
 
-@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("tied, conv1d", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("k", [5, M * S, 4 * M * S])
-def test_curvature_and_reuse_steps_equal_dense_ngd_on_position_rows(tied: bool, k: int) -> None:
+def test_curvature_and_reuse_steps_equal_dense_ngd_on_position_rows(tied: bool, conv1d: bool, k: int) -> None:
     """Step 1 draws ``min(k, m·S)`` position rows; step 2 reuses them with its own gradient."""
-    template, model, opt = _setup(tied, position_rows=k)
+    if conv1d:
+        pytest.importorskip("transformers")
+    template, model, opt = _setup(tied, conv1d, position_rows=k)
     layers = _position_layers(model)
     assert set(layers) == ({"head", "fc", "proj"} if tied else {"emb", "fc", "proj", "head"})
     (t1, y1), (t2, y2) = _batch(1), _batch(2)
