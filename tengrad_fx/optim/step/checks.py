@@ -27,9 +27,10 @@ def check_unit(name: str, v: Any, closed: bool = False) -> float:
     return float(v)
 
 
-def check_interval(name: str, v: Any) -> int:
+def check_interval(name: str, v: Any, meaning: str = "") -> int:
+    """``v`` an int ``>= 1``; ``meaning`` (e.g. ``" (what it counts)"``) goes into the error."""
     if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
-        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        raise ValueError(f"{name} must be an int >= 1{meaning}, got {v!r}")
     return v
 
 

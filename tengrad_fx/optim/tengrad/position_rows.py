@@ -32,15 +32,16 @@ from torch import Tensor
 
 from ...capture.store import CaptureStore, Record
 from ...curvature.layer import CoveredLayer
+from ..step.checks import check_interval
 
 __all__ = ["check_position_rows", "draw_position_rows", "position_sites", "takes_position_rows"]
 
 
 def check_position_rows(k: Optional[int]) -> Optional[int]:
     """``k`` if it is None or an int ``>= 1``, else ``ValueError``."""
-    if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
-        raise ValueError(f"position_rows must be an int >= 1 (the (sample, position) rows drawn on each "
-                         f"curvature step) or None (one row per sample), got {k!r}")
+    if k is not None:
+        check_interval("position_rows", k, " (the (sample, position) rows drawn on each curvature step) "
+                       "or None (one row per sample)")
     return k
 
 
@@ -71,13 +72,11 @@ def _rows(layer: CoveredLayer, rec: Record, S: int, idx: Tensor) -> Record:
     else:
         I = rec.I.reshape(m * S, rec.I.shape[-1])[idx]
         G = rec.G.reshape(m * S, rec.G.shape[-1])[idx] * S
-    out = Record(I, G, in_shape=(k, *I.shape[1:]), batch=rec.loss_batch)
-    out.own_loss = rec.own_loss
-    return out
+    return rec._like(Record(I, G, in_shape=(k, *I.shape[1:]), batch=rec.loss_batch))
 
 
 def draw_position_rows(store: CaptureStore, layers: list[CoveredLayer], k: int,
-                       generator: Optional[torch.Generator]) -> bool:
+                       generator: torch.Generator) -> bool:
     """Replace the records of every layer that takes position rows by ``k`` of its
     ``m·S`` position rows (module docstring). Returns whether any layer's records changed.
     Records with one position per sample (those replaced already among them) stay."""
@@ -99,8 +98,7 @@ def draw_position_rows(store: CaptureStore, layers: list[CoveredLayer], k: int,
         device = recs[0].G.device  # type: ignore[union-attr]
         key = (m * S, device)
         if key not in draws:
-            draws[key] = torch.randperm(m * S, generator=generator, device=generator.device if generator
-                                        else device)[:k].to(device)
+            draws[key] = torch.randperm(m * S, generator=generator, device=generator.device)[:k].to(device)
         for s in sites:
             store.records[s] = [_rows(lay, r, S, draws[key]) for r in store.records[s]]
         changed = True

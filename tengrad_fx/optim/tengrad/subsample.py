@@ -21,12 +21,14 @@ from __future__ import annotations
 
 from typing import Optional
 
+from ..step.checks import check_interval
+
 __all__ = ["check_curvature_samples"]
 
 
 def check_curvature_samples(k: Optional[int]) -> Optional[int]:
     """``k`` if it is None or an int ``>= 1``, else ``ValueError``."""
-    if k is not None and not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
-        raise ValueError(f"curvature_samples must be an int >= 1 (the samples of each curvature batch the Fisher "
-                         f"is taken from) or None (the whole batch), got {k!r}")
+    if k is not None:
+        check_interval("curvature_samples", k, " (the samples of each curvature batch the Fisher is taken from) "
+                       "or None (the whole batch)")
     return k
