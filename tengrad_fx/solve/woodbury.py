@@ -24,7 +24,7 @@ from torch import Tensor
 
 __all__ = ["damped_cholesky", "damped_cholesky_ex", "solve_cholesky", "woodbury_solve", "woodbury_coefficients",
            "woodbury_combine", "push_through_rhs", "push_through_scale", "woodbury_apply", "woodbury_push_through",
-           "CholeskyFailed", "JITTERS", "TRIES_BYTES"]
+           "CholeskyFailed", "HOST_RETRIES", "JITTERS", "TRIES_BYTES"]
 
 
 class CholeskyFailed(RuntimeError):
@@ -39,6 +39,11 @@ TRIES_BYTES = 64 * 2**20
 """Bound on the bytes of all tries' damped Grams held at once: within it every try of
 :func:`damped_cholesky_ex` is one batched ``cholesky_ex``; beyond it the tries go one by
 one (the same factors)."""
+HOST_RETRIES = True
+"""On a CPU (eager), :func:`damped_cholesky_ex` factorizes each damped Gram once and runs
+the retries only for the matrices that failed, which takes a host read (free there). On
+other devices, under ``torch.compile`` and under ``vmap`` every try runs, with no host
+read. ``False`` takes that path everywhere (the factors are the same bits either way)."""
 _TRIES = (0.0, *JITTERS)
 _CONSTANTS: dict[tuple[int, torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
 
@@ -70,10 +75,11 @@ def damped_cholesky_ex(K: Tensor, shift: Tensor | float,
     ``jitter·mean|diag A|`` added to the diagonal (``jitter`` from :data:`JITTERS`, each
     from ``A`` itself, not cumulative) are factorized, always, and each matrix keeps its
     first successful factor (healthy matrices keep the unjittered one, bit for bit).
-    ``ok`` is False where every try failed or the input is non-finite. All ``1 +
-    len(JITTERS)`` tries are ONE batched ``cholesky_ex`` over ``[T·B, m, m]`` while they
-    fit in :data:`TRIES_BYTES` (about 17 ops in all, whatever ``B``), else one per try;
-    the retries cost three more ``m×m`` factorizations per matrix, on curvature steps only.
+    ``ok`` is False where every try failed or the input is non-finite. On a device (see
+    :data:`HOST_RETRIES`) all ``1 + len(JITTERS)`` tries are ONE batched ``cholesky_ex``
+    over ``[T·B, m, m]`` while they fit in :data:`TRIES_BYTES` (about 17 ops in all,
+    whatever ``B``), else one per try: three more ``m×m`` factorizations per matrix, on
+    curvature steps only. On a CPU a retry runs only for the matrices that need it.
     """
     Kd = K if dtype is None else K.to(dtype)
     batched = Kd.dim() == 3
@@ -87,7 +93,9 @@ def damped_cholesky_ex(K: Tensor, shift: Tensor | float,
         A = Kd + float(shift) * eye
     scale = A.diagonal(dim1=1, dim2=2).abs().mean(1).clamp_min(torch.finfo(A.dtype).tiny)
     jit = tries * scale.reshape(1, -1, 1, 1)  # [T, B, 1, 1]; try 0 adds exact zeros
-    if len(_TRIES) * A.numel() * A.element_size() <= TRIES_BYTES:
+    if _retry_on_host(A):
+        chol, done = _retries_where_failed(A, jit, eye)
+    elif len(_TRIES) * A.numel() * A.element_size() <= TRIES_BYTES:
         chols, info = torch.linalg.cholesky_ex(A + jit * eye)  # [T, B, m, m], [T, B]
         # first try with info == 0 (the first one where all failed): min of info clamped to 1
         best, first = info.clamp_max(1).min(0)
@@ -104,6 +112,29 @@ def damped_cholesky_ex(K: Tensor, shift: Tensor | float,
     # finite: max|A| < inf (amax propagates NaN; three ops where isfinite's composite is five)
     ok = done & (A.abs().amax((1, 2)) < math.inf)
     return (chol, ok) if batched else (chol[0], ok[0])
+
+
+def _retry_on_host(A: Tensor) -> bool:
+    """Whether :func:`damped_cholesky_ex` may read ``A``'s factorization status on the host:
+    :data:`HOST_RETRIES`, a CPU tensor, eager (not compiling, not under ``vmap``)."""
+    return (HOST_RETRIES and A.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not torch._C._functorch.is_functorch_wrapped_tensor(A))
+
+
+def _retries_where_failed(A: Tensor, jit: Tensor, eye: Tensor) -> tuple[Tensor, Tensor]:
+    """``(L [B, m, m], done [B])``: :func:`damped_cholesky_ex`'s rule with each retry run on
+    the matrices still failing only (``A [B, m, m]``, ``jit [T, B, 1, 1]``); host reads."""
+    chol, info = torch.linalg.cholesky_ex(A)
+    done = info == 0
+    for j in range(1, len(_TRIES)):
+        left = (~done).nonzero().flatten()
+        if left.numel() == 0:
+            break
+        c2, i2 = torch.linalg.cholesky_ex(A[left] + jit[j, left] * eye)
+        took = left[i2 == 0]
+        chol[took] = c2[i2 == 0]
+        done[took] = True
+    return chol.contiguous(), done  # row-major, as the batched path's factors (the same solves' bits)
 
 
 def damped_cholesky(K: Tensor, shift: Tensor | float, dtype: Optional[torch.dtype] = None) -> Tensor:

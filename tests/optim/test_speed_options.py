@@ -27,6 +27,9 @@ from testing.tengrad_step import (
 )
 
 
+pytestmark = pytest.mark.usefixtures("device_path")  # counts as on a GPU (conftest)
+
+
 def _curvature_steps(schedule: CurvatureSchedule, n: int) -> list[int]:
     out: list[int] = []
     for s in range(n):

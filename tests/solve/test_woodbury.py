@@ -113,13 +113,14 @@ def _reference_cholesky_ex(K: torch.Tensor, shift: torch.Tensor) -> tuple[torch.
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("one_call", [True, False])
-def test_cholesky_ex_tries_equal_the_rule_per_matrix(monkeypatch, dtype: torch.dtype, one_call: bool) -> None:
-    """All tries in one batched ``cholesky_ex`` (or, beyond ``TRIES_BYTES``, one per try)
-    give each matrix the factor of its first successful try, as the rule written per
-    matrix does: healthy ones bit for bit, rescued ones by the same jitter; ``ok`` False
-    for the hopeless and the non-finite ones only."""
-    if not one_call:
+@pytest.mark.parametrize("path", ["one call", "one per try", "host retries"])
+def test_cholesky_ex_tries_equal_the_rule_per_matrix(monkeypatch, dtype: torch.dtype, path: str) -> None:
+    """All tries in one batched ``cholesky_ex`` (or, beyond ``TRIES_BYTES``, one per try;
+    or, on a CPU, retries for the failed matrices only) give each matrix the factor of its
+    first successful try, as the rule written per matrix does: healthy ones bit for bit,
+    rescued ones by the same jitter; ``ok`` False for the hopeless and the non-finite ones only."""
+    monkeypatch.setattr(woodbury, "HOST_RETRIES", path == "host retries")
+    if path == "one per try":
         monkeypatch.setattr(woodbury, "TRIES_BYTES", 0)
     torch.manual_seed(3)
     m = 6
@@ -182,10 +183,12 @@ def test_float32_operands_with_float64_factor() -> None:
     assert rel(u.double(), _dense_u(J.double(), g.double(), alpha)) < 1e-5
 
 
-def test_cholesky_ex_dispatches_a_fixed_handful_of_ops() -> None:
-    """Every try is one batched ``cholesky_ex``: the kernels dispatched do not grow with the
-    batch (the loop over tries was 41 kernels, 4 of them ``cholesky_ex``; now 17)."""
+def test_cholesky_ex_dispatches_a_fixed_handful_of_ops(monkeypatch) -> None:
+    """On a device every try is one batched ``cholesky_ex``: the kernels dispatched do not
+    grow with the batch (the loop over tries was 41 kernels, 4 of them ``cholesky_ex``; now 17)."""
     from tengrad_fx.utils.dispatch import OpCounter
+
+    monkeypatch.setattr(woodbury, "HOST_RETRIES", False)
 
     counts = []
     for B in (1, 9):
@@ -196,3 +199,29 @@ def test_cholesky_ex_dispatches_a_fixed_handful_of_ops() -> None:
         counts.append(oc.kernels)
         assert oc.ops["aten.linalg_cholesky_ex.default"] == 1, oc.ops
     assert counts[0] == counts[1] <= 20, counts
+
+
+def test_cpu_factorizes_healthy_grams_once(monkeypatch) -> None:
+    """On a CPU, healthy Grams take one ``cholesky_ex`` over ``[B, m, m]`` (not the ``[T·B,
+    m, m]`` of every try) and the same bits as the device path; a failing one is retried
+    alone until the first jitter that works."""
+    torch.manual_seed(6)
+    K = _psd(9, 5, rank=5, dtype=torch.float32)
+    Q, _ = torch.linalg.qr(torch.randn(5, 5))
+    K[4] = Q @ torch.diag(torch.tensor([3.0, 2.0, 1.0, 0.5, -0.05])) @ Q.T
+    K[4] = (K[4] + K[4].T) / 2  # indefinite: only the largest jitter rescues it
+    shapes: list[tuple[int, ...]] = []
+    orig = torch.linalg.cholesky_ex
+
+    def spy(A, *a, **k):
+        shapes.append(tuple(A.shape))
+        return orig(A, *a, **k)
+
+    monkeypatch.setattr(torch.linalg, "cholesky_ex", spy)
+    chol, ok = damped_cholesky_ex(K, 0.0)
+    assert shapes == [(9, 5, 5), (1, 5, 5), (1, 5, 5), (1, 5, 5)], shapes
+    monkeypatch.setattr(woodbury, "HOST_RETRIES", False)
+    dev, dev_ok = damped_cholesky_ex(K, 0.0)
+    assert shapes[4] == (4, 9, 5, 5), shapes
+    assert ok.tolist() == dev_ok.tolist() == [True] * 9
+    assert torch.equal(chol, dev) and chol.is_contiguous()
