@@ -141,10 +141,14 @@ PAPER_FASHION = "fashion-mnist"  # the paper's headline benchmark: the dataset o
 # Named option sets on top of the paper's settings (``make_optimizer(..., preset=...)``).
 # TENGraD "fast": the best of the options screened on 3C1F / Fashion-MNIST (docs/ablations.md:
 # faster than the paper's settings over the first 75 steps, still behind Muon there);
-# "orthogonal": the weights' NGD updates orthogonalized (Muon's direction), RMSProp-grafted biases.
+# "orthogonal": the weights' NGD updates orthogonalized (Muon's direction), RMSProp-grafted biases;
+# "lm": "fast" for language models (docs/workloads.md): one row of J per token (512 drawn per
+# curvature step, every 40 steps), the factored base metric, no KL clip.
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "tengrad": {"fast": {"graft": "rmsprop", "lr": 3e-4, "damping": 0.01},
-                "orthogonal": {"graft": "rmsprop", "orthogonalize": "eigh", "lr": 1e-3}},
+                "orthogonal": {"graft": "rmsprop", "orthogonalize": "eigh", "lr": 1e-3},
+                "lm": {"graft": "rmsprop", "lr": 3e-4, "damping": 0.01, "kl_clip": None, "metric": "factored",
+                       "position_rows": 512, "curvature_every": 40}},
 }
 
 

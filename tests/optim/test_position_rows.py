@@ -226,3 +226,25 @@ def test_combinations_it_cannot_serve_are_refused(kw) -> None:
     _, model, _ = _setup()
     with pytest.raises(ValueError, match="position_rows"):
         TENGraD(model, lr=0.1, damping=0.1, position_rows=8, **kw)
+
+
+def test_language_model_preset_takes_position_rows() -> None:
+    """``make_optimizer("tengrad", model, preset="lm")``: position rows (all ``m·S`` here,
+    fewer than 512), the factored metric, MC labels from the plain loop, finite steps."""
+    torch.manual_seed(0)
+    model = tengrad_fx.prepare(TinyLM(tied=True), example_inputs=(_batch(99, 2)[0],))
+    opt = tengrad_fx.make_optimizer("tengrad", model, preset="lm")
+    assert (opt.position_rows, opt.schedule.every, opt.kl_clip, opt.graft, opt.fisher) == \
+        (512, 40, None, "rmsprop", "mc")
+    assert opt.metric is not None
+    before = [p.detach().clone() for p in model.parameters()]
+    for s in range(3):
+        tok, y = _batch(s)
+        opt.zero_grad()
+        lm_loss(model(tok), y).backward()
+        opt.step()
+    info = tengrad_fx.get_info(model)
+    fc = next(lay for lay in opt._layers if lay.name == "fc")
+    assert [r.I.shape[0] for r in info.store.records[fc.spec.sites[0]]] == [M * S]
+    assert opt.counters["skipped"] == 0
+    assert all(torch.isfinite(p).all() and not torch.equal(p, b) for p, b in zip(model.parameters(), before))
