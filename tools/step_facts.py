@@ -2,33 +2,21 @@
 
 * :func:`ops_table`: per method and step kind (curvature / reuse), the aten ops of one
   ``opt.step()`` (all, and the kernel-launching non-view ones) and its host syncs, counted
-  by ``tengrad_fx.utils.dispatch`` — the same counts on any machine (the factorization is
-  counted as on a GPU: ``tengrad_fx.solve.woodbury.HOST_RETRIES`` off while counting).
+  by ``tengrad_fx.utils.dispatch`` — the same counts on any machine (under the counters the
+  damped factorization takes its device path, :data:`tengrad_fx.solve.woodbury.HOST_RETRIES`).
 * :func:`profile` writes a ``torch.profiler`` Chrome trace per method (a few steps each)
   and returns the top kernels by device time (CPU time without a GPU) and the syncs.
 """
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
-from tengrad_fx.solve import woodbury
 from tengrad_fx.utils.dispatch import OpCounter, SyncCounter
 
 __all__ = ["ops_table", "profile"]
-
-
-@contextmanager
-def as_on_a_device() -> Iterator[None]:
-    """The damped factorization's device path (every jitter try batched, no host read)."""
-    before, woodbury.HOST_RETRIES = woodbury.HOST_RETRIES, False
-    try:
-        yield
-    finally:
-        woodbury.HOST_RETRIES = before
 
 
 def ops_table(runners: list[Any], batch: tuple[torch.Tensor, torch.Tensor], sync: Callable[[], None],
@@ -43,7 +31,7 @@ def ops_table(runners: list[Any], batch: tuple[torch.Tensor, torch.Tensor], sync
             counted: dict[str, Any] = {}
 
             def counted_step(opt_step: Callable[[], Any], counted: dict[str, Any] = counted) -> Any:
-                with as_on_a_device(), OpCounter() as oc, SyncCounter() as sc:
+                with OpCounter() as oc, SyncCounter() as sc:
                     out = opt_step()
                 counted.update(ops=oc.total, kernels=oc.kernels, syncs=sc.count)
                 return out
@@ -67,7 +55,7 @@ def profile(runners: list[Any], batch: tuple[torch.Tensor, torch.Tensor], sync: 
         syncs = [0]
 
         def counted_step(opt_step: Callable[[], Any]) -> Any:
-            with as_on_a_device(), SyncCounter() as sc:
+            with SyncCounter() as sc:
                 out = opt_step()
             syncs[0] += sc.count  # noqa: B023
             return out

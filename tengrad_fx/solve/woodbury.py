@@ -21,6 +21,7 @@ from typing import Callable, Optional, Union
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 __all__ = ["damped_cholesky", "damped_cholesky_ex", "solve_cholesky", "woodbury_solve", "woodbury_coefficients",
            "woodbury_combine", "push_through_rhs", "push_through_scale", "woodbury_apply", "woodbury_push_through",
@@ -42,8 +43,9 @@ one (the same factors)."""
 HOST_RETRIES = True
 """On a CPU (eager), :func:`damped_cholesky_ex` factorizes each damped Gram once and runs
 the retries only for the matrices that failed, which takes a host read (free there). On
-other devices, under ``torch.compile`` and under ``vmap`` every try runs, with no host
-read. ``False`` takes that path everywhere (the factors are the same bits either way)."""
+other devices, under ``torch.compile``, under ``vmap`` and under a ``TorchDispatchMode``
+every try runs, with no host read. ``False`` takes that path everywhere (the factors are
+the same bits either way)."""
 _TRIES = (0.0, *JITTERS)
 _CONSTANTS: dict[tuple[int, torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
 
@@ -116,9 +118,11 @@ def damped_cholesky_ex(K: Tensor, shift: Tensor | float,
 
 def _retry_on_host(A: Tensor) -> bool:
     """Whether :func:`damped_cholesky_ex` may read ``A``'s factorization status on the host:
-    :data:`HOST_RETRIES`, a CPU tensor, eager (not compiling, not under ``vmap``)."""
+    :data:`HOST_RETRIES`, a CPU tensor, eager (not compiling, not under ``vmap``) and no
+    ``TorchDispatchMode`` watching (the sync and op counters of ``tengrad_fx.utils.dispatch``
+    stand in for a GPU, so they see the device path)."""
     return (HOST_RETRIES and A.device.type == "cpu" and not torch.compiler.is_compiling()
-            and not torch._C._functorch.is_functorch_wrapped_tensor(A))
+            and not torch._C._functorch.is_functorch_wrapped_tensor(A) and not is_in_torch_dispatch_mode())
 
 
 def _retries_where_failed(A: Tensor, jit: Tensor, eye: Tensor) -> tuple[Tensor, Tensor]:

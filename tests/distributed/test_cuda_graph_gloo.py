@@ -18,9 +18,6 @@ from testing.dist_workers import flat_params, global_batch, make_model
 from testing.distributed import run_ranks
 
 STEPS, T, M_LOCAL = 6, 3, 3
-pytestmark = pytest.mark.usefixtures("device_path")  # counts as on a GPU (conftest)
-
-
 REUSE = [k for k in range(STEPS) if k % T]  # steps 1, 2, 4, 5
 CASES = {
     "gather-empirical": dict(model="mlp", mode="gather", fisher="empirical"),

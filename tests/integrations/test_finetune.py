@@ -21,9 +21,6 @@ from tengrad_fx.capture import eager
 from tengrad_fx.utils.dispatch import OpCounter
 from testing.oracle import check_covered_layers, check_tengrad_step
 
-pytestmark = pytest.mark.usefixtures("device_path")  # counts as on a GPU (conftest)
-
-
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 

@@ -15,9 +15,6 @@ from tengrad_fx.optim.tengrad import distribution as distribution_module
 from tengrad_fx.utils.dispatch import OpCounter
 
 
-pytestmark = pytest.mark.usefixtures("device_path")  # counts as on a GPU (conftest)
-
-
 def _net() -> nn.Module:
     """Packed small layers (norms, first conv), equal-shape convs and Linears (stacks)."""
     torch.manual_seed(0)

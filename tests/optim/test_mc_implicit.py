@@ -27,9 +27,6 @@ from tengrad_fx.utils.dispatch import OpCounter
 from testing.tengrad_step import assert_matches, batch, dense_u, full_grad, layer_params, setup, snapshot, step_delta
 
 
-pytestmark = pytest.mark.usefixtures("device_path")  # counts as on a GPU (conftest)
-
-
 def _mse_sum_half(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return 0.5 * (o - t).pow(2).reshape(o.shape[0], -1).sum(1).mean()
 

@@ -36,8 +36,6 @@ from tengrad_fx.utils.dispatch import OpCounter
 from tengrad_fx.zoo.models.wrn import WideResNet
 from testing.grouped_steps import step_counts
 
-pytestmark = pytest.mark.usefixtures("device_path")  # counts as on a GPU (conftest)
-
 
 @pytest.fixture(scope="module")
 def prepared() -> dict[int, torch.nn.Module]:

@@ -26,8 +26,6 @@ from tengrad_fx.optim.tengrad.layer_groups import pack
 from tengrad_fx.zoo.bench_models import build_model
 from testing.grouped_steps import check_steps_against_dense, float64_batches, step_counts
 
-pytestmark = pytest.mark.usefixtures("device_path")  # counts as on a GPU (conftest)
-
 
 def _net() -> nn.Module:
     torch.manual_seed(0)

@@ -27,9 +27,6 @@ from testing.tengrad_step import (
 )
 
 
-pytestmark = pytest.mark.usefixtures("device_path")  # counts as on a GPU (conftest)
-
-
 def _curvature_steps(schedule: CurvatureSchedule, n: int) -> list[int]:
     out: list[int] = []
     for s in range(n):

@@ -20,9 +20,6 @@ from tengrad_fx import TENGraD
 from tengrad_fx.utils.dispatch import SyncCounter
 
 
-pytestmark = pytest.mark.usefixtures("device_path")  # counts as on a GPU (conftest)
-
-
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(

@@ -14,9 +14,6 @@ from tengrad_fx.optim.step import update
 from tengrad_fx.utils.dispatch import SyncCounter
 
 
-pytestmark = pytest.mark.usefixtures("device_path")  # counts as on a GPU (conftest)
-
-
 def _tensors(seed: int, channels_last: bool, dtype: torch.dtype = torch.float64, device: str = "cpu",
              ) -> tuple[list[torch.Tensor], dict[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)

@@ -183,12 +183,11 @@ def test_float32_operands_with_float64_factor() -> None:
     assert rel(u.double(), _dense_u(J.double(), g.double(), alpha)) < 1e-5
 
 
-def test_cholesky_ex_dispatches_a_fixed_handful_of_ops(monkeypatch) -> None:
-    """On a device every try is one batched ``cholesky_ex``: the kernels dispatched do not
-    grow with the batch (the loop over tries was 41 kernels, 4 of them ``cholesky_ex``; now 17)."""
+def test_cholesky_ex_dispatches_a_fixed_handful_of_ops() -> None:
+    """On a device (and under the counter, which stands in for one) every try is one batched
+    ``cholesky_ex``: the kernels dispatched do not grow with the batch (the loop over tries
+    was 41 kernels, 4 of them ``cholesky_ex``; now 17)."""
     from tengrad_fx.utils.dispatch import OpCounter
-
-    monkeypatch.setattr(woodbury, "HOST_RETRIES", False)
 
     counts = []
     for B in (1, 9):
@@ -225,3 +224,10 @@ def test_cpu_factorizes_healthy_grams_once(monkeypatch) -> None:
     assert shapes[4] == (4, 9, 5, 5), shapes
     assert ok.tolist() == dev_ok.tolist() == [True] * 9
     assert torch.equal(chol, dev) and chol.is_contiguous()
+    # a dispatch mode watching (the sync counter) sees the device path: no host read
+    from tengrad_fx.utils.dispatch import SyncCounter
+
+    monkeypatch.setattr(woodbury, "HOST_RETRIES", True)
+    with SyncCounter() as sc:
+        watched, _ = damped_cholesky_ex(K, 0.0)
+    assert sc.count == 0 and shapes[5] == (4, 9, 5, 5) and torch.equal(watched, chol), (sc.ops, shapes)

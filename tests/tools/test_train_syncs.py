@@ -15,9 +15,6 @@ from tengrad_fx.utils.dispatch import SyncCounter
 from testing.tiny_data import tiny_cnn
 
 
-pytestmark = pytest.mark.usefixtures("device_path")  # counts as on a GPU (conftest)
-
-
 def _steps_between_log_points(tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch,
                               *extra: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     """``[("add" | "flush", syncs so far)]`` over a 20-step run (64 samples, batch 4: 16
