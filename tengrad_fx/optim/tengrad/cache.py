@@ -110,6 +110,26 @@ class CurvatureCache:
             self.chol, self.ok = chol, ok
         self.damping = damping
 
+    def spectrum(self, damping: Damping, param_groups: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+        """Per cached layer (its name): the eigenvalues ``λ`` of its Fisher on the rows' span,
+        ``eig(K)/m`` of the Gram ``K [m, m]`` (with a metric, of ``D^{-1/2} F D^{-1/2}``, the
+        matrix ``α`` is added to), against the layer's damping ``α``: ``{"rows": m, "damping": α,
+        "largest": max λ, "mean": tr(K)/m², "above_damping": the share of the ``m`` with λ > α}``.
+        Eigenvalues in float64; one host read per group (a diagnostic, not for the step)."""
+        alphas = self.dampings(damping, param_groups)
+        flat = alphas.tolist() if isinstance(alphas, Tensor) else [float(alphas)] * len(self.layers())
+        out: dict[str, dict[str, float]] = {}
+        off = 0
+        for grp, Kg in zip(self.groups, self.K):
+            lam = torch.linalg.eigvalsh(Kg.detach().to(torch.float64)).clamp_min(0.0) / grp.m  # [L_g, m]
+            a = torch.tensor(flat[off: off + len(grp.layers)], dtype=torch.float64, device=lam.device)
+            above = (lam > a[:, None]).to(torch.float64).mean(-1)
+            for lay, lam_l, a_l, ab in zip(grp.layers, lam.cpu(), a.tolist(), above.tolist()):
+                out[lay.name] = {"rows": grp.m, "damping": a_l, "largest": float(lam_l[-1]),
+                                 "mean": float(lam_l.mean()), "above_damping": ab}
+            off += len(grp.layers)
+        return out
+
     def dampings(self, damping: Damping, param_groups: list[dict[str, Any]]) -> Any:
         """``damping``, or the ``[L_total]`` ``α`` of the cached layers (group order)."""
         if self.relative and self.alphas is not None:

@@ -270,6 +270,16 @@ class TENGraD(StepSkeleton):
         groups = self.distribution.reuse_groups(self)
         return reuse_cost(groups) if groups else (0.0, 0.0)
 
+    def curvature_spectrum(self) -> dict[str, dict[str, float]]:
+        """Per layer of the last curvature step: its Fisher's eigenvalues on the rows' span
+        against its damping (:meth:`~.cache.CurvatureCache.spectrum`). Where ``above_damping``
+        is near 0, ``α`` swamps the curvature: that layer's step is ``g/α`` (``g/(αD)`` with a
+        metric) up to a small correction. Empty before the first curvature step and on the fused path."""
+        damping = self.curvature.damping
+        if damping is None or not self.curvature.modular():
+            return {}
+        return self.curvature.spectrum(damping, self.param_groups)
+
     def _is_curvature_step(self) -> bool:
         return self._needs_capture(self._sched)
 

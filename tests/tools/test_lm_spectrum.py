@@ -1,0 +1,39 @@
+"""``tools.lm_spectrum``: the per-layer curvature spectrum after each curvature step of a
+TENGraD variant on the tiny GPT-2, trained on this repository's docs."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from testing.repo_tools import REPO, tool
+
+pytest.importorskip("transformers")
+lm_spectrum = tool("lm_spectrum")
+
+
+@pytest.fixture(scope="module")
+def docs_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("text") / "docs.txt"
+    path.write_text("\n".join(p.read_text(encoding="utf-8") for p in sorted(Path(REPO, "docs").glob("*.md"))),
+                    encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("damping,held", [(1e-6, True), (1e3, False)])
+def test_spectra_after_each_curvature_step(docs_text: Path, damping: float, held: bool,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    out = lm_spectrum.main(["--model", "gpt2-bytes-t", "--text", str(docs_text), "--steps", "3",
+                            "--batch-size", "4", "--layers",
+                            "--tengrad", f"v:preset=lm,curvature_every=2,position_rows=16,damping={damping}"])
+    assert [o["step"] for o in out] == [1, 3]
+    spec = out[-1]["spectrum"]
+    assert any(".attn." in name for name in spec) and any(".mlp." in name for name in spec)
+    for s in spec.values():
+        assert s["damping"] == damping and 0.0 <= s["above_damping"] <= 1.0
+        assert math.isfinite(s["largest"]) and s["largest"] >= s["mean"] >= 0.0
+    shares = [s["above_damping"] for s in spec.values()]
+    assert (min(shares) >= 0.5) if held else (max(shares) == 0.0)  # tiny α: curvature everywhere; huge: none
+    text = capsys.readouterr().out
+    assert "after step 3 (curvature step 2)" in text and "| layer | rows |" in text
