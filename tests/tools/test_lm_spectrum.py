@@ -7,18 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from testing.repo_tools import REPO, tool
+from testing.repo_tools import tool
 
 pytest.importorskip("transformers")
 lm_spectrum = tool("lm_spectrum")
 
-
-@pytest.fixture(scope="module")
-def docs_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("text") / "docs.txt"
-    path.write_text("\n".join(p.read_text(encoding="utf-8") for p in sorted(Path(REPO, "docs").glob("*.md"))),
-                    encoding="utf-8")
-    return path
 
 
 @pytest.mark.parametrize("damping,held", [(1e-6, True), (1e3, False)])

@@ -12,21 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from testing.repo_tools import REPO, tool
+from testing.repo_tools import tool
 
 pytest.importorskip("transformers")
 lm = tool("lm_workloads")
 peer_bench = tool("peer_bench")
 peer_methods = tool("peer_methods")
 
-
-@pytest.fixture(scope="module")
-def docs_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The repository's ``docs/*.md`` as one UTF-8 file (about 240 kB of English)."""
-    path = tmp_path_factory.mktemp("text") / "docs.txt"
-    path.write_text("\n".join(p.read_text(encoding="utf-8") for p in sorted(Path(REPO, "docs").glob("*.md"))),
-                    encoding="utf-8")
-    return path
 
 
 def test_missing_text_package_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
