@@ -30,6 +30,7 @@ from .._compile import own_code
 from . import ops
 from .inputs import leading_dim
 from .output_hook import WANTED, attach, graph_breaks_allowed
+from .scored import note_scored
 from .attention import is_exact_mha
 
 __all__ = ["plain_graph", "install_forward", "drop_dead_attributes", "layer_forward"]
@@ -101,6 +102,8 @@ def install_forward(gm: fx.GraphModule, key: int, eval_forward: Optional[Forward
             if ops.NEEDS_SAMPLES.get(key, False):  # shared position ids, added parameters
                 samples[key] = leading_dim(args, kwargs)
             out = (train_forward if self.training else eval_forward)(self, *args, **kwargs)
+            if enabled.get(key, False) and torch.is_grad_enabled():
+                note_scored(key, self, kwargs, out)
             if wanted.get(key, False) and (not torch.compiler.is_compiling() or graph_breaks_allowed()):
                 return attach(key, out)
             return out

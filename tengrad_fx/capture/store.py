@@ -146,6 +146,8 @@ class CaptureStore:
     params: list[torch.Tensor] = field(default_factory=list)  # covered parameters: gradients held = accumulating
     consumed: bool = False  # an optimizer step took the records: the next capture starts afresh
     sampled: bool = False  # the optimizer's own backward (MC, Gauss-Newton) ran for this micro-batch
+    scored: Optional[torch.Tensor] = None  # bool [m, L]: the positions this micro-batch's loss scores (.scored)
+    scored_parts: list[Optional[torch.Tensor]] = field(default_factory=list)  # those of the earlier micro-batches
     _complete: bool = False  # a backward has recorded since the last begin()
     generation: int = 0  # how many captures have completed (for users caching results)
     _finalized: int = 0  # the generation finalize() last converted
@@ -163,12 +165,14 @@ class CaptureStore:
         if not (self._complete or self.sampled or self.consumed):
             return
         if self.consumed or not self._grads_held():
-            self.parts = []
+            self.parts, self.scored_parts = [], []
             self.records = {}
             self._watched = []  # never read: their sites are fingerprinted again next time
         elif self.records:
             self.parts.append(self.records)
+            self.scored_parts.append(self.scored)
             self.records = {}
+        self.scored = None
         self._complete = self.sampled = self.consumed = False
         self.recording = True
 
@@ -192,7 +196,7 @@ class CaptureStore:
             return
         if not self._complete:
             if self.parts and not self._grads_held():  # zero_grad() since the forward: afresh
-                self.parts = []
+                self.parts, self.scored_parts = [], []
             self.generation += 1
             self._complete = True
         rec.own_loss = self.grad_only
@@ -261,8 +265,11 @@ class CaptureStore:
             return
         self.verify_records()
         parts = [*self.parts, self.records] if self.records else self.parts
-        self.parts = []
-        self.records = union(parts, loss_reduction == "mean", self.site_names)
+        masks = [*self.scored_parts, self.scored] if self.records else self.scored_parts
+        self.parts, self.scored_parts = [], []
+        scored = None if any(m is None for m in masks) else [m for m in masks if m is not None]
+        self.records = union(parts, loss_reduction == "mean", self.site_names, scored)
+        self.scored = None if scored is None else torch.cat(_padded(scored, "the scored positions"), 0)
 
     def consume(self, loss_reduction: str) -> None:
         """An optimizer step takes the records: :meth:`merge`, and the next capturing
@@ -272,14 +279,15 @@ class CaptureStore:
 
     def clear(self) -> None:
         """Release every captured tensor."""
-        self.parts = []
+        self.parts, self.scored_parts = [], []
         self.records = {}
+        self.scored = None
         self._complete = False
         self._watched = []
 
 
-def union(parts: list[dict[int, list[Record]]], mean: bool,
-          names: Optional[dict[int, str]] = None) -> dict[int, list[Record]]:
+def union(parts: list[dict[int, list[Record]]], mean: bool, names: Optional[dict[int, str]] = None,
+          scored: Optional[list[torch.Tensor]] = None) -> dict[int, list[Record]]:
     """The records of several micro-batches (``parts``, in order) as those of one batch:
     per call site and call, the rows concatenated (``[Σ_j m_j, *]``). Trailing dims that
     differ (sequences of other lengths) are zero-padded at the end: a padded position has
@@ -294,19 +302,33 @@ def union(parts: list[dict[int, list[Record]]], mean: bool,
     ``U`` times its term of the accumulated gradient (``∂ℓ_i/∂W`` when micro-batch ``j``'s
     loss is its mean times ``m_j/U``, or ``1/k`` of ``k`` equal ones). Rows of the
     optimizer's own loss (:attr:`Record.own_loss`, each micro-batch's mean) are rescaled
-    by ``loss_batch_j/U``, which keeps every row ``∂ℓ_i/∂W``. ``names``: site → layer name (errors)."""
+    by ``loss_batch_j/U``, which keeps every row ``∂ℓ_i/∂W``. ``names``: site → layer name (errors).
+
+    ``scored`` (bool ``[m_j, L_j]`` per part: the positions each micro-batch's loss scores,
+    :mod:`.scored`): the optimizer's own loss of micro-batch ``j`` is the mean over its
+    ``N_j`` scored positions, and its rows are rescaled by ``N_j/N`` (``N = Σ_j N_j``, a
+    device scalar) instead, so they are those of the mean over the whole batch's scored
+    positions (equal to ``loss_batch_j/U`` for equal, unpadded sequences)."""
     order: dict[int, None] = {}
     for part in parts:
         order.update(dict.fromkeys(part))
     firsts = [next(iter(part.values()))[0] for part in parts]
+    weights = _scored_weights(scored) if mean and scored is not None and len(scored) == len(parts) else None
     out: dict[int, list[Record]] = {}
     for site in order:
         calls = [part.get(site, []) for part in parts]
         n = max(len(c) for c in calls)
         template = [next(c[i] for c in calls if len(c) > i) for i in range(n)]
         out[site] = [_join([c[i] if len(c) > i else _zeros(template[i], first) for c, first in zip(calls, firsts)],
-                           mean, (names or {}).get(site, f"site {site}")) for i in range(n)]
+                           mean, (names or {}).get(site, f"site {site}"), weights) for i in range(n)]
     return out
+
+
+def _scored_weights(scored: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``N_j / N`` per part (device scalars): each micro-batch's share of the scored positions."""
+    counts = [m.sum(dtype=torch.float64) for m in scored]
+    total = torch.stack(counts).sum().clamp(min=1)
+    return [c / total for c in counts]
 
 
 def _zeros(template: Record, first: Record) -> Record:
@@ -317,8 +339,9 @@ def _zeros(template: Record, first: Record) -> Record:
                                  (first.m, *template.in_shape[1:]), first.batch))
 
 
-def _join(recs: list[Record], mean: bool, name: str) -> Record:
-    """One record of the rows of ``recs`` (:func:`union`)."""
+def _join(recs: list[Record], mean: bool, name: str, weights: Optional[list[torch.Tensor]] = None) -> Record:
+    """One record of the rows of ``recs`` (:func:`union`; ``weights``: the own loss's per-part
+    scale where the scored positions are known)."""
     U = sum(r.loss_batch for r in recs)
     rows = sum(r.m for r in recs)
     fields: dict[str, Optional[torch.Tensor]] = {}
@@ -333,7 +356,8 @@ def _join(recs: list[Record], mean: bool, name: str) -> Record:
                                "an optimizer step")
         tensors = [t for t in ts if t is not None]
         if f != "I" and mean:
-            tensors = [_times(t, r.loss_batch / U) if r.own_loss else t for t, r in zip(tensors, recs)]
+            scales: list[float | torch.Tensor] = [r.loss_batch / U for r in recs] if weights is None else list(weights)
+            tensors = [_times(t, c) if r.own_loss else t for t, r, c in zip(tensors, recs, scales)]
         fields[f] = torch.cat(_padded(tensors, name), 0)
     in_shape = (rows, *(max(d) for d in zip(*(r.in_shape[1:] for r in recs))))
     rec = Record(fields["I"], fields["G"], fields["P"], fields["Gsum"], in_shape,
@@ -342,10 +366,11 @@ def _join(recs: list[Record], mean: bool, name: str) -> Record:
     return rec
 
 
-def _times(t: torch.Tensor, c: float) -> torch.Tensor:
-    if c == 1.0:
+def _times(t: torch.Tensor, c: float | torch.Tensor) -> torch.Tensor:
+    if isinstance(c, float) and c == 1.0:
         return t
-    return (t.float() if t.dtype in LOW_PRECISION else t) * c
+    t = t.float() if t.dtype in LOW_PRECISION else t
+    return t * (c.to(t.dtype) if isinstance(c, torch.Tensor) else c)
 
 
 def _padded(ts: list[torch.Tensor], name: str) -> list[torch.Tensor]:

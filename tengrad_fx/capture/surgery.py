@@ -20,6 +20,7 @@ from .lookups import cover_overriding_lookups
 from .match import LayerSpec, module_spec, pad_same_input
 from .norm import NORM_KINDS
 from .output_hook import maybe_attach
+from .scored import note_scored
 from .sharing import note_tied, param_owners
 from .store import CaptureStore
 from .swapped import swapped_class
@@ -98,6 +99,7 @@ def _output_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         ops.SAMPLES[key] = leading_dim(args, kwargs)
     out = self._tengrad_root_forward(*args, **kwargs)
     if ops.ENABLED.get(key, False) and torch.is_grad_enabled():
+        note_scored(key, self, kwargs, out)
         out = maybe_attach(key, out)
     return out
 

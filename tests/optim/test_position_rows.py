@@ -21,6 +21,8 @@ import torch.nn.functional as F
 import tengrad_fx
 from tengrad_fx import TENGraD
 from tengrad_fx.optim.tengrad.metric import FLOOR
+from tengrad_fx.optim.tengrad.position_rows import scored_draw
+from tengrad_fx.utils.dispatch import SyncCounter
 from testing.oracle import dense_layer_updates, per_sample_grads_reference
 from testing.tengrad_step import assert_matches, dense_u, full_grad, layer_params, snapshot, step_delta
 
@@ -45,7 +47,8 @@ class TinyLM(nn.Module):
         if tied:
             self.head.weight = self.emb.weight
 
-    def forward(self, tok: torch.Tensor) -> torch.Tensor:
+    def forward(self, tok: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``attention_mask`` is not read: the optimizer takes it as the scored positions."""
         return self.head(self.proj(torch.tanh(self.fc(self.norm(self.emb(tok))))))
 
 
@@ -248,3 +251,52 @@ def test_language_model_preset_takes_position_rows() -> None:
     assert [r.I.shape[0] for r in info.store.records[fc.spec.sites[0]]] == [M * S]
     assert opt.counters["skipped"] == 0
     assert all(torch.isfinite(p).all() and not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+# --------------------------------------------------------------------------- scored positions only
+def _scored(seed: int, n: int) -> torch.Tensor:
+    """Bool ``[M, S]`` with ``n`` scored positions at random."""
+    flat = torch.zeros(M * S, dtype=torch.bool)
+    flat[torch.randperm(M * S, generator=torch.Generator().manual_seed(seed))[:n]] = True
+    return flat.reshape(M, S)
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "mc"])
+@pytest.mark.parametrize("k, n", [(3, 7), (5, 5), (9, 4)])
+def test_rows_are_drawn_among_the_scored_positions(fisher: str, k: int, n: int) -> None:
+    """Padding (``attention_mask`` 0, labels −100): the loss is the mean over the ``n`` scored
+    positions; ``min(k, n)`` rows are drawn among them only, and the step is dense NGD on
+    those rows (``∇ℓ_it``, ``F = JᵀJ/min(k, n)``); the LayerNorm's row per sequence is
+    ``(m/n)·Σ_t ∇ℓ_it``. The MC labels are given, so both Fishers take the same rows."""
+    template, model, opt = _setup(fisher=fisher, position_rows=k)
+    layers = _position_layers(model)
+    scored = _scored(k + n, n)
+    tok, y = _batch(6)
+    y = y.masked_fill(~scored, -100)
+    t = torch.randint(0, V, (M, S), generator=torch.Generator().manual_seed(8)).masked_fill(~scored, -100)
+    ref_model = snapshot(template, model)
+    g = full_grad(ref_model, tok, y, lm_loss)
+    idx, w = scored_draw(scored, k, torch.Generator().manual_seed(SEED))
+    drawn = idx[w > 0]
+    assert drawn.numel() == min(k, n) and bool(scored.reshape(-1)[drawn].all())
+    rows = t if fisher == "mc" else y
+    xJ, yJ = _positions(tok, rows, drawn)
+    per_seq = lambda out, lab: F.cross_entropy(out.reshape(-1, V), lab.reshape(-1), reduction="sum") * M / n
+    ref = {**dense_u(ref_model, xJ, yJ, lm_loss, g, ALPHA, layers),
+           **dense_u(ref_model, tok, rows, per_seq, g, ALPHA, {"norm": ["norm.weight", "norm.bias"]})}
+    out = model(tok, attention_mask=scored.long())
+    opt.zero_grad()
+    if fisher == "mc":
+        opt.mc_capture(out, targets=t)
+    lm_loss(out, y).backward()
+    assert_matches(step_delta(model, opt), ref)
+
+
+def test_the_scored_draw_reads_nothing_back() -> None:
+    """The masked draw and the rows' weights stay on the device (0 host syncs), also when
+    fewer positions are scored than rows are asked for."""
+    for n in (2, 9):
+        with SyncCounter() as sc:
+            idx, w = scored_draw(_scored(1, n), 5, torch.Generator().manual_seed(0))
+        assert sc.count == 0, dict(sc.ops)
+        assert idx.shape == (5,) and int((w > 0).sum()) == min(5, n)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Literal, Optional
 
 import torch
 from torch import Tensor
@@ -251,8 +251,8 @@ class CurvatureOptimizer(StepSkeleton):
     CURVATURE: tuple[str, ...] = ()  # attributes saved in state_dict()["curvature"]
 
     def __init__(self, model: torch.nn.Module, defaults: dict[str, Any], *, kl_clip: Optional[float],
-                 fisher: str = "empirical", mc_loss: str = "cross_entropy", grad_scaler: Any = None,
-                 params: Optional[Iterable[Any]] = None):
+                 fisher: str = "empirical", mc_loss: Literal["cross_entropy", "mse"] = "cross_entropy",
+                 grad_scaler: Any = None, params: Optional[Iterable[Any]] = None):
         info: PrepareInfo = get_info(model)  # ValueError for an unprepared model
         check_nonneg("lr", defaults["lr"])
         check_positive("damping", defaults["damping"])
@@ -336,7 +336,7 @@ class CurvatureOptimizer(StepSkeleton):
 
     def _mc_backward(self, outputs: Tensor, targets: Optional[Tensor], mask: Optional[Tensor]) -> None:
         """:meth:`mc_capture`'s backward of sampled targets (records ``G`` only)."""
-        mc_capture(self._info.store, outputs, self.mc_loss, [b.params[0] for b in self.blocks],  # type: ignore[arg-type]
+        mc_capture(self._info.store, outputs, self.mc_loss, [b.params[0] for b in self.blocks],
                    targets, self._loss_scale(), mask, self._mc_rng.get(outputs.device))
 
     def _live_blocks(self) -> list[Block]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import warnings
 import weakref
 from typing import Literal, Optional, Sequence
 
@@ -9,9 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ...capture.scored import fits
 from ...capture.store import CaptureStore
 
-__all__ = ["MCState", "SampleRNG", "check_mask", "mc_capture", "sample_targets", "sampled_loss", "second_backward"]
+__all__ = ["MCState", "SampleRNG", "check_mask", "mc_capture", "sample_targets", "sampled_loss", "scored_mask",
+           "second_backward", "warn_unmasked"]
 
 
 def second_backward(loss: Tensor, inputs: Sequence[Tensor]) -> None:
@@ -43,6 +46,7 @@ class MCState:
         info = getattr(owner, "_info", None)
         self._store: Optional[CaptureStore] = getattr(info, "store", None)
         self._done = False
+        self.warned_unmasked = False  # the warning of sequence logits sampled at every position was given
 
     @property
     def done(self) -> bool:
@@ -108,6 +112,33 @@ def check_mask(outputs: Tensor, mask: Optional[Tensor], mc_loss: str) -> Optiona
         raise ValueError(f"mc_capture: mask of shape {tuple(mask.shape)} does not fit outputs of shape "
                          f"{tuple(outputs.shape)} (expected {tuple(lead)}: one entry per sampled position)")
     return mask.to(device=outputs.device, dtype=torch.bool)
+
+
+def scored_mask(store: CaptureStore, outputs: Tensor, mask: Optional[Tensor], mc_loss: str) -> Optional[Tensor]:
+    """The positions the sampled loss takes: ``mask`` where given (:func:`check_mask`), else
+    the positions the prepared model's call showed its loss scores (``store.scored``,
+    :mod:`tengrad_fx.capture.scored`) where they fit ``outputs`` (cross-entropy), else None.
+    The result stays in ``store.scored`` (cross-entropy; else None): position rows and the
+    union of accumulated micro-batches read what the sampled loss used."""
+    if mask is None and mc_loss == "cross_entropy" and fits(store.scored, outputs.shape[:-1]):
+        mask = store.scored
+    else:
+        mask = check_mask(outputs, mask, mc_loss)
+    store.scored = mask if mc_loss == "cross_entropy" else None
+    return mask
+
+
+def warn_unmasked(opt: object, state: MCState, outputs: Tensor, mask: Optional[Tensor], mc_loss: str) -> None:
+    """Once per optimizer ``opt``: sequence logits ``outputs`` (``[B, L, V]``) sampled at every
+    position, no mask having been found (``state.warned_unmasked`` remembers)."""
+    if mask is not None or outputs.dim() < 3 or mc_loss != "cross_entropy" or state.warned_unmasked:
+        return
+    state.warned_unmasked = True
+    warnings.warn(f"{type(opt).__name__}: the MC Fisher samples labels at every position of the sequence "
+                  f"logits {tuple(outputs.shape)}: no labels= or attention_mask= reached the prepared model. "
+                  "If the batch has padding or unscored positions, call opt.mc_capture(logits, mask=...) "
+                  "before loss.backward() (mask: bool [B, L], True where the loss scores a position).",
+                  UserWarning, stacklevel=4)
 
 
 @torch.no_grad()

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -39,7 +39,7 @@ from .amp import loss_scale, scaler_enabled, scaler_flags, unscale_grads
 from .update import all_finite, apply_momentum_step, finite_flag, kl_clip_factor
 from .param_groups import (Damping, FrozenWatch, check_group, group_index, group_params, groups_damping, in_groups,
                            optimizer_params, same_lr, weighted_update_dot)
-from .mc import MCState, SampleRNG
+from .mc import MCState, SampleRNG, scored_mask, warn_unmasked
 from .host import HostMirror, SkipStep
 from .result import StepResult
 from .reduction_check import check_loss_reduction
@@ -66,6 +66,7 @@ class StepSkeleton(torch.optim.Optimizer):
     _step_supports_amp_scaling = True  # GradScaler.step hands over grad_scale/found_inf (.amp)
     # set by the subclasses' __init__; ``state`` holds the counters under ``NAME`` besides per-parameter state
     fisher: str
+    mc_loss: Literal["cross_entropy", "mse"]
     kl_clip: Optional[float]
     state: defaultdict[Any, Any]
 
@@ -159,10 +160,13 @@ class StepSkeleton(torch.optim.Optimizer):
         Call it to pass ``targets`` or ``mask`` (bool ``[m, *]``: the positions that count,
         e.g. ``labels != -100`` or ``attention_mask.bool()``; the others are neither sampled
         nor in the sampled loss), or when the loss is not a function of the model's output.
-        No-op for the empirical Fisher, on steps that take no curvature/statistics, and
-        once this micro-batch's sampled backward has run (each accumulated micro-batch has
-        its own). Called on a copy of the optimizer (a wrapper that copies its ``__dict__``,
-        as Lightning's does), it runs on the original.
+        Without ``mask`` the MC draw takes the positions the prepared model's call showed
+        its loss scores (``labels=``, else ``attention_mask=``: :mod:`tengrad_fx.capture.scored`)
+        where they fit ``outputs``; sequence logits with neither warn once. No-op for the
+        empirical Fisher, on steps that take no curvature/statistics, and once this
+        micro-batch's sampled backward has run (each accumulated micro-batch has its own).
+        Called on a copy of the optimizer (one that copies its ``__dict__``, as Lightning's
+        does), it runs on the original.
         """
         owner = self._mc.owner()
         if owner is not None and owner is not self:
@@ -170,6 +174,10 @@ class StepSkeleton(torch.optim.Optimizer):
         if self.fisher == "empirical" or self._mc.done or not self._needs_capture(self._sched):
             return None
         release(self._info.store.key)  # the output site: its backward is this one
+        if self.fisher == "mc":
+            mask = scored_mask(self._info.store, outputs, mask, self.mc_loss)
+            if targets is None:
+                warn_unmasked(self, self._mc, outputs, mask, self.mc_loss)
         self._mc_backward(outputs, targets, mask)
         self._mc.done = True
         return None

@@ -18,6 +18,14 @@ batch's gradient with them, as ``curvature_samples`` does::
 
     u = (F_k + αI)⁻¹ g = (1/α)(g − J_kᵀ (J_k J_kᵀ + kαI)⁻¹ J_k g),    F_k = (1/k) Σ_rows j jᵀ
 
+Where the loss scores only some positions (padding, the last position of a shifted causal
+loss: ``store.scored``, :mod:`tengrad_fx.capture.scored`, bool ``[m, S]``), the loss is the
+mean over the ``N`` scored ones, row ``(i, t)`` is ``N·G_it x_itᵀ`` (``= ∇ℓ_it``), and the
+``k`` rows are drawn among the scored positions only (:func:`scored_draw`, on the device:
+the ``k`` largest of a uniform key that is ``−1`` at unscored positions). A batch with
+``N < k`` scored positions draws them all: the other ``k − N`` rows are zero and the kept
+ones carry ``√(k/N)``, so ``F_k = (1/N) Σ_scored j jᵀ`` with no host read of ``N``.
+
 The rows stay factored (``I [k, d_in]``, ``G [k, d_out]``: the Gram is
 ``(I Iᵀ) ⊙ (G Gᵀ)`` over ``k`` rows, ``J g`` and ``Jᵀ c`` cost ``∝ k·n``). The push-through
 form does not apply (``g`` is not ``J_kᵀ1/k``). Layers with one position per sample, with
@@ -34,7 +42,7 @@ from ...capture.store import CaptureStore, Record
 from ...curvature.layer import CoveredLayer
 from ..step.checks import check_interval
 
-__all__ = ["check_position_rows", "draw_position_rows", "position_sites", "takes_position_rows"]
+__all__ = ["check_position_rows", "draw_position_rows", "position_sites", "scored_draw", "takes_position_rows"]
 
 
 def check_position_rows(k: Optional[int]) -> Optional[int]:
@@ -61,26 +69,50 @@ def _positions(layer: CoveredLayer, rec: Record) -> int:
     return layer._kernel.dims(layer.spec, rec.in_shape)[1]
 
 
-def _rows(layer: CoveredLayer, rec: Record, S: int, idx: Tensor) -> Record:
-    """``rec`` as the position rows ``idx`` of its ``m·S``: ``I [k, d_in]``, ``G·S [k, d_out]``
-    (an Embedding: ``idx [k, 1]``, ``G·S [k, 1, D]``); the loss's batch stays ``m``."""
+def scored_draw(scored: Tensor, k: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """``k`` (at most ``scored.numel()``) of the flat positions of ``scored`` (bool ``[m, S]``),
+    drawn uniformly without replacement among the scored ones first; and the rows' weights
+    ``[k]``: ``√(k/N)`` at a scored position, 0 at an unscored one (drawn only when fewer
+    than ``k`` are scored), ``N = min(k, Σ scored)`` (module docstring). All on the device."""
+    flat = scored.reshape(-1)
+    k = min(k, flat.numel())
+    keys = torch.rand(flat.numel(), generator=generator, device=generator.device).to(flat.device)
+    idx = torch.where(flat, keys, -1.0).topk(k).indices
+    n = flat.sum(dtype=torch.float64).clamp(min=1, max=k)
+    return idx, flat[idx] * (k / n).sqrt()
+
+
+def _rows(layer: CoveredLayer, rec: Record, S: int, idx: Tensor, scale: float | Tensor) -> Record:
+    """``rec`` as the position rows ``idx`` of its ``m·S``: ``I [k, d_in]``, ``G·scale [k, d_out]``
+    (an Embedding: ``idx [k, 1]``, ``G·scale [k, 1, D]``; ``scale``: ``S``, or per row ``[k]``);
+    the loss's batch stays ``m``."""
     assert rec.I is not None and rec.G is not None
     m, k = rec.m, idx.numel()
     if layer.kind == "embedding":
         I = rec.I.reshape(m * S)[idx].unsqueeze(1)
-        G = rec.G.reshape(m * S, 1, rec.G.shape[-1])[idx] * S
+        G = rec.G.reshape(m * S, 1, rec.G.shape[-1])[idx]
     else:
         I = rec.I.reshape(m * S, rec.I.shape[-1])[idx]
-        G = rec.G.reshape(m * S, rec.G.shape[-1])[idx] * S
-    return rec._like(Record(I, G, in_shape=(k, *I.shape[1:]), batch=rec.loss_batch))
+        G = rec.G.reshape(m * S, rec.G.shape[-1])[idx]
+    if isinstance(scale, Tensor):
+        scale = scale.to(G.dtype).reshape(k, *([1] * (G.dim() - 1)))
+    return rec._like(Record(I, G * scale, in_shape=(k, *I.shape[1:]), batch=rec.loss_batch))
+
+
+def _scored_scale(scored: Tensor, weights: Tensor, loss_batch: int) -> Tensor:
+    """Per drawn row, ``N/m·w``: with the Gram's per-sample scale ``m`` the row is ``N·G``
+    (``N`` scored positions, the loss's mean), weighted by :func:`scored_draw`'s ``w``."""
+    return weights * (scored.sum(dtype=torch.float64) / loss_batch)
 
 
 def draw_position_rows(store: CaptureStore, layers: list[CoveredLayer], k: int,
                        generator: torch.Generator) -> bool:
     """Replace the records of every layer that takes position rows by ``k`` of its
-    ``m·S`` position rows (module docstring). Returns whether any layer's records changed.
-    Records with one position per sample (those replaced already among them) stay."""
-    draws: dict[tuple[int, torch.device], Tensor] = {}
+    ``m·S`` position rows (module docstring; among the scored ones where ``store.scored``
+    has ``m·S`` entries). Returns whether any layer's records changed. Records with one
+    position per sample (those replaced already among them) stay."""
+    draws: dict[tuple[int, torch.device], tuple[Tensor, Optional[Tensor]]] = {}
+    scored = store.scored
     changed = False
     for lay in layers:
         if not takes_position_rows(lay):
@@ -96,10 +128,14 @@ def draw_position_rows(store: CaptureStore, layers: list[CoveredLayer], k: int,
         if S == 1:
             continue
         device = recs[0].G.device  # type: ignore[union-attr]
+        here = scored.to(device) if scored is not None and scored.numel() == m * S else None
         key = (m * S, device)
         if key not in draws:
-            draws[key] = torch.randperm(m * S, generator=generator, device=generator.device)[:k].to(device)
+            draws[key] = scored_draw(here, k, generator) if here is not None else \
+                (torch.randperm(m * S, generator=generator, device=generator.device)[:k].to(device), None)
+        idx, weights = draws[key]
         for s in sites:
-            store.records[s] = [_rows(lay, r, S, draws[key]) for r in store.records[s]]
+            store.records[s] = [_rows(lay, r, S, idx, S if here is None or weights is None
+                                      else _scored_scale(here, weights, r.loss_batch)) for r in store.records[s]]
         changed = True
     return changed
