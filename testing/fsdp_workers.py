@@ -8,8 +8,8 @@ convolutions with BatchNorm (in eval mode, :func:`frozen_statistics`) and a Line
 ``steps``, ``T``, ``fisher``, ``kl_clip``, ``shard`` ("blocks": ``fully_shard`` on each
 block and the root; "layers": on every Linear/conv too; "root": on the root only), ``order``
 ("prepare-first": ``prepare`` by torch.fx, then ``fully_shard``; with ``expect_error`` the
-optimizer's ``ValueError`` is returned), ``mode`` and ``bandwidth`` (the optimizer's),
-``plain`` (``TENGraD`` itself, not ``DistributedTENGraD``), ``nan_rank``/``nan_step``
+optimizer's ``ValueError`` is returned), ``mode`` and ``bandwidth`` (the optimizer's), ``opts``
+(more optimizer keywords), ``plain`` (``TENGraD`` itself, not ``DistributedTENGraD``), ``nan_rank``/``nan_step``
 (that rank's gradient shard gets a NaN before that step), ``mesh`` (``(R, S)``: HSDP,
 replicate × shard; default a 1-D mesh of all ranks), ``start`` (first global batch),
 ``save``/``load`` (a torch.distributed.checkpoint directory written after the last step /
@@ -109,8 +109,9 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def opt_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer's keywords of ``cfg`` (``opts``: any more, as given)."""
     return dict(lr=0.1, damping=0.05, momentum=0.9, weight_decay=1e-3, curvature_every=cfg.get("T", 1),
-                fisher=cfg.get("fisher", "empirical"), kl_clip=cfg.get("kl_clip"))
+                fisher=cfg.get("fisher", "empirical"), kl_clip=cfg.get("kl_clip"), **cfg.get("opts", {}))
 
 
 def state_bytes(opt: Any, params: list[torch.Tensor]) -> int:

@@ -120,16 +120,19 @@ class FSDPShards(GlobalBatch):
 
     def check(self, options: dict[str, Any]) -> None:
         super().check(options)
-        if options.get("cuda_graph"):
+        if options["cuda_graph"]:
             raise ValueError("DistributedTENGraD (FSDP2): cuda_graph=True is not supported: a replayed reuse step "
                              "reads the gradients from static buffers, and FSDP2's gradients are DTensors that its "
                              "reduce-scatter allocates anew on every backward, which the graph runner's buffer copy "
                              "does not handle (DTensor has no sharding rule for aten._foreach_copy_); leave it "
                              "False or None (off under FSDP2)")
-        for opt in ("graft", "orthogonalize"):
-            if options.get(opt):
-                raise ValueError(f"DistributedTENGraD (FSDP2): {opt} is not supported on sharded parameters "
-                                 "(it needs whole updates); leave it off")
+        whole = {"graft": "the graft rescales each parameter's update to the norm of SGD's or RMSProp's step over "
+                          "the whole parameter",
+                 "orthogonalize": "the polar factor is a function of the whole weight matrix"}
+        for opt, why in whole.items():
+            if options[opt]:
+                raise ValueError(f"DistributedTENGraD (FSDP2): {opt}={options[opt]!r} is not supported on sharded "
+                                 f"parameters: {why}, and each rank holds only its rows of the update; leave it off")
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` with every FSDP module resharded (a forward, e.g. ``prepare``'s check,
