@@ -9,7 +9,8 @@ curvature step, per layer (``mode``; ``"auto"``: :func:`.fsdp_exchange.choose_fs
 * ``"gather"``: every rank all-gathers the layer's records ``(I, G)`` over all data-parallel
   ranks (``M = W·m`` samples, rank order, ``G`` rescaled by ``1/W``: :mod:`.records`) and
   builds the ``M × M`` Gram (TENGraD's own groups; the same on every rank), then cuts the
-  records to its rows (:mod:`.fsdp_rows`: ``G[..., R_r]`` for Linear);
+  records to its rows (:mod:`.fsdp_rows`: ``G[..., R_r]`` for Linear, ``I[..., R_r]`` for a
+  transposed one);
 * ``"gram-blocks"``: every rank receives only its rows' cut of every rank's records (one
   all_to_all per dtype, :mod:`.fsdp_exchange`), forms ``J_r J_rᵀ`` and one all_reduce over
   the shard group gives ``K = Σ_r J_r J_rᵀ`` (:class:`RowGroup`).
@@ -57,7 +58,7 @@ from ..optim.tengrad.group_build import build_groups
 from ..optim.tengrad.layer_groups import LayerGroup
 from .comm import all_ok, collective
 from .fsdp_exchange import choose_fsdp_modes, exchange_rows, shard_coordinates
-from .fsdp_rows import RowRecords, check_shardable, local, row_records, row_spec
+from .fsdp_rows import Rows, check_shardable, layer_rows, local, row_records
 from .optimizer import GlobalBatch, Mode
 from .records import REPLICATED, check_records, gather_records
 
@@ -111,7 +112,7 @@ class FSDPShards(GlobalBatch):
         self.shard_group: Optional[Any] = None  # the process group of the mesh's shard dim
         self._coords: list[int] = []  # each global rank's coordinate on the shard dim
         self._shards = 1  # the shard dim's size
-        self._rows: list[RowRecords] = []  # the cached layers' records cut to this rank's rows (group order)
+        self._rows: list[Rows] = []  # the cached layers' records cut to this rank's rows (group order)
         self._row_parts: dict[str, list[tuple[Tensor, Tensor]]] = {}  # gram-blocks layers: this rank's cut
 
     def forget(self) -> None:
@@ -204,7 +205,7 @@ class FSDPShards(GlobalBatch):
         blocks = [lay for lay in self.layers if self.modes[lay.name] == "gram-blocks"]
         rows = {lay.name: row_records(lay) for lay in gather}
         k = float(self.world * blocks[0].m) if blocks and opt._info.loss_reduction == "mean" else 1.0
-        rows.update({lay.name: RowRecords(row_spec(lay), self._row_parts[lay.name], k) for lay in blocks})
+        rows.update({lay.name: layer_rows(lay, self._row_parts[lay.name], k) for lay in blocks})
         self._row_parts = {}
         groups = build_groups(gather, opt.strategy, opt.jacobian_budget)[0] if gather else []
         if blocks:
