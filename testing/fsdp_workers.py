@@ -4,12 +4,13 @@ and the same model in one process on the concatenated batch (:func:`train_refere
 
 A run is a ``cfg`` dict: ``model`` ("block": embedding tied to the output head, one
 pre-norm transformer block with attention and an MLP, a final LayerNorm; "cnn": two
-convolutions with BatchNorm (in eval mode, :func:`frozen_statistics`) and a Linear head), ``m`` (local batch),
+convolutions with BatchNorm (in eval mode, :func:`frozen_statistics`) and a Linear head;
+"conv1d", "gpt2": Hugging Face's transposed Linear, :mod:`testing.fsdp_conv1d`), ``m`` (local batch),
 ``steps``, ``T``, ``fisher``, ``kl_clip``, ``shard`` ("blocks": ``fully_shard`` on each
 block and the root; "layers": on every Linear/conv too; "root": on the root only), ``order``
 ("prepare-first": ``prepare`` by torch.fx, then ``fully_shard``; with ``expect_error`` the
-optimizer's ``ValueError`` is returned), ``mode`` and ``bandwidth`` (the optimizer's),
-``plain`` (``TENGraD`` itself, not ``DistributedTENGraD``), ``nan_rank``/``nan_step``
+optimizer's ``ValueError`` is returned), ``mode`` and ``bandwidth`` (the optimizer's), ``opts``
+(more optimizer keywords), ``plain`` (``TENGraD`` itself, not ``DistributedTENGraD``), ``nan_rank``/``nan_step``
 (that rank's gradient shard gets a NaN before that step), ``mesh`` (``(R, S)``: HSDP,
 replicate × shard; default a 1-D mesh of all ranks), ``start`` (first global batch),
 ``save``/``load`` (a torch.distributed.checkpoint directory written after the last step /
@@ -22,6 +23,8 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from . import fsdp_conv1d as transposed
 
 __all__ = ["make_model", "global_batch", "train_fsdp", "train_reference", "full_params", "run_example",
            "train_accumulated", "accumulated_reference"]
@@ -78,7 +81,8 @@ class TinyCNN(nn.Module):
 
 def make_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
-    net: nn.Module = TinyLM() if kind == "block" else TinyCNN()
+    net: nn.Module = TinyLM() if kind == "block" else transposed.build(kind) \
+        if kind in transposed.TRANSPOSED_KINDS else TinyCNN()
     net = net.double()
     for mod in net.modules():
         if isinstance(mod, nn.BatchNorm2d):
@@ -98,6 +102,8 @@ def frozen_statistics(net: nn.Module) -> nn.Module:
 
 def global_batch(kind: str, M: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(2000 + step)
+    if kind in transposed.TRANSPOSED_KINDS:
+        return transposed.batch(kind, M, g)
     if kind == "block":
         x = torch.randint(0, VOCAB, (M, SEQ), generator=g)
         return x, torch.randint(0, VOCAB, (M, SEQ), generator=g)
@@ -109,8 +115,9 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def opt_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer's keywords of ``cfg`` (``opts``: any more, as given)."""
     return dict(lr=0.1, damping=0.05, momentum=0.9, weight_decay=1e-3, curvature_every=cfg.get("T", 1),
-                fisher=cfg.get("fisher", "empirical"), kl_clip=cfg.get("kl_clip"))
+                fisher=cfg.get("fisher", "empirical"), kl_clip=cfg.get("kl_clip"), **cfg.get("opts", {}))
 
 
 def state_bytes(opt: Any, params: list[torch.Tensor]) -> int:
@@ -144,7 +151,8 @@ def _shard(net: nn.Module, cfg: dict[str, Any], world: int) -> Any:
         low = cfg["mp"] == "low"
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.float32 if low else torch.float64,
                                                reduce_dtype=torch.float64)
-    blocks = [mod for mod in net.modules() if isinstance(mod, Block)] if cfg.get("shard") != "root" else []
+    blocks = [mod for mod in net.modules() if isinstance(mod, Block)] + transposed.blocks(net) \
+        if cfg.get("shard") != "root" else []
     if cfg.get("shard") == "layers":  # innermost first: fully_shard shards the parameters not yet sharded
         blocks = [mod for mod in net.modules() if isinstance(mod, (nn.Linear, nn.Conv2d)) and mod is not
                   getattr(net, "head", None)] + blocks
@@ -236,7 +244,8 @@ def train_reference(cfg: dict[str, Any], world: int, targets: Optional[list[Opti
     state's bytes at the end)."""
     import tengrad_fx
     kind, M = cfg["model"], world * cfg["m"]
-    net = frozen_statistics(tengrad_fx.prepare(make_model(kind)))
+    example = (global_batch(kind, 2, 0)[0],) if kind in transposed.TRANSPOSED_KINDS else None  # surgery (HF)
+    net = frozen_statistics(tengrad_fx.prepare(make_model(kind), example_inputs=example))
     opt = tengrad_fx.TENGraD(net, **opt_kwargs(cfg))
     traj = [full_params(net)]
     for k in range(cfg["steps"]):

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 import tengrad_fx
 from tengrad_fx.capture.store import Record
-from tengrad_fx.distributed.fsdp_rows import RowRecords
+from tengrad_fx.distributed.fsdp_rows import RowRecords, TransposedRows
 from tengrad_fx.optim.tengrad.layer_groups import LayerGroup
 
 __all__ = ["curvature_bytes", "param_bytes", "state_bytes", "storage_bytes"]
@@ -40,7 +40,7 @@ def _local(t: Tensor) -> Tensor:
 
 def tensors_in(obj: Any) -> Iterator[Tensor]:
     """The tensors ``obj`` holds: itself, the items of a list / tuple / dict (values), a
-    :class:`Record`'s ``I, G, P, Gsum``, a :class:`RowRecords`' parts, a
+    :class:`Record`'s ``I, G, P, Gsum``, a :class:`RowRecords`' parts (a :class:`TransposedRows`' too), a
     :class:`LayerGroup`'s tensor attributes (not its layers or parameters)."""
     if obj is None:
         return
@@ -56,6 +56,8 @@ def tensors_in(obj: Any) -> Iterator[Tensor]:
         yield from tensors_in((obj.I, obj.G, obj.P, obj.Gsum))
     elif isinstance(obj, RowRecords):
         yield from tensors_in(obj.parts)
+    elif isinstance(obj, TransposedRows):
+        yield from tensors_in([obj.weight, obj.db])
     elif isinstance(obj, LayerGroup):
         yield from tensors_in([v for k, v in vars(obj).items() if k not in _GROUP_SKIP])
 

@@ -9,7 +9,8 @@ curvature step, per layer (``mode``; ``"auto"``: :func:`.fsdp_exchange.choose_fs
 * ``"gather"``: every rank all-gathers the layer's records ``(I, G)`` over all data-parallel
   ranks (``M = W·m`` samples, rank order, ``G`` rescaled by ``1/W``: :mod:`.records`) and
   builds the ``M × M`` Gram (TENGraD's own groups; the same on every rank), then cuts the
-  records to its rows (:mod:`.fsdp_rows`: ``G[..., R_r]`` for Linear);
+  records to its rows (:mod:`.fsdp_rows`: ``G[..., R_r]`` for Linear, ``I[..., R_r]`` for a
+  transposed one);
 * ``"gram-blocks"``: every rank receives only its rows' cut of every rank's records (one
   all_to_all per dtype, :mod:`.fsdp_exchange`), forms ``J_r J_rᵀ`` and one all_reduce over
   the shard group gives ``K = Σ_r J_r J_rᵀ`` (:class:`RowGroup`).
@@ -57,7 +58,7 @@ from ..optim.tengrad.group_build import build_groups
 from ..optim.tengrad.layer_groups import LayerGroup
 from .comm import all_ok, collective
 from .fsdp_exchange import choose_fsdp_modes, exchange_rows, shard_coordinates
-from .fsdp_rows import RowRecords, check_shardable, local, row_records, row_spec
+from .fsdp_rows import Rows, check_shardable, layer_rows, local, row_records
 from .optimizer import GlobalBatch, Mode
 from .records import REPLICATED, check_records, gather_records
 
@@ -111,7 +112,7 @@ class FSDPShards(GlobalBatch):
         self.shard_group: Optional[Any] = None  # the process group of the mesh's shard dim
         self._coords: list[int] = []  # each global rank's coordinate on the shard dim
         self._shards = 1  # the shard dim's size
-        self._rows: list[RowRecords] = []  # the cached layers' records cut to this rank's rows (group order)
+        self._rows: list[Rows] = []  # the cached layers' records cut to this rank's rows (group order)
         self._row_parts: dict[str, list[tuple[Tensor, Tensor]]] = {}  # gram-blocks layers: this rank's cut
 
     def forget(self) -> None:
@@ -120,16 +121,19 @@ class FSDPShards(GlobalBatch):
 
     def check(self, options: dict[str, Any]) -> None:
         super().check(options)
-        if options.get("cuda_graph"):
+        if options["cuda_graph"]:
             raise ValueError("DistributedTENGraD (FSDP2): cuda_graph=True is not supported: a replayed reuse step "
                              "reads the gradients from static buffers, and FSDP2's gradients are DTensors that its "
                              "reduce-scatter allocates anew on every backward, which the graph runner's buffer copy "
                              "does not handle (DTensor has no sharding rule for aten._foreach_copy_); leave it "
                              "False or None (off under FSDP2)")
-        for opt in ("graft", "orthogonalize"):
-            if options.get(opt):
-                raise ValueError(f"DistributedTENGraD (FSDP2): {opt} is not supported on sharded parameters "
-                                 "(it needs whole updates); leave it off")
+        whole = {"graft": "the graft rescales each parameter's update to the norm of SGD's or RMSProp's step over "
+                          "the whole parameter",
+                 "orthogonalize": "the polar factor is a function of the whole weight matrix"}
+        for opt, why in whole.items():
+            if options[opt]:
+                raise ValueError(f"DistributedTENGraD (FSDP2): {opt}={options[opt]!r} is not supported on sharded "
+                                 f"parameters: {why}, and each rank holds only its rows of the update; leave it off")
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` with every FSDP module resharded (a forward, e.g. ``prepare``'s check,
@@ -201,7 +205,7 @@ class FSDPShards(GlobalBatch):
         blocks = [lay for lay in self.layers if self.modes[lay.name] == "gram-blocks"]
         rows = {lay.name: row_records(lay) for lay in gather}
         k = float(self.world * blocks[0].m) if blocks and opt._info.loss_reduction == "mean" else 1.0
-        rows.update({lay.name: RowRecords(row_spec(lay), self._row_parts[lay.name], k) for lay in blocks})
+        rows.update({lay.name: layer_rows(lay, self._row_parts[lay.name], k) for lay in blocks})
         self._row_parts = {}
         groups = build_groups(gather, opt.strategy, opt.jacobian_budget)[0] if gather else []
         if blocks:

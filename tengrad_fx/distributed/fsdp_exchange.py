@@ -3,12 +3,13 @@ data-parallel rank, only the part of its records that its own rows need.
 
 Rank ``d`` holds rows ``R_d`` of a layer's weight; the per-sample gradients restricted to
 ``R_d`` need the records cut to ``R_d`` (:func:`.fsdp_rows.cut`: for Linear ``I`` and
-``G[..., R_d]``, so ``1/S`` of ``G``). Every rank cuts its ``m`` rows of records for every
-destination and one ``all_to_all`` per dtype delivers them: rank ``d`` ends with the
-global batch's ``M = W·m`` rows of its cut (rank order, ``G`` rescaled by ``1/W`` as in
-:mod:`.records`), and the layer's Gram is ``K = Σ_d J_d J_dᵀ`` (one all_reduce of
-``M × M`` per layer over the shard group). :func:`choose_fsdp_modes` picks, per layer,
-this or the all-gather of whole records (``gather``) by their bytes and Gram flops.
+``G[..., R_d]``, so ``1/S`` of ``G``; for a transposed Linear ``I[..., R_d]`` and ``G``).
+Every rank cuts its ``m`` rows of records for every destination and one ``all_to_all`` per
+dtype delivers them: rank ``d`` ends with the global batch's ``M = W·m`` rows of its cut
+(rank order, ``G`` rescaled by ``1/W`` as in :mod:`.records`), and the layer's Gram is
+``K = Σ_d J_d J_dᵀ`` (one all_reduce of ``M × M`` per layer over the shard group).
+:func:`choose_fsdp_modes` picks, per layer, this or the all-gather of whole records
+(``gather``) by their bytes and Gram flops.
 """
 from __future__ import annotations
 
@@ -109,14 +110,21 @@ def choose_fsdp_modes(layers: list[CoveredLayer], M: int, world: int, shards: in
         recs = lay.records()
         whole = sum(t.numel() * t.element_size() for r in recs for t in (r.I, r.G) if t is not None)
         frac = -(-lay.weight.shape[0] // shards) / lay.weight.shape[0]  # the largest shard's rows
+        # the share of I, G a shard's cut keeps (fsdp_rows.cut), and of the Gram's g, f, o
+        if lay.kind in NORM_KINDS:
+            keep_i, keep_g, scale = frac, frac, (frac, 1.0, 1.0)
+        elif lay.kind == "linear" and lay.spec.transposed:  # rows are input features
+            keep_i, keep_g, scale = frac, 1.0, (1.0, frac, 1.0)
+        else:
+            keep_i, keep_g, scale = 1.0, frac, (1.0, 1.0, frac)
         part = whole if lay.kind == "embedding" else \
-            sum((r.I.numel() * (frac if lay.kind in NORM_KINDS else 1.0) + r.G.numel() * frac) * r.G.element_size()
+            sum((r.I.numel() * keep_i + r.G.numel() * keep_g) * r.G.element_size()
                 for r in recs if r.I is not None and r.G is not None)
         g, S, f, o = lay.dims(recs)
         es = recs[0].G.element_size() if recs[0].G is not None else 4
         gather = (world - 1) * whole / bandwidth + min(gram_flops(M, g, S, f, o).values()) / flop_rate
-        scale_g, scale_o = (frac, 1.0) if lay.kind in NORM_KINDS else (1.0, frac)
+        g_r, f_r, o_r = (max(1, round(n * sc)) for n, sc in zip((g, f, o), scale))
         blocks = ((world - 1) * part + 2.0 * (shards - 1) / shards * M * M * es) / bandwidth + \
-            min(gram_flops(M, max(1, round(g * scale_g)), S, f, max(1, round(o * scale_o))).values()) / flop_rate
+            min(gram_flops(M, g_r, S, f_r, o_r).values()) / flop_rate
         out.append("gram-blocks" if blocks < gather else "gather")
     return out

@@ -9,6 +9,10 @@ the shard group it is ``J g``) and this rank's rows of ``Jᵀ c``, without any f
 parameter, gradient or update:
 
 * Linear, ``W [o, f]``: ``G[..., a:b]`` (rows are output features; bias rows too);
+* a transposed Linear (Hugging Face's ``Conv1D``), ``W [f, o]``: its rows are input
+  features, so the weight's part of ``J`` is that of ``(I[..., a:b], G)``; its bias
+  ``[o]`` is sharded apart (rows ``[a', b')`` of the output features: per-sample
+  gradients ``Σ_s G[:, s, a':b']``), :class:`TransposedRows`;
 * ConvNd (``groups = 1``, not transposed), ``W [o, c, *k]``: ``G[:, a:b]``;
 * norm layers: the affine elements ``[a·r, b·r)`` of ``x̂`` and ``G`` (``r`` = elements
   per row of ``γ``; channel-first kinds: channels ``a:b``);
@@ -30,8 +34,8 @@ from ..capture.norm import CHANNEL_FIRST, NORM_KINDS
 from ..curvature import tensors
 from ..curvature.layer import KERNELS, CoveredLayer, choose_strategy
 
-__all__ = ["RowSpec", "RowRecords", "row_range", "row_chunk", "check_shardable", "row_records", "row_spec", "cut",
-           "local", "fully_sharded"]
+__all__ = ["RowSpec", "RowRecords", "TransposedRows", "Rows", "layer_rows", "row_range", "row_chunk",
+           "check_shardable", "row_records", "row_spec", "cut", "local", "fully_sharded"]
 
 
 def fully_sharded(model: Any) -> bool:
@@ -71,8 +75,6 @@ def check_shardable(lay: CoveredLayer) -> None:
     why = None
     if lay.bias_only:
         why = "a bias-only layer (frozen weight)"
-    elif kind == "linear" and spec.transposed:
-        why = "a transposed Linear (weight [d_in, d_out], e.g. Hugging Face's Conv1D)"
     elif kind.startswith("conv") and (spec.transposed or spec.groups != 1):
         why = "a transposed or grouped convolution"
     elif kind not in ("linear", "embedding", "conv1d", "conv2d", "conv3d") and kind not in NORM_KINDS:
@@ -176,6 +178,58 @@ class RowRecords:
             (gb.reshape(bias.shape) * self.k if bias is not None and gb is not None else None)
 
 
+@dataclass
+class TransposedRows:
+    """A transposed Linear's rows (module docstring): ``weight``, the records cut to the
+    weight's rows ``(I[..., a:b], G)`` with no bias, and ``db`` ``[M, b'−a']``, the per-sample
+    gradients of this rank's bias rows (scaled by ``k``; None: no bias). ``J_r`` is their
+    columns side by side, so each product is the weight's plus the bias's."""
+
+    weight: RowRecords
+    db: Optional[Tensor]
+
+    def jvp(self, gw: Tensor, gb: Optional[Tensor]) -> Tensor:
+        """``J_r g_r``, ``[M]`` (``gw [b−a, o]``, ``gb [b'−a']``)."""
+        out = self.weight.jvp(gw, None)
+        return out if self.db is None or gb is None else out + self.db @ gb.to(self.db.dtype)
+
+    def gram(self) -> Tensor:
+        """``J_r J_rᵀ``, ``[M, M]``."""
+        K = self.weight.gram()
+        return K if self.db is None else K + self.db @ self.db.T
+
+    def vjp(self, c: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        """This rank's rows of ``Jᵀ c``: ``(weight [b−a, o], bias [b'−a'] or None)``."""
+        gw, _ = self.weight.vjp(c)
+        return gw, (None if self.db is None else c.to(self.db.dtype) @ self.db)
+
+
+Rows = RowRecords | TransposedRows
+
+
+def layer_rows(lay: CoveredLayer, parts: list[tuple[Tensor, Tensor]], k: float,
+               rows: Optional[tuple[int, int]] = None, bias_rows: Optional[tuple[int, int]] = None) -> Rows:
+    """``lay``'s row records from its records' cut ``parts`` (:func:`cut`; ``k``: their
+    per-sample scale) over this rank's shards, or (``rows``) over those rows of the whole
+    parameters. A transposed Linear's bias rows are ``bias_rows`` of its output features
+    (default: this rank's, :func:`row_range` of the bias; needed with ``rows``)."""
+    spec = row_spec(lay, rows)
+    if lay.kind != "linear" or not lay.spec.transposed:
+        return RowRecords(spec, parts, k)
+    weight = RowRecords(RowSpec(lay.spec, spec.weight, None), parts, k)
+    if lay.bias is None:
+        return TransposedRows(weight, None)
+    if bias_rows is None:
+        if rows is not None:
+            raise ValueError(f"layer '{lay.name}': a transposed Linear's rows of its bias (output features) are "
+                             "its own; pass bias_rows with rows")
+        bias_rows = row_range(lay.bias)
+    a, b = bias_rows
+    db = sum(G.reshape(G.shape[0], -1, G.shape[-1])[..., a:b].sum(1) for _, G in weight.parts)
+    assert isinstance(db, Tensor)
+    return TransposedRows(weight, db * k)
+
+
 def _in(t: Tensor, dtype: torch.dtype) -> Tensor:
     """A floating ``t`` in ``dtype`` (indices as they are)."""
     return t.to(dtype) if t.is_floating_point() else t
@@ -183,8 +237,8 @@ def _in(t: Tensor, dtype: torch.dtype) -> Tensor:
 
 def cut(kind: str, spec: Any, I: Tensor, G: Tensor, a: int, b: int, rows_total: int) -> tuple[Tensor, Tensor]:
     """One record ``(I, G)`` cut to the rows ``[a, b)`` of a weight with ``rows_total`` rows."""
-    if kind == "linear":
-        return I, G[..., a:b]
+    if kind == "linear":  # transposed (Conv1D): the weight's rows are input features
+        return (I[..., a:b], G) if spec.transposed else (I, G[..., a:b])
     if kind.startswith("conv"):
         return I, G[:, a:b]
     if kind in CHANNEL_FIRST:
@@ -212,10 +266,12 @@ def row_spec(lay: CoveredLayer, rows: Optional[tuple[int, int]] = None) -> RowSp
     return RowSpec(lay.spec, w.detach()[a:b], None if bias is None else bias.detach()[a:b])
 
 
-def row_records(lay: CoveredLayer, rows: Optional[tuple[int, int]] = None) -> RowRecords:
+def row_records(lay: CoveredLayer, rows: Optional[tuple[int, int]] = None,
+                bias_rows: Optional[tuple[int, int]] = None) -> Rows:
     """``lay``'s current (global) records cut to the rows ``[a, b)`` of its weight (default:
     this rank's, :func:`row_range`; then the spec holds the local shards, else the rows of
-    the whole parameters), as tensors of their own (no view keeps a whole record alive)."""
+    the whole parameters), as tensors of their own (no view keeps a whole record alive);
+    ``bias_rows``: :func:`layer_rows`."""
     w = lay.weight
     a, b = row_range(w) if rows is None else rows
     parts = []
@@ -224,4 +280,4 @@ def row_records(lay: CoveredLayer, rows: Optional[tuple[int, int]] = None) -> Ro
             raise RuntimeError(f"layer '{lay.name}': only per-sample gradients were kept; FSDP2 needs I and G")
         I, G = cut(lay.kind, lay.spec, r.I, r.G, a, b, w.shape[0])
         parts.append((I.contiguous(), G.contiguous()))
-    return RowRecords(row_spec(lay, rows), parts, lay._scale())
+    return layer_rows(lay, parts, lay._scale(), rows, bias_rows)

@@ -169,17 +169,17 @@ class GlobalBatch(SingleProcess):
 
     # ------------------------------------------------------------------ construction
     def check(self, options: dict[str, Any]) -> None:
-        if options.get("compile"):
+        if options["compile"]:
             raise ValueError("DistributedTENGraD: compile=True is not supported (the fused update bypasses the "
                              "distributed solve: the owners' factors, the gram-blocks products); leave it False")
         for rows in ("curvature_samples", "position_rows"):
-            if options.get(rows) is not None:
+            if options[rows] is not None:
                 raise ValueError(f"DistributedTENGraD: {rows} is not supported (the global batch's records "
                                  "are gathered whole); leave it None, or use TENGraD on one process")
-        if options.get("fisher") == "gauss-newton":
+        if options["fisher"] == "gauss-newton":
             raise ValueError("DistributedTENGraD: fisher='gauss-newton' is not supported; use 'empirical' or 'mc'")
         for opt, named in (("metric", "metric (and metric_beta2)"), ("relative_damping", "relative_damping")):
-            if options.get(opt):
+            if options[opt]:
                 raise ValueError(f"DistributedTENGraD: {named} is not supported (one process only); leave it off, "
                                  "or use TENGraD on one process")
 

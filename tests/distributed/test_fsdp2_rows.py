@@ -1,7 +1,8 @@
 """The row cuts of :mod:`tengrad_fx.distributed.fsdp_rows` against per-sample gradients from
 ``torch.func`` (float64, one process): for each kind a rank's partial ``J_r g_r`` is
 ``Σ_{rows a:b} ⟨∂ℓ_i/∂θ[a:b], g_r⟩`` and its rows of ``Jᵀc`` are ``Σ_i c_i ∂ℓ_i/∂θ[a:b]``;
-kinds whose rows cannot be cut are refused by name."""
+kinds whose rows cannot be cut are refused by name. A transposed Linear (``Conv1D``)'s weight
+rows are input features and its bias's rows, sharded apart, output features."""
 from __future__ import annotations
 
 from typing import Callable
@@ -25,6 +26,9 @@ def _layer(name: str) -> tuple[nn.Module, torch.Tensor]:
         return nn.Linear(5, 7), torch.randn(M, 3, 5, generator=g)
     if name == "linear-wide":  # one position, wide: the factored Gram
         return nn.Linear(40, 30), torch.randn(M, 40, generator=g)
+    if name == "conv1d":  # Hugging Face's transposed Linear: weight [d_in, d_out] = [5, 7]
+        from transformers.pytorch_utils import Conv1D
+        return Conv1D(7, 5), torch.randn(M, 3, 5, generator=g)
     if name == "conv":
         return nn.Conv2d(3, 6, 3, padding=1), torch.randn(M, 3, 4, 4, generator=g)
     if name == "layernorm":
@@ -52,23 +56,24 @@ def _captured(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor, Covered
     return mod, x, R, covered_layers(net)[0]
 
 
-@pytest.mark.parametrize("name", ["linear", "conv", "layernorm", "batchnorm", "embedding"])
+@pytest.mark.parametrize("name", ["linear", "conv1d", "conv", "layernorm", "batchnorm", "embedding"])
 @pytest.mark.parametrize("rows", [(0, 2), (1, 4), (3, 3)])
 def test_row_products_equal_per_sample_gradients(name: str, rows: tuple[int, int]) -> None:
     mod, x, R, lay = _captured(name)
     a, b = rows
-    cut = row_records(lay, rows)
+    ba, bb = (a + 1, b + 3) if name == "conv1d" else rows  # Conv1D: other rows of its bias (of 7)
+    cut = row_records(lay, rows, (ba, bb) if name == "conv1d" else None)
 
     params = {n: p.detach() for n, p in mod.named_parameters()}
     one: Callable[..., torch.Tensor] = lambda ps, xi, ri: (functional_call(mod, ps, (xi[None],)) * ri[None]).sum()
     per_sample = vmap(grad(one), in_dims=(None, 0, 0))(params, x, R)  # {name: [M, *shape]}
     gen = torch.Generator().manual_seed(3)
     gw = torch.randn(b - a, *mod.weight.shape[1:], dtype=torch.float64, generator=gen)
-    gb = torch.randn(b - a, *mod.bias.shape[1:], dtype=torch.float64, generator=gen) if lay.bias is not None \
+    gb = torch.randn(bb - ba, *mod.bias.shape[1:], dtype=torch.float64, generator=gen) if lay.bias is not None \
         else None
     want = (per_sample["weight"][:, a:b] * gw).flatten(1).sum(1)
     if gb is not None:
-        want = want + (per_sample["bias"][:, a:b] * gb).flatten(1).sum(1)
+        want = want + (per_sample["bias"][:, ba:bb] * gb).flatten(1).sum(1)
     torch.testing.assert_close(cut.jvp(gw, gb), want, rtol=1e-12, atol=1e-12)
 
     c = torch.randn(M, dtype=torch.float64, generator=gen)
@@ -77,7 +82,7 @@ def test_row_products_equal_per_sample_gradients(name: str, rows: tuple[int, int
                                atol=1e-12)
     if gb is not None:
         assert ub is not None
-        torch.testing.assert_close(ub, torch.einsum("i,i...->...", c, per_sample["bias"][:, a:b]), rtol=1e-12,
+        torch.testing.assert_close(ub, torch.einsum("i,i...->...", c, per_sample["bias"][:, ba:bb]), rtol=1e-12,
                                    atol=1e-12)
 
 
@@ -89,11 +94,13 @@ def test_layers_without_row_cuts_are_refused(mod: nn.Module, what: str) -> None:
         check_shardable(covered_layers(net)[0])
 
 
-@pytest.mark.parametrize("name", ["linear", "linear-wide", "conv", "layernorm", "batchnorm", "embedding"])
+@pytest.mark.parametrize("name", ["linear", "linear-wide", "conv1d", "conv", "layernorm", "batchnorm", "embedding"])
 def test_row_grams_sum_to_the_layer_gram(name: str) -> None:
-    """``Σ_r J_r J_rᵀ`` over a split of the rows into shards is ``J Jᵀ`` (the layer's own Gram)."""
+    """``Σ_r J_r J_rᵀ`` over a split of the rows into shards is ``J Jᵀ`` (the layer's own Gram;
+    Conv1D: its bias split into shards of its own)."""
     mod, _, _, lay = _captured(name)
     n = mod.weight.shape[0]
-    K = sum(row_records(lay, row_chunk(n, 3, c)).gram() for c in range(3))
+    bias_rows = (lambda c: row_chunk(mod.bias.shape[0], 3, c)) if name == "conv1d" else (lambda c: None)
+    K = sum(row_records(lay, row_chunk(n, 3, c), bias_rows(c)).gram() for c in range(3))
     J = lay.jacobian()
     torch.testing.assert_close(K, J @ J.T, rtol=1e-12, atol=1e-12)

@@ -73,8 +73,9 @@ class SingleProcess:
     capturable = True
 
     def check(self, options: dict[str, Any]) -> None:
-        """``ValueError`` naming a TENGraD option (``options``: name -> value given) this
-        strategy does not run; all run here."""
+        """``ValueError`` naming a TENGraD option this strategy does not run, at construction
+        (``options``: every constructor argument but the model, name -> value as run,
+        :func:`.options.built_options`); all run here."""
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The prepared model the optimizer reads (``model`` itself here)."""

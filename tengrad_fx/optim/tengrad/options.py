@@ -4,8 +4,9 @@ given next to the flat keywords they group. A field given both ways with differe
 is a ``ValueError`` naming it (a flat keyword left at its default defers to the object)."""
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, fields, replace
-from typing import Any, Literal, Optional
+from typing import Any, Callable, Literal, Optional
 
 import torch
 
@@ -15,7 +16,7 @@ from .schedule import CurvatureSchedule
 from .subsample import check_curvature_samples
 
 __all__ = ["Execution", "CurvatureSchedule", "check_options", "resolve_schedule", "resolve_execution",
-           "jacobian_budget_bytes", "use_cuda_graph"]
+           "built_options", "jacobian_budget_bytes", "use_cuda_graph"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,19 @@ def resolve_execution(execution: Optional[Execution], flat: dict[str, Any]) -> E
     return replace(execution, **_merged("execution", execution, Execution(), flat,
                                         {f.name: f.name for f in fields(Execution)}))
 
+
+def built_options(init: Callable[..., Any], args: dict[str, Any], schedule: CurvatureSchedule,
+                  ex: Execution) -> dict[str, Any]:
+    """Every argument of the constructor ``init`` but ``self`` and ``model``, by name, with
+    the value the optimizer runs with: ``args`` (the constructor's ``locals()``), the flat
+    schedule and execution keywords as resolved with their objects (``schedule``, ``ex``,
+    there too). What a distribution's ``check`` reads, so no option escapes it."""
+    names = [n for n in inspect.signature(init).parameters if n not in ("self", "model")]
+    out = {n: args[n] for n in names}
+    out.update(vars(ex))
+    out.update({flat: getattr(schedule, attr) for attr, flat in _SCHEDULE.items()})
+    out.update(schedule=schedule, execution=ex)
+    return out
 
 
 def jacobian_budget_bytes(ex: Execution) -> Optional[float]:

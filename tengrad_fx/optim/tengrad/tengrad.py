@@ -46,8 +46,8 @@ from .cuda_graphs import GraphRunner
 from .group_cost import reuse_cost
 from .jacobian_sites import marked_jacobian_sites
 from .metric import make_metric
-from .options import (Execution, check_options, jacobian_budget_bytes, resolve_execution, resolve_schedule,
-                      use_cuda_graph)
+from .options import (Execution, built_options, check_options, jacobian_budget_bytes, resolve_execution,
+                      resolve_schedule, use_cuda_graph)
 from .position_rows import draw_position_rows, position_sites
 from .resume import restore_records, save_records
 from .schedule import CurvatureSchedule
@@ -199,8 +199,7 @@ class TENGraD(StepSkeleton):
             strategy=strategy, jacobian_budget_mb=jacobian_budget_mb, compile=compile, cuda_graph=cuda_graph,
             gram_tf32=gram_tf32, solve_dtype=solve_dtype))
         self.distribution = dist = SingleProcess() if distribution is None else distribution
-        dist.check(dict(vars(ex), curvature_samples=curvature_samples, position_rows=position_rows, fisher=fisher,
-                        metric=metric, relative_damping=relative_damping))
+        dist.check(built_options(TENGraD.__init__, locals(), self.schedule, ex))
         model = dist.unwrap(model)
         info = get_info(model)  # raises ValueError for an unprepared model
         check_options(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay, fisher=fisher,
