@@ -37,8 +37,8 @@ from tengrad_fx.distributed.records import per_sample_bytes, per_sample_smaller
 from tengrad_fx.distributed.traffic import all_reduce_sent, blocks_step_sent, gather_sent, gather_step_sent
 from tools.dist_planned import LayerCost, newton_schulz_flops, owner_polar_cost, rows_layer_cost
 
-__all__ = ["Shape", "Layer", "SHAPES", "model_layers", "mode_costs", "rank_totals", "scaling_rows", "layer_rows",
-           "report", "plot", "main"]
+__all__ = ["Shape", "Layer", "SHAPES", "model_layers", "mode_costs", "auto_modes", "Totals", "rank_totals",
+           "scaling_rows", "layer_rows", "report", "plot", "main"]
 
 MODES = ("gather", "gram-blocks", "auto", "rows", "local")
 INDEX_BYTES = 8  # an embedding's records keep int64 indices
