@@ -46,8 +46,10 @@ import torch
 import torch.nn.functional as F
 
 import tengrad_fx
-from tengrad_fx.curvature.layer import choose_strategy
 from tengrad_fx.distributed.plan import assign_owners, choose_modes, choose_placement, solve_cost, step_flops
+from tengrad_fx.distributed.records import per_sample_smaller
+from tengrad_fx.distributed.traffic import (all_gather_sent, all_reduce_sent, blocks_step_sent, broadcast_sent,
+                                            gather_sent, gather_step_sent)
 from tengrad_fx.zoo import get_model
 from tengrad_fx.zoo.bench_models import build_model
 
@@ -96,7 +98,7 @@ def model_table(layers: list[dict[str, Any]], worlds: list[int], m: int, T: int,
         M = W * m
         costs = [solve_cost(M, lay["dims"]) for lay in layers]
         owners = assign_owners(costs, W)
-        p_sent = [lay.get("p_ok", False) and lay["n"] < lay["r"] and choose_strategy(M, *lay["dims"]) == "materialize"
+        p_sent = [lay.get("p_ok", False) and per_sample_smaller(lay["n"], m, m * lay["r"], M, lay["dims"], "auto")
                   for lay in layers]  # records.sends_per_sample, in gather mode
         recs = [(m * (lay["n"] if p else lay["r"]) * 4.0, m * lay["r"] * 4.0) for lay, p in zip(layers, p_sent)]
         modes = choose_modes(M, [lay["n"] for lay in layers], [lay["dims"] for lay in layers], owners, W,
@@ -114,28 +116,28 @@ def model_table(layers: list[dict[str, Any]], worlds: list[int], m: int, T: int,
             rec = m * (lay["n"] if send_p else lay["r"]) * 4.0
             ig = m * lay["r"] * 4.0
             if blocks:  # every rank: the Jᵀc all-reduce and J_a g all-gather; c from the owner
+                vec = blocks_step_sent(m, W, lay["n"]) - (broadcast_sent(M * 4.0) if pl == "replicate" else 0.0)
                 for k in range(W):
-                    reuse[k] += 2.0 * (W - 1) / W * lay["n"] * 4.0 + (W - 1) * m * 4.0
-                    reuse[k] += M * 4.0 if pl != "replicate" else 0.0
+                    reuse[k] += vec
                     step[k] += step_flops(m, lay["dims"])
             if pl == "replicate":
                 for k in range(W):
-                    gather_curv[k] += (W - 1) * rec
-                    all_ig[k] += (W - 1) * ig
+                    gather_curv[k] += all_gather_sent(rec, W)
+                    all_ig[k] += all_gather_sent(ig, W)
                     flops[k] += c
                     step[k] += 0.0 if blocks else step_flops(M, lay["dims"])
             else:
                 for k in range(W):
-                    gather_curv[k] += rec if k != o else 0.0
-                    all_ig[k] += ig if k != o else 0.0
-                    reuse[k] += 0.0 if blocks else lay["n"] * 4.0  # pipelined broadcast: every rank sends u once
+                    gather_curv[k] += gather_sent(rec, k == o)
+                    all_ig[k] += gather_sent(ig, k == o)
+                    reuse[k] += 0.0 if blocks else gather_step_sent(lay["n"])
                 flops[o] += c
                 step[o] += 0.0 if blocks else step_flops(M, lay["dims"])
         gram_mem = M * M * 4.0
         rows.append({
-            "W": W, "M": M, "ddp_MB": 2.0 * (W - 1) / W * N * 4 / 2**20,
+            "W": W, "M": M, "ddp_MB": all_reduce_sent(N * 4, W) / 2**20,
             "curv_MB": max(gather_curv) / 2**20, "curvIG_MB": max(all_ig) / 2**20, "reuse_MB": max(reuse) / 2**20,
-            "local_MB": 2.0 * (W - 1) / W * N * 4 / 2**20,
+            "local_MB": all_reduce_sent(N * 4, W) / 2**20,
             "owner_TFLOP": max(flops) / 1e12, "gram_GiB": gram_mem / 2**30,
             "replicated": sum(p == "replicate" for p in place), "layers": len(layers),
             "blocks": sum(md == "gram-blocks" for md in modes), "modes": modes, "step_GFLOP": max(step) / 1e9,

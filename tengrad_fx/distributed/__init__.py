@@ -1,8 +1,9 @@
 """Distributed TENGraD on ``torch.distributed``: the global batch's Fisher blocks, layers
 solved on different ranks (:mod:`.optimizer`; the records moved by :mod:`.records`, the
 per-step products of ``gram-blocks`` layers in :mod:`.gram_blocks`), the owner assignment
-and the cost models (:mod:`.plan`), the collectives (:mod:`.comm`) and the per-rank
-data shards (:mod:`.shard`); FSDP2-sharded models in :mod:`.fsdp` (:class:`FSDPTENGraD`).
+and the cost models (:mod:`.plan`), the bytes each collective sends (:mod:`.traffic`), the
+collectives (:mod:`.comm`) and the per-rank data shards (:mod:`.shard`); FSDP2-sharded
+models in :mod:`.fsdp` (:class:`FSDPTENGraD`).
 
 Sits above :mod:`tengrad_fx.optim` (imports run one way)."""
 from .comm import DistributedStepError

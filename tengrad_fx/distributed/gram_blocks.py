@@ -38,6 +38,7 @@ from ..curvature.layer import CoveredLayer
 from ..optim.tengrad.layer_groups import LayerGroup
 from .. import solve
 from .comm import Bucket, broadcast_buckets, collective, pack, unpack
+from .traffic import all_gather_sent, all_reduce_sent, broadcast_sent
 
 __all__ = ["GramBlocksStep", "N_PROBE"]
 
@@ -99,7 +100,7 @@ class GramBlocksStep:
             self.widths.append(piece.shape[1])
             pieces.append(piece.reshape(-1))
             for lay in grp.layers:
-                count(lay.name, (self.world - 1) * piece.shape[1] * self.es)  # ring all-gather
+                count(lay.name, int(all_gather_sent(piece.shape[1] * self.es, self.world)))
         mine = torch.cat(pieces)
         self.parts = [torch.empty_like(mine) for _ in range(self.world)]
         self._gather = collective("all_gather of J g (gram-blocks)",
@@ -140,7 +141,7 @@ class GramBlocksStep:
                 r = owner[lay.name]
                 if r >= 0:
                     buckets.setdefault(r, Bucket(r, dtype, self.device)).add(lay.name, torch.Size([M]))
-                    self.count(lay.name, M * self.es)  # pipelined broadcast: every rank sends c once
+                    self.count(lay.name, int(broadcast_sent(M * self.es)))
         blist = list(buckets.values())
         flats = [pack([cs[k] for k in b.keys], b) if b.rank == self.rank
                  else torch.empty(b.numel, dtype=dtype, device=self.device) for b in blist]
@@ -161,7 +162,7 @@ class GramBlocksStep:
             self.shapes.append((jw.shape, jb.shape if jb is not None else None))
             n = jw.shape[1] + (jb.shape[1] if jb is not None else 0)
             for lay in grp.layers:
-                self.count(lay.name, int(2 * (self.world - 1) / self.world * n * self.es))  # ring all-reduce
+                self.count(lay.name, int(all_reduce_sent(n * self.es, self.world)))
         self.total = torch.cat(partial)
         self._reduce = collective("all_reduce of the Jᵀc partial sums (gram-blocks)",
                                   lambda: dist.all_reduce(self.total, async_op=True))

@@ -16,8 +16,10 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..curvature.layer import gram_flops
+from .traffic import blocks_step_sent, gather_step_sent
 
-__all__ = ["solve_cost", "assign_owners", "step_flops", "mode_times", "choose_modes", "choose_placement"]
+__all__ = ["solve_cost", "assign_owners", "step_flops", "solve_flops", "mode_times", "choose_modes",
+           "choose_placement"]
 
 
 def solve_cost(M: int, dims: tuple[int, int, int, int]) -> float:
@@ -43,6 +45,12 @@ def step_flops(M: int, dims: tuple[int, int, int, int]) -> float:
     return 4.0 * M * S * f * o * g
 
 
+def solve_flops(M: int) -> float:
+    """Flops of ``c = (K + MαI)⁻¹ v`` from the cached ``M × M`` Cholesky factor: two
+    triangular solves, ``2·M²``."""
+    return 2.0 * M * M
+
+
 def mode_times(M: int, n: int, dims: tuple[int, int, int, int], world: int, bandwidth: float,
                flop_rate: float, nbytes: int = 4) -> tuple[float, float]:
     """Per-step seconds of one layer in each mode, ``(gather on its owner, gram-blocks on
@@ -54,13 +62,13 @@ def mode_times(M: int, n: int, dims: tuple[int, int, int, int], world: int, band
                      (ring all-reduce of the Jᵀc partial sums, all-gather of the m-vectors
                      J_a g, broadcast of c; J g and Jᵀc on each rank's own m rows)
 
+    (the bytes: :func:`.traffic.gather_step_sent`, :func:`.traffic.blocks_step_sent`).
     The Gram and the Cholesky of a curvature step are the same in both modes and do not
     enter; the records each rank sends on a curvature step may differ (gather may send
     ``P``): :func:`choose_modes` adds that difference."""
     m = M // world
-    t_gather = n * nbytes / bandwidth + step_flops(M, dims) / flop_rate
-    sent = 2.0 * (world - 1) / world * n * nbytes + (world - 1) * m * nbytes + M * nbytes
-    return t_gather, sent / bandwidth + step_flops(m, dims) / flop_rate
+    t_gather = gather_step_sent(n, nbytes) / bandwidth + step_flops(M, dims) / flop_rate
+    return t_gather, blocks_step_sent(m, world, n, nbytes) / bandwidth + step_flops(m, dims) / flop_rate
 
 
 def choose_modes(M: int, ns: Sequence[int], dims: Sequence[tuple[int, int, int, int]], owners: Sequence[int],
@@ -119,7 +127,7 @@ def choose_placement(M: int, n: int, record_bytes: float, dims: tuple[int, int, 
     if world == 1:
         return "owner"
     if mode == "gram-blocks":
-        t_recv, step = 4.0 * M / bandwidth, 2.0 * M * M
+        t_recv, step = 4.0 * M / bandwidth, solve_flops(M)
     else:
         t_recv, step = 4.0 * n / bandwidth, step_flops(M, dims)
     t_solve = (solve_cost(M, dims) / T + step) / flop_rate

@@ -17,9 +17,10 @@ from torch import Tensor
 from ..capture.store import CaptureStore, Record
 from ..curvature.layer import KERNELS, CoveredLayer, choose_strategy
 from .comm import Bucket, all_gather_meta, gather_buckets, pack, unpack
+from .traffic import all_gather_sent, gather_sent
 
-__all__ = ["FIELDS", "REPLICATED", "layer_meta", "check_records", "sends_per_sample", "record_bytes",
-           "to_per_sample", "gather_records"]
+__all__ = ["FIELDS", "REPLICATED", "layer_meta", "check_records", "sends_per_sample", "per_sample_smaller",
+           "per_sample_bytes", "record_bytes", "to_per_sample", "gather_records"]
 
 FIELDS = ("I", "G", "P", "Gsum")
 REPLICATED = -1  # the "owner" of a layer every rank solves
@@ -64,16 +65,31 @@ def sends_per_sample(layer: CoveredLayer, M: int, strategy: str) -> bool:
     convolution called once, when ``n < r`` and the owner would build the global Gram by
     materializing (``strategy``, or the cost model at ``M`` samples under ``"auto"``):
     ``I`` and ``G``, or ``P`` where the cost model materializes and ``P`` is smaller."""
-    if strategy == "factor" or not (layer.kind == "linear" or layer.kind.startswith("conv")):
+    if not (layer.kind == "linear" or layer.kind.startswith("conv")):
         return False
     recs = layer.records()
     if len(recs) != 1 or recs[0].P is not None or recs[0].I is None or recs[0].G is None:
         return False
     r = recs[0]
     n = sum(p.numel() for p in (layer.weight, layer.bias) if p is not None)
-    if n * r.m >= r.I.numel() + r.G.numel():  # type: ignore[union-attr]
+    return per_sample_smaller(n, r.m, r.I.numel() + r.G.numel(), M, layer.dims(), strategy)  # type: ignore[union-attr]
+
+
+def per_sample_smaller(n: int, m: int, ig_numel: int, M: int, dims: tuple[int, int, int, int], strategy: str) -> bool:
+    """The shapes' part of :func:`sends_per_sample`: ``m`` samples' per-sample gradients
+    (``n·m`` values) are fewer than their ``I``, ``G`` (``ig_numel`` values) and the owner
+    builds the Gram of ``M`` samples with ``dims = (g, S, f, o)`` by materializing
+    (``strategy``, or the cost model under ``"auto"``)."""
+    if strategy == "factor" or n * m >= ig_numel:
         return False
-    return strategy == "materialize" or choose_strategy(M, *layer.dims()) == "materialize"
+    return strategy == "materialize" or choose_strategy(M, *dims) == "materialize"
+
+
+def per_sample_bytes(m: int, n_weight: int, dims: tuple[int, int, int, int], es: int) -> float:
+    """Bytes of ``m`` samples' per-sample gradients as sent: ``P [m, n_weight]`` and the
+    bias sums ``Gsum [m, g·o]``, ``es`` bytes a value; ``dims = (g, S, f, o)``."""
+    g, _, _, o = dims
+    return float(m * (n_weight + g * o) * es)
 
 
 def record_bytes(layer: CoveredLayer, M: int, strategy: str) -> tuple[float, float]:
@@ -85,8 +101,7 @@ def record_bytes(layer: CoveredLayer, M: int, strategy: str) -> tuple[float, flo
     if not sends_per_sample(layer, M, strategy):
         return ig, ig
     r = recs[0]
-    g, _, _, o = layer.dims()  # Gsum: [m, g·o]
-    return float(r.m * (layer.weight.numel() + g * o) * r.G.element_size()), ig  # type: ignore[union-attr]
+    return per_sample_bytes(r.m, layer.weight.numel(), layer.dims(), r.G.element_size()), ig  # type: ignore[union-attr]
 
 
 def to_per_sample(layer: CoveredLayer) -> None:
@@ -129,8 +144,8 @@ def gather_records(layers: list[CoveredLayer], live: list[int], owners: list[int
     blist = list(buckets.values())
     flats = {n: pack(payload[k], b) for n, (k, b) in enumerate(buckets.items())}
     recv = gather_buckets(blist, flats)
-    for b in blist:  # ring all-gather: (W−1) parts sent per rank; gather: one
-        sent = b.nbytes * (world - 1 if b.rank == REPLICATED else int(b.rank != rank))
+    for b in blist:
+        sent = int(all_gather_sent(b.nbytes, world) if b.rank == REPLICATED else gather_sent(b.nbytes, b.rank == rank))
         for key, shape in zip(b.keys, b.shapes):
             count(layers[key[0]].name, sent * shape.numel() // max(b.numel, 1))
     parts: dict[tuple[int, int, int, str], list[Tensor]] = {}

@@ -11,6 +11,7 @@ from torch import Tensor
 from ..curvature.layer import CoveredLayer
 from .comm import Bucket, all_sum, pack, start_broadcasts, unpack, wait_all
 from .records import REPLICATED
+from .traffic import all_reduce_sent, broadcast_sent
 
 __all__ = ["UpdateSharing"]
 
@@ -52,8 +53,8 @@ class UpdateSharing:
                 flats.append(pack([local.get(p, p.grad) for p in b.keys], b))
             else:
                 flats.append(torch.empty(b.numel, dtype=b.dtype, device=b.device))
-            for p in b.keys:  # a pipelined broadcast: every rank sends each u once
-                self.add_bytes(self._name_of(p), p.numel() * p.element_size())
+            for p in b.keys:
+                self.add_bytes(self._name_of(p), int(broadcast_sent(p.numel() * p.element_size())))
         self._pending = (flats, blist, start_broadcasts(flats, blist))
 
     def finish(self, layers: list[CoveredLayer], owner: dict[str, int], mode: dict[str, str],
@@ -85,8 +86,8 @@ class UpdateSharing:
             all_sum(flat)
             flat.div_(self.world)
             out.update(zip(b.keys, unpack(flat, b)))
-            for p in b.keys:  # ring all-reduce
-                self.add_bytes(self._name_of(p), int(2 * (self.world - 1) / self.world * p.numel() * p.element_size()))
+            for p in b.keys:
+                self.add_bytes(self._name_of(p), int(all_reduce_sent(p.numel() * p.element_size(), self.world)))
         return {p: out[p] for p in params}
 
     def add_bytes(self, name: str, nbytes: int) -> None:
