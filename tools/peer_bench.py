@@ -2,7 +2,7 @@
 
     python -m tools.peer_bench [--model 3c1f|gpt2-bytes-s|llama-bytes-s|...] [--dataset fashion-mnist]
                                [--data-dir DIR] [--text PATH]
-                               [--methods sgd,adamw,tengrad,kfac,muon,soap,shampoo,psgd]
+                               [--methods sgd,adamw,muon-torch,tengrad,kfac,muon,soap,shampoo,psgd]
                                [--tengrad 'NAME:key=value,...' ...]
                                [--steps 300] [--batch-size 128|32] [--subset N] [--eval-every 25]
                                [--eval-subset 2000|256] [--targets 0.85,0.88|2.7,2.6,2.5] [--lr-grid 1|3|5]
@@ -22,6 +22,10 @@ Methods (``METHODS``; ``--methods all`` = every one):
   ``tengrad-orth-ns``: the same with Muon's five Newton–Schulz steps for the polar factor.
 * ``adamw``: ``torch.optim.AdamW`` at torch's defaults (lr 1e-3, betas (0.9, 0.999),
   weight decay 0.01).
+* ``muon-torch``: ``torch.optim.Muon`` (torch ≥ 2.9) at its defaults but
+  ``adjust_lr_fn="match_rms_adamw"`` on the hidden ≥2-D weights, ``torch.optim.AdamW`` at its
+  defaults on the embeddings, the output layer and the 1-D parameters, both at the lr
+  (1e-3), stepping as one optimizer (:mod:`tools.chained_optim`).
 * ``muon``, ``soap``, ``shampoo``, ``psgd``: ``pytorch_optimizer``'s ``Muon``, ``SOAP``,
   ``Shampoo`` and ``Kron`` (PSGD with Kronecker-factored preconditioners) at that library's
   defaults; Muon takes the ≥2-D weights, the rest (biases) go to its built-in AdamW

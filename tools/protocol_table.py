@@ -3,9 +3,11 @@ from the results trees of :mod:`tools.lm_protocol`.
 
 Per model, per method and budget (``B``, ``2B``; AdamW also ``4B``), over the seeds:
 
-* the best lr: the lr of the grid with the lowest mean final validation loss (a seed whose
-  loss is not finite counts as +∞); flagged when it is the grid's lowest or highest point
-  (:func:`edge`), with the lr to run next: one grid step beyond it;
+* the best lr: the lr of the grid with the lowest mean final validation loss over the seeds
+  every lr of the grid ran (a seed whose loss is not finite counts as +∞: at ``-m``, a
+  3-point grid on seed 0 and the other seeds at its best lr compare on seed 0); flagged
+  when it is the grid's lowest or highest point (:func:`edge`), with the lr to run next:
+  one grid step beyond it;
 * the final loss at the best lr: mean ± half the min–max range over the seeds;
 * the step cost: the mean of its ``ratio_to_sgd`` at the best lr (each measured in its own
   interleaved run), over AdamW's in the same runs;
@@ -37,9 +39,9 @@ def adamw_budget(budgets: list[float], losses: list[float], loss: float) -> tupl
     """(budget, relation) at which AdamW's curve (``losses`` at ascending ``budgets``) reaches
     ``loss``: ``"="`` interpolated (log budget linear in the loss, on the first segment that
     crosses it), ``"<"`` below ``budgets[0]`` (AdamW's first loss is already lower), ``">"``
-    beyond ``budgets[-1]`` (never reached)."""
+    beyond ``budgets[-1]`` (never reached); ``loss`` must be finite."""
     if not math.isfinite(loss):
-        return budgets[-1], ">"
+        raise ValueError(f"adamw_budget: the loss {loss} is not finite (a diverged run has no speedup)")
     if losses[0] <= loss:
         return budgets[0], "=" if losses[0] == loss else "<"
     for (b0, l0), (b1, l1) in zip(zip(budgets, losses), zip(budgets[1:], losses[1:])):
@@ -99,11 +101,13 @@ def load(dirs: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def _best(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The best lr of one method's rows at one budget, its losses, cost and edge flag."""
+    """The best lr of one method's rows at one budget (by the mean over the seeds every lr ran),
+    its losses over all its seeds, cost and edge flag."""
     lrs = sorted({r["lr"] for r in rows})
     at = {lr: [r for r in rows if r["lr"] == lr] for lr in lrs}
-    score = {lr: statistics.fmean(r["loss"] if math.isfinite(r["loss"]) else math.inf for r in at[lr])
-             for lr in lrs}
+    common = set.intersection(*({r["seed"] for r in at[lr]} for lr in lrs))
+    score = {lr: statistics.fmean(r["loss"] if math.isfinite(r["loss"]) else math.inf
+                                  for r in at[lr] if r["seed"] in common) for lr in lrs}
     best = min(lrs, key=lambda lr: score[lr])
     losses = [r["loss"] for r in at[best]]
     mean, half = _spread(losses) if all(map(math.isfinite, losses)) else (math.inf, math.nan)
@@ -124,12 +128,12 @@ def aggregate(model: dict[str, Any]) -> dict[str, dict[int, dict[str, Any]]]:
     budgets = [b for b in curve if math.isfinite(curve[b]["loss"])]
     for per_budget in out.values():
         for b, e in per_budget.items():
-            if not budgets:
+            e["cost_to_adamw"] = e["cost"] / curve[b]["cost"] if b in curve else None
+            if not budgets or not math.isfinite(e["loss"]):
                 e["speedup_step"] = e["speedup_time"] = None
                 continue
             s, rel = speedup([float(x) for x in budgets], [curve[x]["loss"] for x in budgets], e["loss"], b)
             e["speedup_step"] = (s, rel)
-            e["cost_to_adamw"] = e["cost"] / curve[b]["cost"] if b in curve else None
             e["speedup_time"] = None if e["cost_to_adamw"] is None else (s / e["cost_to_adamw"], rel)
     return out
 
@@ -155,7 +159,8 @@ def table(name: str, model: dict[str, Any], agg: dict[str, dict[int, dict[str, A
     for m, per in agg.items():
         cell = {b: per.get(b) for b in budgets}
         own = [b for b in budgets if b in per]
-        loss = ["–" if e is None else f"{e['loss']:.4f} ± {e['spread']:.4f}"
+        loss = ["–" if e is None else ("diverged" if not math.isfinite(e["loss"]) else
+                                       f"{e['loss']:.4f} ± {e['spread']:.4f}")
                 + ("" if e["seeds"] == n else f" ({e['seeds']} of {n})") for e in cell.values()]
         step = " / ".join(f"{_x(per[b]['speedup_step'])} at {tag[b]}" for b in own)
         time = " / ".join(f"{_x(per[b]['speedup_time'])} at {tag[b]}" for b in own)
@@ -163,8 +168,10 @@ def table(name: str, model: dict[str, Any], agg: dict[str, dict[int, dict[str, A
                           for b in own)
         lines.append(f"| {m} | " + " / ".join("–" if e is None else _lr(e) for e in cell.values())
                      + " | " + " | ".join(loss) + f" | {step} | {time} | {cost} |")
-    lines += ["", "speedup: AdamW's budget to the method's mean final loss (log-budget interpolation on AdamW's "
-              "curve) over the method's budget; > / <: beyond AdamW's largest / below its smallest budget."]
+    lines += ["", "loss: final validation loss (nats/byte) at the best lr, mean ± half the min–max range over the "
+              "seeds; speedup: AdamW's budget to that mean loss (log-budget interpolation on AdamW's curve) over "
+              "the method's budget, in time × AdamW's step cost over the method's; > / <: beyond AdamW's "
+              "largest / below its smallest budget."]
     edges: dict[tuple[str, tuple[float, ...]], list[int]] = {}
     for m, per in agg.items():
         for b, e in per.items():

@@ -35,7 +35,8 @@ def test_adamw_budget_on_a_curve_linear_in_log_budget() -> None:
     assert table.speedup(BUDGETS, losses, 2.4, 200) == (2.0, ">")
     assert table.speedup(BUDGETS, losses, 3.1, 200) == (0.5, "<")
     assert table.speedup(BUDGETS, losses, 3.0, 100) == (1.0, "=")
-    assert table.speedup(BUDGETS, losses, math.nan, 100) == (4.0, ">")
+    with pytest.raises(ValueError, match="not finite"):
+        table.speedup(BUDGETS, losses, math.nan, 100)
 
 
 def test_adamw_budget_piecewise_and_first_crossing() -> None:
@@ -62,10 +63,12 @@ def test_aggregate_best_lr_edges_and_speedups() -> None:
             + _rows("adamw", 200, {1e-3: [2.8, 2.8], 2e-3: [2.75, 2.75], 4e-3: [2.9, 2.9]}, 1.0)
             + _rows("adamw", 400, {1e-3: [2.5, 2.5], 2e-3: [2.6, 2.6], 4e-3: [2.7, 2.7]}, 1.0)
             + _rows("tg", 100, {1e-4: [2.9, 2.85], 2e-4: [2.875, math.nan], 4e-4: [2.95, 2.95]}, 1.25)
-            + _rows("tg", 200, {1e-4: [2.7, 2.7], 2e-4: [2.4, 2.4], 4e-4: [2.6, 2.5]}, 1.6))
-    model = {"budget": 100, "methods": ["adamw", "tg"], "rows": rows, "dirs": ["OUT"],
+            + _rows("tg", 200, {1e-4: [2.7], 2e-4: [2.4, 2.7, 2.7], 4e-4: [2.6]}, 1.6)
+            + _rows("off", 100, {1e-4: [math.nan, 2.9]}, 1.2))
+    model = {"budget": 100, "methods": ["adamw", "tg", "off"], "rows": rows, "dirs": ["OUT"],
              "base_args": ["--model", "gpt2-bytes-s"], "method_args": {"adamw": ["--methods", "adamw"],
-                                                                       "tg": ["--tengrad", "tg:preset=lm"]}}
+                                                                       "tg": ["--tengrad", "tg:preset=lm"],
+                                                                       "off": ["--tengrad", "off:damping=1000"]}}
     agg = table.aggregate(model)
     a = agg["adamw"]
     assert [a[b]["lr"] for b in (100, 200, 400)] == [1e-3, 2e-3, 1e-3]
@@ -77,10 +80,16 @@ def test_aggregate_best_lr_edges_and_speedups() -> None:
     # AdamW's curve 3.0, 2.75, 2.5 is 3 − ¼·log2(b/100): 2.875 → 100·√2 steps, over 100
     assert tg[100]["speedup_step"] == (pytest.approx(2 ** 0.5), "=")
     assert tg[100]["speedup_time"] == (pytest.approx(2 ** 0.5 / 1.25), "=")
-    assert tg[200]["speedup_step"] == (2.0, ">") and tg[200]["speedup_time"] == (pytest.approx(2 / 1.6), ">")
+    # at 2B the lrs compare on seed 0 (the one every lr ran); the best one's loss is over its 3 seeds
+    assert tg[200]["lr"] == 2e-4 and tg[200]["loss"] == pytest.approx(2.6) and tg[200]["seeds"] == 3
+    # 2.6 on AdamW's curve: 100·2^1.6 steps, over 200
+    assert tg[200]["speedup_step"] == (pytest.approx(2 ** 0.6), "=")
+    assert tg[200]["speedup_time"] == (pytest.approx(2 ** 0.6 / 1.6), "=")
+    assert agg["off"][100]["speedup_step"] is None and agg["off"][100]["edge"]["side"] == "single"
     text = table.table("gpt2-bytes-s", model, agg)
-    assert "| tg | 0.0001 (low edge) / 0.0002 / – | 2.8750 ± 0.0250 | 2.4000 ± 0.0000 | – | " \
-           "1.41x at 1B / >2x at 2B | 1.13x at 1B / >1.25x at 2B | 1.25 / 1.60 |" in text
+    assert "| tg | 0.0001 (low edge) / 0.0002 / – | 2.8750 ± 0.0250 (2 of 3) | 2.6000 ± 0.1500 | – | " \
+           "1.41x at 1B / 1.52x at 2B | 1.13x at 1B / 0.947x at 2B | 1.25 / 1.60 |" in text
+    assert "| off | 0.0001 (single edge) / – / – | diverged (2 of 3) | – | – | – at 1B | – at 1B | 1.20 |" in text
     assert "edge: tg: best lr 0.0001 the low point of [0.0001, 0.0002, 0.0004] at 1B; run the next: " \
            "python -m tools.lm_protocol --model gpt2-bytes-s --tengrad tg:preset=lm --lr-grid-for tg=5e-05 " \
            "--multiples 1 --out OUT-extra" in text
