@@ -83,6 +83,9 @@ def _muon_torch(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     """``torch.optim.Muon`` (its defaults but ``adjust_lr_fn="match_rms_adamw"``: AdamW's update
     RMS, AdamW's lr) on the hidden ≥2-D weights, ``torch.optim.AdamW`` (its defaults) on the
     embeddings, the output layer and the 1-D parameters, both at ``lr``, stepping together."""
+    if not hasattr(torch.optim, "Muon"):
+        raise ImportError(f"muon-torch needs torch.optim.Muon (torch ≥ 2.9); this is torch {torch.__version__}: "
+                          "upgrade torch, or race pytorch_optimizer's Muon ('muon')")
     head = _head(model)
     hidden = [p for p in model.parameters() if p.ndim >= 2 and p not in head]
     rest = [p for p in model.parameters() if p.ndim < 2 or p in head]

@@ -129,7 +129,7 @@ def test_warmup_then_cosine_to_zero() -> None:
     assert run.opt.param_groups[0]["lr"] == 0.0
 
 
-def test_muon_torch_covers_every_parameter_once() -> None:
+def test_muon_torch_covers_every_parameter_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """``muon-torch``: torch's Muon on the hidden matrices, AdamW on the rest, every parameter in
     exactly one; a scheduler on the pair sets both lrs; a step moves both."""
     import torch
@@ -157,6 +157,9 @@ def test_muon_torch_covers_every_parameter_once() -> None:
     assert muon.param_groups[0]["lr"] == adamw.param_groups[0]["lr"] == pytest.approx(5e-4)
     moved = {named[id(p)] for p, b in zip(model.parameters(), before) if not torch.equal(p, b)}
     assert "transformer.h.0.attn.c_attn.weight" in moved and "transformer.ln_f.weight" in moved
+    monkeypatch.delattr(torch.optim, "Muon")
+    with pytest.raises(ImportError, match=r"torch ≥ 2.9"):
+        methods.METHODS["muon-torch"].make(model, 1e-3)
 
 
 def test_twins_grids_and_budgets() -> None:
