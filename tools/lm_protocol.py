@@ -130,6 +130,11 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     a.seeds = [int(s) for s in a.seeds.split(",")]
     a.multiples = [int(k) for k in a.multiples.split(",")]
     a.tengrad = a.tengrad if a.no_twins else twins(a.tengrad)
+    names = a.methods + [parse_variant(s)[0] for s in a.tengrad]
+    if len(set(names)) < len(names):
+        ap.error(f"the methods and --tengrad settings (with their twins NAME-off) must have distinct names: {names}")
+    if a.budget < 1 or min(a.multiples) < 1:
+        ap.error(f"--budget and --multiples must be positive, got {a.budget} and {a.multiples}")
     return a
 
 

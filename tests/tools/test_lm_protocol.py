@@ -162,7 +162,7 @@ def test_muon_torch_covers_every_parameter_once(monkeypatch: pytest.MonkeyPatch)
         methods.METHODS["muon-torch"].make(model, 1e-3)
 
 
-def test_twins_grids_and_budgets() -> None:
+def test_twins_grids_and_budgets(capsys: pytest.CaptureFixture[str]) -> None:
     methods = tool("peer_methods")
     specs = proto.twins(["lm:preset=lm"])
     assert specs == ["lm:preset=lm", "lm-off:preset=lm,damping=1000.0"]
@@ -174,6 +174,10 @@ def test_twins_grids_and_budgets() -> None:
     assert proto.method_grids(["adamw"], specs, 3, [])["lm-off"] == [1.5e-4, 3e-4, 6e-4]
     with pytest.raises(ValueError, match="does not run"):
         proto.method_grids(["adamw"], [], 5, ["soap=1e-3:3"])
+    with pytest.raises(SystemExit):
+        proto.parse_args(["--model", "gpt2-bytes-t", "--budget", "2", "--out", "o", "--tengrad", "a:damping=1",
+                          "--tengrad", "a:damping=2"])
+    assert "distinct names" in capsys.readouterr().err
     assert proto.budgets_of(150, [1, 2, 4], "adamw") == [150, 300, 600]
     assert proto.budgets_of(150, [1, 2, 4], "lm") == [150, 300]
 
