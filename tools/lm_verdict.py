@@ -1,6 +1,7 @@
 """Time to AdamW's final validation loss, over seeds: the language-model race's verdict.
 
     python -m tools.lm_verdict RUN_DIR [RUN_DIR ...] [--setting NAME] [--off NAME] [--plain NAME]
+    python -m tools.lm_verdict --protocol OUT [OUT ...]
 
 Each ``RUN_DIR`` holds one ``tools.peer_bench`` run (``results.json``) of a language model,
 one seed. Per seed, the target is AdamW's validation loss at its last step; each method's
@@ -9,6 +10,12 @@ its first evaluation at or below the target. Printed per method: the time in Ada
 Muon's units, per seed and as the mean of the seeds' ratios (not reached: ``-``). With
 ``--setting``/``--off``: the ratio of the curvature-off twin's time to the setting's (the
 curvature earns its place at ≥ 1.25); ``--plain``: a setting without the polar factor.
+
+``--protocol``: the arguments are results trees of ``tools.lm_protocol`` (Wen et al.'s
+protocol: per-method lr grids, budgets B, 2B and AdamW's 4B, warm-up then cosine to 0);
+printed per model: each method's best lr per budget (flagged at its grid's edge, with the
+command for the next lr), its final loss at each budget over the seeds, and its speedup over
+AdamW per step and in time (:mod:`tools.protocol_table`).
 """
 from __future__ import annotations
 
@@ -17,6 +24,8 @@ import json
 import statistics
 from pathlib import Path
 from typing import Any, Optional
+
+from tools.protocol_table import aggregate, load, table
 
 
 def time_to(run: dict[str, Any], target: float) -> Optional[float]:
@@ -66,11 +75,17 @@ def verdict(results: list[dict[str, Any]], setting: Optional[str] = None, off: O
 
 def main(argv: Optional[list[str]] = None) -> str:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="+", help="directories of tools.peer_bench results, one seed each")
+    ap.add_argument("runs", nargs="+", help="directories of tools.peer_bench results, one seed each "
+                    "(--protocol: tools.lm_protocol results trees)")
+    ap.add_argument("--protocol", action="store_true", help="the protocol table of tools.lm_protocol trees")
     ap.add_argument("--setting", default=None, help="the TENGraD setting raced")
     ap.add_argument("--off", default=None, help="its twin with the curvature switched off")
     ap.add_argument("--plain", default=None, help="a TENGraD setting without the polar factor")
     a = ap.parse_args(argv)
+    if a.protocol:
+        text = "\n\n".join(table(name, model, aggregate(model)) for name, model in load(a.runs).items())
+        print(text)
+        return text
     results = [json.loads((Path(d) / "results.json").read_text()) for d in a.runs]
     text = verdict(results, a.setting, a.off, a.plain)
     print(text)

@@ -2,11 +2,12 @@
 
     python -m tools.peer_bench [--model 3c1f|gpt2-bytes-s|llama-bytes-s|...] [--dataset fashion-mnist]
                                [--data-dir DIR] [--text PATH]
-                               [--methods sgd,adamw,tengrad,kfac,muon,soap,shampoo,psgd]
+                               [--methods sgd,adamw,muon-torch,tengrad,kfac,muon,soap,shampoo,psgd]
                                [--tengrad 'NAME:key=value,...' ...]
                                [--steps 300] [--batch-size 128|32] [--subset N] [--eval-every 25]
                                [--eval-subset 2000|256] [--targets 0.85,0.88|2.7,2.6,2.5] [--lr-grid 1|3|5]
-                               [--schedule constant|cosine]
+                               [--lr-step 3] [--lr-grid-for NAME=CENTRE:K|NAME=LR,LR ...]
+                               [--schedule constant|cosine] [--lr-warmup N]
                                [--warmup 2] [--seed 0] [--device cpu|cuda] [--threads N]
                                [--out DIR] [--plot]
 
@@ -21,6 +22,10 @@ Methods (``METHODS``; ``--methods all`` = every one):
   ``tengrad-orth-ns``: the same with Muon's five Newton–Schulz steps for the polar factor.
 * ``adamw``: ``torch.optim.AdamW`` at torch's defaults (lr 1e-3, betas (0.9, 0.999),
   weight decay 0.01).
+* ``muon-torch``: ``torch.optim.Muon`` (torch ≥ 2.9) at its defaults but
+  ``adjust_lr_fn="match_rms_adamw"`` on the hidden ≥2-D weights, ``torch.optim.AdamW`` at its
+  defaults on the embeddings, the output layer and the 1-D parameters, both at the lr
+  (1e-3), stepping as one optimizer (:mod:`tools.chained_optim`).
 * ``muon``, ``soap``, ``shampoo``, ``psgd``: ``pytorch_optimizer``'s ``Muon``, ``SOAP``,
   ``Shampoo`` and ``Kron`` (PSGD with Kronecker-factored preconditioners) at that library's
   defaults; Muon takes the ≥2-D weights, the rest (biases) go to its built-in AdamW
@@ -33,10 +38,17 @@ those keyword overrides (``preset=NAME`` stands for a preset's options), as in `
 
 ``--schedule cosine`` gives every run the same lr schedule (``LambdaLR``: its lr times
 ``½(1 + cos(π·t/steps))`` after ``t`` steps, down to 0 at ``--steps``); default constant.
+``--lr-warmup N`` puts a linear warm-up of ``N`` steps before either (step ``t < N`` at
+``(t + 1)/N`` of the lr; the cosine then runs over the remaining ``steps − N``:
+:mod:`tools.lr_grid`). ``--warmup`` is another thing: the timing rounds left out of the ratios.
 
-``--lr-grid K`` (odd K) trains every method at its default lr × 3^j for j = −K//2 … K//2
-(``3`` = default × {1/3, 1, 3}); the summary keeps, per method, the lr with the best final
-test accuracy (ties: the lower final test loss) and says which.
+``--lr-grid K`` (odd K) trains every method at its default lr × S^j for j = −K//2 … K//2
+(``S`` = ``--lr-step``, default 3: ``--lr-grid 3`` = default × {1/3, 1, 3});
+``--lr-grid-for NAME=CENTRE:K`` or ``NAME=LR,LR,...`` gives one method its own grid (SGD's
+must hold its default, the timing reference); the summary keeps, per method, the lr with
+the best final test accuracy (ties: the lower final test loss) and says which.
+:mod:`tools.lm_protocol` drives this benchmark through the language-model protocol
+(per-method grids ×2 apart, warm-up then cosine to 0, budgets B, 2B and 4B).
 
 Every run starts from the same initial weights (``--seed``) and sees the same batches in
 the same order (one shuffled order of the training set per epoch, drawn once for all).
@@ -96,22 +108,16 @@ import tengrad_fx
 from tengrad_fx import zoo
 from tengrad_fx.zoo.bench_models import MODEL_NAMES, build_model
 from tools.lm_workloads import LM_DEFAULTS, LM_MODELS, Workload, lm_workload
+from tools.lr_grid import SCHEDULES, lr_factors, lr_grid, lr_multiplier, parse_lr_grid
 from tools.peer_methods import (METHODS, PEERS, Method, family, lm_method, parse_variant, peer_library,
                                 peer_versions, tengrad_method, verdict, verdict_lines)
 from tools.peer_report import CURVE_COLUMNS, plot_curves, report, write_outputs
 
-__all__ = ["CURVE_COLUMNS", "METHODS", "Run", "batch_order", "evaluate", "family", "lr_factors", "lr_multiplier",
-           "main", "make_run", "plot_curves", "report", "to_target", "train", "verdict", "verdict_lines",
-           "write_outputs"]
+__all__ = ["CURVE_COLUMNS", "METHODS", "SCHEDULES", "Run", "batch_order", "evaluate", "family", "lr_factors",
+           "lr_multiplier", "main", "make_run", "method_grids", "plot_curves", "report", "to_target", "train",
+           "verdict", "verdict_lines", "write_outputs"]
 
 DEFAULT_METHODS = "sgd,adamw,tengrad,kfac,muon,soap,shampoo,psgd"
-
-
-def lr_factors(k: int) -> list[float]:
-    """The ``--lr-grid`` multipliers of the default lr: 3^j for j = −k//2 … k//2 (odd ``k``)."""
-    if k < 1 or k % 2 == 0:
-        raise ValueError(f"--lr-grid must be an odd number ≥ 1, got {k}")
-    return [3.0 ** j for j in range(-(k // 2), k // 2 + 1)]
 
 
 def classify_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,33 +183,21 @@ def _cuda_bytes(t: torch.Tensor, reset: bool = False) -> int | None:
     return torch.cuda.memory_allocated(t.device)
 
 
-SCHEDULES = ("constant", "cosine")
-"""The ``--schedule`` choices of this benchmark and ``tools.ablate`` (:func:`lr_multiplier`)."""
-
-
-def lr_multiplier(schedule: str, steps: int) -> Callable[[int], float]:
-    """``--schedule``: the factor on every group's lr after ``t`` steps: ``"constant"`` 1,
-    ``"cosine"`` ``½(1 + cos(π·t/steps))`` (from 1 to 0 over the run)."""
-    if schedule == "constant":
-        return lambda t: 1.0
-    if schedule == "cosine":
-        return lambda t: 0.5 * (1.0 + math.cos(math.pi * min(t, steps) / steps))
-    raise ValueError(f"--schedule must be 'constant' or 'cosine', got {schedule!r}")
-
-
 def make_run(method: Method, lr: float, base: nn.Module, example: Any, schedule: str = "constant",
-             steps: int = 1, loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = classify_loss) -> Run:
+             steps: int = 1, loss_fn: Callable[..., tuple[torch.Tensor, torch.Tensor]] = classify_loss,
+             warmup: int = 0) -> Run:
     """A run of ``method`` at ``lr`` on a copy of ``base`` (prepared where the method needs it, on
     ``example``: a batch-first tensor, or a dict of keyword inputs), its lr following
-    ``schedule`` over ``steps`` (:func:`lr_multiplier`), its training loss ``loss_fn``."""
+    ``schedule`` over ``steps`` after a linear warm-up of ``warmup`` steps
+    (:func:`tools.lr_grid.lr_multiplier`), its training loss ``loss_fn``."""
     first = next(base.parameters())
     before = _cuda_bytes(first)
     model = copy.deepcopy(base)
     if method.prepared:
         model = tengrad_fx.prepare(model, example_inputs=example if isinstance(example, dict) else (example[:2],))
     opt = method.make(model, lr)
-    sched = None if schedule == "constant" else \
-        torch.optim.lr_scheduler.LambdaLR(opt, lr_multiplier(schedule, steps))
+    factor = lr_multiplier(schedule, steps, warmup)
+    sched = None if schedule == "constant" and not warmup else torch.optim.lr_scheduler.LambdaLR(opt, factor)
     held = 0 if before is None else torch.cuda.memory_allocated(first.device) - before
     return Run(method, lr, model, opt, sched=sched, loss_fn=loss_fn, held_bytes=held)
 
@@ -274,8 +268,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     methods = [METHODS[m] for m in names] + [tengrad_method(*parse_variant(s)) for s in args.tengrad]
     if args.model in LM_MODELS:
         methods = [lm_method(m) for m in methods]
-    runs = [make_run(m, float(f"{m.lr * f:.6g}"), wl.base, wl.example, args.schedule, args.steps, wl.loss)
-            for m in methods for f in lr_factors(args.lr_grid)]
+    grids = method_grids(methods, args)
+    runs = [make_run(m, lr, wl.base, wl.example, args.schedule, args.steps, wl.loss, args.lr_warmup)
+            for m in methods for lr in grids[m.name]]
     ref = next(r for r in runs if r.method.name == "sgd" and r.lr == METHODS["sgd"].lr)
 
     def record(run: Run, step: int) -> None:
@@ -297,6 +292,20 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if args.verbose and step % args.eval_every == 0:
             print(f"step {step}: " + ", ".join(f"{r.name} {r.curve[-1][wl.metric]:.3f}" for r in runs), flush=True)
     return summarize(args, runs, ref, dev, wl)
+
+
+def method_grids(methods: list[Method], args: argparse.Namespace) -> dict[str, list[float]]:
+    """Each method's lrs: its ``--lr-grid-for`` grid, else ``--lr-grid`` points ``--lr-step``
+    apart centred on its default lr; SGD's must hold its default (the timing reference)."""
+    given = dict(parse_lr_grid(s, args.lr_step) for s in args.lr_grid_for)
+    names = {m.name for m in methods}
+    if set(given) - names:
+        raise ValueError(f"--lr-grid-for names {sorted(set(given) - names)}, which do not run; "
+                         f"running: {sorted(names)}")
+    if "sgd" in given and METHODS["sgd"].lr not in given["sgd"]:
+        raise ValueError(f"--lr-grid-for sgd=...: SGD's grid must hold its default lr {METHODS['sgd'].lr} "
+                         "(the step-time reference)")
+    return {m.name: given.get(m.name) or lr_grid(m.lr, args.lr_grid, args.lr_step) for m in methods}
 
 
 def ratio(run: Run, ref: Run, warmup: int) -> float:
@@ -352,10 +361,14 @@ def summarize(args: argparse.Namespace, runs: list[Run], ref: Run, dev: torch.de
         cur = best.get(row["method"])
         if cur is None or _rank(row, wl.metric) > _rank(cur, wl.metric):
             best[row["method"]] = row
+    lr_grids: dict[str, list[float]] = {}
+    for run in runs:
+        lr_grids.setdefault(run.method.name, []).append(run.lr)
     config = {k: v for k, v in vars(args).items() if k not in ("out", "plot", "verbose")}
     config.update(device=str(dev), threads=torch.get_num_threads(), torch=torch.__version__,
                   date_utc=time.strftime("%Y-%m-%d %H:%M", time.gmtime()), sgd_step_seconds=sgd_step,
-                  lr_factors=lr_factors(args.lr_grid), versions=peer_versions(), metric=wl.metric,
+                  lr_factors=lr_factors(args.lr_grid, args.lr_step), lr_grids=lr_grids, versions=peer_versions(),
+                  metric=wl.metric,
                   max_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 10, **wl.info)
     summary = {m: {k: v for k, v in row.items() if k != "curve"} | {"lr_won": row["lr"]}
                for m, row in best.items()}
@@ -383,10 +396,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--targets", default=None,
                     help="test accuracies (fractions; default 0.85,0.88), or validation losses in nats/byte "
                          "(language models; default 2.7,2.6,2.5)")
-    ap.add_argument("--lr-grid", type=int, default=1, help="odd K: default lr × 3^j, j = -K//2..K//2")
+    ap.add_argument("--lr-grid", type=int, default=1, help="odd K: default lr × S^j, j = -K//2..K//2 (S: --lr-step)")
+    ap.add_argument("--lr-step", type=float, default=3.0, help="the ratio of neighbouring lrs of a grid (default 3)")
+    ap.add_argument("--lr-grid-for", action="append", default=[],
+                    help="one method's lrs: NAME=CENTRE:K (K points --lr-step apart) or NAME=LR,LR,... (repeatable)")
     ap.add_argument("--warmup", type=int, default=2, help="rounds left out of the step-cost ratios")
     ap.add_argument("--schedule", default="constant", choices=SCHEDULES,
                     help="every method's lr: constant, or cosine from its lr to 0 over --steps")
+    ap.add_argument("--lr-warmup", type=int, default=0,
+                    help="steps of linear lr warm-up before the schedule (not --warmup, the timing rounds)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
@@ -408,7 +426,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"unknown methods {unknown}; choose from {sorted(METHODS)}")
     targets = [float(t) for t in args.targets.split(",") if t]
     args.targets = targets if lm else [t / (100 if t > 1 else 1) for t in targets]
-    lr_factors(args.lr_grid)
+    lr_factors(args.lr_grid, args.lr_step)
+    lr_multiplier(args.schedule, args.steps, args.lr_warmup)
+    for spec in args.lr_grid_for:
+        parse_lr_grid(spec, args.lr_step)
     return args
 
 

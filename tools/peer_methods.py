@@ -15,13 +15,14 @@ import torch.nn as nn
 
 from tengrad_fx.optim.registry import PAPER_DEFAULTS, PRESETS, make_optimizer
 from tengrad_fx.utils.optional import require
+from tools.chained_optim import Chained
 
 __all__ = ["LM_CURVATURE_EVERY", "METHODS", "PEERS", "PEER_PACKAGE", "RIVALS", "Method", "family", "lm_method",
            "parse_variant", "peer_library", "peer_versions", "tengrad_method", "verdict", "verdict_lines"]
 
 PEER_PACKAGE = "pytorch-optimizer"
 PEERS = ("muon", "soap", "shampoo", "psgd")
-RIVALS = ("adamw",) + PEERS  # what users pick instead of TENGraD (SGD and K-FAC are the paper's baselines)
+RIVALS = ("adamw", "muon-torch") + PEERS  # what users pick instead of TENGraD (SGD and K-FAC are the paper's baselines)
 _FM = "fashion-mnist"
 
 
@@ -78,6 +79,19 @@ def _muon(model: nn.Module, lr: float) -> torch.optim.Optimizer:
     return peer_library().Muon(groups, lr=lr, adamw_lr=3e-4 * lr / 2e-2)
 
 
+def _muon_torch(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """``torch.optim.Muon`` (its defaults but ``adjust_lr_fn="match_rms_adamw"``: AdamW's update
+    RMS, AdamW's lr) on the hidden ≥2-D weights, ``torch.optim.AdamW`` (its defaults) on the
+    embeddings, the output layer and the 1-D parameters, both at ``lr``, stepping together."""
+    if not hasattr(torch.optim, "Muon"):
+        raise ImportError(f"muon-torch needs torch.optim.Muon (torch ≥ 2.9); this is torch {torch.__version__}: "
+                          "upgrade torch, or race pytorch_optimizer's Muon ('muon')")
+    head = _head(model)
+    hidden = [p for p in model.parameters() if p.ndim >= 2 and p not in head]
+    rest = [p for p in model.parameters() if p.ndim < 2 or p in head]
+    return Chained(torch.optim.Muon(hidden, lr=lr, adjust_lr_fn="match_rms_adamw"), torch.optim.AdamW(rest, lr=lr))
+
+
 def _peer(cls: str, **fixed: Any) -> Callable[[nn.Module, float], torch.optim.Optimizer]:
     return lambda model, lr: getattr(peer_library(), cls)(model.parameters(), lr=lr, **fixed)
 
@@ -120,6 +134,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "pytorch_optimizer.Muon defaults (momentum 0.95 Nesterov, 5 Newton-Schulz steps, no weight decay) "
            "on hidden ≥2-D weights; its AdamW (lr 3e-4, betas (0.9, 0.95)) on biases and the output layer",
            peer=True),
+    Method("muon-torch", 1e-3, _muon_torch,
+           "torch.optim.Muon defaults (momentum 0.95 Nesterov, 5 Newton-Schulz steps, weight decay 0.1) with "
+           "adjust_lr_fn=\"match_rms_adamw\" on hidden ≥2-D weights; torch.optim.AdamW defaults (betas (0.9, 0.999), "
+           "weight decay 0.01) on embeddings, the output layer and 1-D parameters; one lr for both"),
     Method("soap", 3e-3, _peer("SOAP"),
            "pytorch_optimizer.SOAP defaults: betas (0.95, 0.95), weight decay 0.01, eigenbases every 10 steps, "
            "dimensions > 10000 not preconditioned", peer=True),
