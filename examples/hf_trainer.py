@@ -4,7 +4,9 @@ The model is prepared with a batch of keyword inputs (``prepare(model, example_i
 transformers models are untraceable, so ``prepare`` swaps the covered modules' classes in
 place), and the optimizer goes to the Trainer as ``optimizers=(opt, None)``. The Trainer's
 loop needs nothing else: with ``fisher="mc"`` the sampled backward runs inside its
-``loss.backward()`` on curvature steps.
+``loss.backward()`` on curvature steps. The sequences have their own lengths and a padding
+collator (:func:`pad`) pads each batch; the optimizer reads the positions the loss scores
+from the call (``labels=``, ``attention_mask=``), so the padding is never sampled.
 
 The task is synthetic (no download): classify a token sequence by whether token 1 occurs
 more often than token 2. The BERT is tiny and randomly initialized from a config.
@@ -41,7 +43,18 @@ class CountingTask(torch.utils.data.Dataset):
         return len(self.labels)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "attention_mask": self.mask[i], "labels": self.labels[i]}
+        """Sequence ``i`` without its padding (the collator pads each batch)."""
+        n = int(self.mask[i].sum())
+        return {"input_ids": self.ids[i, :n], "attention_mask": self.mask[i, :n], "labels": self.labels[i]}
+
+
+def pad(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The padding collator: ``input_ids`` and ``attention_mask`` right-padded with 0 to the
+    batch's longest sequence (for a token-level loss, pad ``labels`` with -100 as well)."""
+    n = max(r["input_ids"].numel() for r in rows)
+    out = {k: torch.stack([torch.nn.functional.pad(r[k], (0, n - r[k].numel())) for r in rows])
+           for k in ("input_ids", "attention_mask")}
+    return {**out, "labels": torch.stack([r["labels"] for r in rows])}
 
 
 def build_model(smoke: bool) -> BertForSequenceClassification:
@@ -65,7 +78,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Trainer:
     length = 12 if args.smoke else 32
     train = CountingTask(256 if args.smoke else 8192, length, vocab=16, seed=args.seed)
     model = build_model(args.smoke)
-    example = {k: torch.stack([train[i][k] for i in range(2)]) for k in ("input_ids", "attention_mask")}
+    example = {k: v for k, v in pad([train[0], train[1]]).items() if k != "labels"}
     model = tengrad_fx.prepare(model, example_inputs=example)   # the same object, its layers capture
     # MC Fisher, curvature every 20 steps (a transformer's curvature drifts faster than a
     # small CNN's), KL clip 0.01
@@ -77,12 +90,13 @@ def main(argv: Optional[Sequence[str]] = None) -> Trainer:
                               lr_scheduler_type="constant", logging_steps=max(1, args.steps // 10),
                               save_strategy="no", report_to=[], use_cpu=args.smoke or not torch.cuda.is_available(),
                               seed=args.seed, disable_tqdm=True)
-    trainer = Trainer(model=model, args=targs, train_dataset=train, optimizers=(opt, None))
+    trainer = Trainer(model=model, args=targs, train_dataset=train, optimizers=(opt, None), data_collator=pad)
     trainer.train()
 
     losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
     with torch.no_grad():
-        batch = {k: v.to(model.device) for k, v in train[: 512].items()}
+        batch = {k: v[:512].to(model.device) for k, v in (("input_ids", train.ids), ("attention_mask", train.mask),
+                                                               ("labels", train.labels))}
         acc = (model(**{k: batch[k] for k in ("input_ids", "attention_mask")}).logits.argmax(-1)
                == batch["labels"]).float().mean().item()
     print(f"steps {trainer.state.global_step}  loss {losses[0]:.3f} -> {losses[-1]:.3f}  train accuracy {acc:.3f}")
