@@ -179,17 +179,20 @@ def test_reuse_steps_read_nothing_back() -> None:
     assert opt.counters == {"step": 8, "skipped": 0, "uncaptured": 0}
 
 
-def test_non_finite_gradient_leaves_the_moments() -> None:
-    """A NaN gradient skips its step and leaves ``L`` and ``R`` as they were, so the run
-    goes on with finite steps (a NaN in the moments would make every later ``S`` ``I``)."""
-    _, model, opt = setup("mlp", metric="kronecker", curvature_every=1, momentum=0.9)
+@pytest.mark.parametrize("metric", ["kronecker", "factored"])
+def test_non_finite_gradient_leaves_the_moments(metric: str) -> None:
+    """A NaN gradient skips its step and leaves the moments (``L``, ``R``; factored: the row
+    and column means) as they were, so the run goes on with finite steps (NaN moments would
+    give ``S = I`` from then on, or NaN steps)."""
+    _, model, opt = setup("mlp", metric=metric, curvature_every=1, momentum=0.9)
+    keys = opt.metric.MOMENTS
     for t in range(4):
         x, y = batch("mlp", 8, t)
         forward_backward(model, opt, x, y)
         st = opt.state[model.get_parameter("0.weight")]
         if t == 2:
             model.get_parameter("0.weight").grad.view(-1)[3] = float("nan")
-            before = {k: st[k].clone() for k in ("metric_L", "metric_R")}
+            before = {k: st[k].clone() for k in keys}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             opt.step()
