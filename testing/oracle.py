@@ -62,8 +62,9 @@ def dense_layer_updates(model: nn.Module, x: Tensor, y: Tensor, loss_fn: Callabl
                         covered: dict[str, str], metric: Optional[dict[str, Tensor]] = None) -> dict[str, Tensor]:
     """``{param name: u}`` with ``u = solve(JᵀJ/m + αD, g)`` per covered layer (``covered``:
     param name -> layer name, as in ``PrepareInfo.covered``), ``J`` from ``vmap(grad)``
-    on the ORIGINAL ``model`` and ``g`` from ``grads``; ``D`` diagonal, from ``metric``
-    (param name -> its diagonal, the parameter's shape; I where absent)."""
+    on the ORIGINAL ``model`` and ``g`` from ``grads``; ``D`` block-diagonal over the layer's
+    parameters, from ``metric`` (param name -> its diagonal, the parameter's shape, or its
+    full block ``[n, n]``, ``n`` its size; I where absent)."""
     psg = per_sample_grads_reference(model, x, loss_fn, y)
     layers: dict[str, list[str]] = {}
     for pn, layer in covered.items():
@@ -77,14 +78,21 @@ def dense_layer_updates(model: nn.Module, x: Tensor, y: Tensor, loss_fn: Callabl
         J = torch.cat([psg[n].flatten(1) for n in names], 1)
         m, n = J.shape
         gv = torch.cat([grads[k].flatten() for k in names])
-        d = torch.cat([(metric[k] if metric and k in metric else torch.ones_like(grads[k])).flatten()
-                       for k in names])
-        u = torch.linalg.solve(J.T @ J / m + damping * torch.diag(d.to(J.dtype)), gv)
+        d = torch.block_diag(*[_metric_block(metric, k, grads[k]) for k in names])
+        u = torch.linalg.solve(J.T @ J / m + damping * d.to(J.dtype), gv)
         off = 0
         for k in names:
             out[k] = u[off: off + grads[k].numel()].view_as(grads[k])
             off += grads[k].numel()
     return out
+
+
+def _metric_block(metric: Optional[dict[str, Tensor]], name: str, g: Tensor) -> Tensor:
+    """``D``'s block ``[n, n]`` of parameter ``name`` (gradient ``g``, ``n`` entries)."""
+    if not metric or name not in metric:
+        return torch.eye(g.numel(), dtype=g.dtype)
+    d = metric[name]
+    return torch.diag(d.flatten()) if d.shape == g.shape else d
 
 
 def check_tengrad_step(model: nn.Module, opt: torch.optim.Optimizer, orig: nn.Module, x: Tensor, y: Tensor,

@@ -10,7 +10,7 @@ per covered layer.
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -22,6 +22,8 @@ from tengrad_fx import TENGraD
 from .oracle import dense_layer_updates
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LMStep = tuple[nn.Module, torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor],
+               dict[str, list[torch.Tensor]], dict[str, str]]
 TOL = 1e-8
 
 
@@ -59,6 +61,30 @@ def cnn_small_maps() -> nn.Module:
     ).double()
 
 
+class TinyLM(nn.Module):
+    """Embedding (vocab 7, padding index 0), a transposed Linear (Hugging Face's ``Conv1D``),
+    and the output Linear (with a bias), its weight tied to the embedding's unless
+    ``tied=False``; logits ``[B, S, 7]``."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+        torch.manual_seed(1)
+        self.emb = nn.Embedding(7, 5, padding_idx=0)
+        self.mix = Conv1D(5, 5)
+        self.head = nn.Linear(5, 7)
+        if tied:
+            self.head.weight = self.emb.weight
+        nn.init.normal_(self.mix.weight, std=0.5)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mix(self.emb(idx))))
+
+
+def lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
 MODELS = {"mlp": (mlp, (6,)), "cnn": (cnn, (3, 8, 8)), "cnn_small_maps": (cnn_small_maps, (3, 8, 8))}
 
 
@@ -93,6 +119,13 @@ def layer_params(model: nn.Module) -> dict[str, list[str]]:
     for pn, layer in sorted(tengrad_fx.get_info(model).covered.items(), key=lambda kv: not kv[0].endswith("weight")):
         out.setdefault(layer, []).append(pn)
     return out
+
+
+def covered_and_biases(model: nn.Module) -> tuple[dict[str, str], dict[str, str]]:
+    """``({param name: its layer}, {weight name: its layer's bias name})`` of the covered layers."""
+    layers = layer_params(model)
+    covered = {pn: lay for lay, names in layers.items() for pn in names}
+    return covered, {names[0]: names[1] for names in layers.values() if len(names) == 2}
 
 
 def full_grad(ref: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn) -> dict[str, torch.Tensor]:
@@ -135,6 +168,29 @@ def recorded_step(template: nn.Module, model: nn.Module, opt: TENGraD, seed: int
     for n, gn in g.items():
         history.setdefault(n, []).append(gn)
     return ref_model, x, y, g
+
+
+def lm_steps(steps: int, tied: bool = True, **opt_kw) -> Iterator[LMStep]:
+    """``steps`` steps of :class:`TinyLM` in float64 (``T = 1``, lr 1, no momentum, weight decay or
+    KL clip; ``opt_kw`` the other options; batches ``[6, 4]``): per step ``(reference model
+    before it, x, y, g, the update u, the gradient history so far, the covered parameters)``."""
+    net = TinyLM(tied).double()
+    template = copy.deepcopy(net)
+    gen = torch.Generator().manual_seed(3)
+    model = tengrad_fx.prepare(net, example_inputs=(torch.randint(0, 7, (2, 4), generator=gen),))
+    kw = dict(lr=1.0, momentum=0.0, weight_decay=0.0, curvature_every=1, kl_clip=None)
+    opt = TENGraD(model, **kw, **opt_kw)
+    covered = tengrad_fx.get_info(model).covered
+    history: dict[str, list[torch.Tensor]] = {}
+    for _ in range(steps):
+        x, y = torch.randint(0, 7, (6, 4), generator=gen), torch.randint(0, 7, (6, 4), generator=gen)
+        ref_model = snapshot(template, model)
+        opt.zero_grad()
+        lm_loss(model(x), y).backward()
+        g = full_grad(ref_model, x, y, lm_loss)
+        for n, gn in g.items():
+            history.setdefault(n, []).append(gn)
+        yield ref_model, x, y, g, step_delta(model, opt), history, covered
 
 
 def assert_matches(delta: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], tol: float = TOL) -> None:

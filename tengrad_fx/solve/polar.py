@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .eigen import floored_eigh
+
 __all__ = ["GRAM_SIDE_MIN_SAVING", "NEWTON_SCHULZ_COEFFS", "NEWTON_SCHULZ_STEPS", "POLAR_FLOOR", "gram_side_saving",
            "newton_schulz_polar", "polar_factor"]
 
@@ -47,11 +49,9 @@ def polar_factor(m: Tensor, floor: float = POLAR_FLOOR, scale: float = 1.0) -> T
     if m.shape[0] > m.shape[1]:
         return polar_factor(m.mT, floor, scale).mT
     work = m.float() if m.dtype in (torch.float16, torch.bfloat16) else m  # eigh needs float32/64
-    gram = work @ work.mT  # [A, A]: non-finite wherever ``work`` is, checked here at A×A, not A×B
-    finite = torch.isfinite(gram).all()  # eigh raises on NaN/inf: decompose zeros, return NaN (no host read)
-    lam, vec = torch.linalg.eigh(torch.where(finite, gram, torch.zeros((), dtype=gram.dtype, device=gram.device)))
-    lam_floor = (lam[-1].clamp(min=0) * floor ** 2).clamp(min=torch.finfo(work.dtype).tiny)
-    inv_sqrt = lam.clamp(min=0).maximum(lam_floor).rsqrt() * scale
+    # [A, A]: non-finite wherever ``work`` is, checked at A×A, not A×B (decomposed as zeros, NaN returned)
+    lam, vec, finite = floored_eigh(work @ work.mT, floor ** 2)
+    inv_sqrt = lam.rsqrt() * scale
     nan = torch.full((), float("nan"), dtype=lam.dtype, device=lam.device)
     inv_sqrt = torch.where(finite, inv_sqrt, nan)  # an all-NaN A×A factor makes every entry of q NaN
     q = ((vec * inv_sqrt) @ vec.mT) @ work  # the A×A inverse root first: one A×A×B product

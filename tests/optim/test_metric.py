@@ -17,13 +17,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import tengrad_fx
-from tengrad_fx import TENGraD
 from tengrad_fx.optim.tengrad.metric import FLOOR
 from testing.oracle import dense_layer_updates, per_sample_grads_reference
 from testing.tengrad_step import (
-    assert_graphs_match_eager, assert_matches, batch, forward_backward, full_grad, layer_params, recorded_step, setup,
-    snapshot, step_delta,
+    assert_graphs_match_eager, assert_matches, batch, covered_and_biases, forward_backward, lm_loss, lm_steps,
+    recorded_step, setup, step_delta,
 )
 
 BETA2 = 0.9
@@ -72,9 +70,7 @@ def test_step_equals_dense_solve(every: int, metric: str | None, relative: bool)
     ``α·tr(D^{-1/2} F_l D^{-1/2})/m``)."""
     template, model, opt = setup("mlp", metric=metric, metric_beta2=BETA2, curvature_every=every,
                                  relative_damping=relative, lr=0.02)
-    layers = layer_params(model)
-    covered = {pn: lay for lay, names in layers.items() for pn in names}
-    biases = {names[0]: names[1] for names in layers.values() if len(names) == 2}
+    covered, biases = covered_and_biases(model)
     history: dict[str, list[torch.Tensor]] = {}
     for t in range(5):
         ref_model, x, y, g = recorded_step(template, model, opt, t, history)
@@ -90,55 +86,17 @@ def test_step_equals_dense_solve(every: int, metric: str | None, relative: bool)
         assert_matches(step_delta(model, opt), ref)
 
 
-class TinyLM(nn.Module):
-    """Embedding (vocab 7, padding index 0) tied to the output Linear (with a bias), a
-    transposed Linear in between; logits ``[B, S, 7]``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        from transformers.pytorch_utils import Conv1D
-        torch.manual_seed(1)
-        self.emb = nn.Embedding(7, 5, padding_idx=0)
-        self.mix = Conv1D(5, 5)
-        self.head = nn.Linear(5, 7)
-        self.head.weight = self.emb.weight
-        nn.init.normal_(self.mix.weight, std=0.5)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.mix(self.emb(idx))))
-
-
-def _lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-
-
 def test_factored_metric_on_a_tied_language_model() -> None:
     """Three steps of :class:`TinyLM` (``T = 1``): the tied table ``[7, 5]`` gets
     ``D = a ⊗ b`` over its rows (vocabulary) and columns, the head's bias ``a``, the
     transposed Linear ``[d_in, d_out]`` its bias the columns' ``b``."""
     pytest.importorskip("transformers")
-    net = TinyLM().double()
-    template = copy.deepcopy(net)
-    gen = torch.Generator().manual_seed(3)
-    x0 = torch.randint(0, 7, (2, 4), generator=gen)
-    model = tengrad_fx.prepare(net, example_inputs=(x0,))
-    opt = TENGraD(model, lr=1.0, damping=0.05, momentum=0.0, weight_decay=0.0, curvature_every=1, kl_clip=None,
-                  metric="factored", metric_beta2=BETA2)
-    covered = tengrad_fx.get_info(model).covered
-    assert {"emb.weight", "mix.weight", "head.bias"} <= set(covered)
     biases = {"emb.weight": "head.bias", "mix.weight": "mix.bias"}
-    history: dict[str, list[torch.Tensor]] = {}
-    for _ in range(3):
-        x, y = torch.randint(0, 7, (6, 4), generator=gen), torch.randint(0, 7, (6, 4), generator=gen)
-        ref_model = snapshot(template, model)
-        opt.zero_grad()
-        _lm_loss(model(x), y).backward()
-        g = full_grad(ref_model, x, y, _lm_loss)
-        for n, gn in g.items():
-            history.setdefault(n, []).append(gn)
+    for ref_model, x, y, g, delta, history, covered in lm_steps(3, damping=0.05, metric="factored",
+                                                                metric_beta2=BETA2):
+        assert {"emb.weight", "mix.weight", "head.bias"} <= set(covered)
         D = _metric(history, {"emb.weight": True, "mix.weight": False}, biases)
-        ref = dense_layer_updates(ref_model, x, y, _lm_loss, g, 0.05, covered, metric=D)
-        assert_matches(step_delta(model, opt), ref)
+        assert_matches(delta, dense_layer_updates(ref_model, x, y, lm_loss, g, 0.05, covered, metric=D))
 
 
 def test_factored_metric_resumes_bit_for_bit() -> None:

@@ -91,9 +91,12 @@ class TENGraD(StepSkeleton):
             ``graft``): Muon's recipe leaves the embeddings and the output layer to Adam.
         orthogonalize_momentum: the polar factor of the momentum (Muon's order, Nesterov, the
             group's ``momentum``) instead of the heavy ball on the polar factors (:mod:`.shaping`).
-        metric: ``"factored"``: ``u = (F + αD)⁻¹ g`` with a Kronecker-diagonal ``D`` of mean 1 from
-            factored second moments of the gradients (Adafactor's; :mod:`.metric`), still exact by
-            Woodbury; directions the rows do not span get ``g/(αD)``. None: ``D = I`` (the paper's).
+        metric: ``u = (F + αD)⁻¹ g`` with a base metric ``D`` of mean eigenvalue 1 in place of
+            ``I``, still exact by Woodbury; directions the rows do not span get ``D⁻¹g/α``.
+            ``"factored"``: Kronecker-diagonal ``D`` from factored second moments of the gradients
+            (Adafactor's; :mod:`.metric`). ``"kronecker"``: ``D = L^{1/2} ⊗ R^{1/2}`` of full
+            matrices from Shampoo's ``L = E[g gᵀ]``, ``R = E[gᵀ g]`` (:mod:`.kronecker_metric`;
+            an Embedding's vocabulary side diagonal). None: ``D = I`` (the paper's).
         metric_beta2: the EMA factor of ``metric``'s second moments.
         relative_damping: each layer's ``α_l = α·tr(F_l)/m`` on the rows' span (``tr(K_l)/m²``: the
             mean of ``F_l``'s ``m`` eigenvalues there), so ``α`` is relative to the layer's own scale
@@ -172,7 +175,7 @@ class TENGraD(StepSkeleton):
         graft: Optional[str] = None,
         orthogonalize: bool | str = False,
         orthogonalize_momentum: bool = False,
-        metric: Optional[Literal["factored"]] = None,
+        metric: Optional[Literal["factored", "kronecker"]] = None,
         metric_beta2: float = 0.99,
         relative_damping: bool = False,
         curvature_samples: Optional[int] = None,
