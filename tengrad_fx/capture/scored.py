@@ -82,7 +82,7 @@ def note_scored(key: int, model: Any, kwargs: Mapping[str, Any], out: Any) -> No
         return
     scored = scored_positions(model, kwargs)
     logits = out if isinstance(out, Tensor) else out.get("logits") if isinstance(out, Mapping) else None
-    fit = isinstance(logits, Tensor) and logits.dim() >= 3 and fits(scored, logits.shape[:-1])
+    fit = isinstance(logits, Tensor) and fits(scored, logits.shape[:-1])
     lookup(key).scored = scored if fit else None
 
 

@@ -99,10 +99,17 @@ def _rows(layer: CoveredLayer, rec: Record, S: int, idx: Tensor, scale: float | 
     return rec._like(Record(I, G * scale, in_shape=(k, *I.shape[1:]), batch=rec.loss_batch))
 
 
-def _scored_scale(scored: Tensor, weights: Tensor, loss_batch: int) -> Tensor:
-    """Per drawn row, ``N/m·w``: with the Gram's per-sample scale ``m`` the row is ``N·G``
-    (``N`` scored positions, the loss's mean), weighted by :func:`scored_draw`'s ``w``."""
-    return weights * (scored.sum(dtype=torch.float64) / loss_batch)
+def _draw(scored: Optional[Tensor], n: int, k: int, generator: torch.Generator,
+          device: torch.device) -> tuple[Tensor, Optional[Tensor]]:
+    """``k`` of ``n`` position rows on ``device``, and their ``G`` scale's numerator per row:
+    None for a uniform draw (the scale is ``S``); where ``scored`` has ``n`` entries, the
+    draw among them (:func:`scored_draw`) and ``N·w`` (with the Gram's per-sample scale ``m``
+    and the scale ``N·w/m`` the row is ``N·G``, weighted by ``w``)."""
+    if scored is None or scored.numel() != n:
+        return torch.randperm(n, generator=generator, device=generator.device)[:k].to(device), None
+    here = scored.to(device)
+    idx, weights = scored_draw(here, k, generator)
+    return idx, weights * here.sum(dtype=torch.float64)
 
 
 def draw_position_rows(store: CaptureStore, layers: list[CoveredLayer], k: int,
@@ -128,14 +135,12 @@ def draw_position_rows(store: CaptureStore, layers: list[CoveredLayer], k: int,
         if S == 1:
             continue
         device = recs[0].G.device  # type: ignore[union-attr]
-        here = scored.to(device) if scored is not None and scored.numel() == m * S else None
         key = (m * S, device)
         if key not in draws:
-            draws[key] = scored_draw(here, k, generator) if here is not None else \
-                (torch.randperm(m * S, generator=generator, device=generator.device)[:k].to(device), None)
-        idx, weights = draws[key]
+            draws[key] = _draw(scored, m * S, k, generator, device)
+        idx, per_row = draws[key]
         for s in sites:
-            store.records[s] = [_rows(lay, r, S, idx, S if here is None or weights is None
-                                      else _scored_scale(here, weights, r.loss_batch)) for r in store.records[s]]
+            store.records[s] = [_rows(lay, r, S, idx, S if per_row is None else per_row / r.loss_batch)
+                                for r in store.records[s]]
         changed = True
     return changed
