@@ -101,6 +101,13 @@ class Record:
                 t = t * inv_scale.to(t.dtype)
             setattr(self, name, t)
 
+    def scale(self, c: torch.Tensor) -> None:
+        """``G``, ``P``, ``Gsum`` times the device scalar ``c`` (low precision to float32)."""
+        for name in ("G", "P", "Gsum"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, _times(t, c))
+
     @property
     def m(self) -> int:
         """Samples (rows) the record holds."""
@@ -185,6 +192,14 @@ class CaptureStore:
         the training backward records nothing; the next capturing forward starts a micro-batch."""
         self.recording = False
         self.sampled = True
+
+    def scale_own(self, c: torch.Tensor) -> None:
+        """The current micro-batch's records of the optimizer's own loss times ``c`` (a device
+        scalar; :func:`tengrad_fx.optim.step.mc.mc_capture`'s normalization)."""
+        for recs in self.records.values():
+            for r in recs:
+                if r.own_loss:
+                    r.scale(c)
 
     def wants_jacobian(self, site: int) -> bool:
         """Should the backward op of ``site`` materialize per-sample gradients now?"""

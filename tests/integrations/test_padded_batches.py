@@ -271,7 +271,8 @@ def test_hf_trainer_with_a_padding_collator(family: str, tmp_path: Path) -> None
     assert _gap(a, b) <= TOL
 
 
-@pytest.mark.parametrize("family, fisher", [("gpt2", "empirical"), ("gpt2", "mc"), ("llama", "empirical")])
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("fisher", ["empirical", "mc"])
 def test_hf_trainer_accumulation_with_num_items_equals_the_whole_batch(family: str, fisher: str,
                                                                         tmp_path: Path) -> None:
     """``gradient_accumulation_steps=2`` over micro-batches of unequal token counts, the loss

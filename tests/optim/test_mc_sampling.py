@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tengrad_fx
+from tengrad_fx.optim.step.mc import masked_sum_loss
 from testing.tengrad_step import assert_matches, batch, dense_u, full_grad, layer_params, snapshot, step_delta
 
 
@@ -121,3 +123,21 @@ def test_state_dict_carries_the_generator() -> None:
     other.load_state_dict(sd)
     assert torch.equal(other.state_dict()["state"]["tengrad"]["mc_rng"], rng)
     assert "mc_rng" not in other.state["tengrad"]  # held by the sampler, not the optimizer state
+
+
+@pytest.mark.parametrize("kept", [1, 5, 8, 13])
+def test_masked_sum_loss_is_the_mean_scaled_by_a_power_of_two(kept: int) -> None:
+    """``masked_sum_loss``: ``2^-e·Σℓ`` with ``2^e`` the least power of two ≥ ``N``, and the
+    factor back to the mean over the ``N`` kept positions."""
+    g = torch.Generator().manual_seed(kept)
+    out = torch.randn(2, 8, 5, generator=g, dtype=torch.float64)
+    target = torch.randint(0, 5, (2, 8), generator=g)
+    flat = torch.full((16,), -100)
+    keep = torch.randperm(16, generator=g)[:kept]
+    flat[keep] = target.reshape(-1)[keep]
+    loss, mean = masked_sum_loss(out, flat.reshape(2, 8))
+    ref = F.cross_entropy(out.reshape(-1, 5), flat)
+    total = F.cross_entropy(out.reshape(-1, 5), flat, reduction="sum")
+    p = 2.0 ** -math.ceil(math.log2(kept))
+    assert float(loss) == float(total) * p
+    assert torch.allclose(loss * mean, ref, rtol=1e-14, atol=0)

@@ -13,8 +13,8 @@ from torch import Tensor
 from ...capture.scored import fits
 from ...capture.store import CaptureStore
 
-__all__ = ["MCState", "SampleRNG", "check_mask", "mc_capture", "sample_targets", "sampled_loss", "scored_mask",
-           "second_backward", "warn_unmasked"]
+__all__ = ["MCState", "SampleRNG", "check_mask", "masked_sum_loss", "mc_capture", "sample_targets", "sampled_loss",
+           "scored_mask", "second_backward", "warn_unmasked"]
 
 
 def second_backward(loss: Tensor, inputs: Sequence[Tensor]) -> None:
@@ -178,6 +178,22 @@ def sampled_loss(outputs: Tensor, target: Tensor, mc_loss: Literal["cross_entrop
     return 0.5 * sq.reshape(outputs.shape[0], -1).sum(1).mean()
 
 
+def masked_sum_loss(outputs: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """The cross-entropy of the sampled ``target`` (``[m, *]``, ``-100`` where masked) as
+    ``2^-e · Σ ℓ`` over the ``N`` kept positions, ``2^e`` the power of two at or above ``N``;
+    and the factor ``1/(N·2^-e)`` (float64, on the device) that makes it their mean.
+
+    The records of its backward are multiplied by that factor afterwards (:meth:`CaptureStore.scale_own`),
+    so they are those of the mean. Scaling by a power of two is exact, so a model that computes
+    part of its backward in float32 (Llama's RMSNorm) rounds it the same way whatever ``N``:
+    the micro-batches of an accumulated step give the rows of one batch to float64 rounding
+    (:func:`tengrad_fx.capture.store.union` weights them by ``N_j/N``)."""
+    n = (target != -100).sum(dtype=torch.float64).clamp(min=1)
+    p = torch.exp2(-torch.ceil(torch.log2(n)))
+    total = F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), target.reshape(-1), reduction="sum")
+    return total * p.to(total.dtype), 1.0 / (n * p)
+
+
 def mc_capture(store: CaptureStore, outputs: Tensor, mc_loss: Literal["cross_entropy", "mse"],
                weights: Sequence[Tensor], target: Optional[Tensor] = None,
                loss_scale: Optional[Tensor] = None, mask: Optional[Tensor] = None,
@@ -192,15 +208,19 @@ def mc_capture(store: CaptureStore, outputs: Tensor, mc_loss: Literal["cross_ent
     records carry the same scale as the training backward's (:mod:`.amp`).
     ``mask``: bool ``[m, *]`` (``outputs`` ``[m, *, c]``), the positions that count (e.g.
     ``attention_mask.bool()`` or ``labels != -100``); the others are not sampled and add
-    nothing to the sampled loss (:func:`check_mask`). ``generator``: the sampling's (None:
-    the global RNG).
+    nothing to the sampled loss (:func:`check_mask`; cross-entropy: :func:`masked_sum_loss`).
+    ``generator``: the sampling's (None: the global RNG).
     """
     mask = check_mask(outputs, mask, mc_loss)
     if target is None:
         target = sample_targets(outputs, mc_loss, generator=generator, mask=mask)
     elif mask is not None and mc_loss == "cross_entropy":
         target = target.masked_fill(~mask, -100)
-    loss = sampled_loss(outputs, target, mc_loss, mask)
+    mean: Optional[Tensor] = None
+    if mask is not None and mc_loss == "cross_entropy":
+        loss, mean = masked_sum_loss(outputs, target)
+    else:
+        loss = sampled_loss(outputs, target, mc_loss, mask)
     if loss_scale is not None:
         loss = loss * loss_scale
     store.grad_only = True
@@ -208,4 +228,6 @@ def mc_capture(store: CaptureStore, outputs: Tensor, mc_loss: Literal["cross_ent
         second_backward(loss, weights)
     finally:
         store.grad_only = False
+    if mean is not None:
+        store.scale_own(mean)
     store.end_sampled()
