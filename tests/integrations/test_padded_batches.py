@@ -313,3 +313,78 @@ def test_lightning_without_a_call_equals_the_masked_step(family: str, tmp_path: 
     for batch in batches:
         _step(b, opt_b, batch, mask=causal_scored(batch["labels"]))
     assert _gap(a, b) <= TOL
+
+
+LAYER = {"gpt2": "transformer.h.0.mlp.c_proj", "llama": "model.layers.0.mlp.down_proj"}
+
+
+def _layer_io(family: str, batch: dict[str, torch.Tensor], targets: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """On an unprepared twin (same initial weights): the layer's input ``x [B, L, d_in]``,
+    the gradient of the Fisher's loss w.r.t. its output ``G [B, L, d_out]`` (the sampled
+    ``targets``' mean cross-entropy over the scored positions, or the training loss), and
+    the training loss's gradient of the layer's parameters. Hooks are the test's own."""
+    torch.manual_seed(0)
+    model = build(family, **NO_DROPOUT[family]).train()
+    layer = model.get_submodule(LAYER[family])
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(mod: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
+        seen["x"] = args[0].detach()
+        seen["out"] = out
+
+    handle = layer.register_forward_hook(keep)
+    res = model(**batch)
+    handle.remove()
+    params = dict(layer.named_parameters())
+    g = dict(zip(params, torch.autograd.grad(res.loss, list(params.values()), retain_graph=True)))
+    if targets is None:
+        (G,) = torch.autograd.grad(res.loss, seen["out"])
+    else:
+        sampled = nn.functional.cross_entropy(res.logits.flatten(0, 1), targets.flatten())
+        (G,) = torch.autograd.grad(sampled, seen["out"])
+    return seen["x"], G, g
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("fisher", ["empirical", "mc"])
+def test_position_rows_equal_the_dense_reference_on_the_drawn_rows(family: str, fisher: str,
+                                                                   monkeypatch: Any) -> None:
+    """One layer of each family (GPT-2's transposed ``Conv1D`` with its bias, Llama's
+    ``down_proj``): ``u = (JᵀJ/k + αI)⁻¹ g`` with row ``(i, t) = N·∂ℓ/∂W`` through that
+    position's own output (``N·G_it ⊗ x_it``, bias ``N·G_it``) for the ``k`` drawn scored
+    rows, ``N`` the scored count, built densely from an unprepared twin's autograd."""
+    draws: list[tuple[torch.Tensor, torch.Tensor]] = []
+    real = position_rows.scored_draw
+    monkeypatch.setattr(position_rows, "scored_draw",
+                        lambda s, k, gen: draws.append(real(s, k, gen)) or draws[-1])
+    alpha, k = 1.0, 24
+    model = _model(family)
+    opt = _opt(model, fisher=fisher, position_rows=k, damping=alpha, lr=1.0)
+    batch = pad(_rows(B, 14))
+    scored = causal_scored(batch["labels"])
+    targets = None
+    if fisher == "mc":
+        g = torch.Generator().manual_seed(5)
+        targets = torch.randint(0, V, scored.shape, generator=g).masked_fill(~scored, -100)
+    layer = model.get_submodule(LAYER[family])
+    before = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    out = model(**batch)
+    opt.zero_grad()
+    if targets is not None:
+        opt.mc_capture(out.logits, targets=targets)
+    out.loss.backward()
+    opt.step()
+    u = torch.cat([(before[n] - p.detach()).flatten() for n, p in layer.named_parameters()])
+
+    x, G, g = _layer_io(family, batch, targets)
+    (idx, w), = draws
+    rows = idx[w > 0]
+    N = float(scored.sum())
+    xr, Gr = x.reshape(-1, x.shape[-1])[rows], G.reshape(-1, G.shape[-1])[rows] * N
+    weight = torch.einsum("ri,ro->rio", xr, Gr) if family == "gpt2" else torch.einsum("ro,ri->roi", Gr, xr)
+    J = torch.cat([weight.flatten(1), Gr] if family == "gpt2" else [weight.flatten(1)], 1)
+    grad = torch.cat([g[n].flatten() for n in before])
+    F = J.T @ J / rows.numel()
+    ref = torch.linalg.solve(F + alpha * torch.eye(F.shape[0], dtype=F.dtype), grad)
+    assert ((u - ref).norm() / ref.norm()).item() <= TOL
