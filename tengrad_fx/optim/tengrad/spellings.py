@@ -3,8 +3,9 @@
 Every option has exactly one spelling, the keyword of :data:`OPTIONS` in the constructor's
 signature. The flat keywords are the canonical shape because they are what torch.optim's
 param groups use: the options a param group may set (``"group"`` in :data:`OPTIONS`) live
-under the same names in ``defaults``, and presets, tools and ``make_optimizer`` pass flat
-keywords. Options that only mean something together are one keyword: ``orthogonalize``
+under the same names in ``defaults`` (a group's ``"orthogonalize"`` is True or False: whether
+its weights take the optimizer's polar factor), and presets, tools and ``make_optimizer``
+pass flat keywords. Options that only mean something together are one keyword: ``orthogonalize``
 carries the polar factor's method (``True``/``"eigh"``/``"newton-schulz"``), ``metric`` its
 EMA factor (``metric=Metric("factored", beta2=0.9)``; the string alone: ``beta2 = 0.99``).
 
@@ -36,10 +37,11 @@ from .schedule import CurvatureSchedule
 __all__ = ["DEPRECATED", "OPTIONS", "SCHEDULE_FIELDS", "respell_options"]
 
 OPTIONS: dict[str, str] = {
-    # keyword -> "group": a param group may set it (a key of ``defaults``); "optimizer": one value
+    # keyword -> "group": a param group may set it (a key of ``defaults``; ``orthogonalize``: a
+    # group's True/False, the method is the optimizer's); "optimizer": one value
     "lr": "group", "damping": "group", "momentum": "group", "weight_decay": "group",
     "curvature_every": "optimizer", "curvature_warmup": "optimizer", "curvature_growth": "optimizer",
-    "graft": "optimizer", "orthogonalize": "optimizer", "orthogonalize_momentum": "optimizer",
+    "graft": "optimizer", "orthogonalize": "group", "orthogonalize_momentum": "optimizer",
     "metric": "optimizer", "relative_damping": "optimizer", "curvature_samples": "optimizer",
     "position_rows": "optimizer", "fisher": "optimizer", "mc_loss": "optimizer", "kl_clip": "optimizer",
     "update_form": "optimizer", "solve_dtype": "optimizer", "jacobian_budget_mb": "optimizer",

@@ -149,12 +149,11 @@ class TENGraD(StepSkeleton):
             :class:`tengrad_fx.distributed.GlobalBatch` (the global batch's Fisher on a
             ``torch.distributed`` job; :class:`tengrad_fx.distributed.DistributedTENGraD`).
 
-    Each option has this one spelling (:mod:`.spellings`: ``lr``, ``damping``, ``momentum``,
-    ``weight_decay`` may vary per param group and live in ``defaults``). Deprecated, with a
-    ``DeprecationWarning`` naming the keywords to pass instead: ``schedule=CurvatureSchedule(...)``
-    (or an int), ``execution=Execution(...)``, ``metric_beta2=``; one given together with a
-    keyword it stands for is a ``ValueError``. :attr:`schedule` and :attr:`execution` hold the
-    resolved :class:`~.schedule.CurvatureSchedule` and :class:`~.options.Execution`.
+    Each option has this one spelling (:mod:`.spellings`; a param group may set ``lr``, ``damping``,
+    ``momentum``, ``weight_decay`` and the ``orthogonalize`` flag: ``defaults``). Deprecated, with a
+    ``DeprecationWarning`` naming the keywords to pass instead (with one of them: ``ValueError``):
+    ``schedule=`` (an int or :class:`~.schedule.CurvatureSchedule`, now :attr:`schedule`),
+    ``execution=`` (:class:`~.options.Execution`, now :attr:`execution`), ``metric_beta2=``.
 
     The optimizer's parts: :attr:`curvature` (:class:`~.cache.CurvatureCache`: groups, Grams,
     factors, schedule position), :attr:`graph_runner` (:class:`~.cuda_graphs.GraphRunner`) and
@@ -208,7 +207,8 @@ class TENGraD(StepSkeleton):
                       mc_loss=mc_loss, kl_clip=kl_clip, update_form=update_form,
                       curvature_samples=curvature_samples, position_rows=position_rows)
         self.curvature_samples, self.position_rows = curvature_samples, position_rows
-        defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
+        defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay,
+                        orthogonalize=bool(orthogonalize))  # a group's flag; the method is the optimizer's
         super().__init__(optimizer_params(model, params, type(self).__name__), defaults)
         self._init_skeleton(model, info, grad_scaler)
         self.fisher, self.mc_loss, self.kl_clip = fisher, mc_loss, kl_clip
