@@ -17,8 +17,8 @@ settings (:func:`paper_settings`):
 ``paper=True`` is ``dataset="fashion-mnist"`` when no dataset is named. ``preset`` (a key of
 ``PRESETS[name]``, e.g. TENGraD's ``"fast"``) starts from the paper's settings of the dataset
 (default Fashion-MNIST) and puts the preset's options on top. ``overrides`` win; they may
-use an optimizer's deprecated option names (e.g. K-FAC's ``TCov``), with the optimizer's
-``DeprecationWarning``.
+use an optimizer's deprecated option names or spellings (e.g. K-FAC's ``TCov``, TENGraD's
+``schedule=``), with the optimizer's ``DeprecationWarning``.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 
 from .baselines import EKFAC, KBFGS, KFAC, NGD
 from .step.checks import check_nonneg, check_unit
-from .step.renamed import rename_keywords, renamed_of
+from .step.renamed import respell_of
 from .tengrad import TENGraD
 
 __all__ = ["OPTIMIZERS", "PRESETS", "PAPER_DEFAULTS", "PAPER_EPOCHS", "PAPER_FASHION", "PAPER_INTERVALS",
@@ -177,8 +177,9 @@ def make_optimizer(name: str, model: torch.nn.Module, dataset: Optional[str] = N
     ``preset``: Fashion-MNIST unless ``dataset`` says otherwise) the settings start from
     :func:`paper_settings` (``name``, ``dataset``, ``model_name``), then ``PRESETS[name][preset]``;
     ``overrides`` win. Without any of them, the optimizer's own (library) defaults apply.
-    Deprecated option names in ``overrides`` are translated first (``DeprecationWarning``),
-    so they replace the paper's value under the new name; old and new together: ``TypeError``."""
+    Deprecated option names and spellings in ``overrides`` are translated first
+    (``DeprecationWarning``), so they replace the paper's value under the new name; old and
+    new together: an error (``TypeError`` for a renamed option, ``ValueError`` for TENGraD's)."""
     if name not in OPTIMIZERS:
         raise ValueError(f"name must be one of {sorted(OPTIMIZERS)}, got {name!r}")
     presets = PRESETS.get(name, {})
@@ -189,5 +190,5 @@ def make_optimizer(name: str, model: torch.nn.Module, dataset: Optional[str] = N
     kw: dict[str, Any] = paper_settings(name, dataset, model_name) if dataset is not None else {}
     kw.update(presets.get(preset, {}) if preset is not None else {})
     cls = OPTIMIZERS[name]
-    kw.update(rename_keywords(overrides, renamed_of(cls), cls.__name__))
+    kw.update(respell_of(cls, overrides))
     return cls(model, **kw)

@@ -29,7 +29,6 @@ RUNS: dict[str, dict[str, Any]] = {
     "growth": dict(steps=8, opts=dict(curvature_every=4, curvature_growth=2.0)),
     "growth-gram-blocks": dict(steps=7, mode="gram-blocks", opts=dict(curvature_every=3, curvature_growth=1.5,
                                                                       curvature_warmup=2)),
-    "grouped-config": dict(steps=5, opts=dict(schedule="every3-warmup1", execution="factor-float64")),
     "graft-orth-woodbury": dict(steps=4, opts=dict(curvature_every=2, graft="sgd", orthogonalize="newton-schulz",
                                                    orthogonalize_momentum=True, update_form="woodbury", kl_clip=None)),
     "mc-mse-materialize": dict(steps=4, opts=dict(curvature_every=2, fisher="mc", mc_loss="mse", kl_clip=None,
@@ -47,7 +46,6 @@ REFUSED: dict[str, dict[str, Any]] = {
     "fisher": dict(fisher="gauss-newton"),
     "distribution": dict(distribution="single-process"),
     "metric": dict(metric="factored"),
-    "metric_beta2": dict(metric="factored", metric_beta2=0.9),
     "relative_damping": dict(relative_damping=True),
 }
 COVERED = {
@@ -59,21 +57,15 @@ COVERED = {
     "kl_clip": "warmup", "update_form": "graft-orth-woodbury", "solve_dtype": "tf32-no-graph-no-momentum",
     "jacobian_budget_mb": "mc-mse-materialize", "strategy": "mc-mse-materialize",
     "compile": "refused", "cuda_graph": "cuda-graph-gram-blocks", "gram_tf32": "tf32-no-graph-no-momentum",
-    "grad_scaler": "grad-scaler", "params": "params-groups", "schedule": "grouped-config",
-    "execution": "grouped-config", "distribution": "refused",
-    "metric": "refused", "metric_beta2": "refused", "relative_damping": "refused",
+    "grad_scaler": "grad-scaler", "params": "params-groups", "distribution": "refused",
+    "metric": "refused", "relative_damping": "refused",
 }
 
 
 def _options(net: torch.nn.Module, opts: dict[str, Any], scaler: Optional[Any]) -> dict[str, Any]:
-    """``opts`` with the placeholders made real (config objects, param groups, the scaler)."""
-    import tengrad_fx
+    """``opts`` with the placeholders made real (param groups, the distribution, the scaler)."""
     from tengrad_fx.optim.tengrad.distribution import SingleProcess
     out = dict(opts)
-    if out.get("schedule") == "every3-warmup1":
-        out["schedule"] = tengrad_fx.CurvatureSchedule(every=3, warmup=1)
-    if out.get("execution") == "factor-float64":
-        out["execution"] = tengrad_fx.Execution(strategy="factor", solve_dtype=torch.float64)
     if out.get("params") == "two-groups":
         named = list(net.named_parameters())
         out["params"] = [{"params": [p for n, p in named if not n.startswith("4.")]},
@@ -184,7 +176,6 @@ def test_schedule_options_change_the_curvature_steps(ranks: list[dict[str, Any]]
     runs = ranks[0]["runs"]
     assert runs["warmup"]["curv"] == [True, True, True, False, False, True, False]
     assert runs["growth"]["curv"] == [True, False, True, False, False, False, True, False]
-    assert runs["grouped-config"]["curv"] == [True, False, False, True, False]
 
 
 @pytest.mark.parametrize("name", list(REFUSED))

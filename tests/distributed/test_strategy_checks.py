@@ -2,7 +2,7 @@
 what it cannot run at construction (a ``ValueError`` naming the option), never at a step.
 
 The first tests run in one process: the dict ``TENGraD`` hands to ``check`` holds every
-constructor argument (the schedule's and execution's fields as resolved), and every key a
+constructor argument (each option under its one spelling), and every key a
 strategy's ``check`` reads is one of them, so no guard can test an option it is never
 given. The last one spawns 2 gloo ranks: under FSDP2 the refused options raise at
 construction.
@@ -17,7 +17,7 @@ import pytest
 import torch.nn as nn
 
 import tengrad_fx
-from tengrad_fx import CurvatureSchedule, Execution, TENGraD
+from tengrad_fx import CurvatureSchedule, TENGraD
 from tengrad_fx.distributed.fsdp import FSDPShards
 from tengrad_fx.distributed.optimizer import GlobalBatch
 from tengrad_fx.optim.tengrad.distribution import SingleProcess
@@ -60,14 +60,15 @@ def _options(**kwargs: Any) -> dict[str, Any]:
 
 def test_check_is_given_every_constructor_argument() -> None:
     opts = _options(graft="sgd", orthogonalize="newton-schulz", metric="factored", momentum=0.5,
-                    schedule=CurvatureSchedule(every=3, warmup=1), execution=Execution(strategy="factor"),
-                    cuda_graph=False)
+                    curvature_every=3, curvature_warmup=1, strategy="factor", cuda_graph=False)
     assert set(opts) == NAMES
     assert (opts["graft"], opts["orthogonalize"], opts["metric"], opts["momentum"]) == \
         ("sgd", "newton-schulz", "factored", 0.5)
-    # the fields of the grouped objects as resolved, under their flat names too
     assert (opts["curvature_every"], opts["curvature_warmup"], opts["strategy"], opts["cuda_graph"]) == \
         (3, 1, "factor", False)
+    # a deprecated spelling reaches check under the keywords it stands for
+    with pytest.warns(DeprecationWarning, match="pass curvature_every=5"):
+        assert _options(schedule=CurvatureSchedule(every=5))["curvature_every"] == 5
 
 
 @pytest.mark.parametrize("cls", [SingleProcess, GlobalBatch, FSDPShards])

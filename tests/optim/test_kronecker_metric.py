@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from tengrad_fx.optim.tengrad import kronecker_metric
 from tengrad_fx.optim.tengrad.kronecker_metric import FLOOR
+from tengrad_fx.optim.tengrad.metric import Metric
 from tengrad_fx.utils.dispatch import SyncCounter
 from testing.oracle import dense_layer_updates
 from testing.tengrad_step import (
@@ -71,7 +72,7 @@ def test_mlp_step_equals_dense_solve(every: int, max_side: int | None, monkeypat
     16-wide sides keep a diagonal factor, the others a full one."""
     if max_side is not None:
         monkeypatch.setattr(kronecker_metric, "MAX_FULL_SIDE", max_side)
-    template, model, opt = setup("mlp", metric="kronecker", metric_beta2=BETA2, curvature_every=every, lr=0.02,
+    template, model, opt = setup("mlp", metric=Metric("kronecker", BETA2), curvature_every=every, lr=0.02,
                                  damping=ALPHA)
     covered, biases = covered_and_biases(model)
     limit = max_side or 10 ** 9
@@ -99,7 +100,7 @@ def test_language_model_with_embedding_and_conv1d(tied: bool, strategy: str) -> 
     biases = {"emb.weight": "head.bias", "mix.weight": "mix.bias"} if tied else \
         {"head.weight": "head.bias", "mix.weight": "mix.bias"}
     out_rows = {"emb.weight": True, "head.weight": True, "mix.weight": False}
-    steps = lm_steps(3, tied, damping=ALPHA, metric="kronecker", metric_beta2=BETA2, strategy=strategy)
+    steps = lm_steps(3, tied, damping=ALPHA, metric=Metric("kronecker", BETA2), strategy=strategy)
     for ref_model, x, y, g, delta, history, covered in steps:
         assert {"emb.weight", "mix.weight", "head.bias"} <= set(covered)
         D = _kronecker_metric(history, biases, out_rows, {"emb.weight": (True, False)})
@@ -109,7 +110,7 @@ def test_language_model_with_embedding_and_conv1d(tied: bool, strategy: str) -> 
 def test_diagonal_of_the_metric_is_not_the_update() -> None:
     """The reference with ``D``'s diagonal (or ``D = I``) misses the update by far more than
     the tolerance: the test sees the off-diagonal factors."""
-    template, model, opt = setup("mlp", metric="kronecker", metric_beta2=BETA2, damping=ALPHA)
+    template, model, opt = setup("mlp", metric=Metric("kronecker", BETA2), damping=ALPHA)
     covered, biases = covered_and_biases(model)
     history: dict[str, list[torch.Tensor]] = {}
     for t in range(2):

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tengrad_fx.optim.tengrad.metric import FLOOR
+from tengrad_fx.optim.tengrad.metric import FLOOR, Metric
 from testing.oracle import dense_layer_updates, per_sample_grads_reference
 from testing.tengrad_step import (
     assert_graphs_match_eager, assert_matches, batch, covered_and_biases, forward_backward, lm_loss, lm_steps,
@@ -68,7 +68,7 @@ def test_step_equals_dense_solve(every: int, metric: str | None, relative: bool)
     """Five steps of the MLP: each update is ``solve(JᵀJ/m + α_l D, g)`` with ``J``, ``D`` and
     ``α_l`` of the last curvature step and ``g`` of this one (``α_l = α`` or, relative,
     ``α·tr(D^{-1/2} F_l D^{-1/2})/m``)."""
-    template, model, opt = setup("mlp", metric=metric, metric_beta2=BETA2, curvature_every=every,
+    template, model, opt = setup("mlp", metric=Metric(metric, BETA2) if metric else None, curvature_every=every,
                                  relative_damping=relative, lr=0.02)
     covered, biases = covered_and_biases(model)
     history: dict[str, list[torch.Tensor]] = {}
@@ -92,8 +92,8 @@ def test_factored_metric_on_a_tied_language_model() -> None:
     transposed Linear ``[d_in, d_out]`` its bias the columns' ``b``."""
     pytest.importorskip("transformers")
     biases = {"emb.weight": "head.bias", "mix.weight": "mix.bias"}
-    for ref_model, x, y, g, delta, history, covered in lm_steps(3, damping=0.05, metric="factored",
-                                                                metric_beta2=BETA2):
+    for ref_model, x, y, g, delta, history, covered in lm_steps(3, damping=0.05,
+                                                                metric=Metric("factored", BETA2)):
         assert {"emb.weight", "mix.weight", "head.bias"} <= set(covered)
         D = _metric(history, {"emb.weight": True, "mix.weight": False}, biases)
         assert_matches(delta, dense_layer_updates(ref_model, x, y, lm_loss, g, 0.05, covered, metric=D))
@@ -122,7 +122,7 @@ def test_factored_metric_resumes_bit_for_bit() -> None:
 
 def test_metric_changes_the_step_and_bad_values_are_named() -> None:
     """The metric is not the identity (the update differs from the plain step's on the
-    same batch); an unknown metric or a ``metric_beta2`` outside ``[0, 1)`` is a ValueError
+    same batch); an unknown metric or a ``beta2`` outside ``[0, 1)`` is a ValueError
     naming it."""
     deltas = []
     for metric in (None, "factored"):
@@ -133,8 +133,8 @@ def test_metric_changes_the_step_and_bad_values_are_named() -> None:
     assert (deltas[0]["0.weight"] - deltas[1]["0.weight"]).abs().max() > 1e-3
     with pytest.raises(ValueError, match="metric"):
         setup("mlp", metric="diagonal")
-    with pytest.raises(ValueError, match="metric_beta2"):
-        setup("mlp", metric="factored", metric_beta2=1.0)
+    with pytest.raises(ValueError, match="beta2"):
+        setup("mlp", metric=Metric("factored", beta2=1.0))
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

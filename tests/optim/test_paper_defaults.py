@@ -111,6 +111,8 @@ def test_paper_flag_and_presets(net: nn.Module) -> None:
                 got = getattr(opt.schedule, key.removeprefix("curvature_"))
             if key == "metric":
                 got = type(opt.metric).__name__.removesuffix("Metric").lower()
+            if key == "orthogonalize":  # the group's flag (in defaults) and the optimizer's method
+                got = opt.orthogonalize if opt.param_groups[0]["orthogonalize"] is True else None
             assert got == value, (name, key)
         assert opt.kl_clip == options.get("kl_clip", paper.kl_clip) and opt.fisher == paper.fisher
     assert make_optimizer("tengrad", net, preset="fast", lr=0.5).param_groups[0]["lr"] == 0.5

@@ -4,7 +4,10 @@
 ``@renamed_keywords(TCov="curvature_every")`` on a constructor maps old keyword names to
 new ones before the call (``inspect.signature`` shows the new signature); the map is kept
 on the wrapper (:func:`renamed_of` of the class) so that other entry points, e.g.
-:func:`tengrad_fx.optim.registry.make_optimizer`, translate user options the same way.
+:func:`tengrad_fx.optim.registry.make_optimizer`, translate user options the same way
+(:func:`respell_of`). ``@respelled_keywords(respell)`` is the general form: ``respell``
+maps the keywords given to the constructor's own (e.g. a deprecated grouping object to
+the flat keywords it stands for).
 ``TCov = RenamedAttribute("curvature_every")`` in a class body keeps the old attribute
 name readable and writable, with the same warning.
 """
@@ -14,10 +17,15 @@ import functools
 import warnings
 from typing import Any, Callable, Mapping, TypeVar, cast
 
-__all__ = ["RenamedAttribute", "rename_keywords", "renamed_keywords", "renamed_of"]
+__all__ = ["RenamedAttribute", "Respell", "rename_keywords", "renamed_keywords", "renamed_of", "respell_of",
+           "respelled_keywords"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _ATTR = "__renamed_keywords__"
+_RESPELL = "__respell_keywords__"
+Respell = Callable[[Mapping[str, Any], str, int], dict[str, Any]]
+"""``respell(kwargs, owner, stacklevel)``: ``kwargs`` in the constructor's own spelling; its
+warnings take ``stacklevel`` as counted from ``respell`` itself (2: its caller)."""
 
 
 def rename_keywords(kwargs: Mapping[str, Any], renamed: Mapping[str, str], owner: str,
@@ -39,24 +47,47 @@ def rename_keywords(kwargs: Mapping[str, Any], renamed: Mapping[str, str], owner
     return out
 
 
-def renamed_keywords(**renamed: str) -> Callable[[F], F]:
-    """Decorator of ``__init__``: accept the old keyword names ``renamed`` (``old=new``), see
-    :func:`rename_keywords`. The owner named in messages is the instance's class."""
+def respelled_keywords(respell: Respell) -> Callable[[F], F]:
+    """Decorator of ``__init__``: the keywords pass through ``respell`` (the owner named in
+    its messages: the instance's class) before the call; kept for :func:`respell_of`."""
     def decorate(init: F) -> F:
         @functools.wraps(init)
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if not renamed.keys() & kwargs.keys():
-                return init(self, *args, **kwargs)
-            return init(self, *args, **rename_keywords(kwargs, renamed, type(self).__name__, stacklevel=3))
-        setattr(wrapper, _ATTR, dict(renamed))
+            return init(self, *args, **respell(kwargs, type(self).__name__, 3))
+        setattr(wrapper, _RESPELL, respell)
         return cast(F, wrapper)
     return decorate
 
 
+def renamed_keywords(**renamed: str) -> Callable[[F], F]:
+    """Decorator of ``__init__``: accept the old keyword names ``renamed`` (``old=new``), see
+    :func:`rename_keywords`. The owner named in messages is the instance's class."""
+    def respell(kwargs: Mapping[str, Any], owner: str, stacklevel: int) -> dict[str, Any]:
+        return rename_keywords(kwargs, renamed, owner, stacklevel + 1)
+
+    def decorate(init: F) -> F:
+        wrapper = respelled_keywords(respell)(init)
+        setattr(wrapper, _ATTR, dict(renamed))
+        return wrapper
+    return decorate
+
+
+def _init(cls: type) -> Any:
+    """The ``__init__`` ``cls`` runs (its own or the nearest base's)."""
+    return next(vars(k)["__init__"] for k in cls.__mro__ if "__init__" in vars(k))
+
+
 def renamed_of(cls: type) -> dict[str, str]:
     """``{old: new}`` of ``cls``'s constructor if it is :func:`renamed_keywords`' (``{}`` otherwise)."""
-    init = next(vars(k)["__init__"] for k in cls.__mro__ if "__init__" in vars(k))
-    return dict(getattr(init, _ATTR, {}))
+    return dict(getattr(_init(cls), _ATTR, {}))
+
+
+def respell_of(cls: type, kwargs: Mapping[str, Any], stacklevel: int = 3) -> dict[str, Any]:
+    """``kwargs`` in ``cls``'s constructor's spelling, as its :func:`respelled_keywords`
+    (or :func:`renamed_keywords`) decorator maps them (a copy, unchanged without one);
+    ``stacklevel`` counts from this function (3: its caller's caller)."""
+    respell: Respell | None = getattr(_init(cls), _RESPELL, None)
+    return dict(kwargs) if respell is None else respell(kwargs, cls.__name__, stacklevel + 1)
 
 
 class RenamedAttribute:

@@ -1,7 +1,8 @@
 """``TENGraD(..., metric=...)``: a base metric ``D`` inside the damping, ``u = (F + αD)⁻¹ g``,
 still exact by Woodbury through the change of variables ``S = D^{-1/2}`` of
 :mod:`.metric_scaling`. :func:`make_metric` reads the option: ``"factored"`` (here) or
-``"kronecker"`` (:mod:`.kronecker_metric`).
+``"kronecker"`` (:mod:`.kronecker_metric`), as a string (the moments' EMA factor
+``beta2 = 0.99``) or as :class:`Metric` (the kind and its ``beta2`` together).
 
 ``metric="factored"``: ``D`` of a weight ``W [R, C]`` is Kronecker-diagonal, ``D = a ⊗ b``,
 from factored second moments as Adafactor keeps them: EMAs (``beta2``) over steps of the row
@@ -17,7 +18,8 @@ One process only (``DistributedTENGraD`` refuses it).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Union
 
 import torch
 from torch import Tensor
@@ -26,20 +28,43 @@ from ...curvature.layer import CoveredLayer
 from .kronecker_metric import KroneckerMetric
 from .metric_scaling import ScaledMetric, ema_finite_, metric_covers
 
-__all__ = ["FactoredMetric", "FLOOR", "METRICS", "make_metric", "metric_covers"]
+__all__ = ["FactoredMetric", "FLOOR", "METRICS", "Metric", "MetricOption", "make_metric", "metric_covers"]
 
 FLOOR = 1e-3  # the least of a and b (relative to their mean 1)
 METRICS = ("factored", "kronecker")
 
 
-def make_metric(metric: Optional[str], beta2: float) -> Optional[ScaledMetric]:
-    """TENGraD's ``metric`` option: None (``D = I``), ``"factored"`` or ``"kronecker"``
-    (else ``ValueError`` listing them)."""
+@dataclass(frozen=True)
+class Metric:
+    """TENGraD's ``metric=`` with its options: ``Metric("factored", beta2=0.9)``.
+
+    Attributes:
+        kind: ``"factored"`` or ``"kronecker"`` (module docstring).
+        beta2: the EMA factor of the metric's second moments, in ``[0, 1)``.
+    """
+
+    kind: Literal["factored", "kronecker"]
+    beta2: float = 0.99
+
+    def __post_init__(self) -> None:
+        if self.kind not in METRICS:
+            raise ValueError(f"TENGraD: metric must be None, {', '.join(repr(m) for m in METRICS)}, got "
+                             f"{self.kind!r} (or Metric(kind, beta2=...) of one of them)")
+        if not (isinstance(self.beta2, (int, float)) and 0.0 <= self.beta2 < 1.0):
+            raise ValueError(f"Metric.beta2 must be in [0, 1), got {self.beta2!r}")
+
+
+MetricOption = Optional[Union[Literal["factored", "kronecker"], Metric]]
+"""What ``metric=`` takes: None (``D = I``), a kind (``beta2 = 0.99``) or a :class:`Metric`."""
+
+
+def make_metric(metric: MetricOption) -> Optional[ScaledMetric]:
+    """TENGraD's ``metric`` option: None (``D = I``), ``"factored"``, ``"kronecker"`` or a
+    :class:`Metric` of one (else ``ValueError`` listing them)."""
     if metric is None:
         return None
-    if metric not in METRICS:
-        raise ValueError(f"TENGraD: metric must be None, {', '.join(repr(m) for m in METRICS)}, got {metric!r}")
-    return FactoredMetric(beta2) if metric == "factored" else KroneckerMetric(beta2)
+    spec = metric if isinstance(metric, Metric) else Metric(metric)
+    return FactoredMetric(spec.beta2) if spec.kind == "factored" else KroneckerMetric(spec.beta2)
 
 
 def _factor(moment: Tensor) -> Tensor:

@@ -1,27 +1,26 @@
-"""TENGraD's grouped options: the schedule (:class:`~.schedule.CurvatureSchedule`, or an int
-``T``) and :class:`Execution` (how the update is computed: same maths, other speed/memory),
-given next to the flat keywords they group. A field given both ways with different values
-is a ``ValueError`` naming it (a flat keyword left at its default defers to the object)."""
+"""TENGraD's options as checked and resolved: :class:`Execution` (how the update is computed:
+same maths, other speed/memory; ``opt.execution``, built from the flat keywords of the same
+names), the range checks of the other keywords, and what the options imply (the ``J``
+budget, CUDA graphs). Each option has one spelling: :mod:`.spellings`."""
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Literal, Optional
 
 import torch
 
 from ..step.checks import check_choice, check_nonneg, check_positive, check_unit
 from .position_rows import check_position_rows
-from .schedule import CurvatureSchedule
 from .subsample import check_curvature_samples
 
-__all__ = ["Execution", "CurvatureSchedule", "check_options", "resolve_schedule", "resolve_execution",
-           "built_options", "jacobian_budget_bytes", "use_cuda_graph"]
+__all__ = ["Execution", "check_options", "built_options", "jacobian_budget_bytes", "use_cuda_graph"]
 
 
 @dataclass(frozen=True)
 class Execution:
-    """How TENGraD computes its update (:class:`~.tengrad.TENGraD`'s arguments of the same names).
+    """How TENGraD computes its update: :class:`~.tengrad.TENGraD`'s keywords of the same names
+    as resolved (``opt.execution``; as a constructor argument, ``execution=``, deprecated).
 
     Attributes:
         strategy: Gram strategy for all layers: ``"auto"``, ``"factor"``, ``"materialize"``.
@@ -45,57 +44,11 @@ class Execution:
             check_nonneg("jacobian_budget_mb", self.jacobian_budget_mb)
 
 
-def _merged(kind: str, obj: Any, default: Any, flat: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
-    """``obj``'s fields, with each flat keyword that differs from its default; a flat value
-    that differs from a field the object sets (not at its default) is a ``ValueError``."""
-    out = {}
-    for attr, flat_name in names.items():
-        mine, base, given = getattr(obj, attr), getattr(default, attr), flat[flat_name]
-        if given != base and mine != base and given != mine:
-            raise ValueError(f"TENGraD: {flat_name}={given!r} conflicts with {kind}.{attr}={mine!r}; "
-                             "give it one way")
-        out[attr] = given if given != base else mine
-    return out
-
-
-_SCHEDULE = {"every": "curvature_every", "warmup": "curvature_warmup", "growth": "curvature_growth"}
-
-
-def resolve_schedule(schedule: int | CurvatureSchedule | None, flat: dict[str, Any]) -> CurvatureSchedule:
-    """The :class:`CurvatureSchedule` of ``schedule`` (an int: ``curvature_every``) and the
-    flat ``curvature_every`` / ``curvature_warmup`` / ``curvature_growth``."""
-    if schedule is None:
-        return CurvatureSchedule(flat["curvature_every"], flat["curvature_warmup"], flat["curvature_growth"])
-    if isinstance(schedule, int) and not isinstance(schedule, bool):
-        schedule = CurvatureSchedule(schedule)
-    if not isinstance(schedule, CurvatureSchedule):
-        raise TypeError(f"TENGraD: schedule must be an int (curvature_every) or a CurvatureSchedule, "
-                        f"got {type(schedule).__name__}")
-    return CurvatureSchedule(**_merged("schedule", schedule, CurvatureSchedule(), flat, _SCHEDULE))
-
-
-def resolve_execution(execution: Optional[Execution], flat: dict[str, Any]) -> Execution:
-    """The :class:`Execution` of ``execution`` and the flat keywords of the same names."""
-    if execution is None:
-        return Execution(**{f.name: flat[f.name] for f in fields(Execution)})
-    if not isinstance(execution, Execution):
-        raise TypeError(f"TENGraD: execution must be an Execution, got {type(execution).__name__}")
-    return replace(execution, **_merged("execution", execution, Execution(), flat,
-                                        {f.name: f.name for f in fields(Execution)}))
-
-
-def built_options(init: Callable[..., Any], args: dict[str, Any], schedule: CurvatureSchedule,
-                  ex: Execution) -> dict[str, Any]:
+def built_options(init: Callable[..., Any], args: dict[str, Any]) -> dict[str, Any]:
     """Every argument of the constructor ``init`` but ``self`` and ``model``, by name, with
-    the value the optimizer runs with: ``args`` (the constructor's ``locals()``), the flat
-    schedule and execution keywords as resolved with their objects (``schedule``, ``ex``,
-    there too). What a distribution's ``check`` reads, so no option escapes it."""
-    names = [n for n in inspect.signature(init).parameters if n not in ("self", "model")]
-    out = {n: args[n] for n in names}
-    out.update(vars(ex))
-    out.update({flat: getattr(schedule, attr) for attr, flat in _SCHEDULE.items()})
-    out.update(schedule=schedule, execution=ex)
-    return out
+    the value the optimizer runs with (``args``: the constructor's ``locals()``). What a
+    distribution's ``check`` reads, so no option escapes it."""
+    return {n: args[n] for n in inspect.signature(init).parameters if n not in ("self", "model")}
 
 
 def jacobian_budget_bytes(ex: Execution) -> Optional[float]:

@@ -45,13 +45,14 @@ from .gauss_newton import gauss_newton_capture
 from .cuda_graphs import GraphRunner
 from .group_cost import reuse_cost
 from .jacobian_sites import marked_jacobian_sites
-from .metric import make_metric
-from .options import (Execution, built_options, check_options, jacobian_budget_bytes, resolve_execution,
-                      resolve_schedule, use_cuda_graph)
+from ..step.renamed import respelled_keywords
+from .metric import MetricOption, make_metric
+from .options import Execution, built_options, check_options, jacobian_budget_bytes, use_cuda_graph
 from .position_rows import draw_position_rows, position_sites
 from .resume import restore_records, save_records
 from .schedule import CurvatureSchedule
 from .shaping import UpdateShaping
+from .spellings import respell_options
 
 __all__ = ["TENGraD"]
 
@@ -96,8 +97,8 @@ class TENGraD(StepSkeleton):
             ``"factored"``: Kronecker-diagonal ``D`` from factored second moments of the gradients
             (Adafactor's; :mod:`.metric`). ``"kronecker"``: ``D = L^{1/2} ⊗ R^{1/2}`` of full
             matrices from Shampoo's ``L = E[g gᵀ]``, ``R = E[gᵀ g]`` (:mod:`.kronecker_metric`;
-            an Embedding's vocabulary side diagonal). None: ``D = I`` (the paper's).
-        metric_beta2: the EMA factor of ``metric``'s second moments.
+            an Embedding's vocabulary side diagonal). None: ``D = I`` (the paper's). The moments'
+            EMA factor: ``Metric("factored", beta2=0.9)`` (:class:`~.metric.Metric`; default 0.99).
         relative_damping: each layer's ``α_l = α·tr(F_l)/m`` on the rows' span (``tr(K_l)/m²``: the
             mean of ``F_l``'s ``m`` eigenvalues there), so ``α`` is relative to the layer's own scale
             (:func:`.cache.relative_dampings`); False: ``α`` as given (the paper's).
@@ -143,15 +144,16 @@ class TENGraD(StepSkeleton):
         params: parameters, or torch.optim param group dicts with their own ``lr``, ``damping``,
             ``momentum``, ``weight_decay`` (:mod:`tengrad_fx.optim.step.param_groups`); default:
             every parameter that requires grad, one group.
-        schedule: ``curvature_every``, ``curvature_warmup`` and ``curvature_growth`` as one
-            :class:`~.schedule.CurvatureSchedule` (an int: ``curvature_every``).
-        execution: ``strategy``, ``jacobian_budget_mb``, ``compile``, ``cuda_graph``, ``gram_tf32`` and
-            ``solve_dtype`` as one :class:`~.options.Execution`. A field given both flat and in
-            ``schedule``/``execution`` with different values is a ``ValueError`` naming it.
         distribution: how the step is spread over processes (:mod:`.distribution`): None or
             :class:`~.distribution.SingleProcess` (one process), or
             :class:`tengrad_fx.distributed.GlobalBatch` (the global batch's Fisher on a
             ``torch.distributed`` job; :class:`tengrad_fx.distributed.DistributedTENGraD`).
+
+    Each option has this one spelling (:mod:`.spellings`; a param group may set ``lr``, ``damping``,
+    ``momentum``, ``weight_decay`` and the ``orthogonalize`` flag: ``defaults``). Deprecated, with a
+    ``DeprecationWarning`` naming the keywords to pass instead (with one of them: ``ValueError``):
+    ``schedule=`` (an int or :class:`~.schedule.CurvatureSchedule`, now :attr:`schedule`),
+    ``execution=`` (:class:`~.options.Execution`, now :attr:`execution`), ``metric_beta2=``.
 
     The optimizer's parts: :attr:`curvature` (:class:`~.cache.CurvatureCache`: groups, Grams,
     factors, schedule position), :attr:`graph_runner` (:class:`~.cuda_graphs.GraphRunner`) and
@@ -161,6 +163,7 @@ class TENGraD(StepSkeleton):
     NAME = "tengrad"
     SYNC_FREE = True
 
+    @respelled_keywords(respell_options)
     def __init__(
         self,
         model: torch.nn.Module,
@@ -175,8 +178,7 @@ class TENGraD(StepSkeleton):
         graft: Optional[str] = None,
         orthogonalize: bool | str = False,
         orthogonalize_momentum: bool = False,
-        metric: Optional[Literal["factored", "kronecker"]] = None,
-        metric_beta2: float = 0.99,
+        metric: MetricOption = None,
         relative_damping: bool = False,
         curvature_samples: Optional[int] = None,
         position_rows: Optional[int] = None,
@@ -192,29 +194,26 @@ class TENGraD(StepSkeleton):
         gram_tf32: bool = False,
         grad_scaler: Optional[torch.amp.GradScaler] = None,
         params: Optional[Iterable[Any]] = None,
-        schedule: int | CurvatureSchedule | None = None,
-        execution: Optional[Execution] = None,
         distribution: Optional[SingleProcess] = None,
     ):
-        self.schedule = resolve_schedule(schedule, dict(
-            curvature_every=curvature_every, curvature_warmup=curvature_warmup, curvature_growth=curvature_growth))
-        self.execution = ex = resolve_execution(execution, dict(
-            strategy=strategy, jacobian_budget_mb=jacobian_budget_mb, compile=compile, cuda_graph=cuda_graph,
-            gram_tf32=gram_tf32, solve_dtype=solve_dtype))
+        self.schedule = CurvatureSchedule(curvature_every, curvature_warmup, curvature_growth)
+        self.execution = ex = Execution(strategy=strategy, jacobian_budget_mb=jacobian_budget_mb, compile=compile,
+                                        cuda_graph=cuda_graph, gram_tf32=gram_tf32, solve_dtype=solve_dtype)
         self.distribution = dist = SingleProcess() if distribution is None else distribution
-        dist.check(built_options(TENGraD.__init__, locals(), self.schedule, ex))
+        dist.check(built_options(TENGraD.__init__, locals()))
         model = dist.unwrap(model)
         info = get_info(model)  # raises ValueError for an unprepared model
         check_options(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay, fisher=fisher,
                       mc_loss=mc_loss, kl_clip=kl_clip, update_form=update_form,
                       curvature_samples=curvature_samples, position_rows=position_rows)
         self.curvature_samples, self.position_rows = curvature_samples, position_rows
-        defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay)
+        defaults = dict(lr=lr, damping=damping, momentum=momentum, weight_decay=weight_decay,
+                        orthogonalize=bool(orthogonalize))  # a group's flag; the method is the optimizer's
         super().__init__(optimizer_params(model, params, type(self).__name__), defaults)
         self._init_skeleton(model, info, grad_scaler)
         self.fisher, self.mc_loss, self.kl_clip = fisher, mc_loss, kl_clip
         self.shaping = UpdateShaping(graft, orthogonalize, orthogonalize_momentum, self.param_groups)
-        self.metric = make_metric(metric, metric_beta2)
+        self.metric = make_metric(metric)
         self.update_form = update_form
         self.solve_dtype, self.strategy, self.gram_tf32, self.compile = \
             ex.solve_dtype, ex.strategy, bool(ex.gram_tf32), bool(ex.compile)
