@@ -3,8 +3,8 @@ batches on ``W`` ranks (:func:`train_ranks`, run through :func:`testing.distribu
 and in one process on the concatenated batch (:func:`train_single`, the reference).
 
 A run is described by a ``cfg`` dict: ``model`` ("mlp", "mlp2", "mlp3" or "cnn"), ``m`` (local batch),
-``steps``, ``T`` (curvature_every), ``fisher``, ``kl_clip``, ``placement`` (default
-``"owner"``), ``mode`` (default ``"gather"``), ``bandwidth``/``flop_rate`` (the cost
+``steps``, ``T`` (curvature_every), ``fisher``, ``kl_clip``, ``metric``, ``relative`` (relative_damping),
+``placement`` (default ``"owner"``), ``mode`` (default ``"gather"``), ``bandwidth``/``flop_rate`` (the cost
 model's, for ``"auto"``), ``sequential`` (no overlap of communication and work), and optional
 ``inside`` (``prepare(DDP(model))`` instead of ``DDP(prepare(model))``), and optional
 faults: ``short_rank`` (that rank's batch has one sample fewer; with ``expect_error`` the
@@ -54,7 +54,8 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 def _opt_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     return dict(lr=0.1, damping=0.05, momentum=0.9, weight_decay=1e-3, curvature_every=cfg.get("T", 1),
                 fisher=cfg.get("fisher", "empirical"), kl_clip=cfg.get("kl_clip"), graft=cfg.get("graft"),
-                orthogonalize=cfg.get("orthogonalize", False))
+                orthogonalize=cfg.get("orthogonalize", False), metric=cfg.get("metric"),
+                relative_damping=cfg.get("relative", False))
 
 
 def last_group(net: nn.Module) -> dict[str, Any]:

@@ -127,6 +127,10 @@ class FSDPShards(GlobalBatch):
                              "reduce-scatter allocates anew on every backward, which the graph runner's buffer copy "
                              "does not handle (DTensor has no sharding rule for aten._foreach_copy_); leave it "
                              "False or None (off under FSDP2)")
+        for opt in ("metric", "relative_damping"):
+            if options[opt]:
+                raise ValueError(f"DistributedTENGraD (FSDP2): {opt}={options[opt]!r} is not supported on sharded "
+                                 "parameters; leave it off, or use DDP (DistributedTENGraD on a DDP model runs it)")
         whole = {"graft": "the graft rescales each parameter's update to the norm of SGD's or RMSProp's step over "
                           "the whole parameter",
                  "orthogonalize": "the polar factor is a function of the whole weight matrix"}

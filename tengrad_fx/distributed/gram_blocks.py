@@ -108,10 +108,11 @@ class GramBlocksStep:
         self.push: list[Optional[Tensor]] = []
         self._reduce: Any = None
 
-    def exchange(self, owner: dict[str, int], chol: dict[str, Tensor], damping: Union[float, dict[str, float]]) -> None:
+    def exchange(self, owner: dict[str, int], chol: dict[str, Tensor], damping: Union[float, dict[str, Any]]) -> None:
         """``owner``: layer name -> the rank holding its factor (negative: every rank);
         ``chol``: the factors ``L`` (``[M, M]``, ``L Lᵀ = K + MαI``) held by this rank;
-        ``damping``: ``α``, or each layer's by name."""
+        ``damping``: ``α``, or each layer's by name (a float, or a float64 scalar tensor:
+        :func:`.dampings.block_dampings`)."""
         collective("waiting for J g (gram-blocks)", self._gather.wait)
         m, M, dtype = self.m, self.world * self.m, self.dtype
         cs: dict[str, Tensor] = {}
@@ -153,7 +154,7 @@ class GramBlocksStep:
         for grp, ok, (gw, _) in zip(self.groups, self.push, self.grads):
             # u = β·g + γ·Jᵀc' per layer (push-through scale 1: mean loss), alike on every rank
             alpha = damping if not isinstance(damping, dict) else \
-                torch.tensor([damping[lay.name] for lay in grp.layers], dtype=torch.float64)
+                torch.stack([torch.as_tensor(damping[lay.name], dtype=torch.float64) for lay in grp.layers])
             C, beta, gamma = solve.woodbury_coefficients(torch.stack([cs[lay.name][rows] for lay in grp.layers]),
                                                          alpha, ok, 1.0, gw.dtype)  # C: [L, m]
             self.coefs.append((beta, gamma))

@@ -93,7 +93,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..capture.info import get_info
 from ..curvature.layer import CoveredLayer
 from ..optim.step.mc import check_mask, sample_targets
-from ..optim.step.param_groups import Damping, layer_dampings
+from ..optim.step.param_groups import Damping
 from ..optim.step.result import StepResult
 from ..optim.step.update import finite_flag
 from ..optim.tengrad.distribution import Host, SingleProcess
@@ -101,6 +101,7 @@ from ..optim.tengrad.group_build import build_groups
 from ..optim.tengrad.tengrad import TENGraD
 from ..optim.tengrad.layer_groups import LayerGroup, precondition_groups
 from .comm import all_ok, nccl_backend
+from .dampings import block_dampings, share_scales
 from .fsdp_rows import fully_sharded
 from .gram_blocks import GramBlocksStep
 from .plan import assign_owners, choose_modes, choose_placement, solve_cost
@@ -166,6 +167,7 @@ class GlobalBatch(SingleProcess):
         self._local_groups: list[Any] = []  # LayerGroups over them (every rank)
         self._rebuild_local = False
         self._n_gather = 0  # curvature.groups[:_n_gather]: groups of gather layers; the rest gram-blocks
+        self._scales: dict[str, Tensor] = {}  # gram-blocks layer name -> its damping scale (relative_damping)
 
     # ------------------------------------------------------------------ construction
     def check(self, options: dict[str, Any]) -> None:
@@ -178,10 +180,6 @@ class GlobalBatch(SingleProcess):
                                  "are gathered whole); leave it None, or use TENGraD on one process")
         if options["fisher"] == "gauss-newton":
             raise ValueError("DistributedTENGraD: fisher='gauss-newton' is not supported; use 'empirical' or 'mc'")
-        for opt, named in (("metric", "metric (and metric_beta2)"), ("relative_damping", "relative_damping")):
-            if options[opt]:
-                raise ValueError(f"DistributedTENGraD: {named} is not supported (one process only); leave it off, "
-                                 "or use TENGraD on one process")
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(model, DistributedDataParallel) and not _prepared(model):
@@ -303,6 +301,8 @@ class GlobalBatch(SingleProcess):
             self._local_groups = build_groups(lays, opt.strategy, opt.jacobian_budget, packed=False)[0] \
                 if lays else []
             self._rebuild_local = False
+        device = opt._layers[0].weight.device if opt._layers else torch.device("cpu")
+        self._scales = share_scales(opt.curvature, self.owner, self.modes, self.rank, device, self.sharing.add_bytes)
 
     def precondition(self, opt: Host, push_through: bool, damping: Damping) -> StepResult:
         """``u`` of the gather layers solved here and of every ``gram-blocks`` layer
@@ -323,7 +323,7 @@ class GlobalBatch(SingleProcess):
         alphas = cache.dampings(damping, opt.param_groups)  # float, or [L_total] in the groups' order
         if gather and cache.chol is not None:
             L = sum(len(grp.layers) for grp in gather)
-            out, _ = precondition_groups(gather, cache.chol[:L], push_through, alphas[:L] if isinstance(damping, tuple)
+            out, _ = precondition_groups(gather, cache.chol[:L], push_through, alphas[:L] if isinstance(alphas, Tensor)
                                          else alphas, opt._info.loss_reduction)
         if self.mode != "local" and self.overlap:
             self.sharing.start(opt._layers, self.owner, self.modes, out)  # the owners' u, in flight from here
@@ -332,10 +332,8 @@ class GlobalBatch(SingleProcess):
         if step is not None:
             chol = {lay.name: grp.chol[i] for grp in cache.groups[self._n_gather:] if grp.chol is not None
                     for i, lay in enumerate(grp.layers)}
-            alphas_of = damping if not isinstance(damping, tuple) else \
-                dict(zip([lay.name for lay in opt._layers],
-                         layer_dampings(damping, opt.param_groups, opt._layers).tolist()))
-            step.exchange(self.owner, chol, alphas_of)
+            blocks = [lay for lay in opt._layers if self.modes.get(lay.name) == "gram-blocks"]
+            step.exchange(self.owner, chol, block_dampings(damping, opt.param_groups, blocks, self._scales))
             out.update(step.finish())
         return StepResult(out, cache.ok)
 
@@ -395,8 +393,10 @@ class DistributedTENGraD(TENGraD):
         seed: global seed of the MC Fisher's label sampling (per-rank seeds :func:`mc_seed`).
         **kwargs: TENGraD's options (``cuda_graph``: reuse steps replayed as CUDA graphs,
             collectives included, default on for NCCL and CUDA parameters, module docstring;
-            ``compile``, ``curvature_samples``, ``position_rows`` and ``fisher="gauss-newton"`` are not supported:
-            ``ValueError``).
+            ``metric`` and ``relative_damping`` as on one process, the metric's records scaled
+            before they move and each ``gram-blocks`` layer's relative-damping scale broadcast
+            by its owner (:mod:`.dampings`); ``compile``, ``curvature_samples``, ``position_rows``
+            and ``fisher="gauss-newton"`` are not supported: ``ValueError``).
     """
 
     distribution: GlobalBatch

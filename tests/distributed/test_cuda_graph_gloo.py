@@ -1,7 +1,8 @@
 """``DistributedTENGraD(cuda_graph=True)`` on 2 gloo ranks (spawned, CPU, float64): the
 graph path of the reuse steps (static gradient buffers, the graph runner, refilled factors)
 runs eagerly off CUDA, and every step's parameters equal ``cuda_graph=False``'s bit for bit,
-in the modes gather, gram-blocks, auto (mixed) and local, empirical and MC, ``T = 3``.
+in the modes gather, gram-blocks, auto (mixed; also with ``metric`` and ``relative_damping``)
+and local, empirical and MC, ``T = 3``.
 The reuse steps read nothing back from the device (:class:`~tengrad_fx.utils.dispatch.SyncCounter`)
 and draw no probe coordinates, so on NCCL they can be captured; the CUDA replay itself is
 checked in ``test_cuda_graphs_dist.py``."""
@@ -28,6 +29,8 @@ CASES = {
     "auto-mc": dict(model="cnn", mode="auto", fisher="mc"),
     "local-empirical": dict(model="mlp", mode="local", fisher="empirical"),
     "gather-one-layer": dict(model="linear", mode="gather", fisher="empirical"),  # rank 1 owns no layer
+    "auto-metric-relative": dict(model="cnn", mode="auto", fisher="empirical",
+                                 opts=dict(metric="kronecker", relative_damping=True)),
 }
 
 
@@ -54,7 +57,7 @@ def _run(rank: int, world: int, case: dict[str, Any], cuda_graph: bool) -> dict[
     ddp = DDP(net)
     opt = DistributedTENGraD(ddp, lr=0.1, damping=0.05, mode=case["mode"], placement="owner", bandwidth=1e9,
                              flop_rate=1e10, curvature_every=T, fisher=case["fisher"], kl_clip=0.01,
-                             weight_decay=1e-3, cuda_graph=cuda_graph)
+                             weight_decay=1e-3, cuda_graph=cuda_graph, **case.get("opts", {}))
     traj, syncs, probe_moved = [flat_params(net)], [], []
     for k in range(STEPS):
         x, y = global_batch(kind, world * M_LOCAL, k)
@@ -151,7 +154,7 @@ def test_cases_cover_the_modes(ranks: list[dict[str, Any]]) -> None:
     r = ranks[0]
     assert r["gram-blocks-empirical"][True]["probe_moved"][T] and r["auto-empirical"][True]["probe_moved"][T]
     assert not any(r["gram-blocks-mc"][True]["probe_moved"])  # MC: no push-through, no probe
-    assert r["auto-empirical"][True]["modes"] == ["gather", "gram-blocks"]
+    assert r["auto-empirical"][True]["modes"] == r["auto-metric-relative"][True]["modes"] == ["gather", "gram-blocks"]
     assert r["gram-blocks-empirical"][True]["modes"] == ["gram-blocks"]
     assert r["gather-mc"][True]["modes"] == ["gather"]
     assert r["gather-one-layer"][True]["owners"] == [0]  # rank 1 holds no factor, yet takes the graph path

@@ -35,6 +35,8 @@ TWO = {
     "cnn-auto-mixed": dict(model="cnn", m=3, steps=4, T=2, mode="auto", bandwidth=1e9, flop_rate=1e10),
     "mlp-blocks-10": dict(model="mlp", m=3, steps=10, T=3, mode="gram-blocks", fisher="mc"),
     "mlp3-blocks-equal-shapes": dict(model="mlp3", m=3, steps=4, T=2, mode="gram-blocks"),
+    "cnn-auto-mixed-relative-kronecker": dict(model="cnn", m=3, steps=4, T=2, mode="auto", bandwidth=1e9,
+                                              flop_rate=1e10, relative=True, metric="kronecker", placement="auto"),
     "cnn-auto-mixed-sequential": dict(model="cnn", m=3, steps=4, T=2, mode="auto", bandwidth=1e9, flop_rate=1e10,
                                       sequential=True),
     "mlp-groups-gather": dict(model="mlp", m=3, steps=4, T=2, groups=True, kl_clip=0.01),  # lr/α/μ per group
@@ -235,6 +237,16 @@ def test_auto_mode_mixes_gather_and_gram_blocks(two: dict[str, Any], three: dict
                         world, cfg["bandwidth"], cfg["flop_rate"], recs, cfg["T"])
     assert [plan[lay.name]["mode"] for lay in lays] == want
     assert want[0] == "gram-blocks" and want[-1] == "gather"
+
+
+def test_relative_damping_and_metric_with_mixed_modes(two: dict[str, Any]) -> None:
+    """``relative_damping`` and ``metric`` with gather and gram-blocks layers in one step
+    (each rank's gather layers and every gram-blocks layer take their own ``α_l``), owned
+    and replicated layers (placement ``"auto"``); its
+    update equals the global one (``test_two_ranks_equal_global_batch``)."""
+    plan = two["ranks"]["cnn-auto-mixed-relative-kronecker"][0]["plan"]
+    assert {v["mode"] for v in plan.values()} == {"gather", "gram-blocks"}
+    assert {v["placement"] for v in plan.values()} == {"owner", "replicate"}
 
 
 def test_overlap_changes_no_bit(two: dict[str, Any]) -> None:

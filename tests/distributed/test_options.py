@@ -10,6 +10,7 @@ option added to ``TENGraD`` cannot go untested (or silently ignored) on the dist
 from __future__ import annotations
 
 import inspect
+import io
 from pathlib import Path
 from typing import Any, Optional
 
@@ -17,6 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tengrad_fx import Metric
 from testing.dist_workers import flat_params, global_batch, make_model
 from testing.distributed import run_ranks
 
@@ -38,6 +40,29 @@ RUNS: dict[str, dict[str, Any]] = {
     "params-groups": dict(steps=4, opts=dict(curvature_every=2, params="two-groups")),
     "grad-scaler": dict(steps=4, scaler=True, opts=dict(curvature_every=2, fisher="mc")),
     "cuda-graph-gram-blocks": dict(steps=6, mode="gram-blocks", opts=dict(curvature_every=3, cuda_graph=True)),
+    "metric-factored-T1": dict(steps=3, opts=dict(curvature_every=1, metric=Metric("factored", beta2=0.9))),
+    "metric-factored-gram-blocks-T2": dict(steps=4, mode="gram-blocks", opts=dict(curvature_every=2,
+                                                                                  metric="factored")),
+    "metric-kronecker-T2": dict(steps=4, opts=dict(curvature_every=2, metric=Metric("kronecker", beta2=0.9),
+                                                   kl_clip=None)),
+    "metric-kronecker-gram-blocks-T1": dict(steps=3, mode="gram-blocks", opts=dict(curvature_every=1,
+                                                                                   metric="kronecker")),
+    "relative-T2": dict(steps=4, opts=dict(curvature_every=2, relative_damping=True)),
+    "relative-gram-blocks-T1": dict(steps=3, mode="gram-blocks", opts=dict(curvature_every=1, update_form="woodbury",
+                                                                           relative_damping=True, kl_clip=None)),
+    # per-group α times the relative scale; the damping changes at a reuse step (refactorized there)
+    "relative-groups-damping-gram-blocks-T2": dict(steps=4, mode="gram-blocks", damping_at={3: 0.2},
+                                                   opts=dict(curvature_every=2, relative_damping=True,
+                                                             params="two-groups")),
+    "relative-groups-damping-gather-T2": dict(steps=4, damping_at={3: 0.2},
+                                              opts=dict(curvature_every=2, relative_damping=True,
+                                                        params="two-groups", metric="factored")),
+    # state_dict saved after step 2, loaded into a new optimizer (and model) that takes steps 3 and 4
+    "kronecker-relative-resume-gram-blocks-T1": dict(steps=4, mode="gram-blocks", resume_at=2,
+                                                     opts=dict(curvature_every=1, metric=Metric("kronecker", beta2=0.5),
+                                                               fisher="mc", relative_damping=True)),
+    "factored-relative-resume-gather-T1": dict(steps=4, resume_at=2, opts=dict(
+        curvature_every=1, metric=Metric("factored", beta2=0.5), relative_damping=True)),
 }
 REFUSED: dict[str, dict[str, Any]] = {
     "compile": dict(compile=True),
@@ -45,8 +70,6 @@ REFUSED: dict[str, dict[str, Any]] = {
     "position_rows": dict(position_rows=64),
     "fisher": dict(fisher="gauss-newton"),
     "distribution": dict(distribution="single-process"),
-    "metric": dict(metric="factored"),
-    "relative_damping": dict(relative_damping=True),
 }
 COVERED = {
     "momentum": "warmup", "weight_decay": "warmup", "curvature_every": "warmup", "curvature_warmup": "warmup",
@@ -58,7 +81,7 @@ COVERED = {
     "jacobian_budget_mb": "mc-mse-materialize", "strategy": "mc-mse-materialize",
     "compile": "refused", "cuda_graph": "cuda-graph-gram-blocks", "gram_tf32": "tf32-no-graph-no-momentum",
     "grad_scaler": "grad-scaler", "params": "params-groups", "distribution": "refused",
-    "metric": "refused", "relative_damping": "refused",
+    "metric": "metric-kronecker-gram-blocks-T1", "relative_damping": "relative-gram-blocks-T1",
 }
 
 
@@ -78,10 +101,17 @@ def _options(net: torch.nn.Module, opts: dict[str, Any], scaler: Optional[Any]) 
 
 
 def _train(opt: Any, net: torch.nn.Module, fwd: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
-           scaler: Optional[Any], targets: Optional[list[Optional[torch.Tensor]]] = None) -> dict[str, Any]:
-    """Steps over ``batches``: parameters after each, curvature flags, the MC targets drawn."""
+           scaler: Optional[Any], targets: Optional[list[Optional[torch.Tensor]]] = None,
+           damping_at: Optional[dict[int, float]] = None, resume: Optional[tuple[int, Any]] = None) -> dict[str, Any]:
+    """Steps over ``batches``: parameters after each, curvature flags, the MC targets drawn.
+    ``damping_at``: step -> the damping of every param group from that step on; ``resume``:
+    ``(k, remake)``: before step ``k``, ``(opt, net, fwd) = remake(opt, net)``."""
     traj, curv, drawn = [flat_params(net)], [], []
     for k, (x, y) in enumerate(batches):
+        if resume is not None and k == resume[0]:
+            opt, net, fwd = resume[1](opt, net)
+        for group in opt.param_groups if damping_at and k in damping_at else []:
+            group["damping"] = damping_at[k]  # type: ignore[index]
         curv.append(opt._is_curvature_step())
         out = fwd(x)
         loss = F.cross_entropy(out, y)
@@ -124,8 +154,28 @@ def option_ranks(rank: int, world: int, runs: dict[str, dict[str, Any]], refused
                                  **_options(net, run["opts"], scaler))
         batches = [global_batch("mlp", world * m, k) for k in range(run["steps"])]
         batches = [(x[rank * m:(rank + 1) * m], y[rank * m:(rank + 1) * m]) for x, y in batches]
-        out["runs"][name] = _train(opt, net, ddp, batches, scaler)
+        resume = (run["resume_at"], lambda o, n, r=run: _reloaded(o, n, r)) if "resume_at" in run else None
+        out["runs"][name] = _train(opt, net, ddp, batches, scaler, damping_at=run.get("damping_at"), resume=resume)
     return out
+
+
+def _reloaded(opt: Any, net: torch.nn.Module, run: dict[str, Any]) -> tuple[Any, torch.nn.Module, torch.nn.Module]:
+    """A new model and ``DistributedTENGraD`` loaded from ``net``'s and ``opt``'s state dicts
+    (through ``torch.save``)."""
+    import tengrad_fx
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from tengrad_fx.distributed import DistributedTENGraD
+    buf = io.BytesIO()
+    torch.save({"model": net.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    new = tengrad_fx.prepare(make_model("mlp"))
+    new.load_state_dict(saved["model"])
+    ddp = DDP(new)
+    opt = DistributedTENGraD(ddp, mode=run.get("mode", "gather"), placement="owner", **BASE,
+                             **_options(new, run["opts"], None))
+    opt.load_state_dict(saved["opt"])
+    return opt, new, ddp
 
 
 def _single(run: dict[str, Any], M: int, targets: list[Optional[torch.Tensor]]) -> dict[str, Any]:
@@ -134,7 +184,7 @@ def _single(run: dict[str, Any], M: int, targets: list[Optional[torch.Tensor]]) 
     scaler = torch.amp.GradScaler("cpu", init_scale=16.0) if run.get("scaler") else None
     opt = tengrad_fx.TENGraD(net, **BASE, **_options(net, run["opts"], scaler))
     batches = [global_batch("mlp", M, k) for k in range(run["steps"])]
-    return _train(opt, net, net, batches, scaler, targets)
+    return _train(opt, net, net, batches, scaler, targets, damping_at=run.get("damping_at"))
 
 
 @pytest.fixture(scope="module")

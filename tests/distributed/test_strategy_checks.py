@@ -81,8 +81,8 @@ def test_check_reads_only_the_options_it_is_given(cls: type) -> None:
 
 REFUSED = [
     (GlobalBatch, "compile", True), (GlobalBatch, "curvature_samples", 4), (GlobalBatch, "position_rows", 8),
-    (GlobalBatch, "fisher", "gauss-newton"), (GlobalBatch, "metric", "factored"),
-    (GlobalBatch, "relative_damping", True),
+    (GlobalBatch, "fisher", "gauss-newton"), (FSDPShards, "metric", "factored"), (FSDPShards, "metric", "kronecker"),
+    (FSDPShards, "relative_damping", True),
     (FSDPShards, "graft", "sgd"), (FSDPShards, "graft", "rmsprop"), (FSDPShards, "orthogonalize", "newton-schulz"),
     (FSDPShards, "orthogonalize", True), (FSDPShards, "cuda_graph", True), (FSDPShards, "compile", True),
 ]
@@ -95,8 +95,16 @@ def test_refused_option_is_named(cls: type, name: str, value: Any) -> None:
         cls.check(object.__new__(cls), given)
 
 
+@pytest.mark.parametrize("name, value", [("metric", "factored"), ("metric", "kronecker"),
+                                         ("relative_damping", True)])
+def test_global_batch_runs_the_metric_and_relative_damping(name: str, value: Any) -> None:
+    """DDP's strategy accepts them (``tests/distributed/test_options.py`` checks their updates)."""
+    GlobalBatch.check(object.__new__(GlobalBatch), {**_options(), name: value})
+
+
 FSDP_REFUSED = {"graft": dict(graft="sgd"), "orthogonalize": dict(orthogonalize="newton-schulz"),
-                "cuda_graph": dict(cuda_graph=True)}
+                "cuda_graph": dict(cuda_graph=True), "metric": dict(metric="kronecker"),
+                "relative_damping": dict(relative_damping=True)}
 
 
 def test_fsdp2_refuses_at_construction(tmp_path: Path) -> None:

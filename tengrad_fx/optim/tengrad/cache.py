@@ -18,7 +18,7 @@ from ...curvature.layer import CoveredLayer
 from ..step.param_groups import Damping, layer_dampings
 from .layer_groups import LayerGroup, tf32_matmuls
 
-__all__ = ["CurvatureCache"]
+__all__ = ["CurvatureCache", "relative_dampings", "relative_scales", "scaled_dampings"]
 
 
 class CurvatureCache:
@@ -32,7 +32,8 @@ class CurvatureCache:
         ok: device ``bool``: every cached factor is valid.
         damping: the damping ``chol`` was factorized with.
         relative: each layer's ``α_l = α·tr(K_l)/m²`` (:func:`relative_dampings`), kept in
-            :attr:`alphas` ``[L_total]``.
+            :attr:`alphas` ``[L_total]``; the scales ``tr(K_l)/m²`` in :attr:`scales`
+            ``[L_total]`` (None without ``relative`` or layers).
         sched: the schedule count of the last curvature step.
         recapture: the next step takes curvature whatever the schedule (a skipped one was seen).
         version: bumped when a static tensor of a captured step is replaced.
@@ -41,6 +42,7 @@ class CurvatureCache:
     def __init__(self, solve_dtype: Optional[torch.dtype], gram_tf32: bool, static: bool, relative: bool = False):
         self.solve_dtype, self.gram_tf32, self.static, self.relative = solve_dtype, gram_tf32, static, relative
         self.alphas: Optional[Tensor] = None
+        self.scales: Optional[Tensor] = None
         self.groups: list[Any] = []
         self.K: list[Tensor] = []
         self.chol: Optional[Tensor] = None
@@ -86,7 +88,7 @@ class CurvatureCache:
         the most, ``position_rows``, zero-padded: :mod:`tengrad_fx.solve.ragged`)."""
         groups: list[LayerGroup] = self.groups
         old_chol, old_ok = self.chol, self.ok
-        self.chol, self.ok = None, None
+        self.chol, self.ok, self.scales = None, None, None
         if groups:
             ms = [grp.m for grp in groups for _ in grp.layers]
             M = max(ms)
@@ -95,7 +97,8 @@ class CurvatureCache:
             m: Any = M if min(ms) == M else torch.tensor(ms, dtype=torch.float64, device=K.device)
             alphas = layer_dampings(damping, param_groups, self.layers())
             if self.relative:
-                alphas = self._relative(K, alphas, m)
+                self.scales = relative_scales(K, m)
+                alphas = self._relative(alphas, self.scales)
             chol, ok = solve.damped_cholesky_ex(K, m * alphas, self.solve_dtype)
             ok = ok.all()
             if self.static and old_chol is not None and old_ok is not None and old_chol.shape == chol.shape \
@@ -136,10 +139,10 @@ class CurvatureCache:
             return self.alphas
         return layer_dampings(damping, param_groups, self.layers())
 
-    def _relative(self, K: Tensor, alphas: Any, m: Any) -> Tensor:
-        """:func:`relative_dampings`, into :attr:`alphas` in place where it has their shape
+    def _relative(self, alphas: Any, scales: Tensor) -> Tensor:
+        """:func:`scaled_dampings`, into :attr:`alphas` in place where it has their shape
         (a captured reuse step reads the same storage)."""
-        new = relative_dampings(K, alphas, m)
+        new = scaled_dampings(alphas, scales)
         if self.alphas is not None and self.alphas.shape == new.shape and self.alphas.device == new.device:
             return self.alphas.copy_(new)
         self.alphas = new
@@ -152,7 +155,19 @@ def relative_dampings(K: Tensor, alphas: Any, m: Any = None) -> Tensor:
     floored at the least positive float64. ``tr(K_l)/m²`` is the mean of the ``m``
     eigenvalues of ``F_l = J_lᵀJ_l/m`` on the rows' span, so ``α`` is relative to each
     layer's own curvature (K-FAC's trace-normalized damping)."""
+    return scaled_dampings(alphas, relative_scales(K, m))
+
+
+def relative_scales(K: Tensor, m: Any = None) -> Tensor:
+    """``[L]`` float64: ``tr(K_l)/m²`` of the Grams ``K [L, m, m]`` (``m`` as in
+    :func:`relative_dampings`), the factor :func:`scaled_dampings` applies to ``α``."""
     m = K.shape[-1] if m is None else m
-    mean_eig = K.diagonal(dim1=-2, dim2=-1).sum(-1).to(torch.float64) / (m * m)
-    scale = alphas.to(K.device) if isinstance(alphas, Tensor) else alphas
-    return (scale * mean_eig).clamp_min(torch.finfo(torch.float64).tiny)
+    return K.diagonal(dim1=-2, dim2=-1).sum(-1).to(torch.float64) / (m * m)
+
+
+def scaled_dampings(alphas: Any, scales: Tensor) -> Tensor:
+    """``α_l·s_l`` (``alphas``: ``α``, ``[L]`` or one layer's; ``scales`` the
+    :func:`relative_scales` alike), floored at the least positive float64: the same bits
+    wherever the same ``α`` and ``s`` meet (a distributed layer's solver and every rank)."""
+    scale = alphas.to(scales.device) if isinstance(alphas, Tensor) else alphas
+    return (scale * scales).clamp_min(torch.finfo(torch.float64).tiny)

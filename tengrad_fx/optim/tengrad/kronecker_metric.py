@@ -34,8 +34,7 @@ two for ``S ũ`` per weight, on the device, with no host read; the eigensolver's
 read per shape falls on curvature steps, which run eagerly, so reuse steps replay as CUDA
 graphs. State of each covered weight: ``metric_L``, ``metric_R`` (``[n, n]``, or ``[n]``
 for a diagonal side; the weight's dtype) and the fixed ``metric_scale_L`` / ``metric_scale_R``.
-One process only
-(``DistributedTENGraD`` refuses it).
+Under DDP ``DistributedTENGraD`` runs it as :mod:`.metric` says of ``"factored"``.
 """
 from __future__ import annotations
 

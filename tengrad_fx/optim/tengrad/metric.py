@@ -14,7 +14,9 @@ mean 1 is ``a_i b_j`` with ``a = √r / mean(√r)`` and ``b = √c / mean(√c)
 State of each covered weight: ``metric_rows`` ``[R]``, ``metric_cols`` ``[C]``, and the fixed
 ``metric_scale_rows`` / ``metric_scale_cols`` (``S``'s factors). Reuse steps replay as CUDA
 graphs as before; curvature steps take the modular path (no fused update under ``compile``).
-One process only (``DistributedTENGraD`` refuses it).
+``DistributedTENGraD`` under DDP runs it as here: the moments come from the averaged gradient
+(the same on every rank), and each rank scales its own records before they move
+(docs/distributed.md); FSDP2 refuses it.
 """
 from __future__ import annotations
 
