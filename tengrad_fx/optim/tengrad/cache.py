@@ -18,7 +18,7 @@ from ...curvature.layer import CoveredLayer
 from ..step.param_groups import Damping, layer_dampings
 from .layer_groups import LayerGroup, tf32_matmuls
 
-__all__ = ["CurvatureCache", "relative_dampings", "relative_scales", "scaled_dampings"]
+__all__ = ["CurvatureCache", "relative_scales", "scaled_dampings"]
 
 
 class CurvatureCache:
@@ -31,7 +31,7 @@ class CurvatureCache:
         chol: ``[L_total, m, m]``: every layer's factor, group order (None: none cached).
         ok: device ``bool``: every cached factor is valid.
         damping: the damping ``chol`` was factorized with.
-        relative: each layer's ``α_l = α·tr(K_l)/m²`` (:func:`relative_dampings`), kept in
+        relative: each layer's ``α_l = α·tr(K_l)/m²`` (:func:`relative_scales`, :func:`scaled_dampings`), kept in
             :attr:`alphas` ``[L_total]``; the scales ``tr(K_l)/m²`` in :attr:`scales`
             ``[L_total]`` (None without ``relative`` or layers).
         sched: the schedule count of the last curvature step.
@@ -149,18 +149,12 @@ class CurvatureCache:
         return new
 
 
-def relative_dampings(K: Tensor, alphas: Any, m: Any = None) -> Tensor:
-    """``[L]`` float64: ``α_l·tr(K_l)/m²`` for the Grams ``K [L, m, m]`` (``alphas``: ``α``, or
-    ``[L]``; ``m``: the rows, ``K``'s size by default, or ``[L]`` for zero-padded Grams),
-    floored at the least positive float64. ``tr(K_l)/m²`` is the mean of the ``m``
-    eigenvalues of ``F_l = J_lᵀJ_l/m`` on the rows' span, so ``α`` is relative to each
-    layer's own curvature (K-FAC's trace-normalized damping)."""
-    return scaled_dampings(alphas, relative_scales(K, m))
-
-
 def relative_scales(K: Tensor, m: Any = None) -> Tensor:
-    """``[L]`` float64: ``tr(K_l)/m²`` of the Grams ``K [L, m, m]`` (``m`` as in
-    :func:`relative_dampings`), the factor :func:`scaled_dampings` applies to ``α``."""
+    """``[L]`` float64: ``tr(K_l)/m²`` of the Grams ``K [L, m, m]`` (``m``: the rows, ``K``'s
+    size by default, or ``[L]`` for zero-padded Grams), the factor :func:`scaled_dampings`
+    applies to ``α``. ``tr(K_l)/m²`` is the mean of the ``m`` eigenvalues of ``F_l = J_lᵀJ_l/m``
+    on the rows' span, so ``α_l = α·tr(K_l)/m²`` is relative to each layer's own curvature
+    (K-FAC's trace-normalized damping)."""
     m = K.shape[-1] if m is None else m
     return K.diagonal(dim1=-2, dim2=-1).sum(-1).to(torch.float64) / (m * m)
 

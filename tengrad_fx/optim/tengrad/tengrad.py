@@ -101,7 +101,7 @@ class TENGraD(StepSkeleton):
             EMA factor: ``Metric("factored", beta2=0.9)`` (:class:`~.metric.Metric`; default 0.99).
         relative_damping: each layer's ``α_l = α·tr(F_l)/m`` on the rows' span (``tr(K_l)/m²``: the
             mean of ``F_l``'s ``m`` eigenvalues there), so ``α`` is relative to the layer's own scale
-            (:func:`.cache.relative_dampings`); False: ``α`` as given (the paper's).
+            (:func:`.cache.relative_scales`); False: ``α`` as given (the paper's).
         curvature_samples: ``k``: the curvature of the first ``k`` samples of each curvature batch
             (:mod:`.subsample`; reuse steps cost ``∝ k``); every update is ``(F_k + αI)⁻¹ g``. None: all.
         position_rows: ``k``: Linear and Embedding layers over sequences take ``k`` rows drawn from
