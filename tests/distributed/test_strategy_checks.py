@@ -82,8 +82,7 @@ REFUSED = [
     (GlobalBatch, "compile", True), (GlobalBatch, "curvature_samples", 4), (GlobalBatch, "position_rows", 8),
     (GlobalBatch, "fisher", "gauss-newton"), (GlobalBatch, "metric", "factored"),
     (GlobalBatch, "relative_damping", True),
-    (FSDPShards, "graft", "sgd"), (FSDPShards, "graft", "rmsprop"), (FSDPShards, "orthogonalize", "newton-schulz"),
-    (FSDPShards, "orthogonalize", True), (FSDPShards, "cuda_graph", True), (FSDPShards, "compile", True),
+    (FSDPShards, "cuda_graph", True), (FSDPShards, "compile", True),
 ]
 
 
@@ -94,8 +93,16 @@ def test_refused_option_is_named(cls: type, name: str, value: Any) -> None:
         cls.check(object.__new__(cls), given)
 
 
-FSDP_REFUSED = {"graft": dict(graft="sgd"), "orthogonalize": dict(orthogonalize="newton-schulz"),
-                "cuda_graph": dict(cuda_graph=True)}
+@pytest.mark.parametrize("cls", [GlobalBatch, FSDPShards])
+@pytest.mark.parametrize("shaping", [dict(graft="sgd"), dict(graft="rmsprop", orthogonalize=True),
+                                     dict(orthogonalize="newton-schulz", orthogonalize_momentum=True)])
+def test_shaping_is_accepted(cls: type, shaping: dict[str, Any]) -> None:
+    """``graft``, ``orthogonalize`` and ``orthogonalize_momentum`` pass every distributed
+    check (FSDP2: on the row shards, ``tests/distributed/test_fsdp2_polar.py``)."""
+    cls.check(object.__new__(cls), {**_options(), **shaping})
+
+
+FSDP_REFUSED = {"cuda_graph": dict(cuda_graph=True)}
 
 
 def test_fsdp2_refuses_at_construction(tmp_path: Path) -> None:
