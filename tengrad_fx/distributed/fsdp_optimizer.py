@@ -91,7 +91,8 @@ class FSDPTENGraD(DistributedTENGraD):
         ``get_optimizer_state_dict`` keeps: the counters ride in the first param group
         (``"tengrad"``), not in ``state``, and every parameter of a group with momentum has
         a ``momentum_buffer`` (a DTensor of its placements; zeros before its first step,
-        which the first step's ``buf = μ·0 + d`` makes ``d`` as without one), so a fresh
+        which the first step's ``buf = μ·0 + d`` makes ``d`` as without one), and the
+        shaping's state likewise (:meth:`.fsdp_shaping.ShardedShaping.template`), so a fresh
         optimizer's state dict is the template that loads a saved one on any mesh."""
         sd = super().state_dict()
         state = dict(sd["state"])
@@ -99,8 +100,11 @@ class FSDPTENGraD(DistributedTENGraD):
         pid = 0
         for group in self.param_groups:
             for p in group["params"]:
-                if group["momentum"] and "momentum_buffer" not in state.get(pid, {}):
-                    state[pid] = {**state.get(pid, {}), "momentum_buffer": torch.zeros_like(p)}
+                fresh = dict(self.shaping.template(p, group))
+                if group["momentum"]:
+                    fresh["momentum_buffer"] = torch.zeros_like(p)
+                if fresh:
+                    state[pid] = {**fresh, **state.get(pid, {})}
                 pid += 1
         groups = [dict(g) for g in sd["param_groups"]]
         groups[0]["tengrad"] = counters

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..optim.step.update import finite_flag
-from ..optim.tengrad.graft import GRAFT_BETA2, GRAFT_EPS, graft_updates, orthogonalize_updates
-from ..optim.tengrad.shaping import UpdateShaping
+from ..optim.tengrad.graft import GRAFT_BETA2, GRAFT_EPS, GRAFT_SQ, GRAFT_T, graft_updates, orthogonalize_updates
+from ..optim.tengrad.shaping import POLAR_MOMENTUM, UpdateShaping
 from .comm import all_ok, collective
 from .fsdp_rows import like, local, row_chunk, row_range
 from .plan import polar_owners
@@ -60,6 +60,17 @@ class ShardedShaping(UpdateShaping):
                 if k not in state.get(p, {}):
                     state[p][k] = like(p, v) if isinstance(v, Tensor) and v.ndim == p.ndim and v.ndim else v
         return out
+
+    def template(self, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
+        """The shaping state of ``p`` (a parameter of ``group``) before its first step, as
+        zeros, which the first step reads as it reads none: Muon's momentum of an
+        orthogonalized weight, RMSProp's ``v`` and ``t`` of a grafted parameter (a template
+        that ``torch.distributed.checkpoint`` loads a saved state into)."""
+        if self.orthogonalize and group.get("orthogonalize", True) and p.ndim >= 2:
+            return {POLAR_MOMENTUM: torch.zeros_like(p)} if self.momentum_first else {}
+        if self.graft == "rmsprop":
+            return {GRAFT_SQ: torch.zeros_like(p), GRAFT_T: torch.zeros((), dtype=p.dtype, device=local(p).device)}
+        return {}
 
     def _graft(self, updates: dict[Tensor, Tensor], kept: list[Tensor], state: Any) -> dict[Tensor, Tensor]:
         """:func:`~tengrad_fx.optim.tengrad.graft.graft_updates` on the local shards, the

@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 import pytest
+import torch
 
 from tengrad_fx.distributed.plan import polar_owners, polar_work
 from testing.distributed import run_ranks
@@ -32,13 +33,19 @@ CFGS = {
                                                 orthogonalize_momentum=True)),
 }
 PROBE = dict(model="polar-probe")
+SHAPED = dict(model="mlp", m=3, T=1, mode="gather",
+              opts=dict(graft="rmsprop", orthogonalize="newton-schulz", orthogonalize_momentum=True))
+RESUME = {"full": dict(SHAPED, steps=4), "save": dict(SHAPED, steps=2),  # + save (fixture)
+          "resume": dict(SHAPED, steps=2, start=2)}  # + load (fixture)
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    res = run_ranks(train_fsdp, WORLD, tmp_path_factory.mktemp("fsdp2_polar"), [*CFGS.values(), PROBE],
+    ckpt = str(tmp_path_factory.mktemp("fsdp2_polar_ckpt") / "ckpt")
+    resume = [RESUME["full"], dict(RESUME["save"], save=ckpt), dict(RESUME["resume"], load=ckpt)]
+    res = run_ranks(train_fsdp, WORLD, tmp_path_factory.mktemp("fsdp2_polar"), [*CFGS.values(), PROBE, *resume],
                     timeout=600)
-    return {name: [r[i] for r in res] for i, name in enumerate([*CFGS, "probe"])}
+    return {name: [r[i] for r in res] for i, name in enumerate([*CFGS, "probe", *RESUME])}
 
 
 @pytest.mark.parametrize("name", list(CFGS))
@@ -98,3 +105,13 @@ def test_owner_polar_is_bit_exact(ranks: dict[str, list[dict[str, Any]]]) -> Non
             assert res["owners"] == owners
             assert all(res["equal"]), (method, r, res["equal"])
             assert sorted(res["calls"]) == sorted(s for s, o in zip(shapes, owners) if o == r)
+
+
+def test_checkpoint_keeps_the_shaping_state(ranks: dict[str, list[dict[str, Any]]]) -> None:
+    """RMSProp's moments and Muon's momentum (DTensors of the weights' placements) go through
+    a DCP checkpoint: saved after 2 steps and loaded, the run continues bit for bit as the
+    uninterrupted one (``T = 1``: the curvature, not saved, is taken anew either way)."""
+    full, resumed = ranks["full"][0]["traj"], ranks["resume"][0]["traj"]
+    assert all(torch.equal(resumed[0][n], full[2][n]) for n in full[0])
+    for k in (1, 2):
+        assert all(torch.equal(resumed[k][n], full[2 + k][n]) for n in full[0]), f"step {k}"

@@ -41,11 +41,12 @@ from ... import solve
 from ..step.checks import check_choice
 from ..step.update import finite_flag, zeroed_unless
 
-__all__ = ["GRAFTS", "GRAFT_BETA2", "GRAFT_EPS", "ORTHO_RMS", "POLAR_METHODS", "check_graft",
+__all__ = ["GRAFTS", "GRAFT_SQ", "GRAFT_T", "GRAFT_BETA2", "GRAFT_EPS", "ORTHO_RMS", "POLAR_METHODS", "check_graft",
            "check_group_orthogonalize", "check_orthogonalize", "graft_updates", "orthogonalize_updates",
            "orthogonalized"]
 
 GRAFTS = ("sgd", "rmsprop")
+GRAFT_SQ, GRAFT_T = "graft_sq", "graft_t"  # the state keys of RMSProp's v and t
 GRAFT_BETA2, GRAFT_EPS = 0.999, 1e-8  # Adam's
 ORTHO_RMS = 0.2  # per-entry RMS of an orthogonalized update (Moonlight's match to AdamW)
 POLAR_METHODS = ("eigh", "newton-schulz")
@@ -74,11 +75,11 @@ def _rmsprop_directions(grads: list[Tensor], state: Any, params: list[Tensor], b
     number of ``_foreach`` launches, whatever the number of parameters."""
     for p, g in zip(params, grads):
         st = state[p]
-        if "graft_sq" not in st:
-            st["graft_sq"] = torch.zeros_like(g)
-            st["graft_t"] = torch.zeros((), dtype=g.dtype, device=g.device)
-    vs = [state[p]["graft_sq"] for p in params]
-    ts = [state[p]["graft_t"] for p in params]
+        if GRAFT_SQ not in st:
+            st[GRAFT_SQ] = torch.zeros_like(g)
+            st[GRAFT_T] = torch.zeros((), dtype=g.dtype, device=g.device)
+    vs = [state[p][GRAFT_SQ] for p in params]
+    ts = [state[p][GRAFT_T] for p in params]
     if ok is None:
         ok = finite_flag(grads)
     if ok is None:  # only empty gradients
