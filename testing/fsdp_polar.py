@@ -82,7 +82,8 @@ def polar_probe(rank: int, world: int) -> dict[str, Any]:
     weight leaves rank 1 none; two weights of one shape; a float32 one) per method, and
     whether this rank's rows equal, bit for bit, those of the single-process function
     (:func:`tengrad_fx.optim.tengrad.graft.orthogonalize_updates`) on the whole updates;
-    the matrices it orthogonalized (:func:`counting_polar`) and the owners."""
+    the matrices it orthogonalized (:func:`counting_polar`), the owners and the bytes it
+    sent per weight."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -95,12 +96,18 @@ def polar_probe(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for method in ("eigh", "newton-schulz"):
         local = {p: u[slice(*_rows(p))].clone() for p, u in zip(weights, fulls)}
+        sent: dict[int, int] = {}
         with counting_polar() as calls:
-            got, owners = owner_polar(local, weights, method, dist.group.WORLD, rank, world)
+            got, owners = owner_polar(local, weights, method, dist.group.WORLD, rank, world,
+                                      lambda p, n, sent=sent: sent.update({_index(weights, p): n}))
         ref = orthogonalize_updates(dict(zip(weights, fulls)), method)
         out[method] = {"equal": [torch.equal(got[p], ref[p][slice(*_rows(p))]) for p in weights],
-                       "calls": calls, "owners": owners}
+                       "calls": calls, "owners": owners, "sent": [sent[i] for i in range(len(weights))]}
     return out
+
+
+def _index(ts: list[torch.Tensor], t: torch.Tensor) -> int:
+    return next(i for i, x in enumerate(ts) if x is t)
 
 
 def _rows(p: torch.Tensor) -> tuple[int, int]:

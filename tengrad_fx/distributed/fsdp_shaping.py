@@ -22,7 +22,7 @@ param-group opt-outs) runs on those local rows, except for what needs a whole pa
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -101,7 +101,7 @@ class ShardedShaping(UpdateShaping):
         assert self.orthogonalize
         sh = self.shards
         out, owners = owner_polar(updates, polar, self.orthogonalize, sh.shard_group, sh._coords[sh.rank],
-                                  sh._shards)
+                                  sh._shards, sh.sharing.add_param_bytes)
         self.owners = dict(zip(polar, owners))
         return {**updates, **out}
 
@@ -111,12 +111,14 @@ def _local_grad(p: Tensor) -> Optional[Tensor]:
 
 
 def owner_polar(updates: dict[Tensor, Tensor], weights: Sequence[Tensor], method: str, group: Any, coord: int,
-                shards: int) -> tuple[dict[Tensor, Tensor], list[int]]:
+                shards: int, count: Optional[Callable[[Tensor, int], None]] = None
+                ) -> tuple[dict[Tensor, Tensor], list[int]]:
     """This rank's rows of the polar factor of every weight in ``weights`` (DTensors, the
     same list on every rank of the shard group; ``updates[p]``: this rank's rows of ``p``'s
     update) and each weight's owner (:func:`.plan.polar_owners`). ``coord``: this rank's
     coordinate on the shard dim (its rank in ``group``), ``shards`` the group's size; one
-    pair of ``all_to_all`` per dtype (module docstring)."""
+    pair of ``all_to_all`` per dtype (module docstring). ``count(p, nbytes)``: the bytes
+    this rank sends of each weight (its rows to the owner; an owner, the others' rows back)."""
     mats = [(p.shape[0], math.prod(p.shape[1:])) for p in weights]
     owners = polar_owners(mats, shards)
     out: dict[Tensor, Tensor] = {}
@@ -124,6 +126,10 @@ def owner_polar(updates: dict[Tensor, Tensor], weights: Sequence[Tensor], method
         idx = [i for i, p in enumerate(weights) if updates[p].dtype == dtype]
         out.update(_exchange_polar([weights[i] for i in idx], [owners[i] for i in idx], updates, method, group,
                                    coord, shards))
+    if count is not None:
+        for p, (_, cols), owner in zip(weights, mats, owners):
+            a, b = row_range(p)
+            count(p, (p.shape[0] - (b - a) if owner == coord else b - a) * cols * updates[p].element_size())
     return out, owners
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from tengrad_fx.distributed.fsdp_rows import row_chunk
 from tengrad_fx.distributed.plan import polar_owners, polar_work
 from testing.distributed import run_ranks
 from testing.fsdp_polar import PROBE_SHAPES
@@ -95,7 +96,7 @@ def test_owner_polar_is_bit_exact(ranks: dict[str, list[dict[str, Any]]]) -> Non
     updates sharded by rows: every rank's rows of every polar factor equal the
     single-process function's on the whole update bit for bit (uneven and empty shards,
     two weights of one shape, float32 beside float64), each weight orthogonalized once,
-    by its owner."""
+    by its owner; the bytes each rank sends per weight."""
     got = ranks["probe"]
     shapes = [(s[0], math.prod(s[1:])) for s, _ in PROBE_SHAPES]
     owners = polar_owners(shapes, WORLD)
@@ -105,6 +106,11 @@ def test_owner_polar_is_bit_exact(ranks: dict[str, list[dict[str, Any]]]) -> Non
             assert res["owners"] == owners
             assert all(res["equal"]), (method, r, res["equal"])
             assert sorted(res["calls"]) == sorted(s for s, o in zip(shapes, owners) if o == r)
+            # sent: its rows of the others' weights; of its own, the other ranks' rows of the result
+            es = [torch.finfo(dt).bits // 8 for _, dt in PROBE_SHAPES]
+            held = [row_chunk(a, WORLD, r)[1] - row_chunk(a, WORLD, r)[0] for a, _ in shapes]
+            assert res["sent"] == [(a - h if o == r else h) * b * e
+                                   for (a, b), h, o, e in zip(shapes, held, owners, es)]
 
 
 def test_checkpoint_keeps_the_shaping_state(ranks: dict[str, list[dict[str, Any]]]) -> None:
