@@ -28,7 +28,9 @@ columns of rows ``R_r``::
 need a probe over the whole gradient) so no rank forms a full parameter, gradient or update; the KL clip's ``Σ u·g`` and
 ``Σ‖g‖²`` are two more values of one all_reduce, the step's finite flag one more
 all_reduce over all ranks. Momentum buffers are DTensors sharded like their parameters
-(the update runs on the local shards: :class:`~.fsdp_optimizer.FSDPTENGraD`).
+(the update runs on the local shards: :class:`~.fsdp_optimizer.FSDPTENGraD`); ``graft``
+and the polar factor run on the rows too, each weight's polar factor on one owner rank
+(:mod:`.fsdp_shaping`).
 
 Order: ``fully_shard`` first, then ``tengrad_fx.prepare(model, example_inputs=...)``:
 ``prepare`` then swaps the covered modules in place (module surgery) so FSDP's hooks still

@@ -7,7 +7,8 @@ step (KL clip, weight decay, momentum, the masked skip) runs on the local shards
 parameters, gradients and momentum buffers with the same kernels as single-process
 TENGraD, and the buffers are kept as DTensors of their parameters' placements (what
 ``torch.distributed.checkpoint`` saves and reshards). Per parameter this rank keeps
-``1/S`` of the momentum (``S`` = shard group size).
+``1/S`` of the momentum (``S`` = shard group size). ``graft``, ``orthogonalize`` and
+``orthogonalize_momentum`` shape the rows first (:class:`~.fsdp_shaping.ShardedShaping`).
 
 Setup (one process per rank, e.g. under ``torchrun``)::
 
