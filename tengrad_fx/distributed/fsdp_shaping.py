@@ -77,11 +77,10 @@ class ShardedShaping(UpdateShaping):
         norms over the whole parameters, RMSProp's flag agreed by all ranks."""
         assert self.graft is not None
         ok = None
-        if self.graft == "rmsprop":
-            grads = [local(p.grad) for p in kept if p.grad is not None]
-            flag = finite_flag(grads) if grads else None
-            if flag is not None:
-                ok = all_ok(flag)
+        held = [p for p in kept if p.grad is not None]  # the same on every rank
+        if self.graft == "rmsprop" and held:
+            flag = finite_flag([local(g) for p in held if (g := p.grad) is not None])  # None: no rows here
+            ok = all_ok(flag if flag is not None else torch.ones((), dtype=torch.bool, device=local(held[0]).device))
         return graft_updates(updates, kept, state, self.graft, GRAFT_BETA2, GRAFT_EPS, grad=_local_grad,
                              norms=self._norms, ok=ok)
 
