@@ -25,8 +25,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import fsdp_conv1d as transposed
+from . import fsdp_polar as polar
 
 __all__ = ["make_model", "global_batch", "train_fsdp", "train_reference", "full_params", "run_example",
+           "assert_follows_reference",
            "train_accumulated", "accumulated_reference"]
 
 VOCAB, SEQ, D = 11, 4, 6
@@ -81,7 +83,7 @@ class TinyCNN(nn.Module):
 
 def make_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
-    net: nn.Module = TinyLM() if kind == "block" else transposed.build(kind) \
+    net: nn.Module = TinyLM() if kind == "block" else polar.MLP() if kind == "mlp" else transposed.build(kind) \
         if kind in transposed.TRANSPOSED_KINDS else TinyCNN()
     net = net.double()
     for mod in net.modules():
@@ -104,6 +106,8 @@ def global_batch(kind: str, M: int, step: int) -> tuple[torch.Tensor, torch.Tens
     g = torch.Generator().manual_seed(2000 + step)
     if kind in transposed.TRANSPOSED_KINDS:
         return transposed.batch(kind, M, g)
+    if kind == "mlp":
+        return polar.batch(M, g)
     if kind == "block":
         x = torch.randint(0, VOCAB, (M, SEQ), generator=g)
         return x, torch.randint(0, VOCAB, (M, SEQ), generator=g)
@@ -173,7 +177,10 @@ def train_fsdp(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[s
     from tengrad_fx.distributed import DistributedTENGraD
     out = []
     for cfg in cfgs:
-        kind, m = cfg["model"], cfg["m"]
+        kind = cfg["model"]
+        if kind == "polar-probe":
+            out.append(polar.polar_probe(rank, world))
+            continue
         net = make_model(kind)
         if cfg.get("order") == "prepare-first":  # fx-prepared, then fully_shard
             net = frozen_statistics(tengrad_fx.prepare(net))
@@ -186,7 +193,8 @@ def train_fsdp(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[s
                 opt = tengrad_fx.TENGraD(net, **opt_kwargs(cfg))
             else:
                 opt = DistributedTENGraD(net, seed=cfg.get("seed", 0), mode=cfg.get("mode", "auto"),
-                                         bandwidth=cfg.get("bandwidth", 50e9), **opt_kwargs(cfg))
+                                         bandwidth=cfg.get("bandwidth", 50e9), params=polar.param_groups(net, cfg),
+                                         **opt_kwargs(cfg))
         except ValueError as exc:
             if not cfg.get("expect_error"):
                 raise
@@ -194,22 +202,13 @@ def train_fsdp(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[s
             continue
         if cfg.get("load"):
             load_checkpoint(net, opt, cfg["load"])
-        traj, targets = [full_params(net)], []
+        traj, targets, owners = [full_params(net)], [], []
         r = _dp_rank(cfg, rank)
-        for k in range(cfg["steps"]):
-            x, y = global_batch(kind, world * m, cfg.get("start", 0) + k)
-            x, y = x[r * m:(r + 1) * m], y[r * m:(r + 1) * m]
-            outp = net(x)
-            loss = _loss(outp, y)
-            opt.zero_grad()
-            opt.mc_capture(outp)
-            targets.append(opt.last_mc_targets if cfg.get("fisher") == "mc" else None)
-            opt.last_mc_targets = None
-            loss.backward()
-            if cfg.get("nan_rank") == rank and cfg.get("nan_step") == k:  # a NaN in this rank's gradient shard
-                next(p for p in net.parameters() if p.grad is not None).grad.to_local().view(-1)[0] = float("nan")
-            opt.step()
-            traj.append(full_params(net))
+        with polar.counting_polar() as polar_calls:
+            for k in range(cfg["steps"]):
+                _one_step(net, opt, cfg, rank, world, r, k, targets)
+                traj.append(full_params(net))
+                owners.append(opt.polar_owners() if hasattr(opt, "polar_owners") else {})
         if cfg.get("save"):
             save_checkpoint(net, opt, cfg["save"])
         bufs = {n: opt.state[p]["momentum_buffer"] for n, p in net.named_parameters()
@@ -217,8 +216,27 @@ def train_fsdp(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[s
         out.append({"traj": traj, "targets": targets, "type": type(opt).__name__, "counters": opt.counters,
                     "plan": opt.layer_plan(),
                     "state_bytes": state_bytes(opt, list(net.parameters())),
-                    "bufs": {n: b.full_tensor() for n, b in bufs.items()}})
+                    "bufs": {n: b.full_tensor() for n, b in bufs.items()},
+                    "polar_calls": polar_calls, "polar_owners": owners})
     return out
+
+
+def _one_step(net: nn.Module, opt: Any, cfg: dict[str, Any], rank: int, world: int, r: int, k: int,
+              targets: list[Optional[torch.Tensor]]) -> None:
+    """Step ``k`` of :func:`train_fsdp` on data-parallel rank ``r``'s part of the global batch."""
+    m = cfg["m"]
+    x, y = global_batch(cfg["model"], world * m, cfg.get("start", 0) + k)
+    x, y = x[r * m:(r + 1) * m], y[r * m:(r + 1) * m]
+    outp = net(x)
+    loss = _loss(outp, y)
+    opt.zero_grad()
+    opt.mc_capture(outp)
+    targets.append(opt.last_mc_targets if cfg.get("fisher") == "mc" else None)
+    opt.last_mc_targets = None
+    loss.backward()
+    if cfg.get("nan_rank") == rank and cfg.get("nan_step") == k:  # a NaN in this rank's gradient shard
+        next(p for p in net.parameters() if p.grad is not None).grad.to_local().view(-1)[0] = float("nan")
+    opt.step()
 
 
 def save_checkpoint(net: nn.Module, opt: Any, path: str) -> None:
@@ -246,7 +264,7 @@ def train_reference(cfg: dict[str, Any], world: int, targets: Optional[list[Opti
     kind, M = cfg["model"], world * cfg["m"]
     example = (global_batch(kind, 2, 0)[0],) if kind in transposed.TRANSPOSED_KINDS else None  # surgery (HF)
     net = frozen_statistics(tengrad_fx.prepare(make_model(kind), example_inputs=example))
-    opt = tengrad_fx.TENGraD(net, **opt_kwargs(cfg))
+    opt = tengrad_fx.TENGraD(net, params=polar.param_groups(net, cfg), **opt_kwargs(cfg))
     traj = [full_params(net)]
     for k in range(cfg["steps"]):
         x, y = global_batch(kind, M, cfg.get("start", 0) + k)
@@ -260,6 +278,21 @@ def train_reference(cfg: dict[str, Any], world: int, targets: Optional[list[Opti
     if stats is not None:
         stats["state_bytes"] = state_bytes(opt, list(net.parameters()))
     return traj
+
+
+def assert_follows_reference(got: list[dict[str, Any]], ref: list[dict[str, torch.Tensor]], steps: int,
+                             tol: float) -> None:
+    """Every parameter's change at every step of rank 0's run (``got[0]["traj"]``) equals
+    the reference's to ``tol`` (relative; each reference change nonzero), and every rank
+    holds rank 0's parameters bit for bit."""
+    traj = got[0]["traj"]
+    for k in range(1, steps + 1):
+        for n in ref[k]:
+            d, dr = traj[k][n] - traj[k - 1][n], ref[k][n] - ref[k - 1][n]
+            assert dr.norm() > 0, f"{n} did not move"
+            err = ((d - dr).norm() / dr.norm()).item()
+            assert err <= tol, f"step {k - 1}, {n}: relative error {err:.2e} vs the global-batch update"
+        assert all(torch.equal(r["traj"][k][n], traj[k][n]) for r in got[1:] for n in traj[k]), "the ranks differ"
 
 
 def run_example(rank: int, world: int, argv: list[str]) -> dict[str, Any]:

@@ -28,7 +28,9 @@ columns of rows ``R_r``::
 need a probe over the whole gradient) so no rank forms a full parameter, gradient or update; the KL clip's ``Σ u·g`` and
 ``Σ‖g‖²`` are two more values of one all_reduce, the step's finite flag one more
 all_reduce over all ranks. Momentum buffers are DTensors sharded like their parameters
-(the update runs on the local shards: :class:`~.fsdp_optimizer.FSDPTENGraD`).
+(the update runs on the local shards: :class:`~.fsdp_optimizer.FSDPTENGraD`); ``graft``
+and the polar factor run on the rows too, each weight's polar factor on one owner rank
+(:mod:`.fsdp_shaping`).
 
 Order: ``fully_shard`` first, then ``tengrad_fx.prepare(model, example_inputs=...)``:
 ``prepare`` then swaps the covered modules in place (module surgery) so FSDP's hooks still
@@ -56,7 +58,7 @@ from ..optim.step.update import finite_flag
 from ..optim.tengrad.distribution import Host
 from ..optim.tengrad.group_build import build_groups
 from ..optim.tengrad.layer_groups import LayerGroup
-from .comm import all_ok, collective
+from .comm import collective
 from .fsdp_exchange import choose_fsdp_modes, exchange_rows, shard_coordinates
 from .fsdp_rows import Rows, check_shardable, layer_rows, local, row_records
 from .optimizer import GlobalBatch, Mode
@@ -131,13 +133,6 @@ class FSDPShards(GlobalBatch):
             if options[opt]:
                 raise ValueError(f"DistributedTENGraD (FSDP2): {opt}={options[opt]!r} is not supported on sharded "
                                  "parameters; leave it off, or use DDP (DistributedTENGraD on a DDP model runs it)")
-        whole = {"graft": "the graft rescales each parameter's update to the norm of SGD's or RMSProp's step over "
-                          "the whole parameter",
-                 "orthogonalize": "the polar factor is a function of the whole weight matrix"}
-        for opt, why in whole.items():
-            if options[opt]:
-                raise ValueError(f"DistributedTENGraD (FSDP2): {opt}={options[opt]!r} is not supported on sharded "
-                                 f"parameters: {why}, and each rank holds only its rows of the update; leave it off")
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` with every FSDP module resharded (a forward, e.g. ``prepare``'s check,
@@ -278,13 +273,14 @@ class FSDPShards(GlobalBatch):
         collective(what, lambda: dist.all_reduce(t, group=group))
 
     def finish(self, opt: Host, result: StepResult) -> StepResult:
-        """The step's flag ANDed over all ranks: the local shards of every gradient and
-        update are finite and the factors valid."""
+        """This rank's flag: the local shards of every gradient and update are finite and the
+        factors valid (ANDed over all ranks after the shaping of the updates:
+        :meth:`.fsdp_optimizer.FSDPTENGraD._masked_step`)."""
         grads = [local(p.grad) for p in opt._group_params() if p.grad is not None]
         ok = finite_flag([*grads, *result.updates.values()])
         assert ok is not None
-        flag = all_ok(ok if result.ok is None else ok & result.ok)
-        return StepResult(result.updates, flag, result.update_dot, result.grad_sq)
+        return StepResult(result.updates, ok if result.ok is None else ok & result.ok, result.update_dot,
+                          result.grad_sq)
 
     def timings(self, begin_seconds: float) -> dict[str, float]:
         return {"gather": begin_seconds}

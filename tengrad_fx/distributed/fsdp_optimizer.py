@@ -7,7 +7,8 @@ step (KL clip, weight decay, momentum, the masked skip) runs on the local shards
 parameters, gradients and momentum buffers with the same kernels as single-process
 TENGraD, and the buffers are kept as DTensors of their parameters' placements (what
 ``torch.distributed.checkpoint`` saves and reshards). Per parameter this rank keeps
-``1/S`` of the momentum (``S`` = shard group size).
+``1/S`` of the momentum (``S`` = shard group size). ``graft``, ``orthogonalize`` and
+``orthogonalize_momentum`` shape the rows first (:class:`~.fsdp_shaping.ShardedShaping`).
 
 Setup (one process per rank, e.g. under ``torchrun``)::
 
@@ -25,16 +26,16 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from ..optim.step.param_groups import Damping, same_lr
 from ..optim.step.result import StepResult
 from ..optim.step.host import SkipStep
-from ..optim.step.update import apply_momentum_step, kl_clip_factor
+from ..optim.step.update import apply_momentum_step, finite_flag, kl_clip_factor
 from ..optim.tengrad.tengrad import TENGraD
-from .comm import collective
+from .comm import all_ok, collective
 from .fsdp import FSDPShards
-from .fsdp_rows import local
+from .fsdp_shaping import ShardedShaping
+from .fsdp_rows import like, local
 from .optimizer import DistributedTENGraD, Mode
 
 __all__ = ["FSDPTENGraD"]
@@ -48,7 +49,8 @@ class FSDPTENGraD(DistributedTENGraD):
     Args:
         model: ``prepare(model, example_inputs=...)`` of a model ``fully_shard`` was applied to.
         seed: global seed of the MC Fisher's label sampling (per-rank seeds :func:`.optimizer.mc_seed`).
-        **kwargs: TENGraD's options; ``graft``, ``orthogonalize``, ``compile``, ``cuda_graph``,
+        **kwargs: TENGraD's options (``graft``, ``orthogonalize`` and ``orthogonalize_momentum`` on the
+            row shards: :mod:`.fsdp_shaping`); ``compile``, ``cuda_graph``,
             ``curvature_samples``, ``position_rows`` and ``fisher="gauss-newton"`` are not supported (``ValueError``;
             ``cuda_graph``: the static gradient buffers a replay reads are not made for FSDP2's
             DTensor gradients, :meth:`.fsdp.FSDPShards.check`).
@@ -59,6 +61,7 @@ class FSDPTENGraD(DistributedTENGraD):
     """
 
     distribution: FSDPShards
+    shaping: ShardedShaping
 
     def __init__(self, model: torch.nn.Module, lr: float, damping: float, *, mode: Mode = "auto",
                  placement: str = "auto", seed: int = 0, bandwidth: float = 50e9, flop_rate: float = 50e12,
@@ -71,8 +74,17 @@ class FSDPTENGraD(DistributedTENGraD):
                              "or use TENGraD(..., distribution=...)")
         TENGraD.__init__(self, model, lr, damping, distribution=FSDPShards(mode, seed, bandwidth, flop_rate), **kwargs)
         self._reduction_checked = True  # the loss-scale check reads whole weights: not on shards
+        sh = self.shaping
+        self.shaping = ShardedShaping(sh.graft, sh.orthogonalize, sh.momentum_first, self.param_groups,
+                                      self.distribution)
         if self.kl_clip is not None and not same_lr(self.param_groups):
             raise ValueError("DistributedTENGraD (FSDP2): kl_clip needs one lr for all param groups")
+
+    def polar_owners(self) -> dict[str, int]:
+        """``{layer: owner}``: the shard coordinate that computed each orthogonalized weight's
+        polar factor on the last step (:func:`.plan.polar_owners`; empty without ``orthogonalize``)."""
+        owners = self.shaping.owners
+        return {lay.name: owners[lay.weight] for lay in self._layers if lay.weight in owners}
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -80,7 +92,8 @@ class FSDPTENGraD(DistributedTENGraD):
         ``get_optimizer_state_dict`` keeps: the counters ride in the first param group
         (``"tengrad"``), not in ``state``, and every parameter of a group with momentum has
         a ``momentum_buffer`` (a DTensor of its placements; zeros before its first step,
-        which the first step's ``buf = μ·0 + d`` makes ``d`` as without one), so a fresh
+        which the first step's ``buf = μ·0 + d`` makes ``d`` as without one), and the
+        shaping's state likewise (:meth:`.fsdp_shaping.ShardedShaping.template`), so a fresh
         optimizer's state dict is the template that loads a saved one on any mesh."""
         sd = super().state_dict()
         state = dict(sd["state"])
@@ -88,8 +101,11 @@ class FSDPTENGraD(DistributedTENGraD):
         pid = 0
         for group in self.param_groups:
             for p in group["params"]:
-                if group["momentum"] and "momentum_buffer" not in state.get(pid, {}):
-                    state[pid] = {**state.get(pid, {}), "momentum_buffer": torch.zeros_like(p)}
+                fresh = dict(self.shaping.template(p, group))
+                if group["momentum"]:
+                    fresh["momentum_buffer"] = torch.zeros_like(p)
+                if fresh:
+                    state[pid] = {**fresh, **state.get(pid, {})}
                 pid += 1
         groups = [dict(g) for g in sd["param_groups"]]
         groups[0]["tengrad"] = counters
@@ -113,11 +129,16 @@ class FSDPTENGraD(DistributedTENGraD):
         return self._masked_step(result, lrs)
 
     def _masked_step(self, result: StepResult, lrs: Optional[Sequence[Tensor]]) -> Tensor:
-        """The update, masked by the step's flag (:meth:`.fsdp.FSDPShards.finish`: finite
-        local gradients and updates and valid factors on every rank), counted on the device."""
+        """The update, masked by the step's flag, ANDed over all ranks (one ``all_reduce``):
+        finite local gradients and updates and valid factors (:meth:`.fsdp.FSDPShards.finish`),
+        and finite shaped updates (graft, polar factor), counted on the device."""
         updates, _, ug = self._kept(result)
         ok = result.ok if result.ok is not None else \
             torch.ones((), dtype=torch.bool, device=local(self._group_params()[0]).device)
+        if self.graft or self.orthogonalize:
+            shaped = finite_flag(list(result.updates.values()))
+            ok = ok if shaped is None else ok & shaped
+        ok = all_ok(ok)
         self._apply(updates, ug, lrs, ok, masked=True)
         self._count(ok)
         return ok
@@ -136,32 +157,35 @@ class FSDPTENGraD(DistributedTENGraD):
             if self._kl_clipped is None:
                 self._kl_clipped = torch.zeros((), dtype=torch.int64, device=nu.device)
             self._kl_clipped.add_((nu < 1.0) & ok)
-        reads = [self._local_step(g, glr, updates, nu, ok if masked else None) for g, glr in zip(groups, glrs)]
+        reads = [self._local_step(ps, g["weight_decay"], mu, glr, updates, nu, ok if masked else None)
+                 for g, glr in zip(groups, glrs) for ps, mu in self._momentum_parts(g)]
         if any(r is False for r in reads):
             raise SkipStep("non-finite gradient, curvature or update")
+        self._commit(ok if masked else None)
 
-    def _local_step(self, group: dict[str, Any], lr: float | Tensor, updates: dict[Tensor, Tensor],
-                    nu: Optional[Tensor], ok: Optional[Tensor]) -> Optional[bool]:
-        """One group's momentum step on its parameters' local shards (the shards' ``.grad``
-        set for the kernel's reading, then cleared)."""
-        params = [p for p in group["params"] if p.grad is not None]
+    def _local_step(self, group_params: list[Tensor], weight_decay: float, momentum: float, lr: float | Tensor,
+                    updates: dict[Tensor, Tensor], nu: Optional[Tensor], ok: Optional[Tensor]) -> Optional[bool]:
+        """The momentum step of a group's parameters ``group_params`` (one momentum: :meth:`_momentum_parts`)
+        on their local shards (the shards' ``.grad`` set for the kernel's reading, then cleared)."""
+        params = [p for p in group_params if p.grad is not None]
         shards = [local(p.detach()) for p in params]
         state: dict[Tensor, dict[str, Tensor]] = {}
         ups: dict[Tensor, Tensor] = {}
         for p, s in zip(params, shards):
+            assert p.grad is not None
             s.grad = local(p.grad)
             buf = self.state[p].get("momentum_buffer")
             state[s] = {} if buf is None else {"momentum_buffer": local(buf)}
             if p in updates:
                 ups[s] = updates[p]
         try:
-            read = apply_momentum_step(state, shards, ups, lr, group["momentum"], group["weight_decay"], nu, ok)
+            read = apply_momentum_step(state, shards, ups, lr, momentum, weight_decay, nu, ok)
         finally:
             for s in shards:
                 s.grad = None
         for p, s in zip(params, shards):
             if "momentum_buffer" in state[s] and "momentum_buffer" not in self.state[p]:
-                self.state[p]["momentum_buffer"] = _like(p, state[s]["momentum_buffer"])
+                self.state[p]["momentum_buffer"] = like(p, state[s]["momentum_buffer"])
         return read
 
     def _update_dot(self, updates: dict[Tensor, Tensor]) -> Tensor:
@@ -172,14 +196,6 @@ class FSDPTENGraD(DistributedTENGraD):
         group = self.distribution.shard_group
         collective("sum of the row shards' u·g", lambda: dist.all_reduce(dot, group=group))
         return dot
-
-
-def _like(p: Tensor, shard: Tensor) -> Tensor:
-    """``shard`` (a local tensor of ``p``'s local shape) as a DTensor of ``p``'s mesh and
-    placements, sharing ``shard``'s memory; a plain tensor for a plain ``p``."""
-    if not isinstance(p, DTensor):
-        return shard
-    return DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 DistributedTENGraD.sharded_class = FSDPTENGraD

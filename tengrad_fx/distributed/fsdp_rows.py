@@ -35,7 +35,7 @@ from ..curvature import tensors
 from ..curvature.layer import KERNELS, CoveredLayer, choose_strategy
 
 __all__ = ["RowSpec", "RowRecords", "TransposedRows", "Rows", "layer_rows", "row_range", "row_chunk",
-           "check_shardable", "row_records", "row_spec", "cut", "local", "fully_sharded"]
+           "check_shardable", "row_records", "row_spec", "cut", "local", "like", "fully_sharded"]
 
 
 def fully_sharded(model: Any) -> bool:
@@ -50,6 +50,14 @@ def fully_sharded(model: Any) -> bool:
 def local(t: Tensor) -> Tensor:
     """A DTensor's local shard (a plain tensor as is)."""
     return t.to_local() if isinstance(t, DTensor) else t
+
+
+def like(p: Tensor, shard: Tensor) -> Tensor:
+    """``shard`` (a local tensor of ``p``'s local shape) as a DTensor of ``p``'s mesh and
+    placements, sharing ``shard``'s memory; a plain tensor for a plain ``p``."""
+    if not isinstance(p, DTensor):
+        return shard
+    return DTensor.from_local(shard, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def row_chunk(n: int, shards: int, c: int) -> tuple[int, int]:

@@ -18,8 +18,8 @@ from typing import Optional, Sequence
 from ..curvature.layer import gram_flops
 from .traffic import blocks_step_sent, gather_step_sent
 
-__all__ = ["solve_cost", "assign_owners", "step_flops", "solve_flops", "mode_times", "choose_modes",
-           "choose_placement"]
+__all__ = ["solve_cost", "assign_owners", "polar_work", "polar_owners", "step_flops", "solve_flops", "mode_times",
+           "choose_modes", "choose_placement"]
 
 
 def solve_cost(M: int, dims: tuple[int, int, int, int]) -> float:
@@ -37,6 +37,22 @@ def assign_owners(costs: Sequence[float], world: int) -> list[int]:
         owner[i] = r
         load[r] += costs[i]
     return owner
+
+
+def polar_work(a: int, b: int) -> int:
+    """The size of the polar factor of an ``[a, b]`` matrix: ``min(a, b)²·max(a, b)``, what
+    its ``min × min`` Gram, the Newton–Schulz steps' products and the final product each
+    cost up to a constant (:mod:`tengrad_fx.solve.polar`)."""
+    return min(a, b) ** 2 * max(a, b)
+
+
+def polar_owners(shapes: Sequence[tuple[int, int]], shards: int) -> list[int]:
+    """The rank (of ``shards``) that computes the polar factor of each matrix ``[a, b]`` of
+    ``shapes``: greedy by decreasing :func:`polar_work` (ties: the earlier matrix) onto the
+    least loaded rank (ties: the lowest), :func:`assign_owners`. A rank's work is then at
+    most ``Σ work / shards`` plus one matrix's. Shapes every rank knows: every rank computes
+    the same owners without communicating."""
+    return assign_owners([float(polar_work(a, b)) for a, b in shapes], shards)
 
 
 def step_flops(M: int, dims: tuple[int, int, int, int]) -> float:

@@ -54,7 +54,7 @@ class UpdateSharing:
             else:
                 flats.append(torch.empty(b.numel, dtype=b.dtype, device=b.device))
             for p in b.keys:
-                self.add_bytes(self._name_of(p), int(broadcast_sent(p.numel() * p.element_size())))
+                self.add_param_bytes(p, int(broadcast_sent(p.numel() * p.element_size())))
         self._pending = (flats, blist, start_broadcasts(flats, blist))
 
     def finish(self, layers: list[CoveredLayer], owner: dict[str, int], mode: dict[str, str],
@@ -87,14 +87,15 @@ class UpdateSharing:
             flat.div_(self.world)
             out.update(zip(b.keys, unpack(flat, b)))
             for p in b.keys:
-                self.add_bytes(self._name_of(p), int(all_reduce_sent(p.numel() * p.element_size(), self.world)))
+                self.add_param_bytes(p, int(all_reduce_sent(p.numel() * p.element_size(), self.world)))
         return {p: out[p] for p in params}
 
     def add_bytes(self, name: str, nbytes: int) -> None:
         self.comm_bytes[name] = self.comm_bytes.get(name, 0) + nbytes
 
-    def _name_of(self, p: Tensor) -> str:
-        return self._names.get(id(p), "?")
+    def add_param_bytes(self, p: Tensor, nbytes: int) -> None:
+        """``nbytes`` sent for the parameter ``p``, counted under its layer's name."""
+        self.add_bytes(self._names.get(id(p), "?"), nbytes)
 
 
 def _params(lay: CoveredLayer) -> list[Tensor]:

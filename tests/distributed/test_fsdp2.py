@@ -50,6 +50,11 @@ FOUR = {
     "block-hsdp-blocks-T3": dict(model="block", m=2, steps=5, T=3, mesh=(2, 2), mode="gram-blocks"),
     "cnn-blocks-mc-T1": dict(model="cnn", m=2, steps=5, T=1, fisher="mc", mode="gram-blocks"),
     "cnn-hsdp-T3-mp": dict(model="cnn", m=2, steps=5, T=3, mesh=(2, 2), mp=True, shard="layers"),
+    # owner polar factor and graft on 4 shards (7 rows: 2 + 2 + 2 + 1; 5: 2 + 2 + 1 + 0) and on HSDP's 2 × 2
+    "mlp-polar-graft": dict(model="mlp", m=2, steps=3, T=1, opts=dict(orthogonalize=True, graft="sgd")),
+    "mlp-hsdp-polar-momentum": dict(model="mlp", m=2, steps=3, T=1, mesh=(2, 2), mode="gram-blocks",
+                                    opts=dict(orthogonalize="newton-schulz", orthogonalize_momentum=True,
+                                              graft="rmsprop")),
     "block-resume-4": dict(model="block", m=1, steps=2, T=3, start=3),  # + load (fixture)
 }
 ONE = {"block-resume-1": dict(model="block", m=4, steps=2, T=3, start=3)}  # + load (fixture)

@@ -83,8 +83,7 @@ REFUSED = [
     (GlobalBatch, "compile", True), (GlobalBatch, "curvature_samples", 4), (GlobalBatch, "position_rows", 8),
     (GlobalBatch, "fisher", "gauss-newton"), (FSDPShards, "metric", "factored"), (FSDPShards, "metric", "kronecker"),
     (FSDPShards, "relative_damping", True),
-    (FSDPShards, "graft", "sgd"), (FSDPShards, "graft", "rmsprop"), (FSDPShards, "orthogonalize", "newton-schulz"),
-    (FSDPShards, "orthogonalize", True), (FSDPShards, "cuda_graph", True), (FSDPShards, "compile", True),
+    (FSDPShards, "cuda_graph", True), (FSDPShards, "compile", True),
 ]
 
 
@@ -102,8 +101,16 @@ def test_global_batch_runs_the_metric_and_relative_damping(name: str, value: Any
     GlobalBatch.check(object.__new__(GlobalBatch), {**_options(), name: value})
 
 
-FSDP_REFUSED = {"graft": dict(graft="sgd"), "orthogonalize": dict(orthogonalize="newton-schulz"),
-                "cuda_graph": dict(cuda_graph=True), "metric": dict(metric="kronecker"),
+@pytest.mark.parametrize("cls", [GlobalBatch, FSDPShards])
+@pytest.mark.parametrize("shaping", [dict(graft="sgd"), dict(graft="rmsprop", orthogonalize=True),
+                                     dict(orthogonalize="newton-schulz", orthogonalize_momentum=True)])
+def test_shaping_is_accepted(cls: type, shaping: dict[str, Any]) -> None:
+    """``graft``, ``orthogonalize`` and ``orthogonalize_momentum`` pass every distributed
+    check (FSDP2: on the row shards, ``tests/distributed/test_fsdp2_polar.py``)."""
+    cls.check(object.__new__(cls), {**_options(), **shaping})
+
+
+FSDP_REFUSED = {"cuda_graph": dict(cuda_graph=True), "metric": dict(metric="kronecker"),
                 "relative_damping": dict(relative_damping=True)}
 
 

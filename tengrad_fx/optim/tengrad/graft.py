@@ -32,7 +32,7 @@ only, no host read, capturable).
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -41,14 +41,19 @@ from ... import solve
 from ..step.checks import check_choice
 from ..step.update import finite_flag, zeroed_unless
 
-__all__ = ["GRAFTS", "GRAFT_BETA2", "GRAFT_EPS", "ORTHO_RMS", "POLAR_METHODS", "check_graft",
+__all__ = ["GRAFTS", "GRAFT_SQ", "GRAFT_T", "GRAFT_BETA2", "GRAFT_EPS", "ORTHO_RMS", "POLAR_METHODS", "check_graft",
            "check_group_orthogonalize", "check_orthogonalize", "graft_updates", "orthogonalize_updates",
            "orthogonalized"]
 
 GRAFTS = ("sgd", "rmsprop")
+GRAFT_SQ, GRAFT_T = "graft_sq", "graft_t"  # the state keys of RMSProp's v and t
 GRAFT_BETA2, GRAFT_EPS = 0.999, 1e-8  # Adam's
 ORTHO_RMS = 0.2  # per-entry RMS of an orthogonalized update (Moonlight's match to AdamW)
 POLAR_METHODS = ("eigh", "newton-schulz")
+
+
+def _grad(p: Tensor) -> Optional[Tensor]:
+    return p.grad
 
 
 def check_graft(graft: Optional[str], beta2: float, eps: float) -> None:
@@ -63,18 +68,20 @@ def check_graft(graft: Optional[str], beta2: float, eps: float) -> None:
 
 
 def _rmsprop_directions(grads: list[Tensor], state: Any, params: list[Tensor], beta2: float,
-                        eps: float) -> list[Tensor]:
+                        eps: float, ok: Optional[Tensor] = None) -> list[Tensor]:
     """``g / (√v̂ + ε)`` per parameter, updating ``v`` and ``t`` in ``state[p]``; a step with
-    a non-finite gradient (which the optimizer skips) leaves every ``v`` and ``t``. A fixed
+    a non-finite gradient (which the optimizer skips) leaves every ``v`` and ``t``. ``ok``:
+    whether the gradients are finite (a device bool; None: read from ``grads``). A fixed
     number of ``_foreach`` launches, whatever the number of parameters."""
     for p, g in zip(params, grads):
         st = state[p]
-        if "graft_sq" not in st:
-            st["graft_sq"] = torch.zeros_like(g)
-            st["graft_t"] = torch.zeros((), dtype=g.dtype, device=g.device)
-    vs = [state[p]["graft_sq"] for p in params]
-    ts = [state[p]["graft_t"] for p in params]
-    ok = finite_flag(grads)
+        if GRAFT_SQ not in st:
+            st[GRAFT_SQ] = torch.zeros_like(g)
+            st[GRAFT_T] = torch.zeros((), dtype=g.dtype, device=g.device)
+    vs = [state[p][GRAFT_SQ] for p in params]
+    ts = [state[p][GRAFT_T] for p in params]
+    if ok is None:
+        ok = finite_flag(grads)
     if ok is None:  # only empty gradients
         ok = torch.ones((), dtype=torch.bool, device=grads[0].device)
     safe = zeroed_unless(grads, ok)  # zero where the step is skipped: v·1 + 0 keeps v's bits
@@ -92,21 +99,29 @@ def _rmsprop_directions(grads: list[Tensor], state: Any, params: list[Tensor], b
 
 
 def graft_updates(updates: dict[Tensor, Tensor], params: list[Tensor], state: Any, graft: str,
-                  beta2: float = 0.999, eps: float = 1e-8) -> dict[Tensor, Tensor]:
+                  beta2: float = 0.999, eps: float = 1e-8, *, grad: Callable[[Tensor], Optional[Tensor]] = _grad,
+                  norms: Callable[[list[Tensor]], Sequence[Tensor]] = torch._foreach_norm,
+                  ok: Optional[Tensor] = None) -> dict[Tensor, Tensor]:
     """``{param: u}`` for every parameter of ``params`` with a gradient: ``updates``' ``u``
     (same shape as the parameter) rescaled to the norm of the ``graft`` direction, and that
-    direction itself where ``updates`` has none (module docstring)."""
-    ps = [p for p in params if p.grad is not None]
-    grads: list[Tensor] = [p.grad for p in ps]  # type: ignore[misc]
+    direction itself where ``updates`` has none (module docstring).
+
+    ``grad(p)``: ``p``'s gradient as ``updates`` holds ``u`` (default ``p.grad``); ``norms``:
+    the norms of a list of tensors, the directions' then the updates' in one call (default
+    ``torch._foreach_norm``); ``ok``: whether the gradients are finite, for RMSProp's
+    moments (None: read from them). A sharded step passes local shards, norms summed over
+    the shards, and the flag all ranks agree on (:mod:`tengrad_fx.distributed.fsdp_shaping`)."""
+    ps = [p for p in params if grad(p) is not None]
+    grads: list[Tensor] = [grad(p) for p in ps]  # type: ignore[misc]
     if not ps:
         return {}
-    dirs = list(grads) if graft == "sgd" else _rmsprop_directions(grads, state, ps, beta2, eps)
+    dirs = list(grads) if graft == "sgd" else _rmsprop_directions(grads, state, ps, beta2, eps, ok)
     pre = [i for i, p in enumerate(ps) if p in updates]
     out = {p: d for p, d in zip(ps, dirs)}
     if pre:
         us = [updates[ps[i]] for i in pre]
-        a_norm = torch._foreach_norm([dirs[i] for i in pre])
-        u_norm = torch._foreach_norm(us)
+        both = list(norms([dirs[i] for i in pre] + us))
+        a_norm, u_norm = both[:len(pre)], both[len(pre):]
         tiny = torch.finfo(us[0].dtype).tiny
         torch._foreach_clamp_min_(u_norm, tiny)
         scale = torch._foreach_div(a_norm, u_norm)

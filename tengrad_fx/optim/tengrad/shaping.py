@@ -73,14 +73,25 @@ class UpdateShaping:
         self._polar = polar
         if self.graft is not None:
             kept = [p for p in params if p not in polar]
-            updates = {**updates, **graft_updates(updates, kept, state, self.graft, GRAFT_BETA2, GRAFT_EPS)}
+            updates = {**updates, **self._graft(updates, kept, state)}
         if polar and self.orthogonalize:
             if self.momentum_first:
                 updates = {**updates, **self._nesterov(updates, polar, groups, state)}
-            updates = orthogonalize_updates(updates, self.orthogonalize, only=polar)
+            updates = self._orthogonalize(updates, [p for p in params if p in polar])
         if updates is result.updates:
             return result
         return StepResult(updates, result.ok, None, result.grad_sq)
+
+    def _graft(self, updates: dict[Tensor, Tensor], kept: list[Tensor], state: Any) -> dict[Tensor, Tensor]:
+        """The grafted updates of ``kept`` (:func:`.graft.graft_updates`)."""
+        assert self.graft is not None
+        return graft_updates(updates, kept, state, self.graft, GRAFT_BETA2, GRAFT_EPS)
+
+    def _orthogonalize(self, updates: dict[Tensor, Tensor], polar: list[Tensor]) -> dict[Tensor, Tensor]:
+        """``updates`` with the weights ``polar`` (in the param groups' order) orthogonalized
+        (:func:`.graft.orthogonalize_updates`)."""
+        assert self.orthogonalize
+        return orthogonalize_updates(updates, self.orthogonalize, only=set(polar))
 
     def _nesterov(self, updates: dict[Tensor, Tensor], polar: set[Tensor], groups: list[dict[str, Any]],
                   state: Any) -> dict[Tensor, Tensor]:
