@@ -135,9 +135,9 @@ class FSDPShards(GlobalBatch):
                              "(where it is accepted and the distributed steps run unfused)")
         if options["fisher"] == "gauss-newton":
             raise ValueError("DistributedTENGraD (FSDP2): fisher='gauss-newton' is not supported on sharded "
-                             "parameters (the row shards of its k stacked rows per sample are not checked against "
-                             "single-process TENGraD); use 'empirical' or 'mc', or DDP (DistributedTENGraD on a DDP "
-                             "model runs it)")
+                             "parameters (with fully_shard on each layer, its k backward passes per curvature step "
+                             "do not give single-process TENGraD's update); use 'empirical' or 'mc', or DDP "
+                             "(DistributedTENGraD on a DDP model runs it)")
         for opt in ("metric", "relative_damping"):
             if options[opt]:
                 raise ValueError(f"DistributedTENGraD (FSDP2): {opt}={options[opt]!r} is not supported on sharded "
