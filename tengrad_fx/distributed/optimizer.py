@@ -135,6 +135,7 @@ class GlobalBatch(SingleProcess):
 
     saves_records = False  # records are per owner: a resumed run takes curvature first
     agreed_skips = True
+    fuses = False  # compile: the fused update is one process's solve; the steps here run the modular path
 
     def __init__(self, mode: Mode = "auto", placement: Placement = "auto", seed: int = 0,
                  bandwidth: float = 50e9, flop_rate: float = 50e12):
@@ -171,15 +172,10 @@ class GlobalBatch(SingleProcess):
 
     # ------------------------------------------------------------------ construction
     def check(self, options: dict[str, Any]) -> None:
-        if options["compile"]:
-            raise ValueError("DistributedTENGraD: compile=True is not supported (the fused update bypasses the "
-                             "distributed solve: the owners' factors, the gram-blocks products); leave it False")
         for rows in ("curvature_samples", "position_rows"):
             if options[rows] is not None:
                 raise ValueError(f"DistributedTENGraD: {rows} is not supported (the global batch's records "
                                  "are gathered whole); leave it None, or use TENGraD on one process")
-        if options["fisher"] == "gauss-newton":
-            raise ValueError("DistributedTENGraD: fisher='gauss-newton' is not supported; use 'empirical' or 'mc'")
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(model, DistributedDataParallel) and not _prepared(model):
@@ -395,8 +391,11 @@ class DistributedTENGraD(TENGraD):
             collectives included, default on for NCCL and CUDA parameters, module docstring;
             ``metric`` and ``relative_damping`` as on one process, the metric's records scaled
             before they move and each ``gram-blocks`` layer's relative-damping scale broadcast
-            by its owner (:mod:`.dampings`); ``compile``, ``curvature_samples``, ``position_rows``
-            and ``fisher="gauss-newton"`` are not supported: ``ValueError``).
+            by its owner (:mod:`.dampings`); ``fisher="gauss-newton"`` as on one process, each
+            rank's ``m·k`` stacked rows the global batch's ``W·m·k`` (:mod:`.records`);
+            ``compile=True`` is accepted and fuses nothing: every step runs the distributed
+            path, ``GlobalBatch.fuses``; ``curvature_samples`` and ``position_rows`` are not
+            supported: ``ValueError``).
     """
 
     distribution: GlobalBatch

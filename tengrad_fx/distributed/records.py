@@ -6,6 +6,11 @@ batch's records (``M = W·m`` rows, rank order) are the concatenation of the ran
 records, with the fields linear in the loss gradient (``G``, ``P``, ``Gsum``) rescaled by
 ``m/M = 1/W``: with ``loss_reduction="mean"`` each rank's ``G`` is its local mean's
 gradient, the global batch's is ``1/W`` of it.
+
+The Gauss-Newton Fisher's records (:mod:`tengrad_fx.optim.tengrad.gauss_newton`) stack ``k``
+rows per sample, ``m·k`` per rank, each ``G`` of the mean over them (``Record.loss_batch
+= m·k``): the ``1/W`` rescale makes them the mean over the ``W·m·k`` gathered rows, which is
+the gathered record's row count, its :attr:`~tengrad_fx.capture.store.Record.loss_batch`.
 """
 from __future__ import annotations
 

@@ -63,12 +63,21 @@ RUNS: dict[str, dict[str, Any]] = {
                                                                fisher="mc", relative_damping=True)),
     "factored-relative-resume-gather-T1": dict(steps=4, resume_at=2, opts=dict(
         curvature_every=1, metric=Metric("factored", beta2=0.5), relative_damping=True)),
+    # the exact GGN of a regression (4 outputs: 4 backwards, m·4 rows per rank)
+    "gauss-newton-T1": dict(steps=3, mse=True, opts=dict(curvature_every=1, fisher="gauss-newton", kl_clip=None)),
+    "gauss-newton-T2": dict(steps=4, mse=True, opts=dict(curvature_every=2, fisher="gauss-newton")),
+    "gauss-newton-gram-blocks-T1": dict(steps=3, mode="gram-blocks", mse=True,
+                                        opts=dict(curvature_every=1, fisher="gauss-newton", kl_clip=None)),
+    "gauss-newton-gram-blocks-T2": dict(steps=4, mode="gram-blocks", mse=True,
+                                        opts=dict(curvature_every=2, fisher="gauss-newton")),
+    # compile=True runs the distributed steps unfused: compile=False's update (the reference's option)
+    "compile-T2": dict(steps=4, reference=dict(compile=False), opts=dict(curvature_every=2, compile=True)),
+    "compile-gram-blocks-T1": dict(steps=3, mode="gram-blocks", reference=dict(compile=False),
+                                   opts=dict(curvature_every=1, compile=True, kl_clip=None)),
 }
 REFUSED: dict[str, dict[str, Any]] = {
-    "compile": dict(compile=True),
     "curvature_samples": dict(curvature_samples=4),
     "position_rows": dict(position_rows=64),
-    "fisher": dict(fisher="gauss-newton"),
     "distribution": dict(distribution="single-process"),
 }
 COVERED = {
@@ -76,10 +85,11 @@ COVERED = {
     "curvature_growth": "growth", "graft": "graft-orth-woodbury", "orthogonalize": "graft-orth-woodbury",
     "orthogonalize_momentum": "graft-orth-woodbury",
     "curvature_samples": "refused", "position_rows": "refused",
-    "fisher": "mc-mse-materialize", "mc_loss": "mc-mse-materialize",
+    "fisher": "gauss-newton-gram-blocks-T2", "mc_loss": "mc-mse-materialize",
     "kl_clip": "warmup", "update_form": "graft-orth-woodbury", "solve_dtype": "tf32-no-graph-no-momentum",
     "jacobian_budget_mb": "mc-mse-materialize", "strategy": "mc-mse-materialize",
-    "compile": "refused", "cuda_graph": "cuda-graph-gram-blocks", "gram_tf32": "tf32-no-graph-no-momentum",
+    "compile": "compile-gram-blocks-T1",
+    "cuda_graph": "cuda-graph-gram-blocks", "gram_tf32": "tf32-no-graph-no-momentum",
     "grad_scaler": "grad-scaler", "params": "params-groups", "distribution": "refused",
     "metric": "metric-kronecker-gram-blocks-T1", "relative_damping": "relative-gram-blocks-T1",
 }
@@ -102,10 +112,12 @@ def _options(net: torch.nn.Module, opts: dict[str, Any], scaler: Optional[Any]) 
 
 def _train(opt: Any, net: torch.nn.Module, fwd: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
            scaler: Optional[Any], targets: Optional[list[Optional[torch.Tensor]]] = None,
-           damping_at: Optional[dict[int, float]] = None, resume: Optional[tuple[int, Any]] = None) -> dict[str, Any]:
+           damping_at: Optional[dict[int, float]] = None, resume: Optional[tuple[int, Any]] = None,
+           mse: bool = False) -> dict[str, Any]:
     """Steps over ``batches``: parameters after each, curvature flags, the MC targets drawn.
     ``damping_at``: step -> the damping of every param group from that step on; ``resume``:
-    ``(k, remake)``: before step ``k``, ``(opt, net, fwd) = remake(opt, net)``."""
+    ``(k, remake)``: before step ``k``, ``(opt, net, fwd) = remake(opt, net)``; ``mse``: a
+    regression loss (the outputs against ``sin`` of the first inputs) in place of the classes'."""
     traj, curv, drawn = [flat_params(net)], [], []
     for k, (x, y) in enumerate(batches):
         if resume is not None and k == resume[0]:
@@ -114,7 +126,7 @@ def _train(opt: Any, net: torch.nn.Module, fwd: torch.nn.Module, batches: list[t
             group["damping"] = damping_at[k]  # type: ignore[index]
         curv.append(opt._is_curvature_step())
         out = fwd(x)
-        loss = F.cross_entropy(out, y)
+        loss = F.mse_loss(out, torch.sin(x[:, :out.shape[1]])) if mse else F.cross_entropy(out, y)
         opt.zero_grad()
         opt.mc_capture(out, None if targets is None else targets[k])
         drawn.append(getattr(opt, "last_mc_targets", None))
@@ -155,7 +167,11 @@ def option_ranks(rank: int, world: int, runs: dict[str, dict[str, Any]], refused
         batches = [global_batch("mlp", world * m, k) for k in range(run["steps"])]
         batches = [(x[rank * m:(rank + 1) * m], y[rank * m:(rank + 1) * m]) for x, y in batches]
         resume = (run["resume_at"], lambda o, n, r=run: _reloaded(o, n, r)) if "resume_at" in run else None
-        out["runs"][name] = _train(opt, net, ddp, batches, scaler, damping_at=run.get("damping_at"), resume=resume)
+        fused, calls = opt._fused, []  # the compiled fused update: never called on the distributed path
+        opt._fused = lambda *args, f=fused, c=calls: c.append(1) or f(*args)
+        out["runs"][name] = _train(opt, net, ddp, batches, scaler, damping_at=run.get("damping_at"), resume=resume,
+                                   mse=run.get("mse", False))
+        out["runs"][name]["fused_calls"] = len(calls)
     return out
 
 
@@ -179,12 +195,14 @@ def _reloaded(opt: Any, net: torch.nn.Module, run: dict[str, Any]) -> tuple[Any,
 
 
 def _single(run: dict[str, Any], M: int, targets: list[Optional[torch.Tensor]]) -> dict[str, Any]:
+    """Single-process TENGraD on the concatenated batch, with the run's options updated by
+    its ``reference`` ones."""
     import tengrad_fx
     net = tengrad_fx.prepare(make_model("mlp"))
     scaler = torch.amp.GradScaler("cpu", init_scale=16.0) if run.get("scaler") else None
-    opt = tengrad_fx.TENGraD(net, **BASE, **_options(net, run["opts"], scaler))
+    opt = tengrad_fx.TENGraD(net, **BASE, **_options(net, {**run["opts"], **run.get("reference", {})}, scaler))
     batches = [global_batch("mlp", M, k) for k in range(run["steps"])]
-    return _train(opt, net, net, batches, scaler, targets, damping_at=run.get("damping_at"))
+    return _train(opt, net, net, batches, scaler, targets, damping_at=run.get("damping_at"), mse=run.get("mse", False))
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +236,7 @@ def test_option_gives_the_global_batch_update(ranks: list[dict[str, Any]], name:
         err = ((d - dr).norm() / dr.norm()).item()
         assert err <= TOL, f"step {k - 1}: relative error {err:.2e} of the update vs the global-batch one"
         assert torch.equal(got[1]["traj"][k], got[0]["traj"][k]), f"the ranks differ after step {k - 1}"
+    assert got[0]["fused_calls"] == got[1]["fused_calls"] == 0, "a distributed step took the fused update"
 
 
 def test_schedule_options_change_the_curvature_steps(ranks: list[dict[str, Any]]) -> None:

@@ -80,10 +80,10 @@ def test_check_reads_only_the_options_it_is_given(cls: type) -> None:
 
 
 REFUSED = [
-    (GlobalBatch, "compile", True), (GlobalBatch, "curvature_samples", 4), (GlobalBatch, "position_rows", 8),
-    (GlobalBatch, "fisher", "gauss-newton"), (FSDPShards, "metric", "factored"), (FSDPShards, "metric", "kronecker"),
+    (GlobalBatch, "curvature_samples", 4), (GlobalBatch, "position_rows", 8),
+    (FSDPShards, "metric", "factored"), (FSDPShards, "metric", "kronecker"),
     (FSDPShards, "relative_damping", True),
-    (FSDPShards, "cuda_graph", True), (FSDPShards, "compile", True),
+    (FSDPShards, "cuda_graph", True), (FSDPShards, "compile", True), (FSDPShards, "fisher", "gauss-newton"),
 ]
 
 
@@ -95,9 +95,11 @@ def test_refused_option_is_named(cls: type, name: str, value: Any) -> None:
 
 
 @pytest.mark.parametrize("name, value", [("metric", "factored"), ("metric", "kronecker"),
-                                         ("relative_damping", True)])
+                                         ("relative_damping", True), ("fisher", "gauss-newton"),
+                                         ("compile", True)])
 def test_global_batch_runs_the_metric_and_relative_damping(name: str, value: Any) -> None:
-    """DDP's strategy accepts them (``tests/distributed/test_options.py`` checks their updates)."""
+    """DDP's strategy accepts them, and Gauss-Newton and compile (``tests/distributed/test_options.py``
+    checks their updates)."""
     GlobalBatch.check(object.__new__(GlobalBatch), {**_options(), name: value})
 
 

@@ -66,11 +66,15 @@ class SingleProcess:
             host first sees a skip (the non-blocking mirror, no read).
         capturable: the step may run as a CUDA graph (``cuda_graph=None`` turns it on for
             CUDA parameters only where it is).
+        fuses: ``compile``'s fused update may stand for a curvature step's :meth:`build_groups`
+            and :meth:`precondition`, i.e. they are one process's solve of every layer on its
+            own batch; False: ``compile`` runs the modular path (no fused steps).
     """
 
     saves_records = True
     agreed_skips = False
     capturable = True
+    fuses = True
 
     def check(self, options: dict[str, Any]) -> None:
         """``ValueError`` naming a TENGraD option this strategy does not run, at construction

@@ -383,9 +383,10 @@ class TENGraD(StepSkeleton):
 
     def _fused_updates(self, push_through: bool, damping: Damping) -> Optional[StepResult]:
         """A curvature step by the fused update (``compile``), None where it does not apply
-        (per-group or relative dampings, a metric, or a layer without a fused form: the modular path)."""
-        if not self.compile or isinstance(damping, tuple) or self.curvature.relative or self.metric is not None \
-                or self.position_rows is not None:
+        (a distribution whose solve is not one process's, ``SingleProcess.fuses``; per-group or
+        relative dampings, a metric, or a layer without a fused form: the modular path)."""
+        if not self.compile or not self.distribution.fuses or isinstance(damping, tuple) or self.curvature.relative \
+                or self.metric is not None or self.position_rows is not None:
             return None
         fused = self._fused(self._layers, push_through, damping, self._info.loss_reduction, self.solve_dtype)
         if fused is None:
