@@ -100,7 +100,7 @@ from ..optim.tengrad.distribution import Host, SingleProcess
 from ..optim.tengrad.group_build import build_groups
 from ..optim.tengrad.tengrad import TENGraD
 from ..optim.tengrad.layer_groups import LayerGroup, precondition_groups
-from .comm import all_ok, nccl_backend
+from .comm import all_gather_meta, all_ok, nccl_backend
 from .dampings import block_dampings, share_scales
 from .fsdp_rows import fully_sharded
 from .gram_blocks import GramBlocksStep
@@ -175,9 +175,10 @@ class GlobalBatch(SingleProcess):
             raise ValueError("DistributedTENGraD: compile=True is not supported (the fused update bypasses the "
                              "distributed solve: the owners' factors, the gram-blocks products); leave it False")
         for rows in ("curvature_samples", "position_rows"):
-            if options[rows] is not None:
-                raise ValueError(f"DistributedTENGraD: {rows} is not supported (the global batch's records "
-                                 "are gathered whole); leave it None, or use TENGraD on one process")
+            if options[rows] is not None and self.mode not in ("gather", "auto"):
+                raise ValueError(f"DistributedTENGraD: {rows} runs with mode='gather' or 'auto' (each rank sends "
+                                 f"its part of the chosen rows to the layer's owner), not mode={self.mode!r}; "
+                                 "pass mode='gather', or leave it None")
         if options["fisher"] == "gauss-newton":
             raise ValueError("DistributedTENGraD: fisher='gauss-newton' is not supported; use 'empirical' or 'mc'")
 
@@ -195,8 +196,25 @@ class GlobalBatch(SingleProcess):
                              f"(the process group's is {dist.get_backend()!r}, whose collectives on CUDA tensors "
                              "cannot be captured in a CUDA graph); pass cuda_graph=False or leave it None")
 
+        if opt._mc_rng.state() is None:
+            opt._mc_rng.seed(self.seed)  # the position rows' draw: the same generator state on every rank
+
     def reset(self, opt: Host) -> None:
         self.forget()
+
+    def curvature_part(self, opt: Host) -> tuple[int, int, Optional[Tensor]]:
+        """This rank's part of the global batch ``(rank, W)``, and (``position_rows``, where the
+        loss scores only some positions) the global batch's scored positions ``[M, S]``: the
+        ranks' masks, exchanged on the host (small)."""
+        scored = None
+        if opt.position_rows is not None:
+            store = opt._info.store
+            masks = all_gather_meta(None if store.scored is None else store.scored.cpu(), "exchange of the scored "
+                                    "positions (position_rows)")
+            if all(mk is not None for mk in masks):
+                device = store.scored.device  # type: ignore[union-attr]
+                scored = torch.cat(masks, 0).to(device)
+        return self.rank, self.world, scored
 
     def initial_sites(self, opt: Host) -> set[int]:
         return set()  # every rank records I and G: the records agree across ranks
@@ -246,34 +264,38 @@ class GlobalBatch(SingleProcess):
     def _exchange_records(self, opt: Host) -> None:
         """Steps 1–3 of the module docstring: metadata, owners, modes, gathered records."""
         layers = opt._layers
-        live = check_records(layers)
+        rows_vary = opt.curvature_samples is not None or opt.position_rows is not None  # each rank's part of k rows
+        live, metas = check_records(layers, rows_vary)
         self._local, self._local_groups, self._rebuild_local = {}, [], True
         self.owner, self.modes = {}, {}
         if not live:
             self.layers = []
             return
         M = self.world * layers[live[0]].m
+        if rows_vary:  # the rows of the first layer's first record, over the ranks
+            M = sum(next(d for recs in mt[live[0]] for d in recs)["in_shape"][0] for mt in metas)
         owners = assign_owners([solve_cost(M, layers[i].dims()) for i in live], self.world)
-        modes = [self.mode] * len(live)
-        if self.mode == "auto":
+        modes: list[str] = [self.mode] * len(live) if not rows_vary else ["gather"] * len(live)
+        if self.mode == "auto" and not rows_vary:
             ns = [sum(p.numel() for p in (layers[i].weight, layers[i].bias) if p is not None) for i in live]
             recs = [record_bytes(layers[i], M, opt.strategy) for i in live]
-            modes = choose_modes(M, ns, [layers[i].dims() for i in live], owners, self.world, self.bandwidth,  # type: ignore[assignment]
+            modes = choose_modes(M, ns, [layers[i].dims() for i in live], owners, self.world, self.bandwidth,
                                  self.flop_rate, recs, opt.curvature_every)
         keep = set()
         store = opt._info.store
         for q, i in enumerate(live):
             lay = layers[i]
             mode = self.modes[lay.name] = modes[q]
-            if mode == "gather" and sends_per_sample(lay, M, opt.strategy):
+            if mode == "gather" and not rows_vary and sends_per_sample(lay, M, opt.strategy):
                 to_per_sample(lay)  # P is smaller than I, G and the owner would materialize anyway
-            if self._placement(lay, M, mode, opt.curvature_every) == "replicate":
+            if self._placement(lay, M, mode, opt.curvature_every, rows_vary) == "replicate":
                 owners[q] = REPLICATED
             self.owner[lay.name] = owners[q]
             if mode == "gram-blocks":
                 keep.add(i)
                 self._local.update({site: list(store.records.get(site, [])) for site in lay.spec.sites})
-        mine = gather_records(layers, live, owners, store, self.rank, self.world, keep, self.sharing.add_bytes)
+        mine = gather_records(layers, live, owners, store, self.rank, self.world, keep, self.sharing.add_bytes,
+                              metas if rows_vary else None)
         self.layers = [layers[i] for i in mine]
 
     def build_groups(self, opt: Host) -> list[LayerGroup]:
@@ -366,9 +388,9 @@ class GlobalBatch(SingleProcess):
         return {name: {"mode": self.modes[name], "placement": "replicate" if r == REPLICATED else "owner",
                        "owner": None if r == REPLICATED else r} for name, r in self.owner.items()}
 
-    def _placement(self, lay: CoveredLayer, M: int, mode: str, every: int) -> str:
-        if self.placement != "auto":
-            return self.placement
+    def _placement(self, lay: CoveredLayer, M: int, mode: str, every: int, rows_vary: bool = False) -> str:
+        if self.placement != "auto" or rows_vary:  # rows_vary: each rank's own records differ in size
+            return "owner" if self.placement == "auto" else self.placement
         recs = lay.records()
         rec_bytes = sum(t.numel() * t.element_size() for r in recs for t in (r.I, r.G, r.P, r.Gsum) if t is not None)
         n = sum(p.numel() for p in (lay.weight, lay.bias) if p is not None)
