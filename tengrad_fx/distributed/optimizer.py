@@ -35,6 +35,15 @@ gram-blocks per layer, below):
 A reuse step (``curvature_every = T > 1``) runs only 4's solve with the cached factors
 and 5: only preconditioned gradients move.
 
+``curvature_samples=k`` / ``position_rows=k`` (gather mode; ``"auto"`` gathers every layer):
+the rank-reduced Fisher of the global batch, single-process TENGraD's on the concatenated
+batch. Before step 1 each rank keeps its part of the ``k`` rows (:meth:`GlobalBatch.curvature_part`:
+the first ``k`` samples of the global batch; or ``k`` of its ``M·S`` position rows, drawn by
+the single-process draw from the optimizer's row generator, seeded with ``seed`` alike on
+every rank, among the global batch's scored positions), and step 3 moves only those rows
+(:func:`.records.gather_records` with the ranks' row counts): at most ``k`` rows per layer,
+whatever ``W``.
+
 ``mode="gram-blocks"``: steps 1–3 as above and the owner forms the ``M × M`` Gram from
 the blocks ``K_ab = J_a J_bᵀ`` (for Linear ``(I_a I_bᵀ + 1) ⊙ (G_a G_bᵀ)``, convolutions
 with their positions; never from per-sample gradients) and keeps only the factor; every
@@ -412,13 +421,17 @@ class DistributedTENGraD(TENGraD):
             :func:`.plan.choose_modes`); or ``"local"`` (per-rank Fisher blocks, updates averaged).
         placement: ``"auto"``, ``"owner"`` or ``"replicate"`` (module docstring).
         bandwidth, flop_rate: the cost models' bytes/s and flop/s per rank (``"auto"``).
-        seed: global seed of the MC Fisher's label sampling (per-rank seeds :func:`mc_seed`).
+        seed: global seed of the MC Fisher's label sampling (per-rank seeds :func:`mc_seed`) and
+            of the position rows' draw (the same on every rank).
         **kwargs: TENGraD's options (``cuda_graph``: reuse steps replayed as CUDA graphs,
             collectives included, default on for NCCL and CUDA parameters, module docstring;
             ``metric`` and ``relative_damping`` as on one process, the metric's records scaled
             before they move and each ``gram-blocks`` layer's relative-damping scale broadcast
-            by its owner (:mod:`.dampings`); ``compile``, ``curvature_samples``, ``position_rows``
-            and ``fisher="gauss-newton"`` are not supported: ``ValueError``).
+            by its owner (:mod:`.dampings`); ``curvature_samples`` and ``position_rows`` in
+            ``"gather"`` and ``"auto"`` mode, the rows chosen over the global batch, the
+            position rows from the generator ``seed_mc`` seeds, seeded with ``seed`` on every
+            rank (module docstring); ``compile`` and ``fisher="gauss-newton"`` are not
+            supported: ``ValueError``).
     """
 
     distribution: GlobalBatch
