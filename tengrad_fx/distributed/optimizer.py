@@ -35,14 +35,15 @@ gram-blocks per layer, below):
 A reuse step (``curvature_every = T > 1``) runs only 4's solve with the cached factors
 and 5: only preconditioned gradients move.
 
-``curvature_samples=k`` / ``position_rows=k`` (gather mode; ``"auto"`` gathers every layer):
-the rank-reduced Fisher of the global batch, single-process TENGraD's on the concatenated
-batch. Before step 1 each rank keeps its part of the ``k`` rows (:meth:`GlobalBatch.curvature_part`:
-the first ``k`` samples of the global batch; or ``k`` of its ``M·S`` position rows, drawn by
-the single-process draw from the optimizer's row generator, seeded with ``seed`` alike on
-every rank, among the global batch's scored positions), and step 3 moves only those rows
-(:func:`.records.gather_records` with the ranks' row counts): at most ``k`` rows per layer,
-whatever ``W``.
+``curvature_samples=k`` / ``position_rows=k`` (``gather`` and ``gram-blocks``; ``"auto"``
+gathers every layer): the rank-reduced Fisher of the global batch, single-process TENGraD's
+on the concatenated batch. Before step 1 each rank keeps its part of the ``k`` rows
+(:meth:`GlobalBatch.curvature_part`: the first ``k`` samples of the global batch; or ``k`` of
+its ``M·S`` position rows, drawn by the single-process draw from the optimizer's row
+generator, seeded with ``seed`` alike on every rank, among the global batch's scored
+positions), and step 3 moves only those rows (:func:`.records.gather_records` with the ranks'
+row counts): at most ``k`` rows per layer, whatever ``W``. In ``gram-blocks`` mode each rank's
+``J_a g`` has its own rows (zero-padded to the most of any rank in the all-gather).
 
 ``mode="gram-blocks"``: steps 1–3 as above and the owner forms the ``M × M`` Gram from
 the blocks ``K_ab = J_a J_bᵀ`` (for Linear ``(I_a I_bᵀ + 1) ⊙ (G_a G_bᵀ)``, convolutions
@@ -177,6 +178,7 @@ class GlobalBatch(SingleProcess):
         self._rebuild_local = False
         self._n_gather = 0  # curvature.groups[:_n_gather]: groups of gather layers; the rest gram-blocks
         self._scales: dict[str, Tensor] = {}  # gram-blocks layer name -> its damping scale (relative_damping)
+        self._group_rows: Optional[list[list[int]]] = None  # per local group, each rank's rows (rows_vary)
 
     # ------------------------------------------------------------------ construction
     def check(self, options: dict[str, Any]) -> None:
@@ -184,10 +186,10 @@ class GlobalBatch(SingleProcess):
             raise ValueError("DistributedTENGraD: compile=True is not supported (the fused update bypasses the "
                              "distributed solve: the owners' factors, the gram-blocks products); leave it False")
         for rows in ("curvature_samples", "position_rows"):
-            if options[rows] is not None and self.mode not in ("gather", "auto"):
-                raise ValueError(f"DistributedTENGraD: {rows} runs with mode='gather' or 'auto' (each rank sends "
-                                 f"its part of the chosen rows to the layer's owner), not mode={self.mode!r}; "
-                                 "pass mode='gather', or leave it None")
+            if options[rows] is not None and self.mode == "local":
+                raise ValueError(f"DistributedTENGraD: {rows} takes rows of the global batch's Fisher, which "
+                                 "mode='local' does not form (each rank preconditions with its own); pass "
+                                 "mode='gather', 'gram-blocks' or 'auto', or leave it None")
         if options["fisher"] == "gauss-newton":
             raise ValueError("DistributedTENGraD: fisher='gauss-newton' is not supported; use 'empirical' or 'mc'")
 
@@ -284,7 +286,8 @@ class GlobalBatch(SingleProcess):
         if rows_vary:  # the rows of the first layer's first record, over the ranks
             M = sum(next(d for recs in mt[live[0]] for d in recs)["in_shape"][0] for mt in metas)
         owners = assign_owners([solve_cost(M, layers[i].dims()) for i in live], self.world)
-        modes: list[str] = [self.mode] * len(live) if not rows_vary else ["gather"] * len(live)
+        modes: list[str] = [self.mode] * len(live) if not (rows_vary and self.mode == "auto") \
+            else ["gather"] * len(live)
         if self.mode == "auto" and not rows_vary:
             ns = [sum(p.numel() for p in (layers[i].weight, layers[i].bias) if p is not None) for i in live]
             recs = [record_bytes(layers[i], M, opt.strategy) for i in live]
@@ -332,8 +335,20 @@ class GlobalBatch(SingleProcess):
             self._local_groups = build_groups(lays, opt.strategy, opt.jacobian_budget, packed=False)[0] \
                 if lays else []
             self._rebuild_local = False
+            rows_vary = opt.curvature_samples is not None or opt.position_rows is not None
+            self._group_rows = self._rows_by_group() if self._local_groups and rows_vary else None
         device = opt._layers[0].weight.device if opt._layers else torch.device("cpu")
         self._scales = share_scales(opt.curvature, self.owner, self.modes, self.rank, device, self.sharing.add_bytes)
+
+    def _rows_by_group(self) -> list[list[int]]:
+        """Per local gram-blocks group, each rank's rows (a host exchange; the ranks' groups
+        must hold the same layers, else ``ValueError``)."""
+        mine = [([lay.name for lay in grp.layers], grp.m) for grp in self._local_groups]
+        every = all_gather_meta(mine, "exchange of the gram-blocks rows")
+        if any([names for names, _ in other] != [names for names, _ in mine] for other in every):
+            raise ValueError("DistributedTENGraD: the ranks group their gram-blocks layers differently (their "
+                             "parts of the chosen rows differ in shape); pass mode='gather'")
+        return [[other[g][1] for other in every] for g in range(len(mine))]
 
     def precondition(self, opt: Host, push_through: bool, damping: Damping) -> StepResult:
         """``u`` of the gather layers solved here and of every ``gram-blocks`` layer
@@ -345,7 +360,7 @@ class GlobalBatch(SingleProcess):
         def start_blocks() -> GramBlocksStep:  # computes J_a g, starts its all-gather
             device = self._local_groups[0].layers[0].weight.device
             return GramBlocksStep(self._local_groups, push_through, self._generator(device, "probe"),
-                                  self.sharing.add_bytes)
+                                  self.sharing.add_bytes, self._group_rows)
 
         if self._local_groups and self.overlap:
             step = start_blocks()
@@ -427,8 +442,8 @@ class DistributedTENGraD(TENGraD):
             collectives included, default on for NCCL and CUDA parameters, module docstring;
             ``metric`` and ``relative_damping`` as on one process, the metric's records scaled
             before they move and each ``gram-blocks`` layer's relative-damping scale broadcast
-            by its owner (:mod:`.dampings`); ``curvature_samples`` and ``position_rows`` in
-            ``"gather"`` and ``"auto"`` mode, the rows chosen over the global batch, the
+            by its owner (:mod:`.dampings`); ``curvature_samples`` and ``position_rows`` but in
+            ``"local"`` mode, the rows chosen over the global batch, the
             position rows from the generator ``seed_mc`` seeds, seeded with ``seed`` on every
             rank (module docstring); ``compile`` and ``fisher="gauss-newton"`` are not
             supported: ``ValueError``).
