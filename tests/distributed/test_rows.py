@@ -8,6 +8,8 @@ One spawn per world size runs every configuration in turn.
 """
 from __future__ import annotations
 
+import io
+
 from typing import Any, Optional
 
 import pytest
@@ -28,6 +30,7 @@ RUNS: dict[str, dict[str, Any]] = {
     "rows-all-T1": dict(position_rows="all", curvature_every=1),
     "rows5-replicate-T2": dict(position_rows=5, curvature_every=2, placement="replicate"),
     "mc-rows5-T2": dict(position_rows=5, curvature_every=2, fisher="mc"),
+    "rows5-resume-T1": dict(position_rows=5, curvature_every=1, resume_at=2),  # the row generator in state_dict
     "rows5-auto-T2": dict(position_rows=5, curvature_every=2, mode="auto"),
     "scored-rows5-T2": dict(position_rows=5, curvature_every=2, scored=True),
     "scored-rows20-T1": dict(position_rows=20, curvature_every=1, scored=True),  # more rows than scored
@@ -70,7 +73,7 @@ def _batch(M: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _options(run: dict[str, Any], world: int) -> dict[str, Any]:
-    out = {k: v for k, v in run.items() if k not in ("mode", "placement", "scored")}
+    out = {k: v for k, v in run.items() if k not in ("mode", "placement", "scored", "resume_at")}
     if out.get("position_rows") == "all":
         out["position_rows"] = world * m * S
     return dict(lr=0.3, damping=0.05, momentum=0.5, kl_clip=None, **out)
@@ -116,12 +119,29 @@ def rows_ranks(rank: int, world: int, runs: dict[str, dict[str, Any]]) -> dict[s
     out: dict[str, Any] = {"runs": {}, "bytes": {}, "refused": {}}
     batches = [_batch(world * m, k) for k in range(STEPS)]
     shards = [tuple(t[rank * m:(rank + 1) * m] for t in batch) for batch in batches]
-    for name, run in runs.items():
+    def built(state: Optional[dict[str, Any]] = None) -> tuple[Any, nn.Module, nn.Module]:
         net = _model()
+        if state is not None:
+            net.load_state_dict(state["model"])
         ddp = DDP(net)
         opt = DistributedTENGraD(ddp, mode=run.get("mode", "gather"), placement=run.get("placement", "owner"),
                                  **_options(run, world))
-        out["runs"][name] = _train(opt, net, ddp, shards, run.get("scored", False))
+        if state is not None:
+            opt.load_state_dict(state["opt"])
+        return opt, net, ddp
+
+    for name, run in runs.items():
+        opt, net, ddp = built()
+        cut = run.get("resume_at", STEPS)  # steps before a state_dict round trip into a new optimizer
+        got = _train(opt, net, ddp, shards[:cut], run.get("scored", False))
+        if cut < STEPS:
+            buf = io.BytesIO()
+            torch.save({"model": net.state_dict(), "opt": opt.state_dict()}, buf)
+            buf.seek(0)
+            opt, net, ddp = built(torch.load(buf, weights_only=False))
+            more = _train(opt, net, ddp, shards[cut:], run.get("scored", False))
+            got = {key: got[key] + more[key][1:] if key == "traj" else got[key] + more[key] for key in got}
+        out["runs"][name] = got
     for name, rows in (("rows", BYTES_K), ("full", None)):
         net = _model()
         ddp = DDP(net)
