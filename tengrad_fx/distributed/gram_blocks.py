@@ -37,10 +37,10 @@ from torch import Tensor
 from ..curvature.layer import CoveredLayer
 from ..optim.tengrad.layer_groups import LayerGroup
 from .. import solve
-from .comm import Bucket, broadcast_buckets, collective, pack, unpack
+from .comm import Bucket, all_gather_meta, broadcast_buckets, collective, pack, unpack
 from .traffic import all_gather_sent, all_reduce_sent, broadcast_sent
 
-__all__ = ["GramBlocksStep", "N_PROBE"]
+__all__ = ["GramBlocksStep", "N_PROBE", "rows_by_group"]
 
 N_PROBE = 256  # weight coordinates of the push-through probe (plus the whole bias)
 
@@ -194,6 +194,18 @@ class GramBlocksStep:
             assert uw is not None, "every group has a weight part"
             out.update(grp.split(uw, ub))
         return out
+
+
+def rows_by_group(groups: list[LayerGroup]) -> list[list[int]]:
+    """Per group of this rank's records, each rank's rows (``curvature_samples``,
+    ``position_rows``: its part of the ``k``; a host exchange). The ranks' groups must hold
+    the same layers, else ``ValueError``."""
+    mine = [([lay.name for lay in grp.layers], grp.m) for grp in groups]
+    every = all_gather_meta(mine, "exchange of the gram-blocks rows")
+    if any([names for names, _ in other] != [names for names, _ in mine] for other in every):
+        raise ValueError("DistributedTENGraD: the ranks group their gram-blocks layers differently (their "
+                         "parts of the chosen rows differ in shape); pass mode='gather'")
+    return [[other[g][1] for other in every] for g in range(len(mine))]
 
 
 def _record_dtype(lay: CoveredLayer, default: torch.dtype) -> torch.dtype:

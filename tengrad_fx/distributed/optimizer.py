@@ -110,12 +110,13 @@ from ..optim.tengrad.distribution import Host, SingleProcess
 from ..optim.tengrad.group_build import build_groups
 from ..optim.tengrad.tengrad import TENGraD
 from ..optim.tengrad.layer_groups import LayerGroup, precondition_groups
-from .comm import all_gather_meta, all_ok, nccl_backend
+from .comm import all_ok, nccl_backend
 from .dampings import block_dampings, share_scales
 from .fsdp_rows import fully_sharded
-from .gram_blocks import GramBlocksStep
+from .gram_blocks import GramBlocksStep, rows_by_group
 from .plan import assign_owners, choose_modes, choose_placement, solve_cost
-from .records import REPLICATED, check_records, gather_records, record_bytes, sends_per_sample, to_per_sample
+from .records import (REPLICATED, check_records, gather_records, global_scored, record_bytes, sends_per_sample,
+                      to_per_sample)
 from .share import UpdateSharing
 
 __all__ = ["DistributedTENGraD", "GlobalBatch", "mc_seed"]
@@ -217,15 +218,7 @@ class GlobalBatch(SingleProcess):
         """This rank's part of the global batch ``(rank, W)``, and (``position_rows``, where the
         loss scores only some positions) the global batch's scored positions ``[M, S]``: the
         ranks' masks, exchanged on the host (small)."""
-        scored = None
-        if opt.position_rows is not None:
-            store = opt._info.store
-            masks = all_gather_meta(None if store.scored is None else store.scored.cpu(), "exchange of the scored "
-                                    "positions (position_rows)")
-            if all(mk is not None for mk in masks):
-                device = store.scored.device  # type: ignore[union-attr]
-                scored = torch.cat(masks, 0).to(device)
-        return self.rank, self.world, scored
+        return self.rank, self.world, global_scored(opt._info.store) if opt.position_rows is not None else None
 
     def initial_sites(self, opt: Host) -> set[int]:
         return set()  # every rank records I and G: the records agree across ranks
@@ -336,19 +329,9 @@ class GlobalBatch(SingleProcess):
                 if lays else []
             self._rebuild_local = False
             rows_vary = opt.curvature_samples is not None or opt.position_rows is not None
-            self._group_rows = self._rows_by_group() if self._local_groups and rows_vary else None
+            self._group_rows = rows_by_group(self._local_groups) if self._local_groups and rows_vary else None
         device = opt._layers[0].weight.device if opt._layers else torch.device("cpu")
         self._scales = share_scales(opt.curvature, self.owner, self.modes, self.rank, device, self.sharing.add_bytes)
-
-    def _rows_by_group(self) -> list[list[int]]:
-        """Per local gram-blocks group, each rank's rows (a host exchange; the ranks' groups
-        must hold the same layers, else ``ValueError``)."""
-        mine = [([lay.name for lay in grp.layers], grp.m) for grp in self._local_groups]
-        every = all_gather_meta(mine, "exchange of the gram-blocks rows")
-        if any([names for names, _ in other] != [names for names, _ in mine] for other in every):
-            raise ValueError("DistributedTENGraD: the ranks group their gram-blocks layers differently (their "
-                             "parts of the chosen rows differ in shape); pass mode='gather'")
-        return [[other[g][1] for other in every] for g in range(len(mine))]
 
     def precondition(self, opt: Host, push_through: bool, damping: Damping) -> StepResult:
         """``u`` of the gather layers solved here and of every ``gram-blocks`` layer

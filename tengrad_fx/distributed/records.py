@@ -19,8 +19,8 @@ from ..curvature.layer import KERNELS, CoveredLayer, choose_strategy
 from .comm import Bucket, all_gather_meta, gather_buckets, pack, unpack
 from .traffic import all_gather_sent, gather_sent
 
-__all__ = ["FIELDS", "REPLICATED", "layer_meta", "check_records", "sends_per_sample", "per_sample_smaller",
-           "per_sample_bytes", "record_bytes", "to_per_sample", "gather_records"]
+__all__ = ["FIELDS", "REPLICATED", "layer_meta", "check_records", "global_scored", "sends_per_sample",
+           "per_sample_smaller", "per_sample_bytes", "record_bytes", "to_per_sample", "gather_records"]
 
 FIELDS = ("I", "G", "P", "Gsum")
 REPLICATED = -1  # the "owner" of a layer every rank solves
@@ -69,6 +69,16 @@ def check_records(layers: list[CoveredLayer], rows_vary: bool = False) -> tuple[
                 raise ValueError(f"DistributedTENGraD: layer '{lay.name}' captured {b} on rank {r} but {a} on "
                                  "rank 0; every rank needs the same local batch size and the same layers called")
     return [i for i, mt in enumerate(meta) if mt is not None], metas
+
+
+def global_scored(store: CaptureStore) -> Optional[Tensor]:
+    """The global batch's scored positions (bool ``[M, S]``, rank order): every rank's
+    ``store.scored`` (a small host exchange); None where a rank has none."""
+    masks = all_gather_meta(None if store.scored is None else store.scored.cpu(),
+                            "exchange of the scored positions (position_rows)")
+    if store.scored is None or any(mk is None for mk in masks):
+        return None
+    return torch.cat(masks, 0).to(store.scored.device)
 
 
 def sends_per_sample(layer: CoveredLayer, M: int, strategy: str) -> bool:
