@@ -1,4 +1,5 @@
-"""The cost of two distributed modes, rank-reduced rows (planned, not implemented) and
+"""The cost of two distributed modes, rank-reduced rows (``DistributedTENGraD(position_rows=k)``
+runs them, its draw uniform over the global batch rather than stratified) and
 the owner polar factor (what FSDP2 runs: :mod:`tengrad_fx.distributed.fsdp_shaping`): what
 :mod:`tools.dist_scaling` reports for them, from the library's own pieces
 (:mod:`tengrad_fx.distributed.traffic` for the bytes, :mod:`tengrad_fx.distributed.plan`

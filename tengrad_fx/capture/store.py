@@ -262,15 +262,18 @@ class CaptureStore:
             for r in recs:
                 r.finalize(inv_scale)
 
-    def keep_samples(self, k: int) -> bool:
-        """Every record of more than ``k`` samples cut to its first ``k`` (:meth:`Record.first`;
-        the full batch's tensors are released; a record cut already is kept). Returns whether
-        the records now held are a subsample of the loss's batch (fewer rows than
-        :attr:`Record.loss_batch`)."""
+    def keep_samples(self, k: int, part: int = 0, parts: int = 1) -> bool:
+        """Every record cut to the samples among the batch's first ``k`` (:meth:`Record.first`;
+        the full batch's tensors are released; a record cut already is kept). With ``parts > 1``
+        the ``m`` samples held here are part ``part`` of a batch of ``parts·m`` (rank order):
+        a record keeps its first ``min(m, max(0, k − part·m))``. Returns whether the records
+        of the whole batch are now a subsample of the loss's batch (fewer than ``parts·m`` rows)."""
+        def held(r: Record) -> int:
+            return min(r.m, max(0, k - part * r.m))
         for site, recs in self.records.items():
-            if any(not r.batch and r.m > k for r in recs):
-                self.records[site] = [r.first(k) if not r.batch and r.m > k else r for r in recs]
-        return any(r.m < r.loss_batch for recs in self.records.values() for r in recs)
+            if any(not r.batch and held(r) < r.m for r in recs):
+                self.records[site] = [r.first(held(r)) if not r.batch and held(r) < r.m else r for r in recs]
+        return any(r.m < r.loss_batch or k < parts * r.loss_batch for recs in self.records.values() for r in recs)
 
     def merge(self, loss_reduction: str) -> None:
         """Join the micro-batches captured since the last step (:attr:`parts` and the

@@ -96,26 +96,32 @@ def pack(ts: Sequence[Tensor], bucket: Bucket) -> Tensor:
     return torch.cat([t.reshape(-1).to(bucket.dtype) for t in ts])
 
 
-def unpack(flat: Tensor, bucket: Bucket) -> list[Tensor]:
-    """Views of ``flat`` with ``bucket``'s shapes."""
+def unpack(flat: Tensor, bucket: Bucket, shapes: Optional[list[torch.Size]] = None) -> list[Tensor]:
+    """Views of ``flat`` with ``bucket``'s shapes (or another rank's ``shapes`` of its keys)."""
     out, off = [], 0
-    for s in bucket.shapes:
+    for s in bucket.shapes if shapes is None else shapes:
         out.append(flat[off: off + s.numel()].view(s))
         off += s.numel()
     return out
 
 
-def gather_buckets(buckets: list[Bucket], local: dict[int, Tensor]) -> dict[int, Optional[list[Tensor]]]:
+def gather_buckets(buckets: list[Bucket], local: dict[int, Tensor],
+                   sizes: Optional[list[list[int]]] = None) -> dict[int, Optional[list[Tensor]]]:
     """For each bucket ``b`` (index ``i``, ``local[i]`` this rank's flat part): the list of
     every rank's flat part, on ``b.rank`` (``gather``) or on all ranks when ``b.rank`` is
     negative (``all_gather``); None where this rank receives nothing. All ops in flight
-    at once."""
+    at once. ``sizes[i]``: each rank's part's length where they differ (the parts then
+    travel point to point, :func:`_uneven`; default: all of ``local[i]``'s)."""
     world, me = dist.get_world_size(), _rank()
     recv: dict[int, Optional[list[Tensor]]] = {}
-    works = []
+    works: list[Any] = []
+    p2p: list[Any] = []
     for i, b in enumerate(buckets):
         mine = local[i]
         replicate = b.rank < 0
+        if sizes is not None and len(set(sizes[i])) > 1:
+            recv[i] = _uneven(mine, sizes[i], b.rank, p2p, i)
+            continue
         if replicate or b.rank == me:
             parts = [torch.empty_like(mine) for _ in range(world)]
             recv[i] = parts
@@ -126,11 +132,27 @@ def gather_buckets(buckets: list[Bucket], local: dict[int, Tensor]) -> dict[int,
             works.append(collective("all_gather of curvature records",
                                     lambda p=parts, t=mine: dist.all_gather(p, t, async_op=True)))  # type: ignore[misc]
         else:
-            works.append(collective("gather of curvature records to their owner",  # type: ignore[arg-type]
+            works.append(collective("gather of curvature records to their owner",
                                     lambda p=parts, t=mine, r=b.rank: dist.gather(t, p, dst=r, async_op=True)))  # type: ignore[misc]
+    if p2p:  # one batch for every uneven bucket
+        works.extend(collective("sends of curvature records", lambda: dist.batch_isend_irecv(p2p)))
     for w in works:
         collective("waiting for the curvature records", w.wait)
     return recv
+
+
+def _uneven(mine: Tensor, sizes: list[int], root: int, ops: list[Any], tag: int) -> Optional[list[Tensor]]:
+    """A ``gather`` to ``root`` (every rank when negative) of parts of the lengths ``sizes``
+    (by rank), as sends and receives of the non-empty parts (``dist.P2POp`` s added to
+    ``ops``, with ``tag``). Returns the parts (filled once ``ops`` ran) where this rank receives them, else None."""
+    me = _rank()
+    if root < 0 or root == me:
+        parts = [mine if q == me else mine.new_empty(n) for q, n in enumerate(sizes)]
+        ops += [dist.P2POp(dist.irecv, t, q, tag=tag) for q, t in enumerate(parts) if q != me and sizes[q]]
+    if mine.numel():
+        to = [q for q in range(len(sizes)) if q != me] if root < 0 else [root] if root != me else []
+        ops += [dist.P2POp(dist.isend, mine, q, tag=tag) for q in to]
+    return parts if root < 0 or root == me else None
 
 
 def all_sum(flat: Tensor) -> None:

@@ -123,6 +123,10 @@ class FSDPShards(GlobalBatch):
 
     def check(self, options: dict[str, Any]) -> None:
         super().check(options)
+        for rows in ("curvature_samples", "position_rows"):
+            if options[rows] is not None:
+                raise ValueError(f"DistributedTENGraD (FSDP2): {rows}={options[rows]!r} is not supported on sharded "
+                                 "parameters; leave it None, or use DDP (DistributedTENGraD on a DDP model runs it)")
         if options["cuda_graph"]:
             raise ValueError("DistributedTENGraD (FSDP2): cuda_graph=True is not supported: a replayed reuse step "
                              "reads the gradients from static buffers, and FSDP2's gradients are DTensors that its "
@@ -189,7 +193,7 @@ class FSDPShards(GlobalBatch):
         (``gather``: one bucketed all_gather per dtype) or cut to its rows (``gram-blocks``:
         one all_to_all per dtype, :mod:`.fsdp_exchange`), per layer by :func:`choose_fsdp_modes`."""
         layers = opt._layers
-        live = check_records(layers)
+        live, _ = check_records(layers)
         self._local, self._local_groups, self._rebuild_local = {}, [], False
         lays = [layers[i] for i in live]
         M = self.world * lays[0].m if lays else 0

@@ -37,10 +37,10 @@ from torch import Tensor
 from ..curvature.layer import CoveredLayer
 from ..optim.tengrad.layer_groups import LayerGroup
 from .. import solve
-from .comm import Bucket, broadcast_buckets, collective, pack, unpack
+from .comm import Bucket, all_gather_meta, broadcast_buckets, collective, pack, unpack
 from .traffic import all_gather_sent, all_reduce_sent, broadcast_sent
 
-__all__ = ["GramBlocksStep", "N_PROBE"]
+__all__ = ["GramBlocksStep", "N_PROBE", "rows_by_group"]
 
 N_PROBE = 256  # weight coordinates of the push-through probe (plus the whole bias)
 
@@ -64,13 +64,16 @@ class GramBlocksStep:
         use_pt: an empirical curvature step (``update_form="auto"``): probe for push-through.
         generator: draws the probe coordinates (seeded alike on every rank).
         count: ``count(layer name, bytes)`` for the bytes this rank sends.
+        rows: per group, each rank's rows (``curvature_samples``, ``position_rows``: each rank's
+            part of the ``k``); None: ``m`` on every rank. A rank's ``J_a g`` travels
+            zero-padded to the most rows of any rank.
     """
 
     def __init__(self, groups: list[LayerGroup], use_pt: bool, generator: torch.Generator,
-                 count: Callable[[str, int], None]):
+                 count: Callable[[str, int], None], rows: Optional[list[list[int]]] = None):
         self.groups, self.use_pt, self.count = groups, use_pt, count
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.m = groups[0].m
+        self.rows = rows if rows is not None else [[grp.m] * self.world for grp in groups]
         dtype = groups[0].layers[0].weight.dtype
         for grp in groups:
             for lay in grp.layers:
@@ -81,13 +84,14 @@ class GramBlocksStep:
         self.idxs: list[Optional[Tensor]] = []
         self.widths: list[int] = []  # values per layer of the group in the all-gather
         pieces = []
-        for grp in groups:
+        for grp, rows_g in zip(groups, self.rows):
             L = len(grp.layers)
             gw, gb = grp.grads()  # [L, n_w], [L, n_b]
-            part = [grp.jvp(gw, gb).to(dtype)]  # [L, m]
+            Jg = grp.jvp(gw, gb).to(dtype) if grp.m else gw.new_zeros(L, 0, dtype=dtype)  # [L, m]
+            part = [torch.nn.functional.pad(Jg, (0, max(rows_g) - grp.m))]  # [L, max rows]
             idx = None
             if use_pt:
-                ones = torch.ones(L, self.m, dtype=_record_dtype(grp.layers[0], dtype), device=self.device)
+                ones = torch.ones(L, grp.m, dtype=_record_dtype(grp.layers[0], dtype), device=self.device)
                 pw, pb = grp.vjp(ones)
                 idx = torch.randint(0, gw.shape[1], (min(N_PROBE, gw.shape[1]),), generator=generator,
                                     device=self.device)
@@ -114,21 +118,21 @@ class GramBlocksStep:
         ``damping``: ``α``, or each layer's by name (a float, or a float64 scalar tensor:
         :func:`.dampings.block_dampings`)."""
         collective("waiting for J g (gram-blocks)", self._gather.wait)
-        m, M, dtype = self.m, self.world * self.m, self.dtype
+        dtype = self.dtype
         cs: dict[str, Tensor] = {}
         off = 0
-        for grp, (gw, gb), idx, width in zip(self.groups, self.grads, self.idxs, self.widths):
-            L = len(grp.layers)
+        for grp, (gw, gb), idx, width, rows_g in zip(self.groups, self.grads, self.idxs, self.widths, self.rows):
+            L, R, M = len(grp.layers), max(rows_g), sum(rows_g)
             views = [p[off: off + L * width].view(L, width) for p in self.parts]
             off += L * width
-            Jg = torch.cat([v[:, :m] for v in views], 1)  # [L, M]: the ranks' rows in rank order
+            Jg = torch.cat([v[:, :r] for v, r in zip(views, rows_g)], 1)  # [L, M]: the ranks' rows in rank order
             ok = None
             if self.use_pt:
-                got = views[0][:, m:]
+                got = views[0][:, R:]
                 for v in views[1:]:
-                    got = got + v[:, m:]
+                    got = got + v[:, R:]
                 ref = gw[:, idx].to(dtype)
-                if gb is not None and width > m + ref.shape[1]:
+                if gb is not None and width > R + ref.shape[1]:
                     ref = torch.cat([ref, gb.to(dtype)], 1)
                 ok = solve.push_through_holds(ref, got, 1.0 / M)  # [L]
                 Jg = solve.push_through_rhs(Jg, ok)
@@ -137,12 +141,12 @@ class GramBlocksStep:
                 if lay.name in chol:
                     cs[lay.name] = solve.solve_cholesky(chol[lay.name], Jg[i])
         buckets: dict[int, Bucket] = {}
-        for grp in self.groups:
+        for grp, rows_g in zip(self.groups, self.rows):
             for lay in grp.layers:
                 r = owner[lay.name]
                 if r >= 0:
-                    buckets.setdefault(r, Bucket(r, dtype, self.device)).add(lay.name, torch.Size([M]))
-                    self.count(lay.name, int(broadcast_sent(M * self.es)))
+                    buckets.setdefault(r, Bucket(r, dtype, self.device)).add(lay.name, torch.Size([sum(rows_g)]))
+                    self.count(lay.name, int(broadcast_sent(sum(rows_g) * self.es)))
         blist = list(buckets.values())
         flats = [pack([cs[k] for k in b.keys], b) if b.rank == self.rank
                  else torch.empty(b.numel, dtype=dtype, device=self.device) for b in blist]
@@ -150,15 +154,17 @@ class GramBlocksStep:
         for flat, b in zip(flats, blist):
             cs.update(zip(b.keys, unpack(flat, b)))
         partial, self.shapes, self.coefs = [], [], []
-        rows = slice(self.rank * m, (self.rank + 1) * m)
-        for grp, ok, (gw, _) in zip(self.groups, self.push, self.grads):
+        for grp, ok, (gw, gb), rows_g in zip(self.groups, self.push, self.grads, self.rows):
+            first = sum(rows_g[:self.rank])
+            rows = slice(first, first + rows_g[self.rank])  # this rank's rows of c
             # u = β·g + γ·Jᵀc' per layer (push-through scale 1: mean loss), alike on every rank
             alpha = damping if not isinstance(damping, dict) else \
                 torch.stack([torch.as_tensor(damping[lay.name], dtype=torch.float64) for lay in grp.layers])
             C, beta, gamma = solve.woodbury_coefficients(torch.stack([cs[lay.name][rows] for lay in grp.layers]),
                                                          alpha, ok, 1.0, gw.dtype)  # C: [L, m]
             self.coefs.append((beta, gamma))
-            jw, jb = grp.vjp(C.to(_record_dtype(grp.layers[0], dtype)))  # J_aᵀ c_a: [L, n_w], [L, n_b]
+            jw, jb = grp.vjp(C.to(_record_dtype(grp.layers[0], dtype))) if grp.m else \
+                (torch.zeros_like(gw), None if gb is None else torch.zeros_like(gb))  # J_aᵀ c_a: [L, n_w], [L, n_b]
             partial += [jw.to(dtype).reshape(-1)] + ([jb.to(dtype).reshape(-1)] if jb is not None else [])
             self.shapes.append((jw.shape, jb.shape if jb is not None else None))
             n = jw.shape[1] + (jb.shape[1] if jb is not None else 0)
@@ -188,6 +194,18 @@ class GramBlocksStep:
             assert uw is not None, "every group has a weight part"
             out.update(grp.split(uw, ub))
         return out
+
+
+def rows_by_group(groups: list[LayerGroup]) -> list[list[int]]:
+    """Per group of this rank's records, each rank's rows (``curvature_samples``,
+    ``position_rows``: its part of the ``k``; a host exchange). The ranks' groups must hold
+    the same layers, else ``ValueError``."""
+    mine = [([lay.name for lay in grp.layers], grp.m) for grp in groups]
+    every = all_gather_meta(mine, "exchange of the gram-blocks rows")
+    if any([names for names, _ in other] != [names for names, _ in mine] for other in every):
+        raise ValueError("DistributedTENGraD: the ranks group their gram-blocks layers differently (their "
+                         "parts of the chosen rows differ in shape); pass mode='gather'")
+    return [[other[g][1] for other in every] for g in range(len(mine))]
 
 
 def _record_dtype(lay: CoveredLayer, default: torch.dtype) -> torch.dtype:

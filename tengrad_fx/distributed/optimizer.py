@@ -35,6 +35,16 @@ gram-blocks per layer, below):
 A reuse step (``curvature_every = T > 1``) runs only 4's solve with the cached factors
 and 5: only preconditioned gradients move.
 
+``curvature_samples=k`` / ``position_rows=k`` (``gather`` and ``gram-blocks``; ``"auto"``
+gathers every layer): the rank-reduced Fisher of the global batch, single-process TENGraD's
+on the concatenated batch. Before step 1 each rank keeps its part of the ``k`` rows
+(:meth:`GlobalBatch.curvature_part`: the first ``k`` samples of the global batch; or ``k`` of
+its ``M·S`` position rows, drawn by the single-process draw from the optimizer's row
+generator, seeded with ``seed`` alike on every rank, among the global batch's scored
+positions), and step 3 moves only those rows (:func:`.records.gather_records` with the ranks'
+row counts): at most ``k`` rows per layer, whatever ``W``. In ``gram-blocks`` mode each rank's
+``J_a g`` has its own rows (zero-padded to the most of any rank in the all-gather).
+
 ``mode="gram-blocks"``: steps 1–3 as above and the owner forms the ``M × M`` Gram from
 the blocks ``K_ab = J_a J_bᵀ`` (for Linear ``(I_a I_bᵀ + 1) ⊙ (G_a G_bᵀ)``, convolutions
 with their positions; never from per-sample gradients) and keeps only the factor; every
@@ -103,9 +113,10 @@ from ..optim.tengrad.layer_groups import LayerGroup, precondition_groups
 from .comm import all_ok, nccl_backend
 from .dampings import block_dampings, share_scales
 from .fsdp_rows import fully_sharded
-from .gram_blocks import GramBlocksStep
+from .gram_blocks import GramBlocksStep, rows_by_group
 from .plan import assign_owners, choose_modes, choose_placement, solve_cost
-from .records import REPLICATED, check_records, gather_records, record_bytes, sends_per_sample, to_per_sample
+from .records import (REPLICATED, check_records, gather_records, global_scored, record_bytes, sends_per_sample,
+                      to_per_sample)
 from .share import UpdateSharing
 
 __all__ = ["DistributedTENGraD", "GlobalBatch", "mc_seed"]
@@ -169,13 +180,15 @@ class GlobalBatch(SingleProcess):
         self._rebuild_local = False
         self._n_gather = 0  # curvature.groups[:_n_gather]: groups of gather layers; the rest gram-blocks
         self._scales: dict[str, Tensor] = {}  # gram-blocks layer name -> its damping scale (relative_damping)
+        self._group_rows: Optional[list[list[int]]] = None  # per local group, each rank's rows (rows_vary)
 
     # ------------------------------------------------------------------ construction
     def check(self, options: dict[str, Any]) -> None:
         for rows in ("curvature_samples", "position_rows"):
-            if options[rows] is not None:
-                raise ValueError(f"DistributedTENGraD: {rows} is not supported (the global batch's records "
-                                 "are gathered whole); leave it None, or use TENGraD on one process")
+            if options[rows] is not None and self.mode == "local":
+                raise ValueError(f"DistributedTENGraD: {rows} takes rows of the global batch's Fisher, which "
+                                 "mode='local' does not form (each rank preconditions with its own); pass "
+                                 "mode='gather', 'gram-blocks' or 'auto', or leave it None")
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(model, DistributedDataParallel) and not _prepared(model):
@@ -191,8 +204,17 @@ class GlobalBatch(SingleProcess):
                              f"(the process group's is {dist.get_backend()!r}, whose collectives on CUDA tensors "
                              "cannot be captured in a CUDA graph); pass cuda_graph=False or leave it None")
 
+        if opt._mc_rng.state() is None:
+            opt._mc_rng.seed(self.seed)  # the position rows' draw: the same generator state on every rank
+
     def reset(self, opt: Host) -> None:
         self.forget()
+
+    def curvature_part(self, opt: Host) -> tuple[int, int, Optional[Tensor]]:
+        """This rank's part of the global batch ``(rank, W)``, and (``position_rows``, where the
+        loss scores only some positions) the global batch's scored positions ``[M, S]``: the
+        ranks' masks, exchanged on the host (small)."""
+        return self.rank, self.world, global_scored(opt._info.store) if opt.position_rows is not None else None
 
     def initial_sites(self, opt: Host) -> set[int]:
         return set()  # every rank records I and G: the records agree across ranks
@@ -242,34 +264,39 @@ class GlobalBatch(SingleProcess):
     def _exchange_records(self, opt: Host) -> None:
         """Steps 1–3 of the module docstring: metadata, owners, modes, gathered records."""
         layers = opt._layers
-        live = check_records(layers)
+        rows_vary = opt.curvature_samples is not None or opt.position_rows is not None  # each rank's part of k rows
+        live, metas = check_records(layers, rows_vary)
         self._local, self._local_groups, self._rebuild_local = {}, [], True
         self.owner, self.modes = {}, {}
         if not live:
             self.layers = []
             return
         M = self.world * layers[live[0]].m
+        if rows_vary:  # the rows of the first layer's first record, over the ranks
+            M = sum(next(d for recs in mt[live[0]] for d in recs)["in_shape"][0] for mt in metas)
         owners = assign_owners([solve_cost(M, layers[i].dims()) for i in live], self.world)
-        modes = [self.mode] * len(live)
-        if self.mode == "auto":
+        modes: list[str] = [self.mode] * len(live) if not (rows_vary and self.mode == "auto") \
+            else ["gather"] * len(live)
+        if self.mode == "auto" and not rows_vary:
             ns = [sum(p.numel() for p in (layers[i].weight, layers[i].bias) if p is not None) for i in live]
             recs = [record_bytes(layers[i], M, opt.strategy) for i in live]
-            modes = choose_modes(M, ns, [layers[i].dims() for i in live], owners, self.world, self.bandwidth,  # type: ignore[assignment]
+            modes = choose_modes(M, ns, [layers[i].dims() for i in live], owners, self.world, self.bandwidth,
                                  self.flop_rate, recs, opt.curvature_every)
         keep = set()
         store = opt._info.store
         for q, i in enumerate(live):
             lay = layers[i]
             mode = self.modes[lay.name] = modes[q]
-            if mode == "gather" and sends_per_sample(lay, M, opt.strategy):
+            if mode == "gather" and not rows_vary and sends_per_sample(lay, M, opt.strategy):
                 to_per_sample(lay)  # P is smaller than I, G and the owner would materialize anyway
-            if self._placement(lay, M, mode, opt.curvature_every) == "replicate":
+            if self._placement(lay, M, mode, opt.curvature_every, rows_vary) == "replicate":
                 owners[q] = REPLICATED
             self.owner[lay.name] = owners[q]
             if mode == "gram-blocks":
                 keep.add(i)
                 self._local.update({site: list(store.records.get(site, [])) for site in lay.spec.sites})
-        mine = gather_records(layers, live, owners, store, self.rank, self.world, keep, self.sharing.add_bytes)
+        mine = gather_records(layers, live, owners, store, self.rank, self.world, keep, self.sharing.add_bytes,
+                              metas if rows_vary else None)
         self.layers = [layers[i] for i in mine]
 
     def build_groups(self, opt: Host) -> list[LayerGroup]:
@@ -297,6 +324,8 @@ class GlobalBatch(SingleProcess):
             self._local_groups = build_groups(lays, opt.strategy, opt.jacobian_budget, packed=False)[0] \
                 if lays else []
             self._rebuild_local = False
+            rows_vary = opt.curvature_samples is not None or opt.position_rows is not None
+            self._group_rows = rows_by_group(self._local_groups) if self._local_groups and rows_vary else None
         device = opt._layers[0].weight.device if opt._layers else torch.device("cpu")
         self._scales = share_scales(opt.curvature, self.owner, self.modes, self.rank, device, self.sharing.add_bytes)
 
@@ -310,7 +339,7 @@ class GlobalBatch(SingleProcess):
         def start_blocks() -> GramBlocksStep:  # computes J_a g, starts its all-gather
             device = self._local_groups[0].layers[0].weight.device
             return GramBlocksStep(self._local_groups, push_through, self._generator(device, "probe"),
-                                  self.sharing.add_bytes)
+                                  self.sharing.add_bytes, self._group_rows)
 
         if self._local_groups and self.overlap:
             step = start_blocks()
@@ -362,9 +391,9 @@ class GlobalBatch(SingleProcess):
         return {name: {"mode": self.modes[name], "placement": "replicate" if r == REPLICATED else "owner",
                        "owner": None if r == REPLICATED else r} for name, r in self.owner.items()}
 
-    def _placement(self, lay: CoveredLayer, M: int, mode: str, every: int) -> str:
-        if self.placement != "auto":
-            return self.placement
+    def _placement(self, lay: CoveredLayer, M: int, mode: str, every: int, rows_vary: bool = False) -> str:
+        if self.placement != "auto" or rows_vary:  # rows_vary: each rank's own records differ in size
+            return "owner" if self.placement == "auto" else self.placement
         recs = lay.records()
         rec_bytes = sum(t.numel() * t.element_size() for r in recs for t in (r.I, r.G, r.P, r.Gsum) if t is not None)
         n = sum(p.numel() for p in (lay.weight, lay.bias) if p is not None)
@@ -386,7 +415,8 @@ class DistributedTENGraD(TENGraD):
             :func:`.plan.choose_modes`); or ``"local"`` (per-rank Fisher blocks, updates averaged).
         placement: ``"auto"``, ``"owner"`` or ``"replicate"`` (module docstring).
         bandwidth, flop_rate: the cost models' bytes/s and flop/s per rank (``"auto"``).
-        seed: global seed of the MC Fisher's label sampling (per-rank seeds :func:`mc_seed`).
+        seed: global seed of the MC Fisher's label sampling (per-rank seeds :func:`mc_seed`) and
+            of the position rows' draw (the same on every rank).
         **kwargs: TENGraD's options (``cuda_graph``: reuse steps replayed as CUDA graphs,
             collectives included, default on for NCCL and CUDA parameters, module docstring;
             ``metric`` and ``relative_damping`` as on one process, the metric's records scaled
@@ -394,8 +424,10 @@ class DistributedTENGraD(TENGraD):
             by its owner (:mod:`.dampings`); ``fisher="gauss-newton"`` as on one process, each
             rank's ``m·k`` stacked rows the global batch's ``W·m·k`` (:mod:`.records`);
             ``compile=True`` is accepted and fuses nothing: every step runs the distributed
-            path, ``GlobalBatch.fuses``; ``curvature_samples`` and ``position_rows`` are not
-            supported: ``ValueError``).
+            path, ``GlobalBatch.fuses``; ``curvature_samples`` and ``position_rows`` the rows
+            chosen over the global batch, the position rows from the generator ``seed_mc``
+            seeds, seeded with ``seed`` on every rank (module docstring), refused in
+            ``"local"`` mode only, which forms no global Fisher: ``ValueError``).
     """
 
     distribution: GlobalBatch

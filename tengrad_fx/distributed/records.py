@@ -24,8 +24,8 @@ from ..curvature.layer import KERNELS, CoveredLayer, choose_strategy
 from .comm import Bucket, all_gather_meta, gather_buckets, pack, unpack
 from .traffic import all_gather_sent, gather_sent
 
-__all__ = ["FIELDS", "REPLICATED", "layer_meta", "check_records", "sends_per_sample", "per_sample_smaller",
-           "per_sample_bytes", "record_bytes", "to_per_sample", "gather_records"]
+__all__ = ["FIELDS", "REPLICATED", "layer_meta", "check_records", "global_scored", "sends_per_sample",
+           "per_sample_smaller", "per_sample_bytes", "record_bytes", "to_per_sample", "gather_records"]
 
 FIELDS = ("I", "G", "P", "Gsum")
 REPLICATED = -1  # the "owner" of a layer every rank solves
@@ -45,23 +45,45 @@ def layer_meta(layer: CoveredLayer) -> Optional[list[list[dict[str, Any]]]]:
             d: dict[str, Any] = {f: (tuple(getattr(r, f).shape), str(getattr(r, f).dtype))
                                  for f in FIELDS if getattr(r, f) is not None}
             d["in_shape"] = tuple(r.in_shape)
+            d["batch"] = r.loss_batch
             recs.append(d)
         out.append(recs)
     return out
 
 
-def check_records(layers: list[CoveredLayer]) -> list[int]:
-    """Indices of the ``layers`` that captured records, after checking (one host
-    exchange of the shapes) that every rank captured the same layers with the same
-    shapes; else ``ValueError`` on every rank, naming the layer and the ranks."""
+def _without_rows(meta: Optional[list[list[dict[str, Any]]]]) -> Any:
+    """``meta`` with every shape's leading (row) dimension dropped."""
+    if meta is None:
+        return None
+    return [[{f: (v[0][1:], v[1]) if f in FIELDS else v[1:] if f == "in_shape" else v for f, v in d.items()}
+             for d in recs] for recs in meta]
+
+
+def check_records(layers: list[CoveredLayer], rows_vary: bool = False) -> tuple[list[int], list[Any]]:
+    """Indices of the ``layers`` that captured records, and every rank's :func:`layer_meta`
+    of each layer (by rank), after checking (one host exchange of the shapes) that every
+    rank captured the same layers with the same shapes (``rows_vary``: but for the number of
+    rows, each rank holding its own part of the chosen rows) and local batch size; else
+    ``ValueError`` on every rank, naming the layer and the ranks."""
     meta = [layer_meta(lay) for lay in layers]
     metas = all_gather_meta(meta, "exchange of the record shapes")
+    same = _without_rows if rows_vary else (lambda mt: mt)
     for r, other in enumerate(metas):
         for lay, a, b in zip(layers, metas[0], other):
-            if a != b:
+            if same(a) != same(b):
                 raise ValueError(f"DistributedTENGraD: layer '{lay.name}' captured {b} on rank {r} but {a} on "
                                  "rank 0; every rank needs the same local batch size and the same layers called")
-    return [i for i, mt in enumerate(meta) if mt is not None]
+    return [i for i, mt in enumerate(meta) if mt is not None], metas
+
+
+def global_scored(store: CaptureStore) -> Optional[Tensor]:
+    """The global batch's scored positions (bool ``[M, S]``, rank order): every rank's
+    ``store.scored`` (a small host exchange); None where a rank has none."""
+    masks = all_gather_meta(None if store.scored is None else store.scored.cpu(),
+                            "exchange of the scored positions (position_rows)")
+    if store.scored is None or any(mk is None for mk in masks):
+        return None
+    return torch.cat(masks, 0).to(store.scored.device)
 
 
 def sends_per_sample(layer: CoveredLayer, M: int, strategy: str) -> bool:
@@ -123,13 +145,17 @@ def to_per_sample(layer: CoveredLayer) -> None:
 
 
 def gather_records(layers: list[CoveredLayer], live: list[int], owners: list[int], store: CaptureStore,
-                   rank: int, world: int, keep: set[int], count: Callable[[str, int], None]) -> list[int]:
+                   rank: int, world: int, keep: set[int], count: Callable[[str, int], None],
+                   metas: Optional[list[Any]] = None) -> list[int]:
     """Give every layer ``layers[live[q]]`` solved on this rank (``owners[q]`` is this rank
     or :data:`REPLICATED`) the global batch's records in ``store``: one bucketed ``gather``
     per ``(owner, dtype)`` (an ``all_gather`` for replicated layers), all in flight at once.
     The records of a layer solved elsewhere are dropped, unless its index is in ``keep``
     (``gram-blocks`` layers: every rank keeps its own rows). Returns the indices of the
-    layers solved here; ``count(name, bytes)`` gets the bytes this rank sends per layer."""
+    layers solved here; ``count(name, bytes)`` gets the bytes this rank sends per layer.
+    ``metas``: every rank's :func:`layer_meta` (:func:`check_records`) where the ranks hold
+    different numbers of rows (a rank's part of ``curvature_samples`` or ``position_rows``):
+    each rank's records travel whole, and the global records have the rows of all of them."""
     buckets: dict[tuple[int, torch.dtype], Bucket] = {}
     payload: dict[tuple[int, torch.dtype], list[Tensor]] = {}
     for i, owner in zip(live, owners):
@@ -148,7 +174,10 @@ def gather_records(layers: list[CoveredLayer], live: list[int], owners: list[int
                     payload[key].append(t)
     blist = list(buckets.values())
     flats = {n: pack(payload[k], b) for n, (k, b) in enumerate(buckets.items())}
-    recv = gather_buckets(blist, flats)
+    shapes = None if metas is None else [[[torch.Size(metas[q][i][s][j][f][0]) for (i, s, j, f) in b.keys]
+                                          for q in range(world)] for b in blist]  # by bucket, rank
+    recv = gather_buckets(blist, flats, None if shapes is None else [[sum(x.numel() for x in sh) for sh in by_rank]
+                                                                      for by_rank in shapes])
     for b in blist:
         sent = int(all_gather_sent(b.nbytes, world) if b.rank == REPLICATED else gather_sent(b.nbytes, b.rank == rank))
         for key, shape in zip(b.keys, b.shapes):
@@ -158,7 +187,7 @@ def gather_records(layers: list[CoveredLayer], live: list[int], owners: list[int
         got = recv[n]
         if got is None:
             continue
-        per_rank = [unpack(flat, b) for flat in got]
+        per_rank = [unpack(flat, b, None if shapes is None else shapes[n][q]) for q, flat in enumerate(got)]
         for q, key in enumerate(b.keys):
             parts[key] = [views[q] for views in per_rank]
     mine = {i for i, r in zip(live, owners) if r in (REPLICATED, rank)}
@@ -178,7 +207,10 @@ def gather_records(layers: list[CoveredLayer], live: list[int], owners: list[int
                         continue
                     t = torch.cat(parts[(i, s, j, f)], 0)
                     fields[f] = t * (1.0 / world) if f in _SCALED else t
+                rows, batch = world * rec.in_shape[0], world * rec.batch
+                if metas is not None:  # the ranks' parts of the rows; the loss's batch is the global one
+                    rows, batch = sum(mt[i][s][j]["in_shape"][0] for mt in metas), world * rec.loss_batch
                 new.append(Record(fields["I"], fields["G"], fields["P"], fields["Gsum"],
-                                  in_shape=(world * rec.in_shape[0], *rec.in_shape[1:])))
+                                  in_shape=(rows, *rec.in_shape[1:]), batch=batch))
             store.records[site] = new
     return sorted(mine)

@@ -71,16 +71,23 @@ def test_check_is_given_every_constructor_argument() -> None:
         assert _options(schedule=CurvatureSchedule(every=5))["curvature_every"] == 5
 
 
+def _unbuilt(cls: type, mode: str = "gather") -> Any:
+    """A strategy of ``cls`` with no state but its ``mode`` (what ``check`` may read of it)."""
+    obj = object.__new__(cls)
+    obj.mode = mode
+    return obj
+
+
 @pytest.mark.parametrize("cls", [SingleProcess, GlobalBatch, FSDPShards])
 def test_check_reads_only_the_options_it_is_given(cls: type) -> None:
     given = ReadLog(_options())
-    cls.check(object.__new__(cls), given)  # the defaults: accepted everywhere
+    cls.check(_unbuilt(cls), given)  # the defaults: accepted everywhere
     assert given.read <= NAMES, f"{cls.__name__}.check reads {sorted(given.read - NAMES)}, not options"
     assert cls is SingleProcess or given.read
 
 
 REFUSED = [
-    (GlobalBatch, "curvature_samples", 4), (GlobalBatch, "position_rows", 8),
+    (FSDPShards, "curvature_samples", 4), (FSDPShards, "position_rows", 8),
     (FSDPShards, "metric", "factored"), (FSDPShards, "metric", "kronecker"),
     (FSDPShards, "relative_damping", True),
     (FSDPShards, "cuda_graph", True), (FSDPShards, "compile", True), (FSDPShards, "fisher", "gauss-newton"),
@@ -91,7 +98,18 @@ REFUSED = [
 def test_refused_option_is_named(cls: type, name: str, value: Any) -> None:
     given = {**_options(), name: value}
     with pytest.raises(ValueError, match=name):
-        cls.check(object.__new__(cls), given)
+        cls.check(_unbuilt(cls), given)
+
+
+@pytest.mark.parametrize("name, value", [("curvature_samples", 4), ("position_rows", 8)])
+def test_global_batch_runs_the_rows_of_the_global_fisher(name: str, value: Any) -> None:
+    """DDP's strategy accepts them with ``mode="gather"``, ``"gram-blocks"`` or ``"auto"``
+    (``tests/distributed/test_rows.py`` checks their updates) and refuses them with ``"local"``,
+    naming both."""
+    for mode in ("gather", "gram-blocks", "auto"):
+        GlobalBatch.check(_unbuilt(GlobalBatch, mode), {**_options(), name: value})
+    with pytest.raises(ValueError, match=f"{name}.*'local'"):
+        GlobalBatch.check(_unbuilt(GlobalBatch, "local"), {**_options(), name: value})
 
 
 @pytest.mark.parametrize("name, value", [("metric", "factored"), ("metric", "kronecker"),
@@ -100,7 +118,7 @@ def test_refused_option_is_named(cls: type, name: str, value: Any) -> None:
 def test_global_batch_runs_the_metric_and_relative_damping(name: str, value: Any) -> None:
     """DDP's strategy accepts them, and Gauss-Newton and compile (``tests/distributed/test_options.py``
     checks their updates)."""
-    GlobalBatch.check(object.__new__(GlobalBatch), {**_options(), name: value})
+    GlobalBatch.check(_unbuilt(GlobalBatch), {**_options(), name: value})
 
 
 @pytest.mark.parametrize("cls", [GlobalBatch, FSDPShards])
@@ -109,7 +127,7 @@ def test_global_batch_runs_the_metric_and_relative_damping(name: str, value: Any
 def test_shaping_is_accepted(cls: type, shaping: dict[str, Any]) -> None:
     """``graft``, ``orthogonalize`` and ``orthogonalize_momentum`` pass every distributed
     check (FSDP2: on the row shards, ``tests/distributed/test_fsdp2_polar.py``)."""
-    cls.check(object.__new__(cls), {**_options(), **shaping})
+    cls.check(_unbuilt(cls), {**_options(), **shaping})
 
 
 FSDP_REFUSED = {"cuda_graph": dict(cuda_graph=True), "metric": dict(metric="kronecker"),

@@ -52,6 +52,10 @@ class Host(Protocol):
     @property
     def curvature_every(self) -> int: ...
     @property
+    def curvature_samples(self) -> Optional[int]: ...
+    @property
+    def position_rows(self) -> Optional[int]: ...
+    @property
     def cuda_graph(self) -> bool: ...  # reuse steps go through the graph runner (:mod:`.cuda_graphs`)
     def _group_params(self) -> list[Tensor]: ...
 
@@ -95,6 +99,13 @@ class SingleProcess:
 
     def reset(self, opt: Host) -> None:
         """The layers changed or a state was loaded: forget what was planned."""
+
+    def curvature_part(self, opt: Host) -> tuple[int, int, Optional[Tensor]]:
+        """``(part, parts, scored)``: this process's batch is part ``part`` of ``parts`` equal
+        parts (in order) of the batch whose Fisher is taken, where ``curvature_samples`` and
+        ``position_rows`` choose their rows; ``scored``: that batch's scored positions (None:
+        this process's, ``store.scored``). The whole batch here: ``(0, 1, None)``."""
+        return 0, 1, None
 
     def initial_sites(self, opt: Host) -> set[int]:
         """The sites the first backward materializes (:mod:`.jacobian_sites`)."""

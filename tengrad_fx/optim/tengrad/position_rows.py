@@ -100,26 +100,41 @@ def _rows(layer: CoveredLayer, rec: Record, S: int, idx: Tensor, scale: float | 
 
 
 def _draw(scored: Optional[Tensor], n: int, k: int, generator: torch.Generator,
-          device: torch.device) -> tuple[Tensor, Optional[Tensor]]:
-    """``k`` of ``n`` position rows on ``device``, and their ``G`` scale's numerator per row:
-    None for a uniform draw (the scale is ``S``); where ``scored`` has ``n`` entries, the
-    draw among them (:func:`scored_draw`) and ``N·w`` (with the Gram's per-sample scale ``m``
-    and the scale ``N·w/m`` the row is ``N·G``, weighted by ``w``)."""
-    if scored is None or scored.numel() != n:
-        return torch.randperm(n, generator=generator, device=generator.device)[:k].to(device), None
-    here = scored.to(device)
-    idx, weights = scored_draw(here, k, generator)
-    return idx, weights * here.sum(dtype=torch.float64)
+          device: torch.device, part: int = 0, parts: int = 1) -> tuple[Tensor, Optional[Tensor]]:
+    """``k`` of ``parts·n`` position rows, kept where they fall in this process's ``n`` (global
+    rows ``[part·n, (part+1)·n)``, as local indices on ``device``; every row with ``parts = 1``),
+    and their ``G`` scale's numerator per row: None for a uniform draw (the scale is ``S``);
+    where ``scored`` has ``parts·n`` entries, the draw among them (:func:`scored_draw`) and
+    ``N·w`` (with the Gram's per-sample scale ``m`` and the scale ``N·w/m`` the row is ``N·G``,
+    weighted by ``w``)."""
+    total = parts * n
+    if scored is None or scored.numel() != total:
+        idx, per_row = torch.randperm(total, generator=generator, device=generator.device)[:k].to(device), None
+    else:
+        here = scored.to(device)
+        idx, weights = scored_draw(here, k, generator)
+        per_row = weights * here.sum(dtype=torch.float64)
+    if parts == 1:
+        return idx, per_row
+    held = ((idx >= part * n) & (idx < (part + 1) * n)).nonzero().squeeze(1)  # a host read of the count
+    return idx[held] - part * n, None if per_row is None else per_row[held]
 
 
 def draw_position_rows(store: CaptureStore, layers: list[CoveredLayer], k: int,
-                       generator: torch.Generator) -> bool:
+                       generator: torch.Generator, part: int = 0, parts: int = 1,
+                       scored: Optional[Tensor] = None) -> bool:
     """Replace the records of every layer that takes position rows by ``k`` of its
-    ``m·S`` position rows (module docstring; among the scored ones where ``store.scored``
-    has ``m·S`` entries). Returns whether any layer's records changed. Records with one
-    position per sample (those replaced already among them) stay."""
+    ``m·S`` position rows (module docstring; among the scored ones where the mask ``scored``,
+    default ``store.scored``, has ``m·S`` entries). Returns whether any layer's records changed.
+    Records with one position per sample (those replaced already among them) stay.
+
+    With ``parts > 1`` this process holds part ``part`` of a batch of ``parts·m`` samples
+    (rank order; ``scored``: the whole batch's mask ``[parts·m, S]``): the ``k`` rows are drawn
+    from all ``parts·m·S`` as one process holding them all would (``generator`` in the same
+    state everywhere), and the drawn rows of this process's samples are kept, scaled for the
+    whole batch's loss (the ``G`` of each part's records is ``parts`` times the batch's)."""
     draws: dict[tuple[int, torch.device], tuple[Tensor, Optional[Tensor]]] = {}
-    scored = store.scored
+    scored = store.scored if scored is None else scored
     changed = False
     for lay in layers:
         if not takes_position_rows(lay):
@@ -137,10 +152,10 @@ def draw_position_rows(store: CaptureStore, layers: list[CoveredLayer], k: int,
         device = recs[0].G.device  # type: ignore[union-attr]
         key = (m * S, device)
         if key not in draws:
-            draws[key] = _draw(scored, m * S, k, generator, device)
+            draws[key] = _draw(scored, m * S, k, generator, device, part, parts)
         idx, per_row = draws[key]
         for s in sites:
-            store.records[s] = [_rows(lay, r, S, idx, S if per_row is None else per_row / r.loss_batch)
+            store.records[s] = [_rows(lay, r, S, idx, S if per_row is None else per_row / (parts * r.loss_batch))
                                 for r in store.records[s]]
         changed = True
     return changed

@@ -312,10 +312,14 @@ class TENGraD(StepSkeleton):
         (:meth:`~tengrad_fx.capture.store.CaptureStore.keep_samples`) or drawn as ``position_rows``
         (:mod:`.position_rows`); whether they are now other rows than the batch's samples."""
         store = self._info.store
+        if self.position_rows is None and self.curvature_samples is None:
+            return False
+        part, parts, scored = self.distribution.curvature_part(self)  # rows drawn over the whole batch
         if self.position_rows is not None:
             device = self._layers[0].weight.device if self._layers else torch.device("cpu")
-            return draw_position_rows(store, self._layers, self.position_rows, self._mc_rng.get(device))
-        return self.curvature_samples is not None and store.keep_samples(self.curvature_samples)
+            return draw_position_rows(store, self._layers, self.position_rows, self._mc_rng.get(device), part, parts,
+                                      scored)
+        return store.keep_samples(self.curvature_samples, part, parts)  # type: ignore[arg-type]
 
     def _refresh(self, damping: Damping) -> None:
         """Grams and Cholesky factors of every layer solved here from the store, by groups of
