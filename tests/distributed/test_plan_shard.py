@@ -86,10 +86,10 @@ def test_mode_placement_and_unsupported_options_are_checked() -> None:
             DistributedTENGraD(net, lr=0.1, damping=0.1, mode="blocks")  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="placement must be"):
             DistributedTENGraD(net, lr=0.1, damping=0.1, placement="all")  # type: ignore[arg-type]
-        with pytest.raises(ValueError, match="curvature_samples is not supported"):
-            DistributedTENGraD(net, lr=0.1, damping=0.1, curvature_samples=4)
-        with pytest.raises(ValueError, match="position_rows is not supported"):
-            DistributedTENGraD(net, lr=0.1, damping=0.1, position_rows=4)
+        for rows in ("curvature_samples", "position_rows"):  # the global batch's rows (test_rows.py)
+            with pytest.raises(ValueError, match=f"{rows} takes rows of the global batch's Fisher"):
+                DistributedTENGraD(net, lr=0.1, damping=0.1, mode="local", **{rows: 4})
+            assert getattr(DistributedTENGraD(net, lr=0.1, damping=0.1, **{rows: 4}), rows) == 4
         opt = DistributedTENGraD(net, lr=0.1, damping=0.1, metric="factored", relative_damping=True)
         assert opt.metric is not None and opt.curvature.relative  # run under DDP (test_options.py)
     finally:
