@@ -61,7 +61,7 @@ from ..optim.tengrad.layer_groups import LayerGroup
 from .comm import collective
 from .fsdp_exchange import choose_fsdp_modes, exchange_rows, shard_coordinates
 from .fsdp_rows import Rows, check_shardable, layer_rows, local, row_records
-from .optimizer import GlobalBatch, Mode
+from .global_batch import GlobalBatch, Mode
 from .records import REPLICATED, check_records, gather_records
 
 __all__ = ["FSDPShards", "RowGroup", "fsdp_modules"]

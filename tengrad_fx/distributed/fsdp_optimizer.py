@@ -36,7 +36,8 @@ from .comm import all_ok, collective
 from .fsdp import FSDPShards
 from .fsdp_shaping import ShardedShaping
 from .fsdp_rows import like, local
-from .optimizer import DistributedTENGraD, Mode
+from .global_batch import Mode
+from .optimizer import DistributedTENGraD
 
 __all__ = ["FSDPTENGraD"]
 

@@ -17,7 +17,7 @@ __all__ = ["UpdateSharing"]
 
 
 class UpdateSharing:
-    """Step 5 of :class:`~.optimizer.GlobalBatch` on this rank (``rank`` of ``world``):
+    """Step 5 of :class:`~.global_batch.GlobalBatch` on this rank (``rank`` of ``world``):
     the ``u`` broadcasts in flight and the bytes each layer sent on the current step
     (:attr:`comm_bytes`). ``layers``: every covered layer, graph order; ``owner``: layer
     name -> owning rank or ``REPLICATED``; ``mode``: layer name -> ``"gather"`` / ``"gram-blocks"``."""

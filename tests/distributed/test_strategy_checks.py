@@ -19,7 +19,7 @@ import torch.nn as nn
 import tengrad_fx
 from tengrad_fx import CurvatureSchedule, TENGraD
 from tengrad_fx.distributed.fsdp import FSDPShards
-from tengrad_fx.distributed.optimizer import GlobalBatch
+from tengrad_fx.distributed.global_batch import GlobalBatch
 from tengrad_fx.optim.tengrad.distribution import SingleProcess
 from testing.distributed import run_ranks
 from testing.fsdp_workers import train_fsdp

@@ -1,0 +1,309 @@
+"""The :class:`GlobalBatch` distribution: the strategy :class:`~.optimizer.DistributedTENGraD`
+runs TENGraD with (the records of the global batch gathered to each layer's solver, or
+exchanged as Gram blocks; module docstring of :mod:`.optimizer`)."""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+
+from ..capture.info import get_info
+from ..curvature.layer import CoveredLayer
+from ..optim.step.mc import check_mask, sample_targets
+from ..optim.step.param_groups import Damping
+from ..optim.step.result import StepResult
+from ..optim.step.update import finite_flag
+from ..optim.tengrad.distribution import Host, SingleProcess
+from ..optim.tengrad.group_build import build_groups
+from ..optim.tengrad.layer_groups import LayerGroup, precondition_groups
+from .comm import all_ok, nccl_backend
+from .dampings import block_dampings, share_scales
+from .gram_blocks import GramBlocksStep, rows_by_group
+from .plan import assign_owners, choose_modes, choose_placement, solve_cost
+from .records import (REPLICATED, check_records, gather_records, global_scored, record_bytes, sends_per_sample,
+                      to_per_sample)
+from .share import UpdateSharing
+
+__all__ = ["GlobalBatch", "Mode", "Placement", "mc_seed"]
+
+Mode = Literal["gather", "gram-blocks", "auto", "local"]
+Placement = Literal["auto", "owner", "replicate"]
+
+
+def mc_seed(seed: int, rank: int) -> int:
+    """The MC-sampling seed of ``rank`` derived from the global ``seed``."""
+    return (int(seed) * 1_000_003 + 7919 * (int(rank) + 1)) % (2 ** 63)
+
+
+def _prepared(model: torch.nn.Module) -> bool:
+    try:
+        get_info(model)
+    except ValueError:
+        return False
+    return True
+
+
+class GlobalBatch(SingleProcess):
+    """TENGraD's distribution over a ``torch.distributed`` job: the global batch's Fisher
+    (module docstring; arguments as :class:`DistributedTENGraD`'s). Every rank decides the
+    same curvature steps: TENGraD's schedule, and a skipped curvature step re-taken as the
+    all-reduced flag says (:attr:`agreed_skips`)."""
+
+    saves_records = False  # records are per owner: a resumed run takes curvature first
+    agreed_skips = True
+    fuses = False  # compile: the fused update is one process's solve; the steps here run the modular path
+
+    def __init__(self, mode: Mode = "auto", placement: Placement = "auto", seed: int = 0,
+                 bandwidth: float = 50e9, flop_rate: float = 50e12):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("DistributedTENGraD: call torch.distributed.init_process_group(...) first "
+                               "(e.g. run under torchrun)")
+        if mode not in ("gather", "gram-blocks", "auto", "local"):
+            raise ValueError("DistributedTENGraD: mode must be 'gather', 'gram-blocks', 'auto' or 'local', "
+                             f"got {mode!r}")
+        if placement not in ("auto", "owner", "replicate"):
+            raise ValueError(f"DistributedTENGraD: placement must be 'auto', 'owner' or 'replicate', got {placement!r}")
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.capturable = nccl_backend()  # a reuse step's broadcasts, all_gathers, all_reduces: NCCL captures them
+        self.mode, self.placement, self.seed = mode, placement, int(seed)
+        self.bandwidth, self.flop_rate = float(bandwidth), float(flop_rate)
+        self.overlap = True  # False: the same collectives one after the other (tests: identical bits)
+        self.sharing = UpdateSharing(self.rank, self.world)
+        self.last_mc_targets: Optional[Tensor] = None
+        self._generators: dict[str, torch.Generator] = {}
+        self._seconds = (0.0, 0.0)  # (gather, share) of the last step
+        self.forget()
+
+    def forget(self) -> None:
+        """No curvature, owners or modes: the next step takes curvature on every rank."""
+        self.fresh = True  # no curvature yet (on any rank)
+        self.layers: list[CoveredLayer] = []  # the layers solved here (last curvature step)
+        self.owner: dict[str, int] = {}  # layer name -> owning rank, REPLICATED (last curvature step)
+        self.modes: dict[str, str] = {}  # layer name -> "gather" / "gram-blocks" (last curvature step)
+        self._local: dict[int, list[Any]] = {}  # site -> this rank's own records of gram-blocks layers
+        self._local_groups: list[Any] = []  # LayerGroups over them (every rank)
+        self._rebuild_local = False
+        self._n_gather = 0  # curvature.groups[:_n_gather]: groups of gather layers; the rest gram-blocks
+        self._scales: dict[str, Tensor] = {}  # gram-blocks layer name -> its damping scale (relative_damping)
+        self._group_rows: Optional[list[list[int]]] = None  # per local group, each rank's rows (rows_vary)
+
+    # ------------------------------------------------------------------ construction
+    def check(self, options: dict[str, Any]) -> None:
+        for rows in ("curvature_samples", "position_rows"):
+            if options[rows] is not None and self.mode == "local":
+                raise ValueError(f"DistributedTENGraD: {rows} takes rows of the global batch's Fisher, which "
+                                 "mode='local' does not form (each rank preconditions with its own); pass "
+                                 "mode='gather', 'gram-blocks' or 'auto', or leave it None")
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        if isinstance(model, DistributedDataParallel) and not _prepared(model):
+            return model.module  # DDP(prepare(model)); prepare(DDP(model)) keeps its info on the wrapper
+        return model
+
+    def bind(self, opt: Host) -> None:
+        if opt._info.loss_reduction != "mean":
+            raise ValueError("DistributedTENGraD: prepare(..., loss_reduction='mean') is required (DDP averages "
+                             "the gradients over the ranks, i.e. the global loss is the mean over the global batch)")
+        if opt.cuda_graph and not self.capturable and any(p.is_cuda for p in opt._group_params()):
+            raise ValueError(f"DistributedTENGraD: cuda_graph=True with CUDA parameters needs the NCCL backend "
+                             f"(the process group's is {dist.get_backend()!r}, whose collectives on CUDA tensors "
+                             "cannot be captured in a CUDA graph); pass cuda_graph=False or leave it None")
+
+        if opt._mc_rng.state() is None:
+            opt._mc_rng.seed(self.seed)  # the position rows' draw: the same generator state on every rank
+
+    def reset(self, opt: Host) -> None:
+        self.forget()
+
+    def curvature_part(self, opt: Host) -> tuple[int, int, Optional[Tensor]]:
+        """This rank's part of the global batch ``(rank, W)``, and (``position_rows``, where the
+        loss scores only some positions) the global batch's scored positions ``[M, S]``: the
+        ranks' masks, exchanged on the host (small)."""
+        return self.rank, self.world, global_scored(opt._info.store) if opt.position_rows is not None else None
+
+    def initial_sites(self, opt: Host) -> set[int]:
+        return set()  # every rank records I and G: the records agree across ranks
+
+    def has_curvature(self, opt: Host) -> bool:
+        return not self.fresh
+
+    has_factors = has_curvature  # on every rank alike (a rank may hold no factor): the same graph steps
+
+    # ------------------------------------------------------------------ MC
+    def _generator(self, device: torch.device, purpose: str = "mc") -> torch.Generator:
+        """This rank's MC-label generator, or (``purpose="probe"``) the push-through probe's
+        of the ``gram-blocks`` layers, seeded alike on every rank."""
+        key = f"{purpose}:{device}"
+        if key not in self._generators:
+            seed = mc_seed(self.seed, self.rank) if purpose == "mc" else 0
+            self._generators[key] = torch.Generator(device=device).manual_seed(seed)
+        return self._generators[key]
+
+    def mc_sample(self, opt: Host, outputs: Tensor, targets: Optional[Tensor],
+                  mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[torch.Generator]]:
+        """Labels sampled with this rank's generator (kept in :attr:`last_mc_targets`)
+        unless ``targets`` are given."""
+        if targets is None:
+            mask = check_mask(outputs, mask, opt.mc_loss)
+            targets = sample_targets(outputs, opt.mc_loss, self._generator(outputs.device), mask)
+        self.last_mc_targets = targets
+        return targets, None
+
+    # ------------------------------------------------------------------ step
+    def begin(self, opt: Host, curvature_step: bool) -> None:
+        t0 = time.perf_counter()
+        self.sharing.reset(opt._layers)
+        if curvature_step:
+            # a captured reuse step reads this step's records and factors: its graphs are replaced
+            opt.curvature.replaced()
+            if self.mode == "local":
+                self.layers = [lay for lay in opt._layers if lay.captured]
+            else:
+                self._exchange_records(opt)
+            self.fresh = False
+        self._seconds = (time.perf_counter() - t0, 0.0)
+
+    def solve_layers(self, opt: Host) -> list[CoveredLayer]:
+        return self.layers
+
+    def _exchange_records(self, opt: Host) -> None:
+        """Steps 1–3 of the module docstring: metadata, owners, modes, gathered records."""
+        layers = opt._layers
+        rows_vary = opt.curvature_samples is not None or opt.position_rows is not None  # each rank's part of k rows
+        live, metas = check_records(layers, rows_vary)
+        self._local, self._local_groups, self._rebuild_local = {}, [], True
+        self.owner, self.modes = {}, {}
+        if not live:
+            self.layers = []
+            return
+        M = self.world * layers[live[0]].m
+        if rows_vary:  # the rows of the first layer's first record, over the ranks
+            M = sum(next(d for recs in mt[live[0]] for d in recs)["in_shape"][0] for mt in metas)
+        owners = assign_owners([solve_cost(M, layers[i].dims()) for i in live], self.world)
+        modes: list[str] = [self.mode] * len(live) if not (rows_vary and self.mode == "auto") \
+            else ["gather"] * len(live)
+        if self.mode == "auto" and not rows_vary:
+            ns = [sum(p.numel() for p in (layers[i].weight, layers[i].bias) if p is not None) for i in live]
+            recs = [record_bytes(layers[i], M, opt.strategy) for i in live]
+            modes = choose_modes(M, ns, [layers[i].dims() for i in live], owners, self.world, self.bandwidth,
+                                 self.flop_rate, recs, opt.curvature_every)
+        keep = set()
+        store = opt._info.store
+        for q, i in enumerate(live):
+            lay = layers[i]
+            mode = self.modes[lay.name] = modes[q]
+            if mode == "gather" and not rows_vary and sends_per_sample(lay, M, opt.strategy):
+                to_per_sample(lay)  # P is smaller than I, G and the owner would materialize anyway
+            if self._placement(lay, M, mode, opt.curvature_every, rows_vary) == "replicate":
+                owners[q] = REPLICATED
+            self.owner[lay.name] = owners[q]
+            if mode == "gram-blocks":
+                keep.add(i)
+                self._local.update({site: list(store.records.get(site, [])) for site in lay.spec.sites})
+        mine = gather_records(layers, live, owners, store, self.rank, self.world, keep, self.sharing.add_bytes,
+                              metas if rows_vary else None)
+        self.layers = [layers[i] for i in mine]
+
+    def build_groups(self, opt: Host) -> list[LayerGroup]:
+        """The layers solved here, the ``gram-blocks`` layers in groups of their own (after the
+        gather layers'); the backward keeps recording ``I, G`` on every rank."""
+        mode = self.modes
+        gather, _ = build_groups([lay for lay in self.layers if mode.get(lay.name) != "gram-blocks"],
+                                 opt.strategy, opt.jacobian_budget)
+        blocks, _ = build_groups([lay for lay in self.layers if mode.get(lay.name) == "gram-blocks"],
+                                 opt.strategy, opt.jacobian_budget)
+        opt._info.store.jacobian_sites = set()
+        opt.curvature.set_groups(gather + blocks)
+        self._n_gather = len(gather)
+        return gather + blocks
+
+    def after_factorize(self, opt: Host) -> None:
+        """Only the ``gram-blocks`` layers' factors stay; every rank's store gets its own rows
+        of them back (the global records are not kept), grouped for the per-step products."""
+        for grp in opt.curvature.groups[self._n_gather:]:
+            grp.release()
+        opt._info.store.records.update({site: list(recs) for site, recs in self._local.items()})
+        if self._rebuild_local:
+            lays = [lay for lay in opt._layers if self.modes.get(lay.name) == "gram-blocks"]
+            # unpacked: the groups' J_a g and Jᵀc partial sums travel (no zero columns sent)
+            self._local_groups = build_groups(lays, opt.strategy, opt.jacobian_budget, packed=False)[0] \
+                if lays else []
+            self._rebuild_local = False
+            rows_vary = opt.curvature_samples is not None or opt.position_rows is not None
+            self._group_rows = rows_by_group(self._local_groups) if self._local_groups and rows_vary else None
+        device = opt._layers[0].weight.device if opt._layers else torch.device("cpu")
+        self._scales = share_scales(opt.curvature, self.owner, self.modes, self.rank, device, self.sharing.add_bytes)
+
+    def precondition(self, opt: Host, push_through: bool, damping: Damping) -> StepResult:
+        """``u`` of the gather layers solved here and of every ``gram-blocks`` layer
+        (data-parallel, :class:`.gram_blocks.GramBlocksStep`), overlapped: the all-gather of
+        the ``J_a g`` runs while this rank solves its gather layers; the broadcasts of their
+        ``u`` run while it finishes the gram-blocks layers."""
+        cache, step = opt.curvature, None
+
+        def start_blocks() -> GramBlocksStep:  # computes J_a g, starts its all-gather
+            device = self._local_groups[0].layers[0].weight.device
+            return GramBlocksStep(self._local_groups, push_through, self._generator(device, "probe"),
+                                  self.sharing.add_bytes, self._group_rows)
+
+        if self._local_groups and self.overlap:
+            step = start_blocks()
+        gather = cache.groups[:self._n_gather]
+        out: dict[Tensor, Tensor] = {}
+        alphas = cache.dampings(damping, opt.param_groups)  # float, or [L_total] in the groups' order
+        if gather and cache.chol is not None:
+            L = sum(len(grp.layers) for grp in gather)
+            out, _ = precondition_groups(gather, cache.chol[:L], push_through, alphas[:L] if isinstance(alphas, Tensor)
+                                         else alphas, opt._info.loss_reduction)
+        if self.mode != "local" and self.overlap:
+            self.sharing.start(opt._layers, self.owner, self.modes, out)  # the owners' u, in flight from here
+        if self._local_groups and step is None:
+            step = start_blocks()
+        if step is not None:
+            chol = {lay.name: grp.chol[i] for grp in cache.groups[self._n_gather:] if grp.chol is not None
+                    for i, lay in enumerate(grp.layers)}
+            blocks = [lay for lay in opt._layers if self.modes.get(lay.name) == "gram-blocks"]
+            step.exchange(self.owner, chol, block_dampings(damping, opt.param_groups, blocks, self._scales))
+            out.update(step.finish())
+        return StepResult(out, cache.ok)
+
+    def finish(self, opt: Host, result: StepResult) -> StepResult:
+        """Step 5 (every rank gets every layer's ``u``, or ``local``'s mean), and the step's
+        flag ANDed over the ranks: its gradients' finiteness and its factors (every rank
+        skips together)."""
+        t0 = time.perf_counter()
+        if self.mode == "local":
+            updates = self.sharing.average(opt._layers, result.updates)
+        else:
+            updates = self.sharing.finish(opt._layers, self.owner, self.modes, result.updates)
+        ok = finite_flag([p.grad for p in opt._group_params() if p.grad is not None])
+        assert ok is not None
+        flag = all_ok(ok if result.ok is None else ok & result.ok)
+        self._seconds = (self._seconds[0], time.perf_counter() - t0)
+        return StepResult(updates, flag)
+
+    def timings(self, begin_seconds: float) -> dict[str, float]:
+        return {"gather": begin_seconds, "share": self._seconds[1]}
+
+    def reuse_groups(self, opt: Host) -> list[LayerGroup]:
+        """The gather layers solved here."""
+        return opt.curvature.groups[:self._n_gather]
+
+    def layer_plan(self, opt: Host) -> dict[str, dict[str, Any]]:
+        """:meth:`DistributedTENGraD.layer_plan`."""
+        if self.mode == "local":
+            return {lay.name: {"mode": "local", "placement": "replicate", "owner": None} for lay in opt._layers}
+        return {name: {"mode": self.modes[name], "placement": "replicate" if r == REPLICATED else "owner",
+                       "owner": None if r == REPLICATED else r} for name, r in self.owner.items()}
+
+    def _placement(self, lay: CoveredLayer, M: int, mode: str, every: int, rows_vary: bool = False) -> str:
+        if self.placement != "auto" or rows_vary:  # rows_vary: each rank's own records differ in size
+            return "owner" if self.placement == "auto" else self.placement
+        recs = lay.records()
+        rec_bytes = sum(t.numel() * t.element_size() for r in recs for t in (r.I, r.G, r.P, r.Gsum) if t is not None)
+        n = sum(p.numel() for p in (lay.weight, lay.bias) if p is not None)
+        return choose_placement(M, n, rec_bytes, lay.dims(), self.world, every, self.bandwidth, self.flop_rate, mode)
