@@ -116,7 +116,7 @@ def _draw(scored: Optional[Tensor], n: int, k: int, generator: torch.Generator,
         per_row = weights * here.sum(dtype=torch.float64)
     if parts == 1:
         return idx, per_row
-    held = ((idx >= part * n) & (idx < (part + 1) * n)).nonzero().squeeze(1)  # a host read of the count
+    held = ((idx >= part * n) & (idx < part * n + n)).nonzero().squeeze(1)  # a host read of the count
     return idx[held] - part * n, None if per_row is None else per_row[held]
 
 
