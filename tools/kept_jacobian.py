@@ -2,7 +2,7 @@
 
 For each model, one TENGraD curvature step on a random batch of ``m`` samples, then the
 cached curvature under two rules for the materialized layers
-(:func:`tengrad_fx.optim.tengrad.group_build.default_jacobian_cap`):
+(:func:`tengrad_fx.optim.tengrad.jacobian_sites.default_jacobian_cap`):
 
 * ``default``: ``J`` kept where it is at most ``min(4, S/8)`` times its ``I, G``;
 * ``J<=IG``: ``J`` kept only where it is no larger than its ``I, G`` (the cap at 1×).
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import tengrad_fx
-from tengrad_fx.optim.tengrad import group_build
+from tengrad_fx.optim.tengrad import jacobian_sites
 from tengrad_fx.optim.tengrad.group_cost import reuse_cost
 from tengrad_fx.zoo.bench_models import MODEL_NAMES, build_model
 
@@ -54,8 +54,8 @@ def _model_flops(opt: Any, m: int) -> float:
 def kept_facts(name: str, m: int, ratio_max: float) -> dict[str, Any]:
     """One curvature step of model ``name`` at batch ``m`` with ``JACOBIAN_RATIO_MAX = ratio_max``:
     ``{kept: layers keeping J, reuse_ratio: reuse flops / model flops, curvature_mb}``."""
-    old = group_build.JACOBIAN_RATIO_MAX
-    group_build.JACOBIAN_RATIO_MAX = ratio_max
+    old = jacobian_sites.JACOBIAN_RATIO_MAX
+    jacobian_sites.JACOBIAN_RATIO_MAX = ratio_max
     try:
         torch.manual_seed(0)
         net, x, y, lm = _model(name, m)
@@ -71,7 +71,7 @@ def kept_facts(name: str, m: int, ratio_max: float) -> dict[str, Any]:
         return {"kept": kept, "reuse_ratio": reuse_cost(opt.curvature.groups)[0] / model_flops,
                 "curvature_mb": curvature_bytes(opt, pm) / 2**20, "layers": len(opt._layers)}
     finally:
-        group_build.JACOBIAN_RATIO_MAX = old
+        jacobian_sites.JACOBIAN_RATIO_MAX = old
 
 
 def main() -> None:
@@ -82,7 +82,7 @@ def main() -> None:
     print(f"m={a.m}; reuse = a reuse step's curvature flops / the covered layers' forward+backward flops")
     print(f"{'model':16} {'rule':8} {'kept J':>9} {'reuse':>8} {'curvature MB':>13}")
     for name in a.models.split(","):
-        rows = {rule: kept_facts(name, a.m, r) for rule, r in (("default", group_build.JACOBIAN_RATIO_MAX),
+        rows = {rule: kept_facts(name, a.m, r) for rule, r in (("default", jacobian_sites.JACOBIAN_RATIO_MAX),
                                                                ("J<=IG", 1.0))}
         for rule, f in rows.items():
             print(f"{name:16} {rule:8} {len(f['kept']):>4}/{f['layers']:<4} {f['reuse_ratio']:>8.3f} "

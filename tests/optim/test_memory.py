@@ -2,7 +2,7 @@
 
 Machine-independent (``tengrad_fx.utils.memory``: unique storages; live storages op by op). Model: a
 small convnet whose layers fall on both sides of the default rule
-(``group_build.default_jacobian_cap``: ``J`` kept when at most ``min(4, S/8)`` times its
+(``jacobian_sites.default_jacobian_cap``: ``J`` kept when at most ``min(4, S/8)`` times its
 ``I, G``): the 3-channel and 8-channel convolutions at 16×16 and the strided one have ``J``
 within it (kept as stacked ``P``), the 64-channel ones at 8×8 (``J`` 4.5× their ``I, G``)
 and the Linear (one position: 1×) beyond it (kept as ``I, G``: a ``"conv"`` stack of two and

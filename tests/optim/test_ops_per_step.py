@@ -12,7 +12,7 @@ difference is the ``stack`` of groups with several layers). With ``strategy="aut
 at these tiny sizes the cost model factors the last stage's convolutions; they are
 stacked too (``"conv"`` groups, :mod:`tengrad_fx.curvature.conv_stack`; its 2 × 2 maps take
 ``J g`` and ``Jᵀ c`` by ``bmm``, :mod:`tengrad_fx.curvature.conv_stack_bmm`), and the
-16-channel convolutions keep ``J`` (``group_build.default_jacobian_cap``) in packed groups.
+16-channel convolutions keep ``J`` (``jacobian_sites.default_jacobian_cap``) in packed groups.
 Measured: 316 / 304 and 203 / 191 kernels on empirical / MC curvature steps (1.039 /
 1.063), 98 / 96 on reuse steps (1.021): the deep step's extra kernels are the ``stack`` of
 the groups of several layers and two reshape copies of their factored Grams. Bound 1.07×.

@@ -2,7 +2,7 @@
 
 From its ``I, G``, a Linear over ``S`` positions computes a reuse step's ``J g`` and ``Jᵀ c``
 at ``2·m·S·n`` flops each, two thirds of the layer's own forward and backward
-(``6·m·S·n``). By default (``group_build.default_jacobian_cap``) a materialized layer keeps
+(``6·m·S·n``). By default (``jacobian_sites.default_jacobian_cap``) a materialized layer keeps
 ``J`` where it is at most ``min(4, S/8)`` times its ``I, G``, and those products cost
 ``2·m·n``. Counted by ``group_cost.reuse_cost`` (machine-independent); the update is the
 same either way (float64).
@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import tengrad_fx
-from tengrad_fx.optim.tengrad.group_build import default_jacobian_cap, factored_bytes
+from tengrad_fx.optim.tengrad.jacobian_sites import default_jacobian_cap, factored_bytes
 from tengrad_fx.optim.tengrad.group_cost import reuse_cost
 
 M, S, VOCAB = 16, 16, 64

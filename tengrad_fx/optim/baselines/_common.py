@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ...capture.info import PrepareInfo, get_info
 from ...capture.norm import NORM_KINDS
-from ...capture.prepare import capturing
+from ...capture.switch import capturing
 from ..step.checks import check_choice, check_interval, check_nonneg, check_positive, check_unit
 from ..step.mc import mc_capture
 from ..step.param_groups import Damping, group_index, layer_damping, optimizer_params

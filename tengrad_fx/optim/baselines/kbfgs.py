@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable, Literal, Optional
 import torch
 from torch import Tensor
 
-from ...capture.prepare import capturing
+from ...capture.switch import capturing
 from ..step.renamed import RenamedAttribute, renamed_keywords
 from ._common import (Block, CurvatureOptimizer, Damping, SkipStep, check_choice, check_interval, check_unit,
                       layer_stats, running)

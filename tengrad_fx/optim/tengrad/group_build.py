@@ -33,33 +33,26 @@ a new capture of the same layers and shapes into the same stacks (``reuse``,
 :meth:`LayerGroup.refill`): no new stack, and the group keeps its views, its packed
 gradient buffer and its record slices (no zeros, no views made per step).
 
-Which materialized layers keep ``J`` (:func:`keeps_jacobian`): by default each layer
-whose ``J`` is at most ``min(4, S/8)`` times its own ``I, G`` (``S`` positions per sample,
-at least 1×: :func:`default_jacobian_cap`), since a kept ``J`` makes a reuse step's products
-``S×`` cheaper; so the kept records are at most 4× those of an all-factored model. With a
-number (``jacobian_budget_mb``) every one within it.
+Which materialized layers keep ``J`` is the cost model of :mod:`.jacobian_sites`
+(:func:`~.jacobian_sites.keeps_jacobian`).
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional, cast
 
 from torch import Tensor
 
 from ...capture.store import Record
-from ...curvature.layer import KERNELS, CoveredLayer, Strategy, choose_strategy
+from ...curvature.layer import CoveredLayer, Strategy
 from .group_forms import ConvStackGroup, FactoredLinearGroup, MaterializedGroup, PackedGroup, SingleLayerGroup
+from .jacobian_sites import default_jacobian_cap, keeps_jacobian
 from .layer_groups import LayerGroup, pack_views, stack
 
-__all__ = ["JACOBIAN_RATIO_MAX", "POSITIONS_PER_RATIO", "build_groups", "default_jacobian_cap", "initial_sites",
-           "factored_bytes", "keeps_jacobian", "kept_sites", "previous_stacks",
-           "PACK_MAX_BYTES",
-           "PACK_MAX_RATIO", "STACK_BYTES"]
+__all__ = ["build_groups", "previous_stacks", "PACK_MAX_BYTES", "PACK_MAX_RATIO", "STACK_BYTES"]
 
 PACK_MAX_BYTES = 16 * 2**20
 PACK_MAX_RATIO = 4.0
 STACK_BYTES = 64 * 2**20
-JACOBIAN_RATIO_MAX, POSITIONS_PER_RATIO = 4.0, 8  # default_jacobian_cap: J ≤ min(4, S/8)·(I, G)
 """Bound on one stack of an equal-shape group, and so on the transient of making it (its
 records and the stack are alive together while it is copied; the records are then
 pointed at the stack and the members released before the next group is stacked). Layers
@@ -85,67 +78,6 @@ def _itemsize(recs: list[Record], weight: Tensor) -> int:
     """Element size of a layer's captured (floating) records."""
     r = recs[0]
     return next((x for x in (r.P, r.G, r.I) if x is not None and x.is_floating_point()), weight).element_size()
-
-
-def factored_bytes(layer: CoveredLayer, in_shapes: list[tuple[int, ...]], itemsize: int) -> int:
-    """Bytes of the layer's ``I`` and ``G`` for calls with inputs ``in_shapes`` (batch
-    first): what keeping the layer factored costs (``I`` = the input, ``G`` ``m·g·S·o``)."""
-    total = 0
-    for shape in in_shapes:
-        g, S, _, o = layer._kernel.dims(layer.spec, shape)
-        total += math.prod(shape) + shape[0] * g * S * o
-    return total * itemsize
-
-
-def default_jacobian_cap(layer: CoveredLayer, in_shapes: list[tuple[int, ...]], itemsize: int) -> float:
-    """The most bytes a materialized layer's ``J`` may take and be kept by default: its
-    ``I, G``'s bytes (:func:`factored_bytes`) times ``min(JACOBIAN_RATIO_MAX, S / POSITIONS_PER_RATIO)``,
-    at least 1, with ``S`` its positions per sample over all calls. Kept, ``J g`` and
-    ``Jᵀ c`` cost ``2·m·n`` flops each on a reuse step; from ``I, G`` they cost about
-    ``2·m·S·n`` (a Linear over a sequence, a convolution over its output map), ``S×`` more."""
-    S = sum(layer._kernel.dims(layer.spec, shape)[1] for shape in in_shapes)
-    ratio = min(JACOBIAN_RATIO_MAX, max(1.0, S / POSITIONS_PER_RATIO))
-    return ratio * factored_bytes(layer, in_shapes, itemsize)
-
-
-def keeps_jacobian(p_bytes: int, cap: float, budget: Optional[float]) -> bool:
-    """Whether a layer the cost model materializes keeps its ``J`` (``p_bytes``) between
-    steps: within the bytes left of a flat ``budget``, or, with ``budget=None`` (TENGraD's
-    default), within the layer's own ``cap`` (:func:`default_jacobian_cap`)."""
-    return p_bytes <= (cap if budget is None else budget)
-
-
-def kept_sites(candidates: list[tuple[CoveredLayer, int, list[tuple[int, ...]]]], sites: set[int],
-               budget: Optional[float]) -> set[int]:
-    """``sites`` plus the call sites of the ``(layer, m, input shapes)`` the cost model
-    materializes (in layer order) that keep ``J`` between steps (:func:`keeps_jacobian`
-    under ``budget`` bytes, shared in that order; None: no bound)."""
-    for layer, m, shapes in candidates:
-        es = layer.weight.element_size()
-        nbytes = m * sum(p.numel() for p in (layer.weight, layer.bias) if p is not None) * es
-        if keeps_jacobian(nbytes, default_jacobian_cap(layer, shapes, es), budget):
-            budget = None if budget is None else budget - nbytes
-            sites.update(layer.spec.sites)
-    return sites
-
-
-def initial_sites(layers: list[CoveredLayer], strategy: str, budget: Optional[float], m: int = 128) -> set[int]:
-    """The call sites of the ``layers`` the cost model would materialize at a nominal
-    batch ``m`` (from the shapes ``prepare`` probed), within ``budget``: what the backward
-    materializes before the first curvature step re-decides with the real batch."""
-    candidates = []
-    for layer in layers:
-        spec = layer.spec
-        if not spec.input_shapes or strategy == "factor" or not getattr(KERNELS[spec.kind], "MATERIALIZE", True):
-            continue
-        shapes = [(m, *shape[1:]) for shape in spec.input_shapes]
-        g = S = f = o = 0
-        for shape in shapes:
-            g, s_, f, o = KERNELS[spec.kind].dims(spec, shape)
-            S += s_
-        if strategy == "materialize" or choose_strategy(m, g, S, f, o) == "materialize":
-            candidates.append((layer, m, shapes))
-    return kept_sites(candidates, set(), budget)
 
 
 def _runs(members: list[_Member]) -> list[list[_Member]]:
