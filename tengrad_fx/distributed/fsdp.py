@@ -28,7 +28,7 @@ columns of rows ``R_r``::
 need a probe over the whole gradient) so no rank forms a full parameter, gradient or update; the KL clip's ``Σ u·g`` and
 ``Σ‖g‖²`` are two more values of one all_reduce, the step's finite flag one more
 all_reduce over all ranks. Momentum buffers are DTensors sharded like their parameters
-(the update runs on the local shards: :class:`~.fsdp_optimizer.FSDPTENGraD`); ``graft``
+(the shared step runs on the local shards: :meth:`FSDPShards.momentum_step`); ``graft``
 and the polar factor run on the rows too, each weight's polar factor on one owner rank
 (:mod:`.fsdp_shaping`).
 
@@ -54,13 +54,13 @@ from .. import solve
 from ..curvature.layer import CoveredLayer
 from ..optim.step.param_groups import Damping
 from ..optim.step.result import StepResult
-from ..optim.step.update import finite_flag
+from ..optim.step.sharding import shard_momentum_step
 from ..optim.tengrad.distribution import Host
 from ..optim.tengrad.group_build import build_groups
 from ..optim.tengrad.layer_groups import LayerGroup
-from .comm import collective
+from .comm import all_ok, collective
 from .fsdp_exchange import choose_fsdp_modes, exchange_rows, shard_coordinates
-from .fsdp_rows import Rows, check_shardable, layer_rows, local, row_records
+from .fsdp_rows import Rows, check_shardable, layer_rows, like, local, row_records
 from .global_batch import GlobalBatch, Mode
 from .records import REPLICATED, check_records, gather_records
 
@@ -222,7 +222,7 @@ class FSDPShards(GlobalBatch):
         groups = build_groups(gather, opt.strategy, opt.jacobian_budget)[0] if gather else []
         if blocks:
             K = torch.stack([rows[lay.name].gram() for lay in blocks])
-            self._sum_shards(K, "sum of the row shards' Grams")
+            self.sum_shards(K, "sum of the row shards' Grams")
             S = self._shards
             for lay in blocks:
                 self.sharing.add_bytes(lay.name, 2 * (S - 1) * K[0].numel() * K.element_size() // S)
@@ -257,7 +257,7 @@ class FSDPShards(GlobalBatch):
         layers = cache.layers()
         grads = [_local_grads(lay) for lay in layers]
         Jg = torch.stack([rows.jvp(gw, gb) for rows, (gw, gb) in zip(self._rows, grads)])  # [L, M] partial
-        self._sum_shards(Jg, "sum of the row shards' J g")
+        self.sum_shards(Jg, "sum of the row shards' J g")
         S = dist.get_world_size(self.shard_group)
         for lay in layers:  # a ring all-reduce of M values per layer
             self.sharing.add_bytes(lay.name, 2 * (S - 1) * Jg.shape[1] * Jg.element_size() // S)
@@ -277,23 +277,40 @@ class FSDPShards(GlobalBatch):
                 ug = ug + torch.dot(u.reshape(-1), g.reshape(-1).to(u.dtype))
                 gsq = gsq + torch.dot(g.reshape(-1), g.reshape(-1)).to(gsq.dtype)
         dots = torch.stack([ug, gsq])
-        self._sum_shards(dots, "sum of the row shards' u·g")
+        self.sum_shards(dots, "sum of the row shards' u·g")
         return StepResult(out, cache.ok, dots[0], dots[1])
 
-    def _sum_shards(self, t: Tensor, what: str) -> None:
+    # ------------------------------------------------------------------ the shared step on local shards
+    checks_loss_scale = False  # the loss-scale check reads whole weights: not on shards
+
+    def local(self, t: Tensor) -> Tensor:
+        """This rank's shard of a DTensor (a plain tensor as is)."""
+        return local(t)
+
+    def sum_shards(self, t: Tensor, what: str) -> Tensor:
         """``t`` summed in place over the shard group (the ranks holding the other rows)."""
         group = self.shard_group
         collective(what, lambda: dist.all_reduce(t, group=group))
+        return t
+
+    def agree(self, ok: Tensor) -> Tensor:
+        """The flag ANDed over all ranks (one ``all_reduce``): every rank's local gradients
+        and (shaped) updates finite and factors valid."""
+        return all_ok(ok)
+
+    def wrap_state(self, p: Tensor, t: Tensor) -> Tensor:
+        """``t`` as a DTensor of ``p``'s placements (what ``torch.distributed.checkpoint`` saves)."""
+        return like(p, t)
+
+    def momentum_step(self, state: dict[Any, Any], params: list[Tensor], updates: dict[Tensor, Tensor],
+                      lr: float | Tensor, momentum: float, weight_decay: float, nu: Optional[Tensor],
+                      ok: Optional[Tensor]) -> Optional[bool]:
+        return shard_momentum_step(self, state, params, updates, lr, momentum, weight_decay, nu, ok)
 
     def finish(self, opt: Host, result: StepResult) -> StepResult:
-        """This rank's flag: the local shards of every gradient and update are finite and the
-        factors valid (ANDed over all ranks after the shaping of the updates:
-        :meth:`.fsdp_optimizer.FSDPTENGraD._masked_step`)."""
-        grads = [local(p.grad) for p in opt._group_params() if p.grad is not None]
-        ok = finite_flag([*grads, *result.updates.values()])
-        assert ok is not None
-        return StepResult(result.updates, ok if result.ok is None else ok & result.ok, result.update_dot,
-                          result.grad_sq)
+        """The rows as computed (nothing is shared: each rank applies its own rows); the
+        flag is formed by the shared step (:meth:`agree`)."""
+        return result
 
     def timings(self, begin_seconds: float) -> dict[str, float]:
         return {"gather": begin_seconds}

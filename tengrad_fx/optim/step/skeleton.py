@@ -36,12 +36,13 @@ from ...capture.info import PrepareInfo
 from ...capture.output_hook import release, want_output
 from ...capture.prepare import capturing
 from .amp import loss_scale, scaler_enabled, scaler_flags, unscale_grads
-from .update import all_finite, apply_momentum_step, finite_flag, kl_clip_factor
+from .update import all_finite, finite_flag, kl_clip_factor, update_dot
 from .param_groups import (Damping, FrozenWatch, check_group, group_index, group_params, groups_damping, in_groups,
                            optimizer_params, same_lr, weighted_update_dot)
 from .mc import MCState, SampleRNG, scored_mask, warn_unmasked
 from .host import HostMirror, SkipStep
 from .result import StepResult
+from .sharding import Sharding
 from .reduction_check import check_loss_reduction
 from .state_check import META, NamedParams, check_loadable, layout_meta, named_params
 from ...curvature.layer import covered_layers
@@ -69,6 +70,7 @@ class StepSkeleton(torch.optim.Optimizer):
     mc_loss: Literal["cross_entropy", "mse"]
     kl_clip: Optional[float]
     state: defaultdict[Any, Any]
+    distribution: Sharding = Sharding()  # where the step's tensors live (TENGraD: its strategy)
 
     def _init_skeleton(self, model: torch.nn.Module, info: PrepareInfo, grad_scaler: Any = None) -> None:
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
@@ -136,6 +138,9 @@ class StepSkeleton(torch.optim.Optimizer):
         """This step's :class:`~.result.StepResult` (``{param: u}`` of the preconditioned
         parameters, optional device flags); raise :class:`SkipStep` to skip."""
         raise NotImplementedError
+
+    def _before_step(self, closure: Optional[Callable[[], Tensor]]) -> None:
+        """Called first in :meth:`step`, before the closure (may raise: KBFGS wants a closure)."""
 
     def _after_update(self, stats_step: bool, closure: Optional[Callable[[], Tensor]]) -> None:
         """Called after the parameters moved (KBFGS's same-batch secant pass)."""
@@ -314,6 +319,7 @@ class StepSkeleton(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Optional[Tensor]:  # type: ignore[override]
+        self._before_step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -341,7 +347,8 @@ class StepSkeleton(torch.optim.Optimizer):
         if found_inf is not None and (stats_step or not self.SYNC_FREE) and bool(found_inf):
             return self._skip("GradScaler found inf/NaN gradients", loss)  # one host read (.amp)
         self._info.store.finalize(self._record_inv_scale())
-        if stats_step and not self._reduction_checked and self.fisher == "empirical":
+        if stats_step and not self._reduction_checked and self.fisher == "empirical" \
+                and self.distribution.checks_loss_scale:
             self._reduction_checked = True  # once: a one-time host read (reduction_check)
             check_loss_reduction(covered_layers(self.model), self._info.loss_reduction, type(self).__name__)
         try:
@@ -381,8 +388,10 @@ class StepSkeleton(torch.optim.Optimizer):
         updates together (one ``_foreach_norm``; gradients a finite ``result.grad_sq``
         certifies are not read again), the update masked by the flag, counted on the device."""
         updates, checked, ug = self._kept(result)
-        grads = [p.grad for p in self._group_params() if p.grad is not None and (checked is None or p not in updates)]
-        ok = self._flag(finite_flag([*grads, *updates.values()], checked), result.ok)
+        local = self.distribution.local
+        grads = [local(p.grad) for p in self._group_params()
+                 if p.grad is not None and (checked is None or p not in updates)]
+        ok = self.distribution.agree(self._flag(finite_flag([*grads, *updates.values()], checked), result.ok))
         self._apply(updates, ug, lrs, ok, masked=True)
         self._count(ok)
         return ok
@@ -419,21 +428,24 @@ class StepSkeleton(torch.optim.Optimizer):
 
     def _apply(self, updates: dict[Tensor, Tensor], ug: Optional[Tensor], lrs: Optional[Sequence[Tensor]],
                ok: Tensor, masked: bool) -> None:
-        """``ν`` (KL clip, counted when ``< 1``), then each group's momentum step with its
-        own lr, momentum and weight decay (:func:`.update.apply_momentum_step`), masked by
+        """``ν`` (KL clip, counted when ``< 1``; ``Σ u·g`` over whole parameters:
+        :meth:`.sharding.Sharding.sum_shards`), then each group's momentum step with its
+        own lr, momentum and weight decay (:meth:`.sharding.Sharding.momentum_step`), masked by
         ``ok`` when ``masked``; a warm-up read of ``ok`` (the same flag for every group)
         that finds a skip leaves every group unchanged and raises :class:`SkipStep`."""
-        groups = self.param_groups
+        groups, sharding = self.param_groups, self.distribution
         glrs: Sequence[float | Tensor] = lrs or [g["lr"] for g in groups]
         lr = glrs[0]
         if not same_lr(groups):  # ν from Σ_G lr_G²·Σ u·g (.param_groups)
             lr, ug = 1.0, (weighted_update_dot(updates, groups, glrs) if self.kl_clip is not None else None)
+        if ug is None and self.kl_clip is not None and updates:
+            ug = sharding.sum_shards(update_dot(updates, sharding.local), "sum of the row shards' u·g")
         nu = kl_clip_factor(updates, lr, self.kl_clip, ug)
         if nu is not None:  # counted on the device, in place (no sync; graph-safe); read by kl_clipped_steps
             if self._kl_clipped is None:
                 self._kl_clipped = torch.zeros((), dtype=torch.int64, device=nu.device)
             self._kl_clipped.add_((nu < 1.0) & ok)
-        reads = [apply_momentum_step(self.state, ps, updates, glr, mu, g["weight_decay"], nu, ok if masked else None)
+        reads = [sharding.momentum_step(self.state, ps, updates, glr, mu, g["weight_decay"], nu, ok if masked else None)
                  for g, glr in zip(groups, glrs) for ps, mu in self._momentum_parts(g)]
         if any(r is False for r in reads):  # the warm-up host read found a skip
             raise SkipStep("non-finite gradient, curvature or update")

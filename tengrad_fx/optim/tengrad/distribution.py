@@ -20,6 +20,7 @@ from ...curvature.layer import CoveredLayer
 from ..step.param_groups import Damping
 from ..step.mc import SampleRNG
 from ..step.result import StepResult
+from ..step.sharding import Sharding
 from .cache import CurvatureCache
 from .group_build import build_groups, previous_stacks
 from .jacobian_sites import initial_jacobian_sites, uncaptured_sites
@@ -60,8 +61,9 @@ class Host(Protocol):
     def _group_params(self) -> list[Tensor]: ...
 
 
-class SingleProcess:
-    """One process: the curvature of this process's batch, every layer solved here.
+class SingleProcess(Sharding):
+    """One process: the curvature of this process's batch, every layer solved here; the
+    step's tensors are the whole parameters (:class:`~..step.sharding.Sharding`).
 
     Class attributes a strategy sets:
         saves_records: ``state_dict`` keeps the curvature records (bit-identical resume).

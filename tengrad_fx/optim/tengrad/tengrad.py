@@ -162,6 +162,7 @@ class TENGraD(StepSkeleton):
 
     NAME = "tengrad"
     SYNC_FREE = True
+    distribution: SingleProcess
 
     @respelled_keywords(respell_options)
     def __init__(
