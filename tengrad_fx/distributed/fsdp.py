@@ -50,19 +50,17 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .. import solve
-from ..curvature.layer import CoveredLayer
-from ..optim.step.param_groups import Damping
 from ..optim.step.result import StepResult
 from ..optim.step.sharding import shard_momentum_step
-from ..optim.tengrad.distribution import Host
+from ..optim.tengrad.distribution import Host, SingleProcess
 from ..optim.tengrad.group_build import build_groups
 from ..optim.tengrad.layer_groups import LayerGroup
 from .comm import all_ok, collective
 from .fsdp_exchange import choose_fsdp_modes, exchange_rows, shard_coordinates
-from .fsdp_rows import Rows, check_shardable, layer_rows, like, local, row_records
+from .fsdp_rows import check_shardable, layer_rows, like, local, row_records
 from .global_batch import GlobalBatch, Mode
 from .records import REPLICATED, check_records, gather_records
+from .shard_groups import ShardRows
 
 __all__ = ["FSDPShards", "RowGroup", "fsdp_modules"]
 
@@ -114,12 +112,12 @@ class FSDPShards(GlobalBatch):
         self.shard_group: Optional[Any] = None  # the process group of the mesh's shard dim
         self._coords: list[int] = []  # each global rank's coordinate on the shard dim
         self._shards = 1  # the shard dim's size
-        self._rows: list[Rows] = []  # the cached layers' records cut to this rank's rows (group order)
+        self._row_groups: list[LayerGroup] = []  # the cached layers' records cut to this rank's rows (group order)
         self._row_parts: dict[str, list[tuple[Tensor, Tensor]]] = {}  # gram-blocks layers: this rank's cut
 
     def forget(self) -> None:
         super().forget()
-        self._rows = []
+        self._row_groups = []
 
     def check(self, options: dict[str, Any]) -> None:
         super().check(options)
@@ -230,7 +228,8 @@ class FSDPShards(GlobalBatch):
         opt._info.store.jacobian_sites = set()
         opt.curvature.set_groups(groups)
         self._n_gather = len(groups)
-        self._rows = [rows[lay.name] for lay in opt.curvature.layers()]
+        self._row_groups = [ShardRows([lay], grp.m, rows=rows[lay.name]) for grp in opt.curvature.groups
+                            for lay in grp.layers]
         return groups
 
     def after_factorize(self, opt: Host) -> None:
@@ -244,41 +243,26 @@ class FSDPShards(GlobalBatch):
                 store.records.pop(site, None)
 
     def reuse_groups(self, opt: Host) -> list[LayerGroup]:
-        """None: the products run on the row records (:meth:`precondition`), not the groups."""
+        """None: the products run on the row records (:meth:`solved_groups`), not the groups."""
         return []
 
-    def precondition(self, opt: Host, push_through: bool, damping: Damping) -> StepResult:
-        """This rank's rows of every cached layer's ``u`` (module docstring), keyed by the
-        DTensor parameter, as local tensors; ``Σ u·g`` and ``Σ‖g‖²`` over the whole
-        parameters (summed over the shard group)."""
-        cache = opt.curvature
-        if not cache.groups or cache.chol is None:
-            return StepResult({}, cache.ok)
-        layers = cache.layers()
-        grads = [_local_grads(lay) for lay in layers]
-        Jg = torch.stack([rows.jvp(gw, gb) for rows, (gw, gb) in zip(self._rows, grads)])  # [L, M] partial
-        self.sum_shards(Jg, "sum of the row shards' J g")
-        S = dist.get_world_size(self.shard_group)
-        for lay in layers:  # a ring all-reduce of M values per layer
-            self.sharing.add_bytes(lay.name, 2 * (S - 1) * Jg.shape[1] * Jg.element_size() // S)
-        alphas = cache.dampings(damping, opt.param_groups)
-        c, beta, gamma = solve.woodbury_solve(cache.chol, Jg, alphas, None, 1.0, Jg.dtype)
-        out: dict[Tensor, Tensor] = {}
-        ug = Jg.new_zeros(())
-        gsq = Jg.new_zeros(())
-        for q, (lay, rows, (gw, gb)) in enumerate(zip(layers, self._rows, grads)):
-            b = beta[q] if isinstance(beta, Tensor) else beta
-            JTw, JTb = rows.vjp(c[q])
-            for p, g, JT in ((lay.weight, gw, JTw), (lay.bias, gb, JTb)):
-                if p is None or g is None or JT is None or p.grad is None:
-                    continue
-                u = solve.woodbury_combine(g.reshape(-1), JT.reshape(-1), b, gamma).view(g.shape)
-                out[p] = u
-                ug = ug + torch.dot(u.reshape(-1), g.reshape(-1).to(u.dtype))
-                gsq = gsq + torch.dot(g.reshape(-1), g.reshape(-1)).to(gsq.dtype)
-        dots = torch.stack([ug, gsq])
-        self.sum_shards(dots, "sum of the row shards' u·g")
-        return StepResult(out, cache.ok, dots[0], dots[1])
+    whole_gradients = False  # the Woodbury form on every step: push-through's probe reads whole gradients
+    solve = SingleProcess.solve  # over solved_groups: this rank's rows of every cached layer
+
+    def solved_groups(self, opt: Host) -> list[LayerGroup]:
+        """Every cached layer's rows on this rank (:class:`~.shard_groups.ShardRows`, the
+        cached factors' order): ``J g`` from them is summed over the shard group
+        (:meth:`sum_parts`, a ring all-reduce of ``M`` values per layer, counted here)."""
+        S = self._shards
+        for grp in self._row_groups:
+            es = local(grp.layers[0].weight).element_size()
+            self.sharing.add_bytes(grp.layers[0].name, 2 * (S - 1) * grp.m * es // S)
+        return self._row_groups
+
+    def sum_parts(self, ts: list[Tensor], what: str) -> list[Tensor]:
+        """The partial sums ``ts`` summed over the shard group in one ``all_reduce``."""
+        flat = self.sum_shards(torch.cat([t.reshape(-1) for t in ts]), what)
+        return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in ts]), ts)]
 
     # ------------------------------------------------------------------ the shared step on local shards
     checks_loss_scale = False  # the loss-scale check reads whole weights: not on shards
@@ -315,9 +299,3 @@ class FSDPShards(GlobalBatch):
     def timings(self, begin_seconds: float) -> dict[str, float]:
         return {"gather": begin_seconds}
 
-
-def _local_grads(lay: CoveredLayer) -> tuple[Tensor, Optional[Tensor]]:
-    """This rank's shards of the layer's weight and bias gradients (zeros where missing)."""
-    def one(p: Tensor) -> Tensor:
-        return local(p.grad) if p.grad is not None else torch.zeros_like(local(p))
-    return one(lay.weight), (one(lay.bias) if lay.bias is not None else None)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .update import apply_momentum_step
 
-__all__ = ["Sharding", "shard_momentum_step"]
+__all__ = ["Sharding", "WHOLE", "shard_momentum_step"]
 
 
 class Sharding:
@@ -40,6 +40,11 @@ class Sharding:
         parts, in place, and returned; ``what`` names it in a collective's error. Here: ``t``."""
         return t
 
+    def sum_parts(self, ts: list[Tensor], what: str) -> list[Tensor]:
+        """:meth:`sum_shards` of several partial sums at once (one collective where there
+        is one): ``ts`` itself here."""
+        return ts
+
     def agree(self, ok: Tensor) -> Tensor:
         """The step's device flag as every process applies it (here: ``ok``)."""
         return ok
@@ -54,6 +59,10 @@ class Sharding:
                       ok: Optional[Tensor]) -> Optional[bool]:
         """The momentum step of ``params`` (one momentum): :func:`.update.apply_momentum_step`."""
         return apply_momentum_step(state, params, updates, lr, momentum, weight_decay, nu, ok)
+
+
+WHOLE = Sharding()
+"""Whole parameters in one process (the baselines' and single-process TENGraD's step)."""
 
 
 def shard_momentum_step(sharding: Sharding, state: dict[Any, Any], params: list[Tensor],

@@ -42,7 +42,7 @@ from .param_groups import (Damping, FrozenWatch, check_group, group_index, group
 from .mc import MCState, SampleRNG, scored_mask, warn_unmasked
 from .host import HostMirror, SkipStep
 from .result import StepResult
-from .sharding import Sharding
+from .sharding import WHOLE, Sharding
 from .reduction_check import check_loss_reduction
 from .state_check import META, NamedParams, check_loadable, layout_meta, named_params
 from ...curvature.layer import covered_layers
@@ -70,7 +70,7 @@ class StepSkeleton(torch.optim.Optimizer):
     mc_loss: Literal["cross_entropy", "mse"]
     kl_clip: Optional[float]
     state: defaultdict[Any, Any]
-    distribution: Sharding = Sharding()  # where the step's tensors live (TENGraD: its strategy)
+    distribution: Sharding = WHOLE  # where the step's tensors live (TENGraD: its strategy)
 
     def _init_skeleton(self, model: torch.nn.Module, info: PrepareInfo, grad_scaler: Any = None) -> None:
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):

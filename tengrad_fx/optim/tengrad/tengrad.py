@@ -375,7 +375,7 @@ class TENGraD(StepSkeleton):
                 cache.factorize(damping, self.param_groups)
             t1 = time.perf_counter()
             with metric.scaled_grads(self.state, self._layers) if metric is not None else nullcontext():
-                result = dist.precondition(self, push_through, damping)
+                result = dist.solve(self, push_through, damping)
         if curvature_step:
             cache.sched, cache.recapture = step, False
         self._count_uncaptured(result.updates)
