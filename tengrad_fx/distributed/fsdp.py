@@ -119,31 +119,29 @@ class FSDPShards(GlobalBatch):
         super().forget()
         self._row_groups = []
 
-    def check(self, options: dict[str, Any]) -> None:
-        super().check(options)
-        for rows in ("curvature_samples", "position_rows"):
-            if options[rows] is not None:
-                raise ValueError(f"DistributedTENGraD (FSDP2): {rows}={options[rows]!r} is not supported on sharded "
-                                 "parameters; leave it None, or use DDP (DistributedTENGraD on a DDP model runs it)")
-        if options["cuda_graph"]:
-            raise ValueError("DistributedTENGraD (FSDP2): cuda_graph=True is not supported: a replayed reuse step "
-                             "reads the gradients from static buffers, and FSDP2's gradients are DTensors that its "
-                             "reduce-scatter allocates anew on every backward, which the graph runner's buffer copy "
-                             "does not handle (DTensor has no sharding rule for aten._foreach_copy_); leave it "
-                             "False or None (off under FSDP2)")
-        if options["compile"]:
-            raise ValueError("DistributedTENGraD (FSDP2): compile=True is not supported on sharded parameters "
-                             "(not checked against single-process TENGraD there); leave it False, or use DDP "
-                             "(where it is accepted and the distributed steps run unfused)")
-        if options["fisher"] == "gauss-newton":
-            raise ValueError("DistributedTENGraD (FSDP2): fisher='gauss-newton' is not supported on sharded "
-                             "parameters (with fully_shard on each layer, its k backward passes per curvature step "
-                             "do not give single-process TENGraD's update); use 'empirical' or 'mc', or DDP "
-                             "(DistributedTENGraD on a DDP model runs it)")
-        for opt in ("metric", "relative_damping"):
-            if options[opt]:
-                raise ValueError(f"DistributedTENGraD (FSDP2): {opt}={options[opt]!r} is not supported on sharded "
-                                 "parameters; leave it off, or use DDP (DistributedTENGraD on a DDP model runs it)")
+    LABEL = "DistributedTENGraD (FSDP2)"
+    DDP_RUNS_IT = "; use DDP (DistributedTENGraD on a DDP model runs it), or leave it off"
+    LACKS = {
+        "static_buffers": "a replayed reuse step reads the gradients from static buffers, and FSDP2's gradients "
+                          "are DTensors that its reduce-scatter allocates anew on every backward, which the graph "
+                          "runner's buffer copy does not handle (DTensor has no sharding rule for "
+                          "aten._foreach_copy_); leave it False or None (off under FSDP2)",
+        "compiled_solve": "the compiled step was not checked against single-process TENGraD on sharded parameters; "
+                          "leave it False, or use DDP (where it is accepted and the distributed steps run unfused)",
+        "global_rows": "the rows of each layer's records are cut by parameter rows here, not drawn among the global "
+                       "batch's samples or positions" + DDP_RUNS_IT,
+        "output_backwards": "with fully_shard on each layer, its k backward passes per curvature step do not give "
+                            "single-process TENGraD's update; use 'empirical' or 'mc', or DDP (DistributedTENGraD "
+                            "on a DDP model runs it)",
+        "metric_scaling": "the metric scales whole layers' records and gradients, which no rank holds here"
+                          + DDP_RUNS_IT,
+        "layer_traces": "the per-layer damping scales are not checked against single-process TENGraD on row "
+                        "shards" + DDP_RUNS_IT,
+    }
+
+    def lacks(self) -> dict[str, str]:
+        """What FSDP2's row shards do not provide (:data:`LACKS`)."""
+        return dict(self.LACKS)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` with every FSDP module resharded (a forward, e.g. ``prepare``'s check,

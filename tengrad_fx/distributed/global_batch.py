@@ -92,12 +92,14 @@ class GlobalBatch(SingleProcess):
         self._group_rows: Optional[list[list[int]]] = None  # per local group, each rank's rows (rows_vary)
 
     # ------------------------------------------------------------------ construction
-    def check(self, options: dict[str, Any]) -> None:
-        for rows in ("curvature_samples", "position_rows"):
-            if options[rows] is not None and self.mode == "local":
-                raise ValueError(f"DistributedTENGraD: {rows} takes rows of the global batch's Fisher, which "
-                                 "mode='local' does not form (each rank preconditions with its own); pass "
-                                 "mode='gather', 'gram-blocks' or 'auto', or leave it None")
+    LABEL = "DistributedTENGraD"
+
+    def lacks(self) -> dict[str, str]:
+        """``mode='local'`` forms no global batch's Fisher to choose rows of."""
+        if self.mode != "local":
+            return {}
+        return {"global_rows": "mode='local' does not form the global batch's Fisher (each rank preconditions "
+                               "with its own); pass mode='gather', 'gram-blocks' or 'auto', or leave it None"}
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(model, DistributedDataParallel) and not _prepared(model):

@@ -22,6 +22,7 @@ from ..step.mc import SampleRNG
 from ..step.result import StepResult
 from ..step.sharding import Sharding
 from .cache import CurvatureCache
+from .capabilities import refuse
 from .group_build import build_groups, previous_stacks
 from .jacobian_sites import initial_jacobian_sites, uncaptured_sites
 from .layer_groups import LayerGroup, precondition
@@ -85,10 +86,19 @@ class SingleProcess(Sharding):
     capturable = True
     fuses = True
 
+    LABEL = "TENGraD"  # the optimizer as users build it with this strategy (in errors)
+
     def check(self, options: dict[str, Any]) -> None:
         """``ValueError`` naming a TENGraD option this strategy does not run, at construction
         (``options``: every constructor argument but the model, name -> value as run,
-        :func:`.options.built_options`); all run here."""
+        :func:`.options.built_options`): an option whose capability it :meth:`lacks`
+        (:func:`.capabilities.refuse`, the same check for every strategy)."""
+        refuse(self.LABEL, type(self).__name__, self.lacks(), options)
+
+    def lacks(self) -> dict[str, str]:
+        """``{capability: why not}``: the :data:`.capabilities.CAPABILITIES` this strategy
+        does not provide, each with its physical reason; none here."""
+        return {}
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The prepared model the optimizer reads (``model`` itself here)."""
@@ -118,7 +128,7 @@ class SingleProcess(Sharding):
 
     def has_curvature(self, opt: Host) -> bool:
         """Is there curvature to reuse (else the next step takes it, whatever the schedule)?"""
-        return bool(opt.curvature.groups)
+        return opt.curvature.taken()
 
     def has_factors(self, opt: Host) -> bool:
         """Are the factors a reuse step solves with cached (else it runs eagerly, not as a
@@ -142,7 +152,7 @@ class SingleProcess(Sharding):
         layers were captured again (freed first otherwise); the store's materialized sites set."""
         cache, store = opt.curvature, opt._info.store
         old = cache.release()
-        reuse = previous_stacks([g for g in old if isinstance(g, LayerGroup)])
+        reuse = previous_stacks(old)
         kept = old if cache.static else []
         del old
         groups, sites = build_groups(opt._layers, opt.strategy, opt.jacobian_budget,
@@ -185,4 +195,4 @@ class SingleProcess(Sharding):
 
     def reuse_groups(self, opt: Host) -> list[LayerGroup]:
         """The cached groups a reuse step solves here (:meth:`TENGraD.reuse_cost`)."""
-        return [g for g in opt.curvature.groups if isinstance(g, LayerGroup)]
+        return opt.curvature.groups

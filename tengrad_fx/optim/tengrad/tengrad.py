@@ -396,8 +396,8 @@ class TENGraD(StepSkeleton):
         fused = self._fused(self._layers, push_through, damping, self._info.loss_reduction, self.solve_dtype)
         if fused is None:
             return None
-        updates, flag, self.curvature.groups = fused
-        self.curvature.chol = None
+        updates, flag, used = fused
+        self.curvature.set_fused(bool(used))
         store = self._info.store  # keep the store's materialization choice as the modular path would
         store.jacobian_sites = marked_jacobian_sites(self._layers, self.strategy, self.jacobian_budget,
                                                      store.jacobian_sites)
@@ -460,7 +460,7 @@ class TENGraD(StepSkeleton):
         self.distribution.reset(self)
         super().load_state_dict(sd)
         self._info.store.jacobian_sites = set(self.state[self.NAME].get("jacobian_sites", []))
-        self.curvature.groups = []  # the factors stay (refilled in place by a static factorization)
+        self.curvature.groups, self.curvature.fused = [], False  # the factors stay (refilled in place: static)
         self.graph_runner.clear()
         if curv is not None and self.distribution.saves_records:
             self._restore_curvature(curv)
