@@ -25,7 +25,6 @@ capture before anything reads them; ``torch.amp.GradScaler`` steps go through
 """
 from __future__ import annotations
 
-import warnings
 from collections import defaultdict
 from typing import Any, Callable, Literal, Optional, Sequence
 
@@ -35,11 +34,12 @@ from torch import Tensor
 from ...capture.info import PrepareInfo
 from ...capture.output_hook import release, want_output
 from ...capture.prepare import capturing
-from .amp import loss_scale, scaler_enabled, scaler_flags, unscale_grads
+from .amp import loss_scale, scaler_flags, unscale_grads
 from .update import all_finite, finite_flag, kl_clip_factor, update_dot
 from .param_groups import (Damping, FrozenWatch, check_group, group_index, group_params, groups_damping, in_groups,
                            optimizer_params, same_lr, weighted_update_dot)
 from .mc import MCState, SampleRNG, scored_mask, warn_unmasked
+from .counters import StepCounters
 from .host import HostMirror, SkipStep
 from .result import StepResult
 from .sharding import WHOLE, Sharding
@@ -50,7 +50,7 @@ from ...curvature.layer import covered_layers
 __all__ = ["StepSkeleton", "SkipStep", "HostMirror", "StepResult"]
 
 
-class StepSkeleton(torch.optim.Optimizer):
+class StepSkeleton(StepCounters, torch.optim.Optimizer):
     """Base of every optimizer here: the shared step (module docstring) over torch.optim
     param groups (:mod:`.param_groups`: per-group ``lr``, ``damping``, ``momentum``,
     ``weight_decay``; ``add_param_group`` rebuilds the covered layers, :meth:`_groups_changed`).
@@ -58,7 +58,7 @@ class StepSkeleton(torch.optim.Optimizer):
     Subclasses set ``NAME`` (key of the counters in ``self.state``) and implement
     :meth:`_needs_capture`, :meth:`_updates` (a :class:`~.result.StepResult`); optionally
     :meth:`_check_capture`, :meth:`_after_update`, :meth:`_run_device`, :meth:`_momentum_parts`,
-    :meth:`_commit`.
+    :meth:`_commit`. The step counts and skip warnings: :class:`~.counters.StepCounters`.
     """
 
     NAME = "optimizer"
@@ -200,86 +200,6 @@ class StepSkeleton(torch.optim.Optimizer):
         """With an MC/Gauss-Newton Fisher, have capturing forwards hand their output to
         :meth:`_output_backward` (call after ``self.fisher`` is set)."""
         want_output(self._info.store.key, None if self.fisher == "empirical" else self._output_backward)
-
-    # ------------------------------------------------------------------ counters
-    @property
-    def counters(self) -> dict[str, int]:
-        """``{"step": steps taken, "skipped": steps skipped for non-finite values,
-        "uncaptured": layer-steps given the SGD-momentum update because the layer had a
-        gradient but nothing captured}``
-        (reading it waits for the device once when ``SYNC_FREE``)."""
-        self._sync_counters()
-        st = self.state[self.NAME]
-        return {"step": st["step"], "skipped": st["skipped"], "uncaptured": st.get("uncaptured", 0)}
-
-    @property
-    def curvature_steps(self) -> int:
-        """Steps that took new curvature / statistics (a host count, saved in ``state_dict``;
-        a curvature step the device then skipped included)."""
-        return int(self.state[self.NAME].get("curvature", 0))
-
-    def _add_uncaptured(self, n: int) -> None:
-        """Count ``n`` layer-steps given ``u = g`` for lack of a record (host count)."""
-        if n:
-            self.state[self.NAME]["uncaptured"] = self.state[self.NAME].get("uncaptured", 0) + n
-
-    @property
-    def step_applied(self) -> Optional[Tensor]:
-        """Device ``bool`` scalar: the last ``step()`` applied its update (False: skipped),
-        without a host read; None before the first step and after a step without gradients.
-        A replayed CUDA graph returns the same (static) tensor each step: combine or copy it
-        before the next step."""
-        return self._last_ok
-
-    @property
-    def kl_clipped_steps(self) -> int:
-        """Steps (since construction) whose update the KL clip scaled down, ``ν < 1``
-        (reading it waits for the device once)."""
-        return 0 if self._kl_clipped is None else int(self._kl_clipped)
-
-    def _sync_counters(self) -> None:
-        if self._dev_counts is None:
-            return
-        step, skipped = self._dev_counts.tolist()
-        self._dev_counts.zero_()  # in place: a captured CUDA graph keeps adding to it
-        if self._mirror is not None:
-            self._mirror.reset()
-        self._seen_skips = 0
-        st = self.state[self.NAME]
-        st["step"] += int(step)
-        st["skipped"] += int(skipped)
-        if skipped:
-            self._on_seen_skip()
-            self._warn_skip("non-finite gradient, curvature or update")
-
-    def _count(self, ok: Tensor) -> None:
-        inc = torch.stack([ok, ~ok]).to(torch.int64)
-        if self._dev_counts is None:
-            self._dev_counts = inc
-            self._mirror = HostMirror(inc)
-        else:
-            self._dev_counts.add_(inc)  # in place: a static buffer for CUDA graphs
-
-    def _poll_skips(self) -> None:
-        """Warn (once) as soon as the host sees a device-side skip, without waiting."""
-        if self._mirror is None:
-            return
-        vals = self._mirror.poll()
-        if vals is not None and vals[1] > self._seen_skips:
-            self._seen_skips = vals[1]
-            self._on_seen_skip()
-            self._warn_skip("non-finite gradient, curvature or update")
-
-    def _on_seen_skip(self) -> None:
-        """The host has just seen a device-side skip (TENGraD: re-capture curvature)."""
-
-    def _warn_skip(self, why: str) -> None:
-        if scaler_enabled(self.grad_scaler):
-            return  # overflow skips are the scaler's routine; they are counted, not warned about
-        if not self._warned_skip:
-            warnings.warn(f"{type(self).__name__}: step skipped ({why}); parameters left unchanged. "
-                          "Further skips are counted in opt.counters['skipped'].", RuntimeWarning)
-            self._warned_skip = True
 
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict plus ``"tengrad_fx"``: who saved it (:mod:`.state_check`)."""
