@@ -28,7 +28,7 @@ columns of rows ``R_r``::
 need a probe over the whole gradient) so no rank forms a full parameter, gradient or update; the KL clip's ``Σ u·g`` and
 ``Σ‖g‖²`` are two more values of one all_reduce, the step's finite flag one more
 all_reduce over all ranks. Momentum buffers are DTensors sharded like their parameters
-(the update runs on the local shards: :class:`~.fsdp_optimizer.FSDPTENGraD`); ``graft``
+(the shared step runs on the local shards: :meth:`FSDPShards.momentum_step`); ``graft``
 and the polar factor run on the rows too, each weight's polar factor on one owner rank
 (:mod:`.fsdp_shaping`).
 
@@ -50,19 +50,17 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from .. import solve
-from ..curvature.layer import CoveredLayer
-from ..optim.step.param_groups import Damping
 from ..optim.step.result import StepResult
-from ..optim.step.update import finite_flag
-from ..optim.tengrad.distribution import Host
+from ..optim.step.sharding import shard_momentum_step
+from ..optim.tengrad.distribution import Host, SingleProcess
 from ..optim.tengrad.group_build import build_groups
 from ..optim.tengrad.layer_groups import LayerGroup
-from .comm import collective
+from .comm import all_ok, collective
 from .fsdp_exchange import choose_fsdp_modes, exchange_rows, shard_coordinates
-from .fsdp_rows import Rows, check_shardable, layer_rows, local, row_records
+from .fsdp_rows import check_shardable, layer_rows, like, local, row_records
 from .global_batch import GlobalBatch, Mode
 from .records import REPLICATED, check_records, gather_records
+from .shard_groups import ShardRows
 
 __all__ = ["FSDPShards", "RowGroup", "fsdp_modules"]
 
@@ -114,38 +112,36 @@ class FSDPShards(GlobalBatch):
         self.shard_group: Optional[Any] = None  # the process group of the mesh's shard dim
         self._coords: list[int] = []  # each global rank's coordinate on the shard dim
         self._shards = 1  # the shard dim's size
-        self._rows: list[Rows] = []  # the cached layers' records cut to this rank's rows (group order)
+        self._row_groups: list[LayerGroup] = []  # the cached layers' records cut to this rank's rows (group order)
         self._row_parts: dict[str, list[tuple[Tensor, Tensor]]] = {}  # gram-blocks layers: this rank's cut
 
     def forget(self) -> None:
         super().forget()
-        self._rows = []
+        self._row_groups = []
 
-    def check(self, options: dict[str, Any]) -> None:
-        super().check(options)
-        for rows in ("curvature_samples", "position_rows"):
-            if options[rows] is not None:
-                raise ValueError(f"DistributedTENGraD (FSDP2): {rows}={options[rows]!r} is not supported on sharded "
-                                 "parameters; leave it None, or use DDP (DistributedTENGraD on a DDP model runs it)")
-        if options["cuda_graph"]:
-            raise ValueError("DistributedTENGraD (FSDP2): cuda_graph=True is not supported: a replayed reuse step "
-                             "reads the gradients from static buffers, and FSDP2's gradients are DTensors that its "
-                             "reduce-scatter allocates anew on every backward, which the graph runner's buffer copy "
-                             "does not handle (DTensor has no sharding rule for aten._foreach_copy_); leave it "
-                             "False or None (off under FSDP2)")
-        if options["compile"]:
-            raise ValueError("DistributedTENGraD (FSDP2): compile=True is not supported on sharded parameters "
-                             "(not checked against single-process TENGraD there); leave it False, or use DDP "
-                             "(where it is accepted and the distributed steps run unfused)")
-        if options["fisher"] == "gauss-newton":
-            raise ValueError("DistributedTENGraD (FSDP2): fisher='gauss-newton' is not supported on sharded "
-                             "parameters (with fully_shard on each layer, its k backward passes per curvature step "
-                             "do not give single-process TENGraD's update); use 'empirical' or 'mc', or DDP "
-                             "(DistributedTENGraD on a DDP model runs it)")
-        for opt in ("metric", "relative_damping"):
-            if options[opt]:
-                raise ValueError(f"DistributedTENGraD (FSDP2): {opt}={options[opt]!r} is not supported on sharded "
-                                 "parameters; leave it off, or use DDP (DistributedTENGraD on a DDP model runs it)")
+    LABEL = "DistributedTENGraD (FSDP2)"
+    DDP_RUNS_IT = "; use DDP (DistributedTENGraD on a DDP model runs it), or leave it off"
+    LACKS = {
+        "static_buffers": "a replayed reuse step reads the gradients from static buffers, and FSDP2's gradients "
+                          "are DTensors that its reduce-scatter allocates anew on every backward, which the graph "
+                          "runner's buffer copy does not handle (DTensor has no sharding rule for "
+                          "aten._foreach_copy_); leave it False or None (off under FSDP2)",
+        "compiled_solve": "the compiled step was not checked against single-process TENGraD on sharded parameters; "
+                          "leave it False, or use DDP (where it is accepted and the distributed steps run unfused)",
+        "global_rows": "the rows of each layer's records are cut by parameter rows here, not drawn among the global "
+                       "batch's samples or positions" + DDP_RUNS_IT,
+        "output_backwards": "with fully_shard on each layer, its k backward passes per curvature step do not give "
+                            "single-process TENGraD's update; use 'empirical' or 'mc', or DDP (DistributedTENGraD "
+                            "on a DDP model runs it)",
+        "metric_scaling": "the metric scales whole layers' records and gradients, which no rank holds here"
+                          + DDP_RUNS_IT,
+        "layer_traces": "the per-layer damping scales are not checked against single-process TENGraD on row "
+                        "shards" + DDP_RUNS_IT,
+    }
+
+    def lacks(self) -> dict[str, str]:
+        """What FSDP2's row shards do not provide (:data:`LACKS`)."""
+        return dict(self.LACKS)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` with every FSDP module resharded (a forward, e.g. ``prepare``'s check,
@@ -222,7 +218,7 @@ class FSDPShards(GlobalBatch):
         groups = build_groups(gather, opt.strategy, opt.jacobian_budget)[0] if gather else []
         if blocks:
             K = torch.stack([rows[lay.name].gram() for lay in blocks])
-            self._sum_shards(K, "sum of the row shards' Grams")
+            self.sum_shards(K, "sum of the row shards' Grams")
             S = self._shards
             for lay in blocks:
                 self.sharing.add_bytes(lay.name, 2 * (S - 1) * K[0].numel() * K.element_size() // S)
@@ -230,7 +226,8 @@ class FSDPShards(GlobalBatch):
         opt._info.store.jacobian_sites = set()
         opt.curvature.set_groups(groups)
         self._n_gather = len(groups)
-        self._rows = [rows[lay.name] for lay in opt.curvature.layers()]
+        self._row_groups = [ShardRows([lay], grp.m, rows=rows[lay.name]) for grp in opt.curvature.groups
+                            for lay in grp.layers]
         return groups
 
     def after_factorize(self, opt: Host) -> None:
@@ -244,63 +241,59 @@ class FSDPShards(GlobalBatch):
                 store.records.pop(site, None)
 
     def reuse_groups(self, opt: Host) -> list[LayerGroup]:
-        """None: the products run on the row records (:meth:`precondition`), not the groups."""
+        """None: the products run on the row records (:meth:`solved_groups`), not the groups."""
         return []
 
-    def precondition(self, opt: Host, push_through: bool, damping: Damping) -> StepResult:
-        """This rank's rows of every cached layer's ``u`` (module docstring), keyed by the
-        DTensor parameter, as local tensors; ``Σ u·g`` and ``Σ‖g‖²`` over the whole
-        parameters (summed over the shard group)."""
-        cache = opt.curvature
-        if not cache.groups or cache.chol is None:
-            return StepResult({}, cache.ok)
-        layers = cache.layers()
-        grads = [_local_grads(lay) for lay in layers]
-        Jg = torch.stack([rows.jvp(gw, gb) for rows, (gw, gb) in zip(self._rows, grads)])  # [L, M] partial
-        self._sum_shards(Jg, "sum of the row shards' J g")
-        S = dist.get_world_size(self.shard_group)
-        for lay in layers:  # a ring all-reduce of M values per layer
-            self.sharing.add_bytes(lay.name, 2 * (S - 1) * Jg.shape[1] * Jg.element_size() // S)
-        alphas = cache.dampings(damping, opt.param_groups)
-        c, beta, gamma = solve.woodbury_solve(cache.chol, Jg, alphas, None, 1.0, Jg.dtype)
-        out: dict[Tensor, Tensor] = {}
-        ug = Jg.new_zeros(())
-        gsq = Jg.new_zeros(())
-        for q, (lay, rows, (gw, gb)) in enumerate(zip(layers, self._rows, grads)):
-            b = beta[q] if isinstance(beta, Tensor) else beta
-            JTw, JTb = rows.vjp(c[q])
-            for p, g, JT in ((lay.weight, gw, JTw), (lay.bias, gb, JTb)):
-                if p is None or g is None or JT is None or p.grad is None:
-                    continue
-                u = solve.woodbury_combine(g.reshape(-1), JT.reshape(-1), b, gamma).view(g.shape)
-                out[p] = u
-                ug = ug + torch.dot(u.reshape(-1), g.reshape(-1).to(u.dtype))
-                gsq = gsq + torch.dot(g.reshape(-1), g.reshape(-1)).to(gsq.dtype)
-        dots = torch.stack([ug, gsq])
-        self._sum_shards(dots, "sum of the row shards' u·g")
-        return StepResult(out, cache.ok, dots[0], dots[1])
+    whole_gradients = False  # the Woodbury form on every step: push-through's probe reads whole gradients
+    solve = SingleProcess.solve  # over solved_groups: this rank's rows of every cached layer
 
-    def _sum_shards(self, t: Tensor, what: str) -> None:
+    def solved_groups(self, opt: Host) -> list[LayerGroup]:
+        """Every cached layer's rows on this rank (:class:`~.shard_groups.ShardRows`, the
+        cached factors' order): ``J g`` from them is summed over the shard group
+        (:meth:`sum_parts`, a ring all-reduce of ``M`` values per layer, counted here)."""
+        S = self._shards
+        for grp in self._row_groups:
+            es = local(grp.layers[0].weight).element_size()
+            self.sharing.add_bytes(grp.layers[0].name, 2 * (S - 1) * grp.m * es // S)
+        return self._row_groups
+
+    def sum_parts(self, ts: list[Tensor], what: str) -> list[Tensor]:
+        """The partial sums ``ts`` summed over the shard group in one ``all_reduce``."""
+        flat = self.sum_shards(torch.cat([t.reshape(-1) for t in ts]), what)
+        return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in ts]), ts)]
+
+    # ------------------------------------------------------------------ the shared step on local shards
+    checks_loss_scale = False  # the loss-scale check reads whole weights: not on shards
+
+    def local(self, t: Tensor) -> Tensor:
+        """This rank's shard of a DTensor (a plain tensor as is)."""
+        return local(t)
+
+    def sum_shards(self, t: Tensor, what: str) -> Tensor:
         """``t`` summed in place over the shard group (the ranks holding the other rows)."""
         group = self.shard_group
         collective(what, lambda: dist.all_reduce(t, group=group))
+        return t
+
+    def agree(self, ok: Tensor) -> Tensor:
+        """The flag ANDed over all ranks (one ``all_reduce``): every rank's local gradients
+        and (shaped) updates finite and factors valid."""
+        return all_ok(ok)
+
+    def wrap_state(self, p: Tensor, t: Tensor) -> Tensor:
+        """``t`` as a DTensor of ``p``'s placements (what ``torch.distributed.checkpoint`` saves)."""
+        return like(p, t)
+
+    def momentum_step(self, state: dict[Any, Any], params: list[Tensor], updates: dict[Tensor, Tensor],
+                      lr: float | Tensor, momentum: float, weight_decay: float, nu: Optional[Tensor],
+                      ok: Optional[Tensor]) -> Optional[bool]:
+        return shard_momentum_step(self, state, params, updates, lr, momentum, weight_decay, nu, ok)
 
     def finish(self, opt: Host, result: StepResult) -> StepResult:
-        """This rank's flag: the local shards of every gradient and update are finite and the
-        factors valid (ANDed over all ranks after the shaping of the updates:
-        :meth:`.fsdp_optimizer.FSDPTENGraD._masked_step`)."""
-        grads = [local(p.grad) for p in opt._group_params() if p.grad is not None]
-        ok = finite_flag([*grads, *result.updates.values()])
-        assert ok is not None
-        return StepResult(result.updates, ok if result.ok is None else ok & result.ok, result.update_dot,
-                          result.grad_sq)
+        """The rows as computed (nothing is shared: each rank applies its own rows); the
+        flag is formed by the shared step (:meth:`agree`)."""
+        return result
 
     def timings(self, begin_seconds: float) -> dict[str, float]:
         return {"gather": begin_seconds}
 
-
-def _local_grads(lay: CoveredLayer) -> tuple[Tensor, Optional[Tensor]]:
-    """This rank's shards of the layer's weight and bias gradients (zeros where missing)."""
-    def one(p: Tensor) -> Tensor:
-        return local(p.grad) if p.grad is not None else torch.zeros_like(local(p))
-    return one(lay.weight), (one(lay.bias) if lay.bias is not None else None)

@@ -5,7 +5,8 @@ parameters are DTensors.
 The preconditioned updates are this rank's rows (local tensors, :mod:`.fsdp`); the shared
 step (KL clip, weight decay, momentum, the masked skip) runs on the local shards of the
 parameters, gradients and momentum buffers with the same kernels as single-process
-TENGraD, and the buffers are kept as DTensors of their parameters' placements (what
+TENGraD (the strategy's step primitives: :mod:`tengrad_fx.optim.step.sharding`), and the
+buffers are kept as DTensors of their parameters' placements (what
 ``torch.distributed.checkpoint`` saves and reshards). Per parameter this rank keeps
 ``1/S`` of the momentum (``S`` = shard group size). ``graft``, ``orthogonalize`` and
 ``orthogonalize_momentum`` shape the rows first (:class:`~.fsdp_shaping.ShardedShaping`).
@@ -21,21 +22,14 @@ Setup (one process per rank, e.g. under ``torchrun``)::
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import Tensor
 
-from ..optim.step.param_groups import Damping, same_lr
-from ..optim.step.result import StepResult
-from ..optim.step.host import SkipStep
-from ..optim.step.update import apply_momentum_step, finite_flag, kl_clip_factor
+from ..optim.step.param_groups import same_lr
 from ..optim.tengrad.tengrad import TENGraD
-from .comm import all_ok, collective
 from .fsdp import FSDPShards
 from .fsdp_shaping import ShardedShaping
-from .fsdp_rows import like, local
 from .global_batch import Mode
 from .optimizer import DistributedTENGraD
 
@@ -74,7 +68,6 @@ class FSDPTENGraD(DistributedTENGraD):
             raise ValueError("DistributedTENGraD: distribution= is its own (FSDPShards); pass seed, "
                              "or use TENGraD(..., distribution=...)")
         TENGraD.__init__(self, model, lr, damping, distribution=FSDPShards(mode, seed, bandwidth, flop_rate), **kwargs)
-        self._reduction_checked = True  # the loss-scale check reads whole weights: not on shards
         sh = self.shaping
         self.shaping = ShardedShaping(sh.graft, sh.orthogonalize, sh.momentum_first, self.param_groups,
                                       self.distribution)
@@ -121,82 +114,6 @@ class FSDPTENGraD(DistributedTENGraD):
             sd["state"] = {**sd["state"], self.NAME: counters}
             sd["param_groups"] = groups
         super().load_state_dict(sd)
-
-    # ------------------------------------------------------------------ the step on local shards
-    def _device_step(self, k: int, stats_step: bool, mc_step: bool, damping: Damping,
-                     lrs: Optional[Sequence[Tensor]] = None) -> Tensor:
-        """``u`` (this rank's rows), then the update masked by the flag all ranks share."""
-        self.last_result = result = self._updates(k, stats_step, mc_step, damping)
-        return self._masked_step(result, lrs)
-
-    def _masked_step(self, result: StepResult, lrs: Optional[Sequence[Tensor]]) -> Tensor:
-        """The update, masked by the step's flag, ANDed over all ranks (one ``all_reduce``):
-        finite local gradients and updates and valid factors (:meth:`.fsdp.FSDPShards.finish`),
-        and finite shaped updates (graft, polar factor), counted on the device."""
-        updates, _, ug = self._kept(result)
-        ok = result.ok if result.ok is not None else \
-            torch.ones((), dtype=torch.bool, device=local(self._group_params()[0]).device)
-        if self.graft or self.orthogonalize:
-            shaped = finite_flag(list(result.updates.values()))
-            ok = ok if shaped is None else ok & shaped
-        ok = all_ok(ok)
-        self._apply(updates, ug, lrs, ok, masked=True)
-        self._count(ok)
-        return ok
-
-    def _apply(self, updates: dict[Tensor, Tensor], ug: Optional[Tensor], lrs: Optional[Sequence[Tensor]],
-               ok: Tensor, masked: bool) -> None:
-        """``ν`` from ``Σ u·g`` over the whole parameters, then each group's momentum step on
-        the local shards (:func:`~tengrad_fx.optim.step.update.apply_momentum_step`); new
-        momentum buffers become DTensors of their parameter's placements."""
-        groups = self.param_groups
-        glrs: Sequence[float | Tensor] = lrs or [g["lr"] for g in groups]
-        if self.kl_clip is not None and ug is None:
-            ug = self._update_dot(updates)
-        nu = kl_clip_factor(updates, glrs[0], self.kl_clip, ug)
-        if nu is not None:
-            if self._kl_clipped is None:
-                self._kl_clipped = torch.zeros((), dtype=torch.int64, device=nu.device)
-            self._kl_clipped.add_((nu < 1.0) & ok)
-        reads = [self._local_step(ps, g["weight_decay"], mu, glr, updates, nu, ok if masked else None)
-                 for g, glr in zip(groups, glrs) for ps, mu in self._momentum_parts(g)]
-        if any(r is False for r in reads):
-            raise SkipStep("non-finite gradient, curvature or update")
-        self._commit(ok if masked else None)
-
-    def _local_step(self, group_params: list[Tensor], weight_decay: float, momentum: float, lr: float | Tensor,
-                    updates: dict[Tensor, Tensor], nu: Optional[Tensor], ok: Optional[Tensor]) -> Optional[bool]:
-        """The momentum step of a group's parameters ``group_params`` (one momentum: :meth:`_momentum_parts`)
-        on their local shards (the shards' ``.grad`` set for the kernel's reading, then cleared)."""
-        params = [p for p in group_params if p.grad is not None]
-        shards = [local(p.detach()) for p in params]
-        state: dict[Tensor, dict[str, Tensor]] = {}
-        ups: dict[Tensor, Tensor] = {}
-        for p, s in zip(params, shards):
-            assert p.grad is not None
-            s.grad = local(p.grad)
-            buf = self.state[p].get("momentum_buffer")
-            state[s] = {} if buf is None else {"momentum_buffer": local(buf)}
-            if p in updates:
-                ups[s] = updates[p]
-        try:
-            read = apply_momentum_step(state, shards, ups, lr, momentum, weight_decay, nu, ok)
-        finally:
-            for s in shards:
-                s.grad = None
-        for p, s in zip(params, shards):
-            if "momentum_buffer" in state[s] and "momentum_buffer" not in self.state[p]:
-                self.state[p]["momentum_buffer"] = like(p, state[s]["momentum_buffer"])
-        return read
-
-    def _update_dot(self, updates: dict[Tensor, Tensor]) -> Tensor:
-        """``Σ u·g`` over the whole parameters (local shards, summed over the shard group)."""
-        parts = [torch.dot(u.reshape(-1), local(p.grad).reshape(-1).to(u.dtype))
-                 for p, u in updates.items() if p.grad is not None]
-        dot = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
-        group = self.distribution.shard_group
-        collective("sum of the row shards' u·g", lambda: dist.all_reduce(dot, group=group))
-        return dot
 
 
 DistributedTENGraD.sharded_class = FSDPTENGraD

@@ -19,7 +19,7 @@ from ..optim.step.result import StepResult
 from ..optim.step.update import finite_flag
 from ..optim.tengrad.distribution import Host, SingleProcess
 from ..optim.tengrad.group_build import build_groups
-from ..optim.tengrad.layer_groups import LayerGroup, precondition_groups
+from ..optim.tengrad.layer_groups import LayerGroup, precondition
 from .comm import all_ok, nccl_backend
 from .dampings import block_dampings, share_scales
 from .gram_blocks import GramBlocksStep, rows_by_group
@@ -92,12 +92,14 @@ class GlobalBatch(SingleProcess):
         self._group_rows: Optional[list[list[int]]] = None  # per local group, each rank's rows (rows_vary)
 
     # ------------------------------------------------------------------ construction
-    def check(self, options: dict[str, Any]) -> None:
-        for rows in ("curvature_samples", "position_rows"):
-            if options[rows] is not None and self.mode == "local":
-                raise ValueError(f"DistributedTENGraD: {rows} takes rows of the global batch's Fisher, which "
-                                 "mode='local' does not form (each rank preconditions with its own); pass "
-                                 "mode='gather', 'gram-blocks' or 'auto', or leave it None")
+    LABEL = "DistributedTENGraD"
+
+    def lacks(self) -> dict[str, str]:
+        """``mode='local'`` forms no global batch's Fisher to choose rows of."""
+        if self.mode != "local":
+            return {}
+        return {"global_rows": "mode='local' does not form the global batch's Fisher (each rank preconditions "
+                               "with its own); pass mode='gather', 'gram-blocks' or 'auto', or leave it None"}
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(model, DistributedDataParallel) and not _prepared(model):
@@ -238,8 +240,9 @@ class GlobalBatch(SingleProcess):
         device = opt._layers[0].weight.device if opt._layers else torch.device("cpu")
         self._scales = share_scales(opt.curvature, self.owner, self.modes, self.rank, device, self.sharing.add_bytes)
 
-    def precondition(self, opt: Host, push_through: bool, damping: Damping) -> StepResult:
-        """``u`` of the gather layers solved here and of every ``gram-blocks`` layer
+    def solve(self, opt: Host, push_through: bool, damping: Damping) -> StepResult:
+        """``u`` of the gather layers solved here (:func:`~..optim.tengrad.layer_groups.precondition`)
+        and of every ``gram-blocks`` layer
         (data-parallel, :class:`.gram_blocks.GramBlocksStep`), overlapped: the all-gather of
         the ``J_a g`` runs while this rank solves its gather layers; the broadcasts of their
         ``u`` run while it finishes the gram-blocks layers."""
@@ -257,8 +260,8 @@ class GlobalBatch(SingleProcess):
         alphas = cache.dampings(damping, opt.param_groups)  # float, or [L_total] in the groups' order
         if gather and cache.chol is not None:
             L = sum(len(grp.layers) for grp in gather)
-            out, _ = precondition_groups(gather, cache.chol[:L], push_through, alphas[:L] if isinstance(alphas, Tensor)
-                                         else alphas, opt._info.loss_reduction)
+            out, _ = precondition(gather, cache.chol[:L], push_through, alphas[:L] if isinstance(alphas, Tensor)
+                                  else alphas, opt._info.loss_reduction)
         if self.mode != "local" and self.overlap:
             self.sharing.start(opt._layers, self.owner, self.modes, out)  # the owners' u, in flight from here
         if self._local_groups and step is None:

@@ -20,7 +20,7 @@ data-parallel (:class:`GramBlocksStep`)::
     every rank:  u = (g − Jᵀc)/α
 
 On empirical curvature steps the push-through form ``u = Jᵀ(K + MαI)⁻¹1`` is taken where
-the probe holds (as in :func:`tengrad_fx.optim.tengrad.layer_groups.precondition_groups`): the
+the probe holds (as in :func:`tengrad_fx.optim.tengrad.layer_groups.precondition`): the
 probe compares ``g`` on a few random coordinates (the same on every rank: a generator
 seeded alike) with ``(1/M)·Σ_a J_aᵀ1`` there, whose per-rank parts travel in the same
 all-gather as ``J_a g``. Every rank sums the gathered parts in rank order, so every rank

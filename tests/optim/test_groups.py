@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx import TENGraD
-from tengrad_fx.optim.tengrad.layer_groups import precondition_groups
+from tengrad_fx.optim.tengrad.layer_groups import precondition
 from testing.grouped_steps import check_steps_against_dense, float64_batches
 
 
@@ -90,7 +90,7 @@ def test_gram_tf32_restores_the_matmul_setting_and_is_a_no_op_on_cpu() -> None:
 @pytest.mark.parametrize("strategy", ["auto", "factor", "materialize"])
 @pytest.mark.parametrize("fisher", ["empirical", "mc"])
 def test_update_dot_equals_sum_of_u_times_g(strategy: str, fisher: str) -> None:
-    """``precondition_groups(..., dot=True)``'s ``Σ u·g`` (the KL clip's, from the
+    """``precondition(..., dot=True)``'s ``Σ u·g`` (the KL clip's, from the
     ``m``-vectors: ``β‖g‖² + γ·cᵀ(J g)`` per layer) equals the sum over its updates, and its
     ``Σ‖g‖²`` that of their gradients, in
     float64, for the push-through and the Woodbury form and every group form: after a
@@ -110,7 +110,7 @@ def test_update_dot_equals_sum_of_u_times_g(strategy: str, fisher: str) -> None:
         F.cross_entropy(out, y).backward()
         if t:
             for use_pt in (True, False):
-                updates, dots = precondition_groups(opt.curvature.groups, opt.curvature.chol, use_pt, 0.07, "mean",
+                updates, dots = precondition(opt.curvature.groups, opt.curvature.chol, use_pt, 0.07, "mean",
                                                     dot=True)
                 assert dots is not None
                 ug, gsq = dots

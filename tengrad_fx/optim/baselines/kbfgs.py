@@ -216,12 +216,10 @@ class KBFGS(CurvatureOptimizer):
         return out
 
     # ------------------------------------------------------------------ same-batch pairs
-    @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Optional[Tensor]:  # type: ignore[override]
+    def _before_step(self, closure: Optional[Callable[[], Tensor]]) -> None:
         if self.secant == "same_batch" and closure is None and self._needs_capture(self._sched):
             raise RuntimeError("KBFGS(secant='same_batch'): pass step(closure) — the closure is "
                                "re-run on the same batch after the update to form the BFGS pair")
-        return super().step(closure)
 
     def _after_update(self, stats_step: bool, closure: Optional[Callable[[], Tensor]]) -> None:
         if self.secant != "same_batch" or not stats_step or closure is None or not self._pending:

@@ -25,7 +25,6 @@ capture before anything reads them; ``torch.amp.GradScaler`` steps go through
 """
 from __future__ import annotations
 
-import warnings
 from collections import defaultdict
 from typing import Any, Callable, Literal, Optional, Sequence
 
@@ -35,13 +34,15 @@ from torch import Tensor
 from ...capture.info import PrepareInfo
 from ...capture.output_hook import release, want_output
 from ...capture.prepare import capturing
-from .amp import loss_scale, scaler_enabled, scaler_flags, unscale_grads
-from .update import all_finite, apply_momentum_step, finite_flag, kl_clip_factor
+from .amp import loss_scale, scaler_flags, unscale_grads
+from .update import all_finite, finite_flag, kl_clip_factor, update_dot
 from .param_groups import (Damping, FrozenWatch, check_group, group_index, group_params, groups_damping, in_groups,
                            optimizer_params, same_lr, weighted_update_dot)
 from .mc import MCState, SampleRNG, scored_mask, warn_unmasked
+from .counters import StepCounters
 from .host import HostMirror, SkipStep
 from .result import StepResult
+from .sharding import WHOLE, Sharding
 from .reduction_check import check_loss_reduction
 from .state_check import META, NamedParams, check_loadable, layout_meta, named_params
 from ...curvature.layer import covered_layers
@@ -49,7 +50,7 @@ from ...curvature.layer import covered_layers
 __all__ = ["StepSkeleton", "SkipStep", "HostMirror", "StepResult"]
 
 
-class StepSkeleton(torch.optim.Optimizer):
+class StepSkeleton(StepCounters, torch.optim.Optimizer):
     """Base of every optimizer here: the shared step (module docstring) over torch.optim
     param groups (:mod:`.param_groups`: per-group ``lr``, ``damping``, ``momentum``,
     ``weight_decay``; ``add_param_group`` rebuilds the covered layers, :meth:`_groups_changed`).
@@ -57,7 +58,7 @@ class StepSkeleton(torch.optim.Optimizer):
     Subclasses set ``NAME`` (key of the counters in ``self.state``) and implement
     :meth:`_needs_capture`, :meth:`_updates` (a :class:`~.result.StepResult`); optionally
     :meth:`_check_capture`, :meth:`_after_update`, :meth:`_run_device`, :meth:`_momentum_parts`,
-    :meth:`_commit`.
+    :meth:`_commit`. The step counts and skip warnings: :class:`~.counters.StepCounters`.
     """
 
     NAME = "optimizer"
@@ -69,6 +70,7 @@ class StepSkeleton(torch.optim.Optimizer):
     mc_loss: Literal["cross_entropy", "mse"]
     kl_clip: Optional[float]
     state: defaultdict[Any, Any]
+    distribution: Sharding = WHOLE  # where the step's tensors live (TENGraD: its strategy)
 
     def _init_skeleton(self, model: torch.nn.Module, info: PrepareInfo, grad_scaler: Any = None) -> None:
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
@@ -137,6 +139,9 @@ class StepSkeleton(torch.optim.Optimizer):
         parameters, optional device flags); raise :class:`SkipStep` to skip."""
         raise NotImplementedError
 
+    def _before_step(self, closure: Optional[Callable[[], Tensor]]) -> None:
+        """Called first in :meth:`step`, before the closure (may raise: KBFGS wants a closure)."""
+
     def _after_update(self, stats_step: bool, closure: Optional[Callable[[], Tensor]]) -> None:
         """Called after the parameters moved (KBFGS's same-batch secant pass)."""
 
@@ -196,86 +201,6 @@ class StepSkeleton(torch.optim.Optimizer):
         :meth:`_output_backward` (call after ``self.fisher`` is set)."""
         want_output(self._info.store.key, None if self.fisher == "empirical" else self._output_backward)
 
-    # ------------------------------------------------------------------ counters
-    @property
-    def counters(self) -> dict[str, int]:
-        """``{"step": steps taken, "skipped": steps skipped for non-finite values,
-        "uncaptured": layer-steps given the SGD-momentum update because the layer had a
-        gradient but nothing captured}``
-        (reading it waits for the device once when ``SYNC_FREE``)."""
-        self._sync_counters()
-        st = self.state[self.NAME]
-        return {"step": st["step"], "skipped": st["skipped"], "uncaptured": st.get("uncaptured", 0)}
-
-    @property
-    def curvature_steps(self) -> int:
-        """Steps that took new curvature / statistics (a host count, saved in ``state_dict``;
-        a curvature step the device then skipped included)."""
-        return int(self.state[self.NAME].get("curvature", 0))
-
-    def _add_uncaptured(self, n: int) -> None:
-        """Count ``n`` layer-steps given ``u = g`` for lack of a record (host count)."""
-        if n:
-            self.state[self.NAME]["uncaptured"] = self.state[self.NAME].get("uncaptured", 0) + n
-
-    @property
-    def step_applied(self) -> Optional[Tensor]:
-        """Device ``bool`` scalar: the last ``step()`` applied its update (False: skipped),
-        without a host read; None before the first step and after a step without gradients.
-        A replayed CUDA graph returns the same (static) tensor each step: combine or copy it
-        before the next step."""
-        return self._last_ok
-
-    @property
-    def kl_clipped_steps(self) -> int:
-        """Steps (since construction) whose update the KL clip scaled down, ``ν < 1``
-        (reading it waits for the device once)."""
-        return 0 if self._kl_clipped is None else int(self._kl_clipped)
-
-    def _sync_counters(self) -> None:
-        if self._dev_counts is None:
-            return
-        step, skipped = self._dev_counts.tolist()
-        self._dev_counts.zero_()  # in place: a captured CUDA graph keeps adding to it
-        if self._mirror is not None:
-            self._mirror.reset()
-        self._seen_skips = 0
-        st = self.state[self.NAME]
-        st["step"] += int(step)
-        st["skipped"] += int(skipped)
-        if skipped:
-            self._on_seen_skip()
-            self._warn_skip("non-finite gradient, curvature or update")
-
-    def _count(self, ok: Tensor) -> None:
-        inc = torch.stack([ok, ~ok]).to(torch.int64)
-        if self._dev_counts is None:
-            self._dev_counts = inc
-            self._mirror = HostMirror(inc)
-        else:
-            self._dev_counts.add_(inc)  # in place: a static buffer for CUDA graphs
-
-    def _poll_skips(self) -> None:
-        """Warn (once) as soon as the host sees a device-side skip, without waiting."""
-        if self._mirror is None:
-            return
-        vals = self._mirror.poll()
-        if vals is not None and vals[1] > self._seen_skips:
-            self._seen_skips = vals[1]
-            self._on_seen_skip()
-            self._warn_skip("non-finite gradient, curvature or update")
-
-    def _on_seen_skip(self) -> None:
-        """The host has just seen a device-side skip (TENGraD: re-capture curvature)."""
-
-    def _warn_skip(self, why: str) -> None:
-        if scaler_enabled(self.grad_scaler):
-            return  # overflow skips are the scaler's routine; they are counted, not warned about
-        if not self._warned_skip:
-            warnings.warn(f"{type(self).__name__}: step skipped ({why}); parameters left unchanged. "
-                          "Further skips are counted in opt.counters['skipped'].", RuntimeWarning)
-            self._warned_skip = True
-
     def state_dict(self) -> dict[str, Any]:
         """torch's state dict plus ``"tengrad_fx"``: who saved it (:mod:`.state_check`)."""
         self._sync_counters()
@@ -314,6 +239,7 @@ class StepSkeleton(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Tensor]] = None) -> Optional[Tensor]:  # type: ignore[override]
+        self._before_step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -341,7 +267,8 @@ class StepSkeleton(torch.optim.Optimizer):
         if found_inf is not None and (stats_step or not self.SYNC_FREE) and bool(found_inf):
             return self._skip("GradScaler found inf/NaN gradients", loss)  # one host read (.amp)
         self._info.store.finalize(self._record_inv_scale())
-        if stats_step and not self._reduction_checked and self.fisher == "empirical":
+        if stats_step and not self._reduction_checked and self.fisher == "empirical" \
+                and self.distribution.checks_loss_scale:
             self._reduction_checked = True  # once: a one-time host read (reduction_check)
             check_loss_reduction(covered_layers(self.model), self._info.loss_reduction, type(self).__name__)
         try:
@@ -381,8 +308,10 @@ class StepSkeleton(torch.optim.Optimizer):
         updates together (one ``_foreach_norm``; gradients a finite ``result.grad_sq``
         certifies are not read again), the update masked by the flag, counted on the device."""
         updates, checked, ug = self._kept(result)
-        grads = [p.grad for p in self._group_params() if p.grad is not None and (checked is None or p not in updates)]
-        ok = self._flag(finite_flag([*grads, *updates.values()], checked), result.ok)
+        local = self.distribution.local
+        grads = [local(p.grad) for p in self._group_params()
+                 if p.grad is not None and (checked is None or p not in updates)]
+        ok = self.distribution.agree(self._flag(finite_flag([*grads, *updates.values()], checked), result.ok))
         self._apply(updates, ug, lrs, ok, masked=True)
         self._count(ok)
         return ok
@@ -419,21 +348,24 @@ class StepSkeleton(torch.optim.Optimizer):
 
     def _apply(self, updates: dict[Tensor, Tensor], ug: Optional[Tensor], lrs: Optional[Sequence[Tensor]],
                ok: Tensor, masked: bool) -> None:
-        """``ν`` (KL clip, counted when ``< 1``), then each group's momentum step with its
-        own lr, momentum and weight decay (:func:`.update.apply_momentum_step`), masked by
+        """``ν`` (KL clip, counted when ``< 1``; ``Σ u·g`` over whole parameters:
+        :meth:`.sharding.Sharding.sum_shards`), then each group's momentum step with its
+        own lr, momentum and weight decay (:meth:`.sharding.Sharding.momentum_step`), masked by
         ``ok`` when ``masked``; a warm-up read of ``ok`` (the same flag for every group)
         that finds a skip leaves every group unchanged and raises :class:`SkipStep`."""
-        groups = self.param_groups
+        groups, sharding = self.param_groups, self.distribution
         glrs: Sequence[float | Tensor] = lrs or [g["lr"] for g in groups]
         lr = glrs[0]
         if not same_lr(groups):  # ν from Σ_G lr_G²·Σ u·g (.param_groups)
             lr, ug = 1.0, (weighted_update_dot(updates, groups, glrs) if self.kl_clip is not None else None)
+        if ug is None and self.kl_clip is not None and updates:
+            ug = sharding.sum_shards(update_dot(updates, sharding.local), "sum of the row shards' u·g")
         nu = kl_clip_factor(updates, lr, self.kl_clip, ug)
         if nu is not None:  # counted on the device, in place (no sync; graph-safe); read by kl_clipped_steps
             if self._kl_clipped is None:
                 self._kl_clipped = torch.zeros((), dtype=torch.int64, device=nu.device)
             self._kl_clipped.add_((nu < 1.0) & ok)
-        reads = [apply_momentum_step(self.state, ps, updates, glr, mu, g["weight_decay"], nu, ok if masked else None)
+        reads = [sharding.momentum_step(self.state, ps, updates, glr, mu, g["weight_decay"], nu, ok if masked else None)
                  for g, glr in zip(groups, glrs) for ps, mu in self._momentum_parts(g)]
         if any(r is False for r in reads):  # the warm-up host read found a skip
             raise SkipStep("non-finite gradient, curvature or update")

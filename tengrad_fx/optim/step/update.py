@@ -11,7 +11,7 @@ fixed number of kernels whatever the number of parameters (``_foreach`` ops, one
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch import Tensor
@@ -45,10 +45,11 @@ def all_finite(ts: list[Tensor]) -> bool:
     return True if flag is None else bool(flag)
 
 
-def update_dot(updates: dict[Tensor, Tensor]) -> Tensor:
-    """``Σ u·g`` over ``{param: u}`` (a device scalar; one pass over ``u`` and ``g``)."""
+def update_dot(updates: dict[Tensor, Tensor], local: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor:
+    """``Σ u·g`` over ``{param: u}`` (a device scalar; one pass over ``u`` and ``g``);
+    ``local(p.grad)``: the gradient's part ``u`` is of (a shard's; the whole one by default)."""
     us = list(updates.values())
-    prods = torch._foreach_mul(us, [p.grad.to(u.dtype) for p, u in updates.items()])  # type: ignore[misc, union-attr]
+    prods = torch._foreach_mul(us, [local(p.grad).to(u.dtype) for p, u in updates.items()])  # type: ignore[arg-type, misc]
     return torch.cat([t.reshape(-1) for t in prods]).sum()
 
 

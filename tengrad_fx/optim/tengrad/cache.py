@@ -25,8 +25,10 @@ class CurvatureCache:
     """The cached curvature (module docstring).
 
     Attributes:
-        groups: :class:`~.layer_groups.LayerGroup` s (modular path) or ``(params, m)``
-            (fused path) of the last curvature step.
+        groups: the :class:`~.layer_groups.LayerGroup` s of the last curvature step on the
+            modular path (none after a fused one).
+        fused: the last curvature step ran the fused update (``compile``): curvature was
+            taken, no groups or factors are cached (the next step builds them).
         K: each group's Gram, ``[L_g, m, m]``.
         chol: ``[L_total, m, m]``: every layer's factor, group order (None: none cached).
         ok: device ``bool``: every cached factor is valid.
@@ -43,7 +45,8 @@ class CurvatureCache:
         self.solve_dtype, self.gram_tf32, self.static, self.relative = solve_dtype, gram_tf32, static, relative
         self.alphas: Optional[Tensor] = None
         self.scales: Optional[Tensor] = None
-        self.groups: list[Any] = []
+        self.groups: list[LayerGroup] = []
+        self.fused = False
         self.K: list[Tensor] = []
         self.chol: Optional[Tensor] = None
         self.ok: Optional[Tensor] = None
@@ -54,12 +57,20 @@ class CurvatureCache:
 
     def clear(self) -> None:
         """No curvature cached: the next step takes it."""
-        self.groups, self.chol, self.ok = [], None, None
+        self.groups, self.chol, self.ok, self.fused = [], None, None, False
 
-    def release(self) -> list[Any]:
+    def release(self) -> list[LayerGroup]:
         """The cached groups, no longer held here (their stacks may be refilled by the next build)."""
         old, self.groups, self.K = self.groups, [], []
         return old
+
+    def taken(self) -> bool:
+        """Is curvature cached (groups, or the fused update's step)?"""
+        return bool(self.groups) or self.fused
+
+    def set_fused(self, taken: bool) -> None:
+        """A fused curvature step ran (``taken``: it had layers): nothing cached but that."""
+        self.groups, self.K, self.chol, self.fused = [], [], None, taken
 
     def layers(self) -> list[CoveredLayer]:
         """The cached layers, group order."""
@@ -67,7 +78,7 @@ class CurvatureCache:
 
     def modular(self) -> bool:
         """Factors of :class:`LayerGroup` s are cached (the modular path can reuse them)."""
-        return self.chol is not None and all(isinstance(g, LayerGroup) for g in self.groups)
+        return self.chol is not None
 
     def replaced(self) -> None:
         """Tensors a captured step reads were replaced outside the cache (e.g. new records):
@@ -76,6 +87,7 @@ class CurvatureCache:
 
     def set_groups(self, groups: list[LayerGroup], kept: Sequence[Any] = ()) -> None:
         """Cache ``groups`` and their Grams (``kept``: the previous groups, for the version)."""
+        self.fused = False
         if self.static and not (len(kept) == len(groups) and all(o is n for o, n in zip(kept, groups))):
             self.version += 1
         with tf32_matmuls(self.gram_tf32):
@@ -86,7 +98,7 @@ class CurvatureCache:
         """One batched Cholesky of every layer's ``K + mαI`` (``α`` per layer with per-group
         dampings, :func:`~..step.param_groups.layer_dampings`; layers with fewer rows than
         the most, ``position_rows``, zero-padded: :mod:`tengrad_fx.solve.ragged`)."""
-        groups: list[LayerGroup] = self.groups
+        groups = self.groups
         old_chol, old_ok = self.chol, self.ok
         self.chol, self.ok, self.scales = None, None, None
         if groups:

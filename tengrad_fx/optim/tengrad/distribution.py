@@ -5,7 +5,7 @@ Fisher over a ``torch.distributed`` job.
 
 TENGraD runs the schedule, the curvature cache, the fused and CUDA-graph paths, the update's
 shaping (graft, orthogonalize) and the shared step itself for every strategy; a strategy
-says which layers this process solves and how (``build_groups``, ``precondition``), what
+says which layers this process solves and how (``build_groups``, ``solve``), what
 moves before and after (``begin``, ``finish``), and how ranks agree on skips.
 """
 from __future__ import annotations
@@ -20,10 +20,12 @@ from ...curvature.layer import CoveredLayer
 from ..step.param_groups import Damping
 from ..step.mc import SampleRNG
 from ..step.result import StepResult
+from ..step.sharding import Sharding
 from .cache import CurvatureCache
+from .capabilities import refuse
 from .group_build import build_groups, previous_stacks
 from .jacobian_sites import initial_jacobian_sites, uncaptured_sites
-from .layer_groups import LayerGroup, precondition_groups
+from .layer_groups import LayerGroup, precondition
 
 __all__ = ["SingleProcess", "Host"]
 
@@ -60,30 +62,43 @@ class Host(Protocol):
     def _group_params(self) -> list[Tensor]: ...
 
 
-class SingleProcess:
-    """One process: the curvature of this process's batch, every layer solved here.
+class SingleProcess(Sharding):
+    """One process: the curvature of this process's batch, every layer solved here; the
+    step's tensors are the whole parameters (:class:`~..step.sharding.Sharding`).
 
     Class attributes a strategy sets:
         saves_records: ``state_dict`` keeps the curvature records (bit-identical resume).
+        whole_gradients: the groups :meth:`solve` applies read whole gradients, so
+            push-through's probe of ``g = s·Jᵀ1`` can run (False: rows of them).
         agreed_skips: a skipped curvature step is re-taken as decided from the step's flag
             on curvature steps (one host read of a flag all ranks share); False: when the
             host first sees a skip (the non-blocking mirror, no read).
         capturable: the step may run as a CUDA graph (``cuda_graph=None`` turns it on for
             CUDA parameters only where it is).
         fuses: ``compile``'s fused update may stand for a curvature step's :meth:`build_groups`
-            and :meth:`precondition`, i.e. they are one process's solve of every layer on its
+            and :meth:`solve`, i.e. they are one process's solve of every layer on its
             own batch; False: ``compile`` runs the modular path (no fused steps).
     """
 
     saves_records = True
+    whole_gradients = True
     agreed_skips = False
     capturable = True
     fuses = True
 
+    LABEL = "TENGraD"  # the optimizer as users build it with this strategy (in errors)
+
     def check(self, options: dict[str, Any]) -> None:
         """``ValueError`` naming a TENGraD option this strategy does not run, at construction
         (``options``: every constructor argument but the model, name -> value as run,
-        :func:`.options.built_options`); all run here."""
+        :func:`.options.built_options`): an option whose capability it :meth:`lacks`
+        (:func:`.capabilities.refuse`, the same check for every strategy)."""
+        refuse(self.LABEL, type(self).__name__, self.lacks(), options)
+
+    def lacks(self) -> dict[str, str]:
+        """``{capability: why not}``: the :data:`.capabilities.CAPABILITIES` this strategy
+        does not provide, each with its physical reason; none here."""
+        return {}
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The prepared model the optimizer reads (``model`` itself here)."""
@@ -113,7 +128,7 @@ class SingleProcess:
 
     def has_curvature(self, opt: Host) -> bool:
         """Is there curvature to reuse (else the next step takes it, whatever the schedule)?"""
-        return bool(opt.curvature.groups)
+        return opt.curvature.taken()
 
     def has_factors(self, opt: Host) -> bool:
         """Are the factors a reuse step solves with cached (else it runs eagerly, not as a
@@ -137,7 +152,7 @@ class SingleProcess:
         layers were captured again (freed first otherwise); the store's materialized sites set."""
         cache, store = opt.curvature, opt._info.store
         old = cache.release()
-        reuse = previous_stacks([g for g in old if isinstance(g, LayerGroup)])
+        reuse = previous_stacks(old)
         kept = old if cache.static else []
         del old
         groups, sites = build_groups(opt._layers, opt.strategy, opt.jacobian_budget,
@@ -150,18 +165,25 @@ class SingleProcess:
     def after_factorize(self, opt: Host) -> None:
         """After a curvature step's factorization."""
 
-    def precondition(self, opt: Host, push_through: bool, damping: Damping) -> StepResult:
-        """``{param: u}`` of every covered layer with a gradient, from the cached groups and
-        factors (:func:`.layer_groups.precondition_groups`; ``Σ u·g`` and the gradients'
-        ``Σ‖g‖²`` from its ``m``-vectors when the KL clip wants them)."""
+    def solve(self, opt: Host, push_through: bool, damping: Damping) -> StepResult:
+        """``{param: u}`` of every covered layer with a gradient, from :meth:`solved_groups`
+        and the cached factors and dampings (:func:`.layer_groups.precondition`, its sums
+        over shards by this strategy's :meth:`sum_parts`; ``Σ u·g`` and the gradients'
+        ``Σ‖g‖²`` from its ``m``-vectors when the KL clip wants them); push-through where
+        asked and :attr:`whole_gradients`."""
         cache = opt.curvature
         if not cache.groups or cache.chol is None:
             return StepResult({}, cache.ok)
         alphas = cache.dampings(damping, opt.param_groups)
-        out, dots = precondition_groups(cache.groups, cache.chol, push_through, alphas, opt._info.loss_reduction,
-                                        dot=opt.kl_clip is not None)
+        out, dots = precondition(self.solved_groups(opt), cache.chol, push_through and self.whole_gradients, alphas,
+                                 opt._info.loss_reduction, dot=opt.kl_clip is not None, sharding=self)
         ug, gsq = dots if dots is not None else (None, None)
         return StepResult(out, cache.ok, ug, gsq)
+
+    def solved_groups(self, opt: Host) -> list[LayerGroup]:
+        """The groups :meth:`solve` applies, their layers in the cached factors' order: the
+        cached groups themselves."""
+        return opt.curvature.groups
 
     def finish(self, opt: Host, result: StepResult) -> StepResult:
         """The step's result as every process applies it (updates shared, flags agreed)."""
@@ -173,4 +195,4 @@ class SingleProcess:
 
     def reuse_groups(self, opt: Host) -> list[LayerGroup]:
         """The cached groups a reuse step solves here (:meth:`TENGraD.reuse_cost`)."""
-        return [g for g in opt.curvature.groups if isinstance(g, LayerGroup)]
+        return opt.curvature.groups

@@ -22,9 +22,11 @@ from torch import Tensor
 
 from ..._compile import own_code
 from ... import solve
+from ..step.result import StepResult
 from .fused_update import LayerInput, fused_update
+from .jacobian_sites import marked_jacobian_sites
 
-__all__ = ["FusedStep"]
+__all__ = ["FusedStep", "fused_curvature_step"]
 
 Used = list[tuple[list[torch.nn.Parameter], int]]
 
@@ -99,3 +101,23 @@ class FusedStep:
                 out[p] = u[off: off + p.numel()].view_as(p).to(p.dtype)
                 off += p.numel()
         return out, ok.all(), used
+
+
+def fused_curvature_step(opt: Any, push_through: bool, damping: Any) -> Optional[StepResult]:
+    """A curvature step of the TENGraD ``opt`` by its fused update (``compile``; its
+    :class:`FusedStep` ``opt._fused``), None where that does not apply (a distribution whose
+    solve is not one process's, ``SingleProcess.fuses``; per-group or relative dampings, a
+    metric, position rows, or a layer without a fused form: the modular path). The cache
+    then holds no groups or factors (``CurvatureCache.set_fused``)."""
+    if not opt.compile or not opt.distribution.fuses or isinstance(damping, tuple) or opt.curvature.relative \
+            or opt.metric is not None or opt.position_rows is not None:
+        return None
+    fused = opt._fused(opt._layers, push_through, damping, opt._info.loss_reduction, opt.solve_dtype)
+    if fused is None:
+        return None
+    updates, flag, used = fused
+    opt.curvature.set_fused(bool(used))
+    store = opt._info.store  # keep the store's materialization choice as the modular path would
+    store.jacobian_sites = marked_jacobian_sites(opt._layers, opt.strategy, opt.jacobian_budget,
+                                                 store.jacobian_sites)
+    return StepResult(updates, flag)

@@ -48,9 +48,10 @@ from torch import Tensor
 from ... import solve
 from ...curvature.batched import scaled_bmm
 from ...curvature.layer import CoveredLayer
+from ..step.sharding import WHOLE, Sharding
 from .group_probe import ProbeTerms
 
-__all__ = ["LayerGroup", "pack", "pack_views", "precondition_groups", "scaled_bmm", "stack", "tf32_matmuls"]
+__all__ = ["LayerGroup", "pack", "pack_views", "precondition", "scaled_bmm", "stack", "tf32_matmuls"]
 
 @contextlib.contextmanager
 def tf32_matmuls(enabled: bool) -> Iterator[None]:
@@ -279,9 +280,9 @@ class LayerGroup:
         return got, gw, got_b, s
 
 
-def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, damping: Union[float, Tensor],
-                        loss_reduction: str,
-                        dot: bool = False) -> tuple[dict[Tensor, Tensor], Optional[tuple[Tensor, Tensor]]]:
+def precondition(groups: list[LayerGroup], chol: Tensor, use_pt: bool, damping: Union[float, Tensor],
+                 loss_reduction: str, dot: bool = False,
+                 sharding: Sharding = WHOLE) -> tuple[dict[Tensor, Tensor], Optional[tuple[Tensor, Tensor]]]:
     """``({param: u}, dots)`` for every parameter with a gradient of ``groups`` (``chol``
     ``[L_total, M, M]``: their factors of ``K + mαI``, in group order, zero-padded to the
     most rows ``M``: :mod:`tengrad_fx.solve.ragged`): per group ``J g``,
@@ -294,46 +295,58 @@ def precondition_groups(groups: list[LayerGroup], chol: Tensor, use_pt: bool, da
     None): the KL clip's ``Σ u·g`` comes from the ``m``-vectors, per layer ``u = β·g + γ·Jᵀc``
     giving ``u·g = β‖g‖² + γ·cᵀ(J g)``, so no pass over ``u`` (one read of ``g`` for
     ``‖g‖²``, which, finite, also certifies these gradients finite for the step's check).
-    ``damping``: ``α``, or ``[L_total]`` (one per layer, group order)."""
+    ``damping``: ``α``, or ``[L_total]`` (one per layer, group order).
+
+    ``sharding``: groups over shards of their parameters (FSDP2's rows,
+    :class:`tengrad_fx.distributed.shard_groups.ShardRows`) give partial sums of ``J g``
+    and ``‖g‖²``, summed over the shards by :meth:`~..step.sharding.Sharding.sum_parts`
+    (whole parameters: as they are)."""
     per_layer = use_pt or isinstance(damping, Tensor)  # β differs per layer
     m = groups[0].m
     M = max(grp.m for grp in groups)  # fewer rows than M: zero-padded (solve.ragged)
     if use_pt and M != min(grp.m for grp in groups):
         raise ValueError("push-through needs every layer's rows to be the batch's samples")
     scale = solve.push_through_scale(m, loss_reduction)
-    grads, rhs, push, jgs, sqs = [], [], [], [], []
+    grads, jgs, sqs = [], [], []
     for grp in groups:
         gw, gb = grp.grads()
-        Jg = solve.pad_rows(grp.jvp(gw, gb), M)
-        if dot:
-            jgs.append(Jg)
-            if per_layer:  # ‖g_l‖² per layer
-                sqs.append(grp.sqnorms(gw, gb))
-        if use_pt:
+        jgs.append(solve.pad_rows(grp.jvp(gw, gb), M))
+        if dot and per_layer:  # ‖g_l‖² per layer
+            sqs.append(grp.sqnorms(gw, gb))
+        grads.append((gw, gb))
+    jgs = sharding.sum_parts(jgs, "sum of the row shards' J g")
+    rhs, push = jgs, []
+    if use_pt:
+        rhs = []
+        for grp, (gw, gb), Jg in zip(groups, grads, jgs):
             ok = grp.probe(gw, gb, scale / m)
             push.append(ok)
-            Jg = solve.push_through_rhs(Jg, ok)
-        grads.append((gw, gb))
-        rhs.append(Jg)
+            rhs.append(solve.push_through_rhs(Jg, ok))
     # c = (K + mαI)⁻¹ rhs, [L_total, m]; per layer u = β·g + γ·Jᵀc
     c_all, beta_all, gamma = solve.woodbury_solve(chol, torch.cat(rhs), damping, torch.cat(push) if use_pt else None,
                                                   scale, grads[0][0].dtype)
-    out: dict[Tensor, Tensor] = {}
     sizes = [len(grp.layers) for grp in groups]
     betas: list[Union[float, Tensor]] = list(beta_all.split(sizes)) if isinstance(beta_all, Tensor) \
         else [beta_all] * len(groups)
-    dots = None
-    if dot:  # Σ_l β_l‖g_l‖² + γ·c_l·(J g)_l, in the solve's dtype
-        dt = c_all.dtype
-        cJg = torch.dot(c_all.reshape(-1), torch.cat(jgs).to(dt).reshape(-1))
-        if per_layer:
-            sq = torch.cat(sqs).to(dt)
-            dots = (torch.dot(beta_all.to(dt), sq) + cJg, sq.sum())  # type: ignore[union-attr]
-        else:  # one β = 1/α, γ = −1/α: ‖g‖² of all stacks by one _foreach_norm
-            a = 1.0 / float(damping)
-            norms = torch.stack(torch._foreach_norm([t for gw_gb in grads for t in gw_gb if t is not None])).to(dt)
-            gsq = torch.dot(norms, norms)
-            dots = (torch.add(gsq * a, cJg, alpha=-a), gsq)
+    dots = _update_dots(c_all, beta_all, jgs, sqs, grads, damping, sharding) if dot else None
+    out: dict[Tensor, Tensor] = {}
     for grp, (gw, gb), beta, c in zip(groups, grads, betas, c_all.split(sizes)):
         out.update(grp.split(*grp.woodbury(c if grp.m == M else c[..., :grp.m], gw, gb, beta, gamma)))
     return out, dots
+
+
+def _update_dots(c_all: Tensor, beta_all: Union[float, Tensor], jgs: list[Tensor], sqs: list[Tensor],
+                 grads: list[tuple[Tensor, Optional[Tensor]]], damping: Union[float, Tensor],
+                 sharding: Sharding) -> tuple[Tensor, Tensor]:
+    """:func:`precondition`'s ``(Σ u·g, Σ ‖g‖²)``: ``Σ_l β_l‖g_l‖² + γ·c_l·(J g)_l`` in the
+    solve's dtype (``sqs``: each group's ``‖g_l‖²`` when ``β`` differs per layer, else empty)."""
+    dt = c_all.dtype
+    cJg = torch.dot(c_all.reshape(-1), torch.cat(jgs).to(dt).reshape(-1))
+    if sqs:
+        sq = sharding.sum_parts([torch.cat(sqs).to(dt)], "sum of the row shards' ‖g‖²")[0]
+        return torch.dot(beta_all.to(dt), sq) + cJg, sq.sum()  # type: ignore[union-attr]
+    # one β = 1/α, γ = −1/α: ‖g‖² of all stacks by one _foreach_norm
+    a = 1.0 / float(damping)
+    norms = torch.stack(torch._foreach_norm([t for gw_gb in grads for t in gw_gb if t is not None])).to(dt)
+    gsq = sharding.sum_parts([torch.dot(norms, norms)], "sum of the row shards' ‖g‖²")[0]
+    return torch.add(gsq * a, cJg, alpha=-a), gsq

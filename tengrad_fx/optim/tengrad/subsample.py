@@ -19,11 +19,14 @@ whole batch (the same bits as without the option). The Gauss-Newton Fisher keeps
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
+
+import torch
 
 from ..step.checks import check_interval
+from .position_rows import draw_position_rows
 
-__all__ = ["check_curvature_samples"]
+__all__ = ["check_curvature_samples", "choose_rows"]
 
 
 def check_curvature_samples(k: Optional[int]) -> Optional[int]:
@@ -32,3 +35,19 @@ def check_curvature_samples(k: Optional[int]) -> Optional[int]:
         check_interval("curvature_samples", k, " (the samples of each curvature batch the Fisher is taken from) "
                        "or None (the whole batch)")
     return k
+
+
+def choose_rows(opt: Any) -> bool:
+    """The records of the TENGraD ``opt`` cut to the first ``curvature_samples`` samples
+    (:meth:`~tengrad_fx.capture.store.CaptureStore.keep_samples`) or drawn as ``position_rows``
+    (:mod:`.position_rows`), over the batch its distribution's ``curvature_part`` says; whether
+    they are now other rows than the batch's samples (False without either option)."""
+    store = opt._info.store
+    if opt.position_rows is None and opt.curvature_samples is None:
+        return False
+    part, parts, scored = opt.distribution.curvature_part(opt)  # rows drawn over the whole batch
+    if opt.position_rows is not None:
+        device = opt._layers[0].weight.device if opt._layers else torch.device("cpu")
+        return draw_position_rows(store, opt._layers, opt.position_rows, opt._mc_rng.get(device), part, parts,
+                                  scored)
+    return store.keep_samples(opt.curvature_samples, part, parts)

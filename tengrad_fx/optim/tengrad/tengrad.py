@@ -40,19 +40,19 @@ from ..step.skeleton import StepSkeleton
 from ..step.state_check import META, check_materialization, materialization_meta
 from .cache import CurvatureCache
 from .distribution import SingleProcess
-from .fused_runner import FusedStep
+from .fused_runner import FusedStep, fused_curvature_step
 from .gauss_newton import gauss_newton_capture
 from .cuda_graphs import GraphRunner
 from .group_cost import reuse_cost
-from .jacobian_sites import marked_jacobian_sites
 from ..step.renamed import respelled_keywords
 from .metric import MetricOption, make_metric
 from .options import Execution, built_options, check_options, jacobian_budget_bytes, use_cuda_graph
-from .position_rows import draw_position_rows, position_sites
+from .position_rows import position_sites
 from .resume import restore_records, save_records
 from .schedule import CurvatureSchedule
 from .shaping import UpdateShaping
 from .spellings import respell_options
+from .subsample import choose_rows
 
 __all__ = ["TENGraD"]
 
@@ -162,6 +162,7 @@ class TENGraD(StepSkeleton):
 
     NAME = "tengrad"
     SYNC_FREE = True
+    distribution: SingleProcess
 
     @respelled_keywords(respell_options)
     def __init__(
@@ -307,20 +308,6 @@ class TENGraD(StepSkeleton):
             mc_capture(self._info.store, outputs, self.mc_loss, weights, targets, self._loss_scale(), mask, generator)
 
     # ------------------------------------------------------------------ curvature
-    def _subsampled(self) -> bool:
-        """The records cut to the first ``curvature_samples`` samples
-        (:meth:`~tengrad_fx.capture.store.CaptureStore.keep_samples`) or drawn as ``position_rows``
-        (:mod:`.position_rows`); whether they are now other rows than the batch's samples."""
-        store = self._info.store
-        if self.position_rows is None and self.curvature_samples is None:
-            return False
-        part, parts, scored = self.distribution.curvature_part(self)  # rows drawn over the whole batch
-        if self.position_rows is not None:
-            device = self._layers[0].weight.device if self._layers else torch.device("cpu")
-            return draw_position_rows(store, self._layers, self.position_rows, self._mc_rng.get(device), part, parts,
-                                      scored)
-        return store.keep_samples(self.curvature_samples, part, parts)  # type: ignore[arg-type]
-
     def _refresh(self, damping: Damping) -> None:
         """Grams and Cholesky factors of every layer solved here from the store, by groups of
         equal shape (:mod:`tengrad_fx.optim.tengrad.layer_groups`; the groups from
@@ -355,7 +342,7 @@ class TENGraD(StepSkeleton):
         (shared by the :attr:`distribution`), with the step's flags."""
         t0 = time.perf_counter()
         dist, cache, metric = self.distribution, self.curvature, self.metric
-        subsampled = curvature_step and self._subsampled()  # the rows are chosen first: the metric scales those
+        subsampled = curvature_step and choose_rows(self)  # the rows are chosen first: the metric scales those
         if metric is not None:
             metric.observe(self.state, self._layers)
             if curvature_step:  # the new records become the rows J S (before they move)
@@ -365,7 +352,7 @@ class TENGraD(StepSkeleton):
         self._gram_seconds = 0.0
         # push-through needs g = the captured batch's Jᵀ1: an empirical curvature step of the whole batch
         push_through = curvature_step and not mc_step and not subsampled and self.update_form == "auto"
-        result = self._fused_updates(push_through, damping) if curvature_step else None
+        result = fused_curvature_step(self, push_through, damping) if curvature_step else None
         t1 = time.perf_counter()
         if result is None:  # the modular path
             if curvature_step or not cache.modular():
@@ -374,7 +361,7 @@ class TENGraD(StepSkeleton):
                 cache.factorize(damping, self.param_groups)
             t1 = time.perf_counter()
             with metric.scaled_grads(self.state, self._layers) if metric is not None else nullcontext():
-                result = dist.precondition(self, push_through, damping)
+                result = dist.solve(self, push_through, damping)
         if curvature_step:
             cache.sched, cache.recapture = step, False
         self._count_uncaptured(result.updates)
@@ -384,23 +371,6 @@ class TENGraD(StepSkeleton):
         result = dist.finish(self, result)
         self.timings.update(dist.timings(t_begin - t0))
         return result if metric is None else metric.unscale(self.state, self._layers, result)
-
-    def _fused_updates(self, push_through: bool, damping: Damping) -> Optional[StepResult]:
-        """A curvature step by the fused update (``compile``), None where it does not apply
-        (a distribution whose solve is not one process's, ``SingleProcess.fuses``; per-group or
-        relative dampings, a metric, or a layer without a fused form: the modular path)."""
-        if not self.compile or not self.distribution.fuses or isinstance(damping, tuple) or self.curvature.relative \
-                or self.metric is not None or self.position_rows is not None:
-            return None
-        fused = self._fused(self._layers, push_through, damping, self._info.loss_reduction, self.solve_dtype)
-        if fused is None:
-            return None
-        updates, flag, self.curvature.groups = fused
-        self.curvature.chol = None
-        store = self._info.store  # keep the store's materialization choice as the modular path would
-        store.jacobian_sites = marked_jacobian_sites(self._layers, self.strategy, self.jacobian_budget,
-                                                     store.jacobian_sites)
-        return StepResult(updates, flag)
 
     def _shape_updates(self, result: StepResult) -> StepResult:
         """``graft``, ``orthogonalize_momentum`` and ``orthogonalize`` on the natural-gradient
@@ -459,7 +429,7 @@ class TENGraD(StepSkeleton):
         self.distribution.reset(self)
         super().load_state_dict(sd)
         self._info.store.jacobian_sites = set(self.state[self.NAME].get("jacobian_sites", []))
-        self.curvature.groups = []  # the factors stay (refilled in place by a static factorization)
+        self.curvature.groups, self.curvature.fused = [], False  # the factors stay (refilled in place: static)
         self.graph_runner.clear()
         if curv is not None and self.distribution.saves_records:
             self._restore_curvature(curv)
@@ -471,7 +441,7 @@ class TENGraD(StepSkeleton):
         store = self._info.store
         restore_records(store, self._layers, curv["records"])
         self._last_generation = store.generation
-        self._subsampled()
+        choose_rows(self)
         self._refresh(curv["damping"])
         self.curvature.sched, self.curvature.recapture = int(curv["sched"]), False
 
