@@ -10,9 +10,10 @@ convolutions with BatchNorm (in eval mode, :func:`frozen_statistics`) and a Line
 block and the root; "layers": on every Linear/conv too; "root": on the root only), ``order``
 ("prepare-first": ``prepare`` by torch.fx, then ``fully_shard``; with ``expect_error`` the
 optimizer's ``ValueError`` is returned), ``mode`` and ``bandwidth`` (the optimizer's), ``opts``
-(more optimizer keywords), ``plain`` (``TENGraD`` itself, not ``DistributedTENGraD``), ``nan_rank``/``nan_step``
-(that rank's gradient shard gets a NaN before that step), ``mesh`` (``(R, S)``: HSDP,
-replicate × shard; default a 1-D mesh of all ranks), ``start`` (first global batch),
+(more optimizer keywords; ``reference``: the reference's own), ``plain`` (``TENGraD`` itself,
+not ``DistributedTENGraD``), ``nan_rank``/``nan_step`` (that rank's gradient shard gets a NaN
+before that step), ``mesh`` (``(R, S)``: HSDP, replicate × shard; default a 1-D mesh of all
+ranks), ``start`` (first global batch),
 ``save``/``load`` (a torch.distributed.checkpoint directory written after the last step /
 loaded before the first).
 """
@@ -258,13 +259,14 @@ def load_checkpoint(net: nn.Module, opt: Any, path: str) -> None:
 def train_reference(cfg: dict[str, Any], world: int, targets: Optional[list[Optional[torch.Tensor]]] = None,
                     stats: Optional[dict[str, Any]] = None) -> list[dict[str, torch.Tensor]]:
     """Single-process TENGraD on the concatenated batches (``world·m`` samples), MC with
-    ``targets[k]``; parameters after each step (``stats["state_bytes"]``: its per-parameter
-    state's bytes at the end)."""
+    ``targets[k]``, ``cfg["reference"]``'s options over ``cfg``'s; parameters after each step
+    (``stats["state_bytes"]``: its per-parameter state's bytes at the end)."""
     import tengrad_fx
     kind, M = cfg["model"], world * cfg["m"]
     example = (global_batch(kind, 2, 0)[0],) if kind in transposed.TRANSPOSED_KINDS else None  # surgery (HF)
     net = frozen_statistics(tengrad_fx.prepare(make_model(kind), example_inputs=example))
-    opt = tengrad_fx.TENGraD(net, params=polar.param_groups(net, cfg), **opt_kwargs(cfg))
+    opt = tengrad_fx.TENGraD(net, params=polar.param_groups(net, cfg), **{**opt_kwargs(cfg),
+                                                                          **cfg.get("reference", {})})
     traj = [full_params(net)]
     for k in range(cfg["steps"]):
         x, y = global_batch(kind, M, cfg.get("start", 0) + k)

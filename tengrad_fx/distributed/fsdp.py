@@ -133,16 +133,12 @@ class FSDPShards(GlobalBatch):
                              "reduce-scatter allocates anew on every backward, which the graph runner's buffer copy "
                              "does not handle (DTensor has no sharding rule for aten._foreach_copy_); leave it "
                              "False or None (off under FSDP2)")
-        if options["compile"]:
-            raise ValueError("DistributedTENGraD (FSDP2): compile=True is not supported on sharded parameters "
-                             "(not checked against single-process TENGraD there); leave it False, or use DDP "
-                             "(where it is accepted and the distributed steps run unfused)")
         if options["fisher"] == "gauss-newton":
             raise ValueError("DistributedTENGraD (FSDP2): fisher='gauss-newton' is not supported on sharded "
                              "parameters (with fully_shard on each layer, its k backward passes per curvature step "
                              "do not give single-process TENGraD's update); use 'empirical' or 'mc', or DDP "
                              "(DistributedTENGraD on a DDP model runs it)")
-        for opt in ("metric", "relative_damping"):
+        for opt in ("metric",):
             if options[opt]:
                 raise ValueError(f"DistributedTENGraD (FSDP2): {opt}={options[opt]!r} is not supported on sharded "
                                  "parameters; leave it off, or use DDP (DistributedTENGraD on a DDP model runs it)")

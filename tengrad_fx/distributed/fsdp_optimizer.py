@@ -51,7 +51,7 @@ class FSDPTENGraD(DistributedTENGraD):
         model: ``prepare(model, example_inputs=...)`` of a model ``fully_shard`` was applied to.
         seed: global seed of the MC Fisher's label sampling (per-rank seeds :func:`.optimizer.mc_seed`).
         **kwargs: TENGraD's options (``graft``, ``orthogonalize`` and ``orthogonalize_momentum`` on the
-            row shards: :mod:`.fsdp_shaping`); ``compile``, ``cuda_graph``,
+            row shards: :mod:`.fsdp_shaping`; ``relative_damping`` and ``compile`` as under DDP); ``cuda_graph``,
             ``curvature_samples``, ``position_rows`` and ``fisher="gauss-newton"`` are not supported (``ValueError``;
             ``cuda_graph``: the static gradient buffers a replay reads are not made for FSDP2's
             DTensor gradients, :meth:`.fsdp.FSDPShards.check`).

@@ -89,8 +89,7 @@ def test_check_reads_only_the_options_it_is_given(cls: type) -> None:
 REFUSED = [
     (FSDPShards, "curvature_samples", 4), (FSDPShards, "position_rows", 8),
     (FSDPShards, "metric", "factored"), (FSDPShards, "metric", "kronecker"),
-    (FSDPShards, "relative_damping", True),
-    (FSDPShards, "cuda_graph", True), (FSDPShards, "compile", True), (FSDPShards, "fisher", "gauss-newton"),
+    (FSDPShards, "cuda_graph", True), (FSDPShards, "fisher", "gauss-newton"),
 ]
 
 
@@ -130,8 +129,7 @@ def test_shaping_is_accepted(cls: type, shaping: dict[str, Any]) -> None:
     cls.check(_unbuilt(cls), {**_options(), **shaping})
 
 
-FSDP_REFUSED = {"cuda_graph": dict(cuda_graph=True), "metric": dict(metric="kronecker"),
-                "relative_damping": dict(relative_damping=True)}
+FSDP_REFUSED = {"cuda_graph": dict(cuda_graph=True), "metric": dict(metric="kronecker")}
 
 
 def test_fsdp2_refuses_at_construction(tmp_path: Path) -> None:

@@ -1,0 +1,67 @@
+"""TENGraD's curvature options under FSDP2 (``fully_shard``, gloo, float64, spawned ranks):
+with each, ``DistributedTENGraD`` on the sharded model gives single-process ``TENGraD``'s
+update on the concatenated global batch (``≤ 1e-10`` relative, every parameter, every
+step; the ranks agree bit for bit). One spawn per world size runs every configuration;
+4 ranks run HSDP (a 2 × 2 mesh) too.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from testing.distributed import run_ranks
+from testing.fsdp_workers import assert_follows_reference, train_fsdp, train_reference
+
+TOL = 1e-10
+
+TWO: dict[str, dict[str, Any]] = {
+    "relative-gather-T2": dict(model="block", m=3, steps=4, T=2, mode="gather", opts=dict(relative_damping=True)),
+    "relative-cnn-blocks-T1-woodbury": dict(model="cnn", m=2, steps=3, T=1, mode="gram-blocks", shard="layers",
+                                      opts=dict(relative_damping=True, update_form="woodbury")),
+    # compile=True: the distributed steps run unfused (FSDPShards.fuses is False): compile=False's update
+    "compile-auto-T2": dict(model="block", m=3, steps=4, T=2, fisher="mc", reference=dict(compile=False),
+                            opts=dict(compile=True)),
+}
+FOUR: dict[str, dict[str, Any]] = {  # (the block's key bias has a roundoff gradient: softmax is shift-invariant)
+    "relative-hsdp-blocks-T2": dict(model="cnn", m=2, steps=4, T=2, mesh=(2, 2), mode="gram-blocks",
+                                    opts=dict(relative_damping=True)),
+}
+
+
+def _run(tmp: Any, world: int, table: dict[str, dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    res = run_ranks(train_fsdp, world, tmp, list(table.values()), timeout=600)
+    return {name: [r[i] for r in res] for i, name in enumerate(table)}
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    return _run(tmp_path_factory.mktemp("fsdp2_options"), 2, TWO)
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    return _run(tmp_path_factory.mktemp("fsdp2_options4"), 4, FOUR)
+
+
+def _check(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
+    assert ranks[0]["type"] == "FSDPTENGraD"
+    assert ranks[0]["counters"] == {"step": cfg["steps"], "skipped": 0, "uncaptured": 0}
+    targets = None
+    if cfg.get("fisher") == "mc":
+        targets = [None if ranks[0]["targets"][k] is None else torch.cat([r["targets"][k] for r in ranks])
+                   for k in range(cfg["steps"])]
+    ref = train_reference(cfg, len(ranks), targets)
+    assert ranks[0]["traj"][0].keys() == ref[0].keys()
+    assert_follows_reference(ranks, ref, cfg["steps"], TOL)
+
+
+@pytest.mark.parametrize("name", list(TWO))
+def test_two_ranks_equal_global_batch(two: dict[str, list[dict[str, Any]]], name: str) -> None:
+    _check(TWO[name], two[name])
+
+
+@pytest.mark.parametrize("name", list(FOUR))
+def test_four_ranks_equal_global_batch(four: dict[str, list[dict[str, Any]]], name: str) -> None:
+    _check(FOUR[name], four[name])
