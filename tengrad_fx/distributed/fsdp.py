@@ -138,10 +138,6 @@ class FSDPShards(GlobalBatch):
                              "parameters (with fully_shard on each layer, its k backward passes per curvature step "
                              "do not give single-process TENGraD's update); use 'empirical' or 'mc', or DDP "
                              "(DistributedTENGraD on a DDP model runs it)")
-        for opt in ("metric",):
-            if options[opt]:
-                raise ValueError(f"DistributedTENGraD (FSDP2): {opt}={options[opt]!r} is not supported on sharded "
-                                 "parameters; leave it off, or use DDP (DistributedTENGraD on a DDP model runs it)")
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` with every FSDP module resharded (a forward, e.g. ``prepare``'s check,

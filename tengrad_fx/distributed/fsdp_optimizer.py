@@ -34,6 +34,7 @@ from ..optim.step.update import apply_momentum_step, finite_flag, kl_clip_factor
 from ..optim.tengrad.tengrad import TENGraD
 from .comm import all_ok, collective
 from .fsdp import FSDPShards
+from .fsdp_metric import ShardedMetric
 from .fsdp_shaping import ShardedShaping
 from .fsdp_rows import like, local
 from .global_batch import Mode
@@ -75,6 +76,8 @@ class FSDPTENGraD(DistributedTENGraD):
                              "or use TENGraD(..., distribution=...)")
         TENGraD.__init__(self, model, lr, damping, distribution=FSDPShards(mode, seed, bandwidth, flop_rate), **kwargs)
         self._reduction_checked = True  # the loss-scale check reads whole weights: not on shards
+        if self.metric is not None:  # the metric's moments and S g on the row shards
+            self.metric = ShardedMetric(self.metric, self.distribution)  # type: ignore[assignment]
         sh = self.shaping
         self.shaping = ShardedShaping(sh.graft, sh.orthogonalize, sh.momentum_first, self.param_groups,
                                       self.distribution)

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from tengrad_fx import Metric
 from testing.distributed import run_ranks
 from testing.fsdp_workers import assert_follows_reference, train_fsdp, train_reference
 
@@ -23,10 +24,26 @@ TWO: dict[str, dict[str, Any]] = {
     # compile=True: the distributed steps run unfused (FSDPShards.fuses is False): compile=False's update
     "compile-auto-T2": dict(model="block", m=3, steps=4, T=2, fisher="mc", reference=dict(compile=False),
                             opts=dict(compile=True)),
+    "factored-gather-T1": dict(model="block", m=3, steps=3, T=1, mode="gather",
+                               opts=dict(metric=Metric("factored", beta2=0.9))),
+    "factored-blocks-T2-clip": dict(model="block", m=2, steps=4, T=2, mode="gram-blocks", kl_clip=0.01,
+                                    opts=dict(metric="factored", relative_damping=True)),
+    # Kronecker on the MLP (uneven row shards of full S_L): the block's attention grows rounding through
+    # the inverse roots of nearly degenerate L, R past 1e-10 within 4 steps on one process's own inputs too
+    "kronecker-mlp-gather-T2": dict(model="mlp", m=3, steps=4, T=2, mode="gather",
+                                    opts=dict(metric=Metric("kronecker", beta2=0.9))),
+    "kronecker-mlp-blocks-mc-T1": dict(model="mlp", m=2, steps=3, T=1, mode="gram-blocks", fisher="mc",
+                                       opts=dict(metric="kronecker", relative_damping=True)),
+    "kronecker-conv1d-auto-T1": dict(model="conv1d", m=3, steps=3, T=1, opts=dict(metric="kronecker")),
+    "factored-conv1d-blocks-T1": dict(model="conv1d", m=3, steps=3, T=1, mode="gram-blocks",
+                                      opts=dict(metric="factored")),
 }
 FOUR: dict[str, dict[str, Any]] = {  # (the block's key bias has a roundoff gradient: softmax is shift-invariant)
     "relative-hsdp-blocks-T2": dict(model="cnn", m=2, steps=4, T=2, mesh=(2, 2), mode="gram-blocks",
                                     opts=dict(relative_damping=True)),
+    "kronecker-mlp-hsdp-auto-T1": dict(model="mlp", m=2, steps=3, T=1, mesh=(2, 2), opts=dict(metric="kronecker")),
+    "factored-block-4-blocks-T2": dict(model="block", m=2, steps=4, T=2, mode="gram-blocks",
+                                       opts=dict(metric="factored")),
 }
 
 

@@ -88,7 +88,6 @@ def test_check_reads_only_the_options_it_is_given(cls: type) -> None:
 
 REFUSED = [
     (FSDPShards, "curvature_samples", 4), (FSDPShards, "position_rows", 8),
-    (FSDPShards, "metric", "factored"), (FSDPShards, "metric", "kronecker"),
     (FSDPShards, "cuda_graph", True), (FSDPShards, "fisher", "gauss-newton"),
 ]
 
@@ -129,13 +128,13 @@ def test_shaping_is_accepted(cls: type, shaping: dict[str, Any]) -> None:
     cls.check(_unbuilt(cls), {**_options(), **shaping})
 
 
-FSDP_REFUSED = {"cuda_graph": dict(cuda_graph=True), "metric": dict(metric="kronecker")}
+FSDP_REFUSED = {"cuda_graph": dict(opts=dict(cuda_graph=True)), "fisher": dict(fisher="gauss-newton")}
 
 
 def test_fsdp2_refuses_at_construction(tmp_path: Path) -> None:
     """2 gloo ranks, a model ``fully_shard`` then ``prepare``: ``DistributedTENGraD`` raises
     the ``ValueError`` naming the option when it is built (before any step)."""
-    cfgs = [dict(model="block", m=2, steps=1, opts=opts, expect_error=True) for opts in FSDP_REFUSED.values()]
+    cfgs = [dict(model="block", m=2, steps=1, expect_error=True, **cfg) for cfg in FSDP_REFUSED.values()]
     res = run_ranks(train_fsdp, 2, tmp_path, cfgs, timeout=300)
     for r in res:
         for name, got in zip(FSDP_REFUSED, r):
