@@ -133,11 +133,6 @@ class FSDPShards(GlobalBatch):
                              "reduce-scatter allocates anew on every backward, which the graph runner's buffer copy "
                              "does not handle (DTensor has no sharding rule for aten._foreach_copy_); leave it "
                              "False or None (off under FSDP2)")
-        if options["fisher"] == "gauss-newton":
-            raise ValueError("DistributedTENGraD (FSDP2): fisher='gauss-newton' is not supported on sharded "
-                             "parameters (with fully_shard on each layer, its k backward passes per curvature step "
-                             "do not give single-process TENGraD's update); use 'empirical' or 'mc', or DDP "
-                             "(DistributedTENGraD on a DDP model runs it)")
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` with every FSDP module resharded (a forward, e.g. ``prepare``'s check,

@@ -33,7 +33,7 @@ from ..optim.step.host import SkipStep
 from ..optim.step.update import apply_momentum_step, finite_flag, kl_clip_factor
 from ..optim.tengrad.tengrad import TENGraD
 from .comm import all_ok, collective
-from .fsdp import FSDPShards
+from .fsdp import FSDPShards, fsdp_modules
 from .fsdp_metric import ShardedMetric
 from .fsdp_shaping import ShardedShaping
 from .fsdp_rows import like, local
@@ -52,8 +52,9 @@ class FSDPTENGraD(DistributedTENGraD):
         model: ``prepare(model, example_inputs=...)`` of a model ``fully_shard`` was applied to.
         seed: global seed of the MC Fisher's label sampling (per-rank seeds :func:`.optimizer.mc_seed`).
         **kwargs: TENGraD's options (``graft``, ``orthogonalize`` and ``orthogonalize_momentum`` on the
-            row shards: :mod:`.fsdp_shaping`; ``relative_damping`` and ``compile`` as under DDP); ``cuda_graph``,
-            ``curvature_samples``, ``position_rows`` and ``fisher="gauss-newton"`` are not supported (``ValueError``;
+            row shards: :mod:`.fsdp_shaping`; ``metric``: :mod:`.fsdp_metric`; ``relative_damping``,
+            ``compile`` and ``fisher="gauss-newton"`` as under DDP); ``cuda_graph``,
+            ``curvature_samples`` and ``position_rows`` are not supported (``ValueError``;
             ``cuda_graph``: the static gradient buffers a replay reads are not made for FSDP2's
             DTensor gradients, :meth:`.fsdp.FSDPShards.check`).
         mode: ``"gather"`` (whole records all-gathered), ``"gram-blocks"`` (each rank receives its
@@ -83,6 +84,15 @@ class FSDPTENGraD(DistributedTENGraD):
                                       self.distribution)
         if self.kl_clip is not None and not same_lr(self.param_groups):
             raise ValueError("DistributedTENGraD (FSDP2): kl_clip needs one lr for all param groups")
+
+    def _mc_backward(self, outputs: Tensor, targets: Optional[Tensor], mask: Optional[Tensor]) -> None:
+        """The MC or Gauss-Newton backward(s) with every FSDP module unsharded: the covered
+        weights are then the unsharded parameters the forward ran with, the leaves of its graph
+        that ``torch.autograd.grad`` is taken to (a sharded one is no leaf of the graph: a
+        backward to it would run none of the capture ops below it)."""
+        for mod in fsdp_modules(self.model):
+            mod.unshard()
+        super()._mc_backward(outputs, targets, mask)
 
     def polar_owners(self) -> dict[str, int]:
         """``{layer: owner}``: the shard coordinate that computed each orthogonalized weight's

@@ -37,11 +37,21 @@ TWO: dict[str, dict[str, Any]] = {
     "kronecker-conv1d-auto-T1": dict(model="conv1d", m=3, steps=3, T=1, opts=dict(metric="kronecker")),
     "factored-conv1d-blocks-T1": dict(model="conv1d", m=3, steps=3, T=1, mode="gram-blocks",
                                       opts=dict(metric="factored")),
+    # fisher="mc" and "gauss-newton" with fully_shard on every layer: the backwards to unsharded weights
+    "mc-mlp-layers-T1": dict(model="mlp", m=3, steps=3, T=1, fisher="mc", shard="layers"),
+    "gn-mlp-layers-gather-T1": dict(model="mlp", m=3, steps=3, T=1, fisher="gauss-newton", shard="layers",
+                                    mode="gather", kl_clip=0.01),
+    "gn-cnn-layers-blocks-T2": dict(model="cnn", m=2, steps=4, T=2, fisher="gauss-newton", shard="layers",
+                                    mode="gram-blocks"),
+    "gn-mlp-root-auto-T1": dict(model="mlp", m=3, steps=3, T=1, fisher="gauss-newton", shard="root",
+                                opts=dict(metric="factored")),
 }
 FOUR: dict[str, dict[str, Any]] = {  # (the block's key bias has a roundoff gradient: softmax is shift-invariant)
     "relative-hsdp-blocks-T2": dict(model="cnn", m=2, steps=4, T=2, mesh=(2, 2), mode="gram-blocks",
                                     opts=dict(relative_damping=True)),
     "kronecker-mlp-hsdp-auto-T1": dict(model="mlp", m=2, steps=3, T=1, mesh=(2, 2), opts=dict(metric="kronecker")),
+    "gn-cnn-hsdp-layers-T1": dict(model="cnn", m=2, steps=3, T=1, mesh=(2, 2), fisher="gauss-newton",
+                                  shard="layers"),
     "factored-block-4-blocks-T2": dict(model="block", m=2, steps=4, T=2, mode="gram-blocks",
                                        opts=dict(metric="factored")),
 }
@@ -82,3 +92,4 @@ def test_two_ranks_equal_global_batch(two: dict[str, list[dict[str, Any]]], name
 @pytest.mark.parametrize("name", list(FOUR))
 def test_four_ranks_equal_global_batch(four: dict[str, list[dict[str, Any]]], name: str) -> None:
     _check(FOUR[name], four[name])
+

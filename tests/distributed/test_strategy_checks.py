@@ -88,7 +88,7 @@ def test_check_reads_only_the_options_it_is_given(cls: type) -> None:
 
 REFUSED = [
     (FSDPShards, "curvature_samples", 4), (FSDPShards, "position_rows", 8),
-    (FSDPShards, "cuda_graph", True), (FSDPShards, "fisher", "gauss-newton"),
+    (FSDPShards, "cuda_graph", True),
 ]
 
 
@@ -128,7 +128,7 @@ def test_shaping_is_accepted(cls: type, shaping: dict[str, Any]) -> None:
     cls.check(_unbuilt(cls), {**_options(), **shaping})
 
 
-FSDP_REFUSED = {"cuda_graph": dict(opts=dict(cuda_graph=True)), "fisher": dict(fisher="gauss-newton")}
+FSDP_REFUSED = {"cuda_graph": dict(opts=dict(cuda_graph=True)), "position_rows": dict(opts=dict(position_rows=4))}
 
 
 def test_fsdp2_refuses_at_construction(tmp_path: Path) -> None:
