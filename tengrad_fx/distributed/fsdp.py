@@ -124,9 +124,10 @@ class FSDPShards(GlobalBatch):
     def check(self, options: dict[str, Any]) -> None:
         super().check(options)
         for rows in ("curvature_samples", "position_rows"):
-            if options[rows] is not None:
-                raise ValueError(f"DistributedTENGraD (FSDP2): {rows}={options[rows]!r} is not supported on sharded "
-                                 "parameters; leave it None, or use DDP (DistributedTENGraD on a DDP model runs it)")
+            if options[rows] is not None and self.mode == "gram-blocks":
+                raise ValueError(f"DistributedTENGraD (FSDP2): {rows}={options[rows]!r} gathers each rank's part of "
+                                 "the rows whole (at most k rows per layer); mode='gram-blocks' would cut them to the "
+                                 "row shards, which is not built; pass mode='gather' or 'auto'")
         if options["cuda_graph"]:
             raise ValueError("DistributedTENGraD (FSDP2): cuda_graph=True is not supported: a replayed reuse step "
                              "reads the gradients from static buffers, and FSDP2's gradients are DTensors that its "
@@ -180,11 +181,13 @@ class FSDPShards(GlobalBatch):
         (``gather``: one bucketed all_gather per dtype) or cut to its rows (``gram-blocks``:
         one all_to_all per dtype, :mod:`.fsdp_exchange`), per layer by :func:`choose_fsdp_modes`."""
         layers = opt._layers
-        live, _ = check_records(layers)
+        rows_vary = opt.curvature_samples is not None or opt.position_rows is not None  # each rank's part of k rows
+        live, metas = check_records(layers, rows_vary)
         self._local, self._local_groups, self._rebuild_local = {}, [], False
         lays = [layers[i] for i in live]
         M = self.world * lays[0].m if lays else 0
-        modes = choose_fsdp_modes(lays, M, self.world, self._shards, self.bandwidth, self.flop_rate, self.mode)
+        modes = choose_fsdp_modes(lays, M, self.world, self._shards, self.bandwidth, self.flop_rate, self.mode) \
+            if not rows_vary else ["gather"] * len(lays)  # the ranks' parts of the k rows, gathered whole
         self.modes = {lay.name: md for lay, md in zip(lays, modes)}
         self.owner = {lay.name: REPLICATED for lay in lays}
         gather = [i for i, md in zip(live, modes) if md == "gather"]
@@ -192,7 +195,7 @@ class FSDPShards(GlobalBatch):
         self._row_parts = exchange_rows(blocks, self._coords, self._shards, self.rank, self.sharing.add_bytes) \
             if blocks else {}
         gather_records(layers, gather, [REPLICATED] * len(gather), opt._info.store, self.rank, self.world, set(),
-                       self.sharing.add_bytes)
+                       self.sharing.add_bytes, metas if rows_vary else None)
         self.layers = lays
 
     def build_groups(self, opt: Host) -> list[LayerGroup]:
@@ -243,7 +246,9 @@ class FSDPShards(GlobalBatch):
             return StepResult({}, cache.ok)
         layers = cache.layers()
         grads = [_local_grads(lay) for lay in layers]
-        Jg = torch.stack([rows.jvp(gw, gb) for rows, (gw, gb) in zip(self._rows, grads)])  # [L, M] partial
+        parts = [rows.jvp(gw, gb) for rows, (gw, gb) in zip(self._rows, grads)]  # J_r g_r, [m_l] partial
+        M = cache.chol.shape[-1]  # the most rows of a layer (position_rows: fewer zero-padded, solve.ragged)
+        Jg = torch.stack([solve.pad_rows(part, M) for part in parts])
         self._sum_shards(Jg, "sum of the row shards' J g")
         S = dist.get_world_size(self.shard_group)
         for lay in layers:  # a ring all-reduce of M values per layer
@@ -255,7 +260,7 @@ class FSDPShards(GlobalBatch):
         gsq = Jg.new_zeros(())
         for q, (lay, rows, (gw, gb)) in enumerate(zip(layers, self._rows, grads)):
             b = beta[q] if isinstance(beta, Tensor) else beta
-            JTw, JTb = rows.vjp(c[q])
+            JTw, JTb = rows.vjp(c[q, :parts[q].shape[0]])
             for p, g, JT in ((lay.weight, gw, JTw), (lay.bias, gb, JTb)):
                 if p is None or g is None or JT is None or p.grad is None:
                     continue

@@ -53,9 +53,9 @@ class FSDPTENGraD(DistributedTENGraD):
         seed: global seed of the MC Fisher's label sampling (per-rank seeds :func:`.optimizer.mc_seed`).
         **kwargs: TENGraD's options (``graft``, ``orthogonalize`` and ``orthogonalize_momentum`` on the
             row shards: :mod:`.fsdp_shaping`; ``metric``: :mod:`.fsdp_metric`; ``relative_damping``,
-            ``compile`` and ``fisher="gauss-newton"`` as under DDP); ``cuda_graph``,
-            ``curvature_samples`` and ``position_rows`` are not supported (``ValueError``;
-            ``cuda_graph``: the static gradient buffers a replay reads are not made for FSDP2's
+            ``compile``, ``fisher="gauss-newton"``, ``curvature_samples`` and ``position_rows`` (the
+            latter two with every layer gathered) as under DDP); ``cuda_graph`` is not supported
+            (``ValueError``: the static gradient buffers a replay reads are not made for FSDP2's
             DTensor gradients, :meth:`.fsdp.FSDPShards.check`).
         mode: ``"gather"`` (whole records all-gathered), ``"gram-blocks"`` (each rank receives its
             rows' cut of the records; the Gram summed from the row shards') or ``"auto"`` (per

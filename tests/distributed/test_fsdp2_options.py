@@ -45,6 +45,13 @@ TWO: dict[str, dict[str, Any]] = {
                                     mode="gram-blocks"),
     "gn-mlp-root-auto-T1": dict(model="mlp", m=3, steps=3, T=1, fisher="gauss-newton", shard="root",
                                 opts=dict(metric="factored")),
+    # position_rows / curvature_samples: the k rows of the global batch, each rank's part gathered whole
+    "rows5-block-gather-T1": dict(model="block", m=3, steps=3, T=1, mode="gather", opts=dict(position_rows=5)),
+    "rows7-block-auto-mc-T2": dict(model="block", m=3, steps=4, T=2, fisher="mc",
+                                   opts=dict(position_rows=7, metric="factored")),
+    "samples4-block-T2": dict(model="block", m=3, steps=4, T=2, opts=dict(curvature_samples=4)),
+    "samples2-cnn-layers-T1": dict(model="cnn", m=3, steps=3, T=1, shard="layers",  # rank 1 holds none
+                                   opts=dict(curvature_samples=2, relative_damping=True)),
 }
 FOUR: dict[str, dict[str, Any]] = {  # (the block's key bias has a roundoff gradient: softmax is shift-invariant)
     "relative-hsdp-blocks-T2": dict(model="cnn", m=2, steps=4, T=2, mesh=(2, 2), mode="gram-blocks",
@@ -52,6 +59,7 @@ FOUR: dict[str, dict[str, Any]] = {  # (the block's key bias has a roundoff grad
     "kronecker-mlp-hsdp-auto-T1": dict(model="mlp", m=2, steps=3, T=1, mesh=(2, 2), opts=dict(metric="kronecker")),
     "gn-cnn-hsdp-layers-T1": dict(model="cnn", m=2, steps=3, T=1, mesh=(2, 2), fisher="gauss-newton",
                                   shard="layers"),
+    "rows6-block-hsdp-T1": dict(model="block", m=2, steps=3, T=1, mesh=(2, 2), opts=dict(position_rows=6)),
     "factored-block-4-blocks-T2": dict(model="block", m=2, steps=4, T=2, mode="gram-blocks",
                                        opts=dict(metric="factored")),
 }
