@@ -33,9 +33,10 @@ from ..optim.step.host import SkipStep
 from ..optim.step.update import apply_momentum_step, finite_flag, kl_clip_factor
 from ..optim.tengrad.tengrad import TENGraD
 from .comm import all_ok, collective
-from .fsdp import FSDPShards, fsdp_modules
+from .fsdp import FSDPShards
 from .fsdp_metric import ShardedMetric
 from .fsdp_shaping import ShardedShaping
+from .fsdp_unsharded import unsharded_weights
 from .fsdp_rows import like, local
 from .global_batch import Mode
 from .optimizer import DistributedTENGraD
@@ -77,6 +78,7 @@ class FSDPTENGraD(DistributedTENGraD):
                              "or use TENGraD(..., distribution=...)")
         TENGraD.__init__(self, model, lr, damping, distribution=FSDPShards(mode, seed, bandwidth, flop_rate), **kwargs)
         self._reduction_checked = True  # the loss-scale check reads whole weights: not on shards
+        self._unsharded: dict[Tensor, Tensor] = {}  # sharded weight -> FSDP's unsharded parameter of it
         if self.metric is not None:  # the metric's moments and S g on the row shards
             self.metric = ShardedMetric(self.metric, self.distribution)  # type: ignore[assignment]
         sh = self.shaping
@@ -85,14 +87,11 @@ class FSDPTENGraD(DistributedTENGraD):
         if self.kl_clip is not None and not same_lr(self.param_groups):
             raise ValueError("DistributedTENGraD (FSDP2): kl_clip needs one lr for all param groups")
 
-    def _mc_backward(self, outputs: Tensor, targets: Optional[Tensor], mask: Optional[Tensor]) -> None:
-        """The MC or Gauss-Newton backward(s) with every FSDP module unsharded: the covered
-        weights are then the unsharded parameters the forward ran with, the leaves of its graph
-        that ``torch.autograd.grad`` is taken to (a sharded one is no leaf of the graph: a
-        backward to it would run none of the capture ops below it)."""
-        for mod in fsdp_modules(self.model):
-            mod.unshard()
-        super()._mc_backward(outputs, targets, mask)
+    def _backward_targets(self) -> list[Tensor]:
+        """The unsharded covered weights: FSDP reshards a module after its forward, and its
+        sharded weight is no leaf of the forward's graph (a backward to it would run none of
+        the capture ops below it), the unsharded one the forward ran with is (:mod:`.fsdp_unsharded`)."""
+        return unsharded_weights(self.model, super()._backward_targets, self._unsharded)
 
     def polar_owners(self) -> dict[str, int]:
         """``{layer: owner}``: the shard coordinate that computed each orthogonalized weight's
