@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ..curvature.layer import CoveredLayer
 from ..optim.step.result import StepResult
+from ..optim.tengrad.kronecker_metric import KroneckerMetric, full_sides
 from ..optim.tengrad.metric import FactoredMetric
 from ..optim.tengrad.metric_scaling import ScaledMetric, ema_finite_, metric_covers, scale_along
 from .comm import collective
@@ -112,6 +113,19 @@ class ShardedMetric:
                 st["metric_cols"] = torch.zeros(w.shape[1], dtype=w.dtype, device=flat.device)
             ema_finite_(st["metric_rows"], self.base.beta2, next(moments))
             ema_finite_(st["metric_cols"], self.base.beta2, next(moments))
+
+    def template(self, p: Tensor, layers: list[CoveredLayer]) -> dict[str, Tensor]:
+        """Zeros of the metric's state of the weight ``p`` (of a covered layer of ``layers``; else
+        empty) in its shapes: the keys a fresh optimizer's ``state_dict`` lists for
+        ``torch.distributed.checkpoint`` to load into (:meth:`.fsdp_optimizer.FSDPTENGraD.state_dict`)."""
+        lay = next((lay for lay in layers if lay.weight is p and metric_covers(lay)), None)
+        if lay is None:
+            return {}
+        R, C = p.shape
+        full = full_sides(lay) if isinstance(self.base, KroneckerMetric) else (False, False)
+        shapes = ((R, R) if full[0] else (R,), (C, C) if full[1] else (C,))
+        zeros = [torch.zeros(shape, dtype=p.dtype, device=local(p).device) for shape in shapes]
+        return {key: z.clone() for keys in (self.base.MOMENTS, self.base.SCALES) for key, z in zip(keys, zeros)}
 
     def freeze(self, state: Any, layers: list[CoveredLayer]) -> None:
         """One process's: ``S`` from the whole moments, this rank's own (whole) records scaled."""

@@ -115,6 +115,8 @@ class FSDPTENGraD(DistributedTENGraD):
         for group in self.param_groups:
             for p in group["params"]:
                 fresh = dict(self.shaping.template(p, group))
+                if isinstance(self.metric, ShardedMetric):
+                    fresh.update(self.metric.template(p, self._layers))
                 if group["momentum"]:
                     fresh["momentum_buffer"] = torch.zeros_like(p)
                 if fresh:

@@ -35,7 +35,8 @@ def unsharded_weights(model: torch.nn.Module, read: Callable[[], list[Tensor]],
         for mod in fsdp_modules(model):
             before = read()
             mod.unshard()
-            found = {s: u for s, u in zip(before, read()) if isinstance(s, DTensor) and not isinstance(u, DTensor)}
+            found: dict[Tensor, Tensor] = {s: u for s, u in zip(before, read())
+                                           if isinstance(s, DTensor) and not isinstance(u, DTensor)}
             if found:  # else it was unsharded already (the root after its forward): left as it was
                 mod.reshard()
             known.update(found)
