@@ -5,7 +5,8 @@ and the same model in one process on the concatenated batch (:func:`train_refere
 A run is a ``cfg`` dict: ``model`` ("block": embedding tied to the output head, one
 pre-norm transformer block with attention and an MLP, a final LayerNorm; "cnn": two
 convolutions with BatchNorm (in eval mode, :func:`frozen_statistics`) and a Linear head;
-"conv1d", "gpt2": Hugging Face's transposed Linear, :mod:`testing.fsdp_conv1d`), ``m`` (local batch),
+"conv1d", "gpt2": Hugging Face's transposed Linear, :mod:`testing.fsdp_conv1d`; "mlp-extras": an added
+parameter and a bias-only layer, :mod:`testing.fsdp_extras`), ``m`` (local batch),
 ``steps``, ``T``, ``fisher``, ``kl_clip``, ``shard`` ("blocks": ``fully_shard`` on each
 block and the root; "layers": on every Linear/conv too; "root": on the root only), ``order``
 ("prepare-first": ``prepare`` by torch.fx, then ``fully_shard``; with ``expect_error`` the
@@ -26,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import fsdp_conv1d as transposed
+from . import fsdp_extras as extras
 from . import fsdp_polar as polar
 
 __all__ = ["make_model", "global_batch", "train_fsdp", "train_reference", "full_params", "run_example",
@@ -84,8 +86,8 @@ class TinyCNN(nn.Module):
 
 def make_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
-    net: nn.Module = TinyLM() if kind == "block" else polar.MLP() if kind == "mlp" else transposed.build(kind) \
-        if kind in transposed.TRANSPOSED_KINDS else TinyCNN()
+    net: nn.Module = TinyLM() if kind == "block" else polar.MLP() if kind == "mlp" else extras.ExtrasMLP() \
+        if kind == "mlp-extras" else transposed.build(kind) if kind in transposed.TRANSPOSED_KINDS else TinyCNN()
     net = net.double()
     for mod in net.modules():
         if isinstance(mod, nn.BatchNorm2d):
@@ -107,7 +109,7 @@ def global_batch(kind: str, M: int, step: int) -> tuple[torch.Tensor, torch.Tens
     g = torch.Generator().manual_seed(2000 + step)
     if kind in transposed.TRANSPOSED_KINDS:
         return transposed.batch(kind, M, g)
-    if kind == "mlp":
+    if kind.startswith("mlp"):
         return polar.batch(M, g)
     if kind == "block":
         x = torch.randint(0, VOCAB, (M, SEQ), generator=g)

@@ -60,7 +60,7 @@ from ..optim.tengrad.group_build import build_groups
 from ..optim.tengrad.layer_groups import LayerGroup
 from .comm import collective
 from .fsdp_exchange import choose_fsdp_modes, exchange_rows, shard_coordinates
-from .fsdp_rows import Rows, check_shardable, layer_rows, local, row_records
+from .fsdp_rows import Rows, check_shardable, layer_rows, local, per_sample_only, row_records
 from .global_batch import GlobalBatch, Mode
 from .records import REPLICATED, check_records, gather_records
 
@@ -186,8 +186,10 @@ class FSDPShards(GlobalBatch):
         self._local, self._local_groups, self._rebuild_local = {}, [], False
         lays = [layers[i] for i in live]
         M = self.world * lays[0].m if lays else 0
-        modes = choose_fsdp_modes(lays, M, self.world, self._shards, self.bandwidth, self.flop_rate, self.mode) \
-            if not rows_vary else ["gather"] * len(lays)  # the ranks' parts of the k rows, gathered whole
+        cut = [lay for lay in lays if not per_sample_only(lay)]  # per-sample gradients P travel whole: gather
+        chosen = iter(choose_fsdp_modes(cut, M, self.world, self._shards, self.bandwidth, self.flop_rate, self.mode)
+                      if not rows_vary else ["gather"] * len(cut))  # the ranks' parts of the k rows, gathered whole
+        modes = ["gather" if per_sample_only(lay) else next(chosen) for lay in lays]
         self.modes = {lay.name: md for lay, md in zip(lays, modes)}
         self.owner = {lay.name: REPLICATED for lay in lays}
         gather = [i for i, md in zip(live, modes) if md == "gather"]

@@ -52,6 +52,10 @@ TWO: dict[str, dict[str, Any]] = {
     "samples4-block-T2": dict(model="block", m=3, steps=4, T=2, opts=dict(curvature_samples=4)),
     "samples2-cnn-layers-T1": dict(model="cnn", m=3, steps=3, T=1, shard="layers",  # rank 1 holds none
                                    opts=dict(curvature_samples=2, relative_damping=True)),
+    # layers recorded as per-sample gradients P only: an added parameter and a bias-only layer
+    "extras-auto-T1": dict(model="mlp-extras", m=3, steps=3, T=1),
+    "extras-layers-blocks-mc-T2": dict(model="mlp-extras", m=2, steps=4, T=2, fisher="mc", shard="layers",
+                                       mode="gram-blocks", opts=dict(metric="factored")),
 }
 # a metric's state through torch.distributed.checkpoint: saved after 2 steps, resumed for 2 more
 for _kind in ("factored", "kronecker"):
@@ -102,7 +106,17 @@ def _check(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
                    for k in range(cfg["steps"])]
     ref = train_reference(cfg, len(ranks), targets)
     assert ranks[0]["traj"][0].keys() == ref[0].keys()
-    assert_follows_reference(ranks, ref, cfg["steps"], TOL)
+    frozen = {n for n in ref[0] if torch.equal(ref[-1][n], ref[0][n])}  # mlp-extras: fc2.weight
+    assert all(torch.equal(ranks[0]["traj"][-1][n], ref[0][n]) for n in frozen)
+    assert_follows_reference(ranks, [{n: t for n, t in r.items() if n not in frozen} for r in ref], cfg["steps"], TOL)
+
+
+def test_per_sample_layers_are_gathered(two: dict[str, list[dict[str, Any]]]) -> None:
+    """Under ``mode="gram-blocks"`` the added parameter and the bias-only layer (per-sample
+    gradients ``P``, cut by rows once gathered) are gathered, the other layers cut to the shards."""
+    plan = two["extras-layers-blocks-mc-T2"][0]["plan"]
+    assert {n: v["mode"] for n, v in plan.items() if v["mode"] == "gather"}.keys() == {"pos", "fc2"}
+    assert {v["mode"] for n, v in plan.items() if n not in ("pos", "fc2")} == {"gram-blocks"}
 
 
 @pytest.mark.parametrize("name", [k for k in TWO if not k.endswith("-save")])
