@@ -5,14 +5,16 @@ and the same model in one process on the concatenated batch (:func:`train_refere
 A run is a ``cfg`` dict: ``model`` ("block": embedding tied to the output head, one
 pre-norm transformer block with attention and an MLP, a final LayerNorm; "cnn": two
 convolutions with BatchNorm (in eval mode, :func:`frozen_statistics`) and a Linear head;
-"conv1d", "gpt2": Hugging Face's transposed Linear, :mod:`testing.fsdp_conv1d`), ``m`` (local batch),
+"conv1d", "gpt2": Hugging Face's transposed Linear, :mod:`testing.fsdp_conv1d`; "mlp-extras": an added
+parameter and a bias-only layer, :mod:`testing.fsdp_extras`), ``m`` (local batch),
 ``steps``, ``T``, ``fisher``, ``kl_clip``, ``shard`` ("blocks": ``fully_shard`` on each
 block and the root; "layers": on every Linear/conv too; "root": on the root only), ``order``
 ("prepare-first": ``prepare`` by torch.fx, then ``fully_shard``; with ``expect_error`` the
 optimizer's ``ValueError`` is returned), ``mode`` and ``bandwidth`` (the optimizer's), ``opts``
-(more optimizer keywords), ``plain`` (``TENGraD`` itself, not ``DistributedTENGraD``), ``nan_rank``/``nan_step``
-(that rank's gradient shard gets a NaN before that step), ``mesh`` (``(R, S)``: HSDP,
-replicate × shard; default a 1-D mesh of all ranks), ``start`` (first global batch),
+(more optimizer keywords; ``reference``: the reference's own), ``plain`` (``TENGraD`` itself,
+not ``DistributedTENGraD``), ``nan_rank``/``nan_step`` (that rank's gradient shard gets a NaN
+before that step), ``mesh`` (``(R, S)``: HSDP, replicate × shard; default a 1-D mesh of all
+ranks), ``start`` (first global batch),
 ``save``/``load`` (a torch.distributed.checkpoint directory written after the last step /
 loaded before the first).
 """
@@ -25,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import fsdp_conv1d as transposed
+from . import fsdp_extras as extras
 from . import fsdp_polar as polar
 
 __all__ = ["make_model", "global_batch", "train_fsdp", "train_reference", "full_params", "run_example",
@@ -83,8 +86,8 @@ class TinyCNN(nn.Module):
 
 def make_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
-    net: nn.Module = TinyLM() if kind == "block" else polar.MLP() if kind == "mlp" else transposed.build(kind) \
-        if kind in transposed.TRANSPOSED_KINDS else TinyCNN()
+    net: nn.Module = TinyLM() if kind == "block" else polar.MLP() if kind == "mlp" else extras.ExtrasMLP() \
+        if kind == "mlp-extras" else transposed.build(kind) if kind in transposed.TRANSPOSED_KINDS else TinyCNN()
     net = net.double()
     for mod in net.modules():
         if isinstance(mod, nn.BatchNorm2d):
@@ -106,7 +109,7 @@ def global_batch(kind: str, M: int, step: int) -> tuple[torch.Tensor, torch.Tens
     g = torch.Generator().manual_seed(2000 + step)
     if kind in transposed.TRANSPOSED_KINDS:
         return transposed.batch(kind, M, g)
-    if kind == "mlp":
+    if kind.startswith("mlp"):
         return polar.batch(M, g)
     if kind == "block":
         x = torch.randint(0, VOCAB, (M, SEQ), generator=g)
@@ -258,13 +261,15 @@ def load_checkpoint(net: nn.Module, opt: Any, path: str) -> None:
 def train_reference(cfg: dict[str, Any], world: int, targets: Optional[list[Optional[torch.Tensor]]] = None,
                     stats: Optional[dict[str, Any]] = None) -> list[dict[str, torch.Tensor]]:
     """Single-process TENGraD on the concatenated batches (``world·m`` samples), MC with
-    ``targets[k]``; parameters after each step (``stats["state_bytes"]``: its per-parameter
-    state's bytes at the end)."""
+    ``targets[k]``, ``cfg["reference"]``'s options over ``cfg``'s; parameters after each step
+    (``stats["state_bytes"]``: its per-parameter state's bytes at the end)."""
     import tengrad_fx
     kind, M = cfg["model"], world * cfg["m"]
     example = (global_batch(kind, 2, 0)[0],) if kind in transposed.TRANSPOSED_KINDS else None  # surgery (HF)
     net = frozen_statistics(tengrad_fx.prepare(make_model(kind), example_inputs=example))
-    opt = tengrad_fx.TENGraD(net, params=polar.param_groups(net, cfg), **opt_kwargs(cfg))
+    opt = tengrad_fx.TENGraD(net, params=polar.param_groups(net, cfg), **{**opt_kwargs(cfg),
+                                                                          **cfg.get("reference", {})})
+    opt.seed_mc(cfg.get("seed", 0))  # the position rows' draw: DistributedTENGraD seeds its generator with seed
     traj = [full_params(net)]
     for k in range(cfg["steps"]):
         x, y = global_batch(kind, M, cfg.get("start", 0) + k)

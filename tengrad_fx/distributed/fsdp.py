@@ -57,7 +57,7 @@ from ..optim.tengrad.group_build import build_groups
 from ..optim.tengrad.layer_groups import LayerGroup
 from .comm import all_ok, collective
 from .fsdp_exchange import choose_fsdp_modes, exchange_rows, shard_coordinates
-from .fsdp_rows import check_shardable, layer_rows, like, local, row_records
+from .fsdp_rows import check_shardable, layer_rows, like, local, per_sample_only, row_records
 from .global_batch import GlobalBatch, Mode
 from .records import REPLICATED, check_records, gather_records
 from .shard_groups import ShardRows
@@ -120,28 +120,21 @@ class FSDPShards(GlobalBatch):
         self._row_groups = []
 
     LABEL = "DistributedTENGraD (FSDP2)"
-    DDP_RUNS_IT = "; use DDP (DistributedTENGraD on a DDP model runs it), or leave it off"
-    LACKS = {
-        "static_buffers": "a replayed reuse step reads the gradients from static buffers, and FSDP2's gradients "
-                          "are DTensors that its reduce-scatter allocates anew on every backward, which the graph "
-                          "runner's buffer copy does not handle (DTensor has no sharding rule for "
-                          "aten._foreach_copy_); leave it False or None (off under FSDP2)",
-        "compiled_solve": "the compiled step was not checked against single-process TENGraD on sharded parameters; "
-                          "leave it False, or use DDP (where it is accepted and the distributed steps run unfused)",
-        "global_rows": "the rows of each layer's records are cut by parameter rows here, not drawn among the global "
-                       "batch's samples or positions" + DDP_RUNS_IT,
-        "output_backwards": "with fully_shard on each layer, its k backward passes per curvature step do not give "
-                            "single-process TENGraD's update; use 'empirical' or 'mc', or DDP (DistributedTENGraD "
-                            "on a DDP model runs it)",
-        "metric_scaling": "the metric scales whole layers' records and gradients, which no rank holds here"
-                          + DDP_RUNS_IT,
-        "layer_traces": "the per-layer damping scales are not checked against single-process TENGraD on row "
-                        "shards" + DDP_RUNS_IT,
-    }
+    STATIC_BUFFERS = ("a replayed reuse step reads the gradients from static buffers, and FSDP2's gradients "
+                      "are DTensors that its reduce-scatter allocates anew on every backward, which the graph "
+                      "runner's buffer copy does not handle (DTensor has no sharding rule for "
+                      "aten._foreach_copy_); leave it False or None (off under FSDP2)")
+    GATHERED_ROWS = ("the global batch's k rows are gathered whole (each rank's part of them, at most k rows "
+                     "per layer); mode='gram-blocks' would cut them to the row shards, which is not built; "
+                     "pass mode='gather' or 'auto'")
 
     def lacks(self) -> dict[str, str]:
-        """What FSDP2's row shards do not provide (:data:`LACKS`)."""
-        return dict(self.LACKS)
+        """What FSDP2's row shards do not provide: static gradient buffers; under
+        ``mode='gram-blocks'`` also rows chosen among the global batch's."""
+        out = {"static_buffers": self.STATIC_BUFFERS}
+        if self.mode == "gram-blocks":
+            out["global_rows"] = self.GATHERED_ROWS
+        return out
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` with every FSDP module resharded (a forward, e.g. ``prepare``'s check,
@@ -189,11 +182,15 @@ class FSDPShards(GlobalBatch):
         (``gather``: one bucketed all_gather per dtype) or cut to its rows (``gram-blocks``:
         one all_to_all per dtype, :mod:`.fsdp_exchange`), per layer by :func:`choose_fsdp_modes`."""
         layers = opt._layers
-        live, _ = check_records(layers)
+        rows_vary = opt.curvature_samples is not None or opt.position_rows is not None  # each rank's part of k rows
+        live, metas = check_records(layers, rows_vary)
         self._local, self._local_groups, self._rebuild_local = {}, [], False
         lays = [layers[i] for i in live]
         M = self.world * lays[0].m if lays else 0
-        modes = choose_fsdp_modes(lays, M, self.world, self._shards, self.bandwidth, self.flop_rate, self.mode)
+        cut = [lay for lay in lays if not per_sample_only(lay)]  # per-sample gradients P travel whole: gather
+        chosen = iter(choose_fsdp_modes(cut, M, self.world, self._shards, self.bandwidth, self.flop_rate, self.mode)
+                      if not rows_vary else ["gather"] * len(cut))  # the ranks' parts of the k rows, gathered whole
+        modes = ["gather" if per_sample_only(lay) else next(chosen) for lay in lays]
         self.modes = {lay.name: md for lay, md in zip(lays, modes)}
         self.owner = {lay.name: REPLICATED for lay in lays}
         gather = [i for i, md in zip(live, modes) if md == "gather"]
@@ -201,7 +198,7 @@ class FSDPShards(GlobalBatch):
         self._row_parts = exchange_rows(blocks, self._coords, self._shards, self.rank, self.sharing.add_bytes) \
             if blocks else {}
         gather_records(layers, gather, [REPLICATED] * len(gather), opt._info.store, self.rank, self.world, set(),
-                       self.sharing.add_bytes)
+                       self.sharing.add_bytes, metas if rows_vary else None)
         self.layers = lays
 
     def build_groups(self, opt: Host) -> list[LayerGroup]:

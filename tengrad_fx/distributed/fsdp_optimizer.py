@@ -25,11 +25,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from ..optim.step.param_groups import same_lr
 from ..optim.tengrad.tengrad import TENGraD
 from .fsdp import FSDPShards
+from .fsdp_metric import ShardedMetric
 from .fsdp_shaping import ShardedShaping
+from .fsdp_unsharded import unsharded_weights
 from .global_batch import Mode
 from .optimizer import DistributedTENGraD
 
@@ -45,9 +48,10 @@ class FSDPTENGraD(DistributedTENGraD):
         model: ``prepare(model, example_inputs=...)`` of a model ``fully_shard`` was applied to.
         seed: global seed of the MC Fisher's label sampling (per-rank seeds :func:`.optimizer.mc_seed`).
         **kwargs: TENGraD's options (``graft``, ``orthogonalize`` and ``orthogonalize_momentum`` on the
-            row shards: :mod:`.fsdp_shaping`); ``compile``, ``cuda_graph``,
-            ``curvature_samples``, ``position_rows`` and ``fisher="gauss-newton"`` are not supported (``ValueError``;
-            ``cuda_graph``: the static gradient buffers a replay reads are not made for FSDP2's
+            row shards: :mod:`.fsdp_shaping`; ``metric``: :mod:`.fsdp_metric`; ``relative_damping``,
+            ``compile``, ``fisher="gauss-newton"``, ``curvature_samples`` and ``position_rows`` (the
+            latter two with every layer gathered) as under DDP); ``cuda_graph`` is not supported
+            (``ValueError``: the static gradient buffers a replay reads are not made for FSDP2's
             DTensor gradients, :meth:`.fsdp.FSDPShards.check`).
         mode: ``"gather"`` (whole records all-gathered), ``"gram-blocks"`` (each rank receives its
             rows' cut of the records; the Gram summed from the row shards') or ``"auto"`` (per
@@ -68,11 +72,20 @@ class FSDPTENGraD(DistributedTENGraD):
             raise ValueError("DistributedTENGraD: distribution= is its own (FSDPShards); pass seed, "
                              "or use TENGraD(..., distribution=...)")
         TENGraD.__init__(self, model, lr, damping, distribution=FSDPShards(mode, seed, bandwidth, flop_rate), **kwargs)
+        self._unsharded: dict[Tensor, Tensor] = {}  # sharded weight -> FSDP's unsharded parameter of it
+        if self.metric is not None:  # the metric's moments and S g on the row shards
+            self.metric = ShardedMetric(self.metric, self.distribution)  # type: ignore[assignment]
         sh = self.shaping
         self.shaping = ShardedShaping(sh.graft, sh.orthogonalize, sh.momentum_first, self.param_groups,
                                       self.distribution)
         if self.kl_clip is not None and not same_lr(self.param_groups):
             raise ValueError("DistributedTENGraD (FSDP2): kl_clip needs one lr for all param groups")
+
+    def _backward_targets(self) -> list[Tensor]:
+        """The unsharded covered weights: FSDP reshards a module after its forward, and its
+        sharded weight is no leaf of the forward's graph (a backward to it would run none of
+        the capture ops below it), the unsharded one the forward ran with is (:mod:`.fsdp_unsharded`)."""
+        return unsharded_weights(self.model, super()._backward_targets, self._unsharded)
 
     def polar_owners(self) -> dict[str, int]:
         """``{layer: owner}``: the shard coordinate that computed each orthogonalized weight's
@@ -96,6 +109,8 @@ class FSDPTENGraD(DistributedTENGraD):
         for group in self.param_groups:
             for p in group["params"]:
                 fresh = dict(self.shaping.template(p, group))
+                if isinstance(self.metric, ShardedMetric):
+                    fresh.update(self.metric.template(p, self._layers))
                 if group["momentum"]:
                     fresh["momentum_buffer"] = torch.zeros_like(p)
                 if fresh:

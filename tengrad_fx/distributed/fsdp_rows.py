@@ -34,8 +34,9 @@ from ..capture.norm import CHANNEL_FIRST, NORM_KINDS
 from ..curvature import tensors
 from ..curvature.layer import KERNELS, CoveredLayer, choose_strategy
 
-__all__ = ["RowSpec", "RowRecords", "TransposedRows", "Rows", "layer_rows", "row_range", "row_chunk",
-           "check_shardable", "row_records", "row_spec", "cut", "local", "like", "fully_sharded"]
+__all__ = ["RowSpec", "RowRecords", "TransposedRows", "PerSampleRows", "Rows", "per_sample_only",
+           "layer_rows", "row_range", "row_chunk", "check_shardable", "row_records", "row_spec", "cut",
+           "local", "like", "fully_sharded"]
 
 
 def fully_sharded(model: Any) -> bool:
@@ -77,13 +78,18 @@ def row_range(p: Tensor) -> tuple[int, int]:
     return int(offset[0]), int(offset[0]) + int(shape[0])
 
 
+def per_sample_only(lay: CoveredLayer) -> bool:
+    """Does ``lay`` record only per-sample gradients ``P`` (a bias-only layer, an added parameter)?"""
+    return lay.bias_only or lay.kind == "param"
+
+
 def check_shardable(lay: CoveredLayer) -> None:
     """``ValueError`` naming the layer where its ``J`` cannot be cut by rows here."""
     spec, kind = lay.spec, lay.kind
     why = None
-    if lay.bias_only:
-        why = "a bias-only layer (frozen weight)"
-    elif kind.startswith("conv") and (spec.transposed or spec.groups != 1):
+    if per_sample_only(lay):  # P's columns are cut by rows (PerSampleRows)
+        return
+    if kind.startswith("conv") and (spec.transposed or spec.groups != 1):
         why = "a transposed or grouped convolution"
     elif kind not in ("linear", "embedding", "conv1d", "conv2d", "conv3d") and kind not in NORM_KINDS:
         why = f"a layer of kind {kind!r}"
@@ -212,7 +218,41 @@ class TransposedRows:
         return gw, (None if self.db is None else c.to(self.db.dtype) @ self.db)
 
 
-Rows = RowRecords | TransposedRows
+@dataclass
+class PerSampleRows:
+    """A layer recorded as per-sample gradients only (a bias-only layer: ``∂ℓ_i/∂b``; an added
+    parameter): ``J_r`` is ``P``'s columns of this rank's rows, ``[M, n_r]``, scaled by the
+    records' ``k``; ``shape`` is the local shard's."""
+
+    J: Tensor
+    shape: torch.Size
+
+    @staticmethod
+    def cut(lay: CoveredLayer, a: int, b: int) -> "PerSampleRows":
+        """``lay``'s (global) records' ``P`` cut to the parameter's rows ``[a, b)``."""
+        w = lay.weight
+        J: Optional[Tensor] = None
+        for r in lay.records():
+            assert r.P is not None, f"layer '{lay.name}': per-sample gradients expected"
+            part = r.P.reshape(r.P.shape[0], *w.shape)[:, a:b].reshape(r.P.shape[0], -1)
+            J = part if J is None else J + part
+        assert J is not None
+        return PerSampleRows((J * lay._scale()).to(w.dtype).contiguous(), torch.Size((b - a, *w.shape[1:])))
+
+    def jvp(self, gw: Tensor, gb: Optional[Tensor]) -> Tensor:
+        """``J_r g_r``, ``[M]``."""
+        return self.J @ gw.reshape(-1).to(self.J.dtype)
+
+    def gram(self) -> Tensor:
+        """``J_r J_rᵀ``, ``[M, M]``."""
+        return self.J @ self.J.T
+
+    def vjp(self, c: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        """This rank's rows of ``Jᵀ c`` (the parameter's shard; no second block)."""
+        return (c.to(self.J.dtype) @ self.J).reshape(self.shape), None
+
+
+Rows = RowRecords | TransposedRows | PerSampleRows
 
 
 def layer_rows(lay: CoveredLayer, parts: list[tuple[Tensor, Tensor]], k: float,
@@ -282,6 +322,8 @@ def row_records(lay: CoveredLayer, rows: Optional[tuple[int, int]] = None,
     ``bias_rows``: :func:`layer_rows`."""
     w = lay.weight
     a, b = row_range(w) if rows is None else rows
+    if per_sample_only(lay):
+        return PerSampleRows.cut(lay, a, b)
     parts = []
     for r in lay.records():
         if r.I is None or r.G is None:

@@ -87,10 +87,7 @@ def test_check_reads_only_the_options_it_is_given(cls: type) -> None:
 
 
 REFUSED = [
-    (FSDPShards, "curvature_samples", 4), (FSDPShards, "position_rows", 8),
-    (FSDPShards, "metric", "factored"), (FSDPShards, "metric", "kronecker"),
-    (FSDPShards, "relative_damping", True),
-    (FSDPShards, "cuda_graph", True), (FSDPShards, "compile", True), (FSDPShards, "fisher", "gauss-newton"),
+    (FSDPShards, "cuda_graph", True),
 ]
 
 
@@ -112,6 +109,16 @@ def test_global_batch_runs_the_rows_of_the_global_fisher(name: str, value: Any) 
         GlobalBatch.check(_unbuilt(GlobalBatch, "local"), {**_options(), name: value})
 
 
+@pytest.mark.parametrize("name, value", [("curvature_samples", 4), ("position_rows", 8)])
+def test_fsdp2_takes_the_rows_gathered(name: str, value: Any) -> None:
+    """FSDP2 accepts them with ``mode="gather"`` or ``"auto"`` (``tests/distributed/test_fsdp2_options.py``
+    checks their updates) and refuses them with ``"gram-blocks"``, naming both."""
+    for mode in ("gather", "auto"):
+        FSDPShards.check(_unbuilt(FSDPShards, mode), {**_options(), name: value})
+    with pytest.raises(ValueError, match=f"{name}.*'gram-blocks'"):
+        FSDPShards.check(_unbuilt(FSDPShards, "gram-blocks"), {**_options(), name: value})
+
+
 @pytest.mark.parametrize("name, value", [("metric", "factored"), ("metric", "kronecker"),
                                          ("relative_damping", True), ("fisher", "gauss-newton"),
                                          ("compile", True)])
@@ -130,14 +137,14 @@ def test_shaping_is_accepted(cls: type, shaping: dict[str, Any]) -> None:
     cls.check(_unbuilt(cls), {**_options(), **shaping})
 
 
-FSDP_REFUSED = {"cuda_graph": dict(cuda_graph=True), "metric": dict(metric="kronecker"),
-                "relative_damping": dict(relative_damping=True)}
+FSDP_REFUSED = {"cuda_graph": dict(opts=dict(cuda_graph=True)),
+                "position_rows": dict(mode="gram-blocks", opts=dict(position_rows=4))}
 
 
 def test_fsdp2_refuses_at_construction(tmp_path: Path) -> None:
     """2 gloo ranks, a model ``fully_shard`` then ``prepare``: ``DistributedTENGraD`` raises
     the ``ValueError`` naming the option when it is built (before any step)."""
-    cfgs = [dict(model="block", m=2, steps=1, opts=opts, expect_error=True) for opts in FSDP_REFUSED.values()]
+    cfgs = [dict(model="block", m=2, steps=1, expect_error=True, **cfg) for cfg in FSDP_REFUSED.values()]
     res = run_ranks(train_fsdp, 2, tmp_path, cfgs, timeout=300)
     for r in res:
         for name, got in zip(FSDP_REFUSED, r):

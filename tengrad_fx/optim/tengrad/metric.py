@@ -16,7 +16,8 @@ State of each covered weight: ``metric_rows`` ``[R]``, ``metric_cols`` ``[C]``, 
 graphs as before; curvature steps take the modular path (no fused update under ``compile``).
 ``DistributedTENGraD`` under DDP runs it as here: the moments come from the averaged gradient
 (the same on every rank), and each rank scales its own records before they move
-(docs/distributed.md); FSDP2 refuses it.
+(docs/distributed.md); under FSDP2 each rank keeps the whole moments and forms its rows of
+``S g`` (:mod:`tengrad_fx.distributed.fsdp_metric`).
 """
 from __future__ import annotations
 

@@ -1,0 +1,143 @@
+"""TENGraD's curvature options under FSDP2 (``fully_shard``, gloo, float64, spawned ranks):
+with each, ``DistributedTENGraD`` on the sharded model gives single-process ``TENGraD``'s
+update on the concatenated global batch (``≤ 1e-10`` relative, every parameter, every
+step; the ranks agree bit for bit). One spawn per world size runs every configuration;
+4 ranks run HSDP (a 2 × 2 mesh) too.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tengrad_fx import Metric
+from testing.distributed import run_ranks
+from testing.fsdp_workers import assert_follows_reference, train_fsdp, train_reference
+
+TOL = 1e-10
+
+TWO: dict[str, dict[str, Any]] = {
+    "relative-gather-T2": dict(model="block", m=3, steps=4, T=2, mode="gather", opts=dict(relative_damping=True)),
+    "relative-cnn-blocks-T1-woodbury": dict(model="cnn", m=2, steps=3, T=1, mode="gram-blocks", shard="layers",
+                                      opts=dict(relative_damping=True, update_form="woodbury")),
+    # compile=True: the distributed steps run unfused (FSDPShards.fuses is False): compile=False's update
+    "compile-auto-T2": dict(model="block", m=3, steps=4, T=2, fisher="mc", reference=dict(compile=False),
+                            opts=dict(compile=True)),
+    "factored-gather-T1": dict(model="block", m=3, steps=3, T=1, mode="gather",
+                               opts=dict(metric=Metric("factored", beta2=0.9))),
+    "factored-blocks-T2-clip": dict(model="block", m=2, steps=4, T=2, mode="gram-blocks", kl_clip=0.01,
+                                    opts=dict(metric="factored", relative_damping=True)),
+    # Kronecker on the MLP (uneven row shards of full S_L): the block's attention grows rounding through
+    # the inverse roots of nearly degenerate L, R past 1e-10 within 4 steps on one process's own inputs too
+    "kronecker-mlp-gather-T2": dict(model="mlp", m=3, steps=4, T=2, mode="gather",
+                                    opts=dict(metric=Metric("kronecker", beta2=0.9))),
+    "kronecker-mlp-blocks-mc-T1": dict(model="mlp", m=2, steps=3, T=1, mode="gram-blocks", fisher="mc",
+                                       opts=dict(metric="kronecker", relative_damping=True)),
+    "kronecker-conv1d-auto-T1": dict(model="conv1d", m=3, steps=3, T=1, opts=dict(metric="kronecker")),
+    "factored-conv1d-blocks-T1": dict(model="conv1d", m=3, steps=3, T=1, mode="gram-blocks",
+                                      opts=dict(metric="factored")),
+    # fisher="mc" and "gauss-newton" with fully_shard on every layer: the backwards to unsharded weights
+    "mc-mlp-layers-T1": dict(model="mlp", m=3, steps=3, T=1, fisher="mc", shard="layers"),
+    "gn-mlp-layers-gather-T1": dict(model="mlp", m=3, steps=3, T=1, fisher="gauss-newton", shard="layers",
+                                    mode="gather", kl_clip=0.01),
+    "gn-cnn-layers-blocks-T2": dict(model="cnn", m=2, steps=4, T=2, fisher="gauss-newton", shard="layers",
+                                    mode="gram-blocks"),
+    "gn-mlp-root-auto-T1": dict(model="mlp", m=3, steps=3, T=1, fisher="gauss-newton", shard="root",
+                                opts=dict(metric="factored")),
+    # position_rows / curvature_samples: the k rows of the global batch, each rank's part gathered whole
+    "rows5-block-gather-T1": dict(model="block", m=3, steps=3, T=1, mode="gather", opts=dict(position_rows=5)),
+    "rows7-block-auto-mc-T2": dict(model="block", m=3, steps=4, T=2, fisher="mc",
+                                   opts=dict(position_rows=7, metric="factored")),
+    "samples4-block-T2": dict(model="block", m=3, steps=4, T=2, opts=dict(curvature_samples=4)),
+    "samples2-cnn-layers-T1": dict(model="cnn", m=3, steps=3, T=1, shard="layers",  # rank 1 holds none
+                                   opts=dict(curvature_samples=2, relative_damping=True)),
+    # layers recorded as per-sample gradients P only: an added parameter and a bias-only layer
+    "extras-auto-T1": dict(model="mlp-extras", m=3, steps=3, T=1),
+    "extras-layers-blocks-mc-T2": dict(model="mlp-extras", m=2, steps=4, T=2, fisher="mc", shard="layers",
+                                       mode="gram-blocks", opts=dict(metric="factored")),
+}
+# a metric's state through torch.distributed.checkpoint: saved after 2 steps, resumed for 2 more
+for _kind in ("factored", "kronecker"):
+    _run_cfg = dict(model="mlp", m=2, T=1, opts=dict(metric=_kind))
+    TWO[f"{_kind}-full"] = dict(_run_cfg, steps=4)
+    TWO[f"{_kind}-save"] = dict(_run_cfg, steps=2, save=_kind)
+RESUME = {f"{kind}-resume": dict(model="mlp", m=2, T=1, steps=2, start=2, load=kind, opts=dict(metric=kind))
+          for kind in ("factored", "kronecker")}
+FOUR: dict[str, dict[str, Any]] = {  # (the block's key bias has a roundoff gradient: softmax is shift-invariant)
+    "relative-hsdp-blocks-T2": dict(model="cnn", m=2, steps=4, T=2, mesh=(2, 2), mode="gram-blocks",
+                                    opts=dict(relative_damping=True)),
+    "kronecker-mlp-hsdp-auto-T1": dict(model="mlp", m=2, steps=3, T=1, mesh=(2, 2), opts=dict(metric="kronecker")),
+    "gn-cnn-hsdp-layers-T1": dict(model="cnn", m=2, steps=3, T=1, mesh=(2, 2), fisher="gauss-newton",
+                                  shard="layers"),
+    "rows6-block-hsdp-T1": dict(model="block", m=2, steps=3, T=1, mesh=(2, 2), opts=dict(position_rows=6)),
+    "factored-block-4-blocks-T2": dict(model="block", m=2, steps=4, T=2, mode="gram-blocks",
+                                       opts=dict(metric="factored")),
+}
+
+
+def _run(tmp: Any, world: int, table: dict[str, dict[str, Any]], ckpt: Any = None) -> dict[str, list[dict[str, Any]]]:
+    cfgs = [{**cfg, **{k: str(ckpt / cfg[k]) for k in ("save", "load") if k in cfg}} for cfg in table.values()]
+    res = run_ranks(train_fsdp, world, tmp, cfgs, timeout=600)
+    return {name: [r[i] for r in res] for i, name in enumerate(table)}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return tmp_path_factory.mktemp("fsdp2_options_dcp")
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory, checkpoints: Any) -> dict[str, list[dict[str, Any]]]:
+    return _run(tmp_path_factory.mktemp("fsdp2_options"), 2, TWO, checkpoints)
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    return _run(tmp_path_factory.mktemp("fsdp2_options4"), 4, FOUR)
+
+
+def _check(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
+    assert ranks[0]["type"] == "FSDPTENGraD"
+    assert ranks[0]["counters"] == {"step": cfg["steps"], "skipped": 0, "uncaptured": 0}
+    targets = None
+    if cfg.get("fisher") == "mc":
+        targets = [None if ranks[0]["targets"][k] is None else torch.cat([r["targets"][k] for r in ranks])
+                   for k in range(cfg["steps"])]
+    ref = train_reference(cfg, len(ranks), targets)
+    assert ranks[0]["traj"][0].keys() == ref[0].keys()
+    frozen = {n for n in ref[0] if torch.equal(ref[-1][n], ref[0][n])}  # mlp-extras: fc2.weight
+    assert all(torch.equal(ranks[0]["traj"][-1][n], ref[0][n]) for n in frozen)
+    assert_follows_reference(ranks, [{n: t for n, t in r.items() if n not in frozen} for r in ref], cfg["steps"], TOL)
+
+
+def test_per_sample_layers_are_gathered(two: dict[str, list[dict[str, Any]]]) -> None:
+    """Under ``mode="gram-blocks"`` the added parameter and the bias-only layer (per-sample
+    gradients ``P``, cut by rows once gathered) are gathered, the other layers cut to the shards."""
+    plan = two["extras-layers-blocks-mc-T2"][0]["plan"]
+    assert {n: v["mode"] for n, v in plan.items() if v["mode"] == "gather"}.keys() == {"pos", "fc2"}
+    assert {v["mode"] for n, v in plan.items() if n not in ("pos", "fc2")} == {"gram-blocks"}
+
+
+@pytest.mark.parametrize("name", [k for k in TWO if not k.endswith("-save")])
+def test_two_ranks_equal_global_batch(two: dict[str, list[dict[str, Any]]], name: str) -> None:
+    _check(TWO[name], two[name])
+
+
+@pytest.mark.parametrize("name", list(FOUR))
+def test_four_ranks_equal_global_batch(four: dict[str, list[dict[str, Any]]], name: str) -> None:
+    _check(FOUR[name], four[name])
+
+
+
+@pytest.mark.parametrize("kind", ["factored", "kronecker"])
+def test_metric_checkpoint_resumes_bit_for_bit(tmp_path: Any, two: dict[str, list[dict[str, Any]]],
+                                               checkpoints: Any, kind: str) -> None:
+    """The metric's whole moments and ``S`` are in the checkpoint (a fresh optimizer's
+    ``state_dict`` lists them for ``torch.distributed.checkpoint`` to load into): 2 steps
+    after loading the 2-step checkpoint are the uninterrupted run's steps 3 and 4, bit for bit."""
+    name = f"{kind}-resume"
+    resumed = _run(tmp_path, 2, {name: RESUME[name]}, checkpoints)[name][0]["traj"]
+    full = two[f"{kind}-full"][0]["traj"]
+    for k in range(3):
+        assert all(torch.equal(resumed[k][n], full[2 + k][n]) for n in full[0]), f"step {k}"
