@@ -116,6 +116,7 @@ class FSDPShards(GlobalBatch):
         self._shards = 1  # the shard dim's size
         self._rows: list[Rows] = []  # the cached layers' records cut to this rank's rows (group order)
         self._row_parts: dict[str, list[tuple[Tensor, Tensor]]] = {}  # gram-blocks layers: this rank's cut
+        self._modules: list[FSDPModule] = []  # the model's FSDP modules (unwrap)
 
     def forget(self) -> None:
         super().forget()
@@ -147,10 +148,24 @@ class FSDPShards(GlobalBatch):
                 raise ValueError(f"DistributedTENGraD (FSDP2): {opt}={options[opt]!r} is not supported on sharded "
                                  "parameters; leave it off, or use DDP (DistributedTENGraD on a DDP model runs it)")
 
+    def backward_inputs(self, opt: Host, weights: list[Tensor]) -> list[Tensor]:
+        """The unsharded parameters the graph read (FSDP2 registers them for the forward and
+        the sharded ones again after it): a backward asked for the sharded ones would skip
+        every layer with no other input of the graph behind it, e.g. a first layer resharded
+        after its forward, whose ``G`` would then never be recorded."""
+        unsharded: dict[Tensor, Tensor] = {}
+        for mod in self._modules:
+            group = mod._get_fsdp_state()._fsdp_param_group
+            for fp in group.fsdp_params if group is not None else []:
+                if getattr(fp, "_unsharded_param", None) is not None:
+                    unsharded[fp.sharded_param] = fp._unsharded_param
+        return [unsharded.get(w, w) for w in weights]
+
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` with every FSDP module resharded (a forward, e.g. ``prepare``'s check,
         may leave the root's parameters gathered): the optimizer holds the sharded ones."""
-        for mod in fsdp_modules(model):
+        self._modules = fsdp_modules(model)
+        for mod in self._modules:
             mod.reshard()
         return model
 

@@ -295,7 +295,8 @@ class TENGraD(StepSkeleton):
     def _mc_backward(self, outputs: Tensor, targets: Optional[Tensor], mask: Optional[Tensor]) -> None:
         """:meth:`mc_capture`'s backward: one of sampled labels (``fisher="mc"``), or one per
         output (``"gauss-newton"``: the exact GGN; no ``targets``/``mask`` there)."""
-        weights = [layer.weight for layer in self._layers if layer.weight.requires_grad]
+        weights = self.distribution.backward_inputs(
+            self, [layer.weight for layer in self._layers if layer.weight.requires_grad])
         if self.fisher == "gauss-newton":
             if mask is not None or targets is not None:
                 raise ValueError("mc_capture: targets and mask are for fisher='mc' "
