@@ -45,11 +45,17 @@ def _load(strategy: str, opt: Any, net: torch.nn.Module, saved: Any) -> None:
         fsdp_workers.load_checkpoint(net, opt, str(saved))
 
 
-def round_trip_ranks(rank: int, world: int, strategy: str, jobs: dict[str, tuple[str, dict[str, Any]]],
-                     root: str) -> dict[str, dict[str, Any]]:
-    """Per job ``name -> (model, case)``: ``{"full": ..., "resumed": ...}`` (:func:`train`'s
-    results of the uninterrupted run and of the saved-and-loaded one's last steps; FSDP2: the
-    save in ``root/name``), or ``{"construction": message}`` where the case is refused."""
+def round_trip_ranks(rank: int, world: int, strategies: list[str], jobs: dict[str, tuple[str, dict[str, Any]]],
+                     root: str) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per strategy and job ``name -> (model, case)``: ``{"full": ..., "resumed": ...}``
+    (:func:`train`'s results of the uninterrupted run and of the saved-and-loaded one's last
+    steps; FSDP2: the save in ``root/strategy/name``), or ``{"construction": message}`` where
+    the case is refused."""
+    return {strategy: _round_trips(rank, world, strategy, jobs, Path(root) / strategy) for strategy in strategies}
+
+
+def _round_trips(rank: int, world: int, strategy: str, jobs: dict[str, tuple[str, dict[str, Any]]],
+                 root: Path) -> dict[str, dict[str, Any]]:
     part = (rank, world)
 
     def run(name: str, kind: str, case: dict[str, Any], made: tuple[Any, torch.nn.Module, torch.nn.Module]
@@ -57,7 +63,7 @@ def round_trip_ranks(rank: int, world: int, strategy: str, jobs: dict[str, tuple
         full = train(*made, kind, part)
         opt, fwd, net = built(kind, strategy, world, case)
         train(opt, fwd, net, kind, part, steps=range(CUT))
-        saved = _save(strategy, opt, net, Path(root) / name.replace("/", "-"))
+        saved = _save(strategy, opt, net, root / name)
         opt, fwd, net = built(kind, strategy, world, case)
         _load(strategy, opt, net, saved)
         return {"full": full, "resumed": train(opt, fwd, net, kind, part, steps=range(CUT, STEPS))}
@@ -67,10 +73,10 @@ def round_trip_ranks(rank: int, world: int, strategy: str, jobs: dict[str, tuple
 def resumed_ranks(rank: int, world: int, strategy: str, jobs: dict[str, tuple[str, dict[str, Any]]],
                   root: str) -> dict[str, dict[str, Any]]:
     """Per job: the last steps of a new model and optimizer on ``world`` ranks loaded from the
-    DCP directory ``root/name`` that :func:`round_trip_ranks` wrote on another world size."""
+    DCP directory ``root/strategy/name`` that :func:`round_trip_ranks` wrote on another world size."""
     out: dict[str, dict[str, Any]] = {}
     for name, (kind, case) in jobs.items():
         opt, fwd, net = built(kind, strategy, world, case)
-        _load(strategy, opt, net, Path(root) / name.replace("/", "-"))
+        _load(strategy, opt, net, Path(root) / strategy / name)
         out[name] = {"resumed": train(opt, fwd, net, kind, (rank, world), steps=range(CUT, STEPS))}
     return out

@@ -239,6 +239,11 @@ class GlobalBatch(SingleProcess):
             self._rebuild_local = False
             rows_vary = opt.curvature_samples is not None or opt.position_rows is not None
             self._group_rows = rows_by_group(self._local_groups) if self._local_groups and rows_vary else None
+            if self._local_groups and rows_vary and self._group_rows is None:  # one group per layer, in layer order
+                budget = opt.jacobian_budget
+                self._local_groups = [grp for lay in lays
+                                      for grp in build_groups([lay], opt.strategy, budget, packed=False)[0]]
+                self._group_rows = rows_by_group(self._local_groups)
         device = opt._layers[0].weight.device if opt._layers else torch.device("cpu")
         self._scales = share_scales(opt.curvature, self.owner, self.modes, self.rank, device, self.sharing.add_bytes)
 

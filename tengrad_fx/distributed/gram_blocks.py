@@ -197,15 +197,15 @@ class GramBlocksStep:
         return out
 
 
-def rows_by_group(groups: list[LayerGroup]) -> list[list[int]]:
+def rows_by_group(groups: list[LayerGroup]) -> Optional[list[list[int]]]:
     """Per group of this rank's records, each rank's rows (``curvature_samples``,
-    ``position_rows``: its part of the ``k``; a host exchange). The ranks' groups must hold
-    the same layers, else ``ValueError``."""
+    ``position_rows``: its part of the ``k``; a host exchange); None where the ranks' groups
+    do not hold the same layers in the same order (the cost model chose other forms for
+    other row counts, e.g. on a rank that holds none of the rows: same on every rank)."""
     mine = [([lay.name for lay in grp.layers], grp.m) for grp in groups]
     every = all_gather_meta(mine, "exchange of the gram-blocks rows")
     if any([names for names, _ in other] != [names for names, _ in mine] for other in every):
-        raise ValueError("DistributedTENGraD: the ranks group their gram-blocks layers differently (their "
-                         "parts of the chosen rows differ in shape); pass mode='gather'")
+        return None
     return [[other[g][1] for other in every] for g in range(len(mine))]
 
 

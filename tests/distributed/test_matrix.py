@@ -14,7 +14,6 @@ spawn per (strategy, world size) runs all its cases in turn.
 from __future__ import annotations
 
 import inspect
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,7 +22,7 @@ import torch
 from tengrad_fx import Metric, TENGraD
 from tengrad_fx.optim.tengrad.spellings import DEPRECATED
 from testing.distributed import run_ranks
-from testing.matrix_workers import CORE, matrix_ranks, train_reference
+from testing.matrix_workers import CORE, STEPS, matrix_ranks, train_reference
 
 TOL = 1e-10
 ALL, LM, CNN, GPT2 = ("gpt2", "llama", "cnn"), ("gpt2", "llama"), ("cnn",), ("gpt2",)
@@ -175,7 +174,7 @@ def test_case_matches_single_process(spawned: Any, references: Any, strategy: st
         assert msg is not None, (f"{strategy} × {name} on {model} is now supported: remove "
                                  f"{[(STRATEGIES[strategy, world], k) for k in refused]} from REFUSED")
         assert msg.startswith("ValueError") and any(f"{k}=" in msg for k in refused), msg
-        references(model, name, [None] * len(CASES))  # single-process TENGraD runs it
+        references(model, name, [None] * STEPS)  # single-process TENGraD runs it
         return
     assert not errors, f"{strategy} × {name} on {model} refused at construction: {errors}"
     targets = [None if got[0]["targets"][k] is None else torch.cat([g["targets"][k] for g in got])
@@ -214,37 +213,38 @@ def _checkpoint_jobs(names: Any = None) -> dict[str, tuple[str, dict[str, Any]]]
     return {name: ("gpt2", case) for name, case in CHECKPOINT_CASES.items() if names is None or name in names}
 
 
+CHECKPOINTED = ["ddp-gather", "ddp-gram-blocks", "fsdp"]  # 2 ranks; FSDP2's saves are loaded on 4
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """``checkpoints(strategy, W, load_from)``: per-rank round trips (``load_from=None``), or
-    the runs of ``W`` ranks loaded from the DCP directories of ``(strategy, load_from)``'s."""
+    """``checkpoints(strategy)``: per-rank round trips of 2 ranks (one spawn for all of
+    :data:`CHECKPOINTED`); ``checkpoints("fsdp", 4)``: the runs of 4 ranks loaded from
+    FSDP2's DCP directories."""
     from testing.matrix_checkpoints import resumed_ranks, round_trip_ranks
-    cache: dict[tuple[str, int, Any], Any] = {}
-    dirs: dict[tuple[str, int], Path] = {}
+    cache: dict[int, Any] = {}
+    root = tmp_path_factory.mktemp("ckpt") / "dcp"
 
-    def get(strategy: str, world: int, load_from: Any = None) -> Any:
-        key = (strategy, world, load_from)
-        if key not in cache:
-            out = tmp_path_factory.mktemp(f"ckpt-{strategy}-{world}-{load_from}")
-            if load_from is None:
-                dirs[strategy, world] = out / "dcp"
-                cache[key] = run_ranks(round_trip_ranks, world, out, strategy, _checkpoint_jobs(), str(out / "dcp"),
-                                       timeout=800.0)
+    def get(strategy: str, world: int = 2) -> Any:
+        if world not in cache:
+            out = tmp_path_factory.mktemp(f"ckpt-{world}")
+            if world == 2:
+                cache[2] = run_ranks(round_trip_ranks, 2, out, CHECKPOINTED, _checkpoint_jobs(), str(root),
+                                     timeout=1200.0)
             else:
-                saved = get(strategy, load_from)
-                done = [n for n in RESHARDED if "full" in saved[0][n]]
-                cache[key] = run_ranks(resumed_ranks, world, out, strategy, _checkpoint_jobs(done),
-                                       str(dirs[strategy, load_from]), timeout=800.0)
-        return cache[key]
+                done = [n for n in RESHARDED if "full" in get("fsdp")[0][n]]
+                cache[world] = run_ranks(resumed_ranks, world, out, "fsdp", _checkpoint_jobs(done), str(root),
+                                         timeout=800.0)
+        return cache[world] if world != 2 else [r[strategy] for r in cache[2]]
     return get
 
 
-@pytest.mark.parametrize("strategy", ["ddp-gather", "fsdp"])
+@pytest.mark.parametrize("strategy", CHECKPOINTED)
 @pytest.mark.parametrize("name", list(CHECKPOINT_CASES))
 def test_checkpoint_continues_bit_for_bit(checkpoints: Any, strategy: str, name: str) -> None:
     """Saved after CUT steps and loaded into a new model and optimizer on the same ranks:
     the last steps give the uninterrupted run's parameters bit for bit."""
-    got = [r[name] for r in checkpoints(strategy, 2)]
+    got = [r[name] for r in checkpoints(strategy)]
     refused = _refused_by(STRATEGIES[strategy, 2], CHECKPOINT_CASES[name])
     if refused:
         msg = got[0].get("construction")
@@ -260,12 +260,12 @@ def test_checkpoint_continues_bit_for_bit(checkpoints: Any, strategy: str, name:
 def test_checkpoint_reshards(checkpoints: Any, name: str) -> None:
     """An FSDP2 checkpoint of 2 ranks loaded on 4 (float64): the last steps give the
     uninterrupted 2-rank run's parameters to ``1e-10`` (relative to their movement)."""
-    saved = checkpoints("fsdp", 2)[0][name]
+    saved = checkpoints("fsdp")[0][name]
     if _refused_by("fsdp", CHECKPOINT_CASES[name]):  # nothing saved; now supported: remove it from REFUSED
         assert "construction" in saved, f"{name} is now supported under FSDP2: remove it from REFUSED"
         return
     full = saved["full"]
-    got = [r[name]["resumed"] for r in checkpoints("fsdp", 4, 2)]
+    got = [r[name]["resumed"] for r in checkpoints("fsdp", 4)]
     moved = max((want - got[0]["start"][n]).norm().item() for n, want in full["end"].items())
     for n, want in full["end"].items():
         scale = max((want - got[0]["start"][n]).norm().item(), 1e-6 * moved)
