@@ -57,6 +57,7 @@ from ..optim.tengrad.group_build import build_groups
 from ..optim.tengrad.layer_groups import LayerGroup
 from .comm import all_ok, collective
 from .fsdp_exchange import choose_fsdp_modes, exchange_rows, shard_coordinates
+from .fsdp_unsharded import unsharded_weights
 from .fsdp_rows import check_shardable, layer_rows, like, local, per_sample_only, row_records
 from .global_batch import GlobalBatch, Mode
 from .records import REPLICATED, check_records, gather_records
@@ -114,6 +115,8 @@ class FSDPShards(GlobalBatch):
         self._shards = 1  # the shard dim's size
         self._row_groups: list[LayerGroup] = []  # the cached layers' records cut to this rank's rows (group order)
         self._row_parts: dict[str, list[tuple[Tensor, Tensor]]] = {}  # gram-blocks layers: this rank's cut
+        self._modules: list[FSDPModule] = []  # the model's FSDP modules (unwrap)
+        self._unsharded: dict[Tensor, Tensor] = {}  # sharded weight -> FSDP's unsharded parameter of it
 
     def forget(self) -> None:
         super().forget()
@@ -136,10 +139,18 @@ class FSDPShards(GlobalBatch):
             out["global_rows"] = self.GATHERED_ROWS
         return out
 
+    def backward_inputs(self, opt: Host, weights: list[Tensor]) -> list[Tensor]:
+        """The unsharded parameters the forward's graph read (:mod:`.fsdp_unsharded`): a
+        backward asked for the sharded ones would skip every layer with no other input of the
+        graph behind it, e.g. a first layer resharded after its forward, whose ``G`` would
+        then never be recorded."""
+        return unsharded_weights(self._modules, weights, self._unsharded)
+
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` with every FSDP module resharded (a forward, e.g. ``prepare``'s check,
         may leave the root's parameters gathered): the optimizer holds the sharded ones."""
-        for mod in fsdp_modules(model):
+        self._modules = fsdp_modules(model)
+        for mod in self._modules:
             mod.reshard()
         return model
 

@@ -25,14 +25,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from ..optim.step.param_groups import same_lr
 from ..optim.tengrad.tengrad import TENGraD
 from .fsdp import FSDPShards
 from .fsdp_metric import ShardedMetric
 from .fsdp_shaping import ShardedShaping
-from .fsdp_unsharded import unsharded_weights
 from .global_batch import Mode
 from .optimizer import DistributedTENGraD
 
@@ -72,7 +70,6 @@ class FSDPTENGraD(DistributedTENGraD):
             raise ValueError("DistributedTENGraD: distribution= is its own (FSDPShards); pass seed, "
                              "or use TENGraD(..., distribution=...)")
         TENGraD.__init__(self, model, lr, damping, distribution=FSDPShards(mode, seed, bandwidth, flop_rate), **kwargs)
-        self._unsharded: dict[Tensor, Tensor] = {}  # sharded weight -> FSDP's unsharded parameter of it
         if self.metric is not None:  # the metric's moments and S g on the row shards
             self.metric = ShardedMetric(self.metric, self.distribution)  # type: ignore[assignment]
         sh = self.shaping
@@ -80,12 +77,6 @@ class FSDPTENGraD(DistributedTENGraD):
                                       self.distribution)
         if self.kl_clip is not None and not same_lr(self.param_groups):
             raise ValueError("DistributedTENGraD (FSDP2): kl_clip needs one lr for all param groups")
-
-    def _backward_targets(self) -> list[Tensor]:
-        """The unsharded covered weights: FSDP reshards a module after its forward, and its
-        sharded weight is no leaf of the forward's graph (a backward to it would run none of
-        the capture ops below it), the unsharded one the forward ran with is (:mod:`.fsdp_unsharded`)."""
-        return unsharded_weights(self.model, super()._backward_targets, self._unsharded)
 
     def polar_owners(self) -> dict[str, int]:
         """``{layer: owner}``: the shard coordinate that computed each orthogonalized weight's

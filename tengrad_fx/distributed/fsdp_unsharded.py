@@ -14,26 +14,23 @@ the same storage), and keeps them for later steps.
 """
 from __future__ import annotations
 
-from typing import Callable, cast
+from typing import Any, Sequence, cast
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from .fsdp import fsdp_modules
-
 __all__ = ["unsharded_weights"]
 
 
-def unsharded_weights(model: torch.nn.Module, read: Callable[[], list[Tensor]],
+def unsharded_weights(modules: Sequence[Any], weights: list[Tensor],
                       known: dict[Tensor, Tensor]) -> list[Tensor]:
-    """The covered weights ``read()`` returns (sharded, or unsharded as a module holds them
+    """The covered weights ``weights`` (sharded, or unsharded as a module holds them
     now; an added parameter's holder keeps the sharded one) as the parameters the forward ran
     with; ``known``: sharded -> unsharded, filled here on the first call that meets a sharded
     weight not in it, for every FSDP module's own parameters (its state restored after)."""
-    weights = read()
     if any(isinstance(w, DTensor) and w not in known for w in weights):
-        for mod in fsdp_modules(model):
+        for mod in modules:
             params = cast(torch.nn.Module, mod).named_parameters
             before = dict(params())
             mod.reshard()

@@ -34,9 +34,9 @@ Mode = Literal["gather", "gram-blocks", "auto", "local"]
 Placement = Literal["auto", "owner", "replicate"]
 
 
-def mc_seed(seed: int, rank: int) -> int:
-    """The MC-sampling seed of ``rank`` derived from the global ``seed``."""
-    return (int(seed) * 1_000_003 + 7919 * (int(rank) + 1)) % (2 ** 63)
+def mc_seed(seed: int, rank: int, step: int = 0) -> int:
+    """The MC-sampling seed of ``rank`` at step ``step`` derived from the global ``seed``."""
+    return (int(seed) * 1_000_003 + 7919 * (int(rank) + 1) + 104_729 * int(step)) % (2 ** 63)
 
 
 def _prepared(model: torch.nn.Module) -> bool:
@@ -74,7 +74,7 @@ class GlobalBatch(SingleProcess):
         self.overlap = True  # False: the same collectives one after the other (tests: identical bits)
         self.sharing = UpdateSharing(self.rank, self.world)
         self.last_mc_targets: Optional[Tensor] = None
-        self._generators: dict[str, torch.Generator] = {}
+        self._generators: dict[str, tuple[int, torch.Generator]] = {}  # purpose:device -> (step, generator)
         self._seconds = (0.0, 0.0)  # (gather, share) of the last step
         self.forget()
 
@@ -136,14 +136,18 @@ class GlobalBatch(SingleProcess):
     has_factors = has_curvature  # on every rank alike (a rank may hold no factor): the same graph steps
 
     # ------------------------------------------------------------------ MC
-    def _generator(self, device: torch.device, purpose: str = "mc") -> torch.Generator:
-        """This rank's MC-label generator, or (``purpose="probe"``) the push-through probe's
-        of the ``gram-blocks`` layers, seeded alike on every rank."""
+    def _generator(self, device: torch.device, step: int, purpose: str = "mc") -> torch.Generator:
+        """This rank's MC-label generator of step ``step`` (the optimizer's step count), or
+        (``purpose="probe"``) the push-through probe's of the ``gram-blocks`` layers, seeded
+        alike on every rank. Seeded anew on each step from ``seed``, the rank and the step, so
+        a run resumed from a ``state_dict`` (which holds the step count, and is saved by one
+        rank) draws what the uninterrupted run drew."""
         key = f"{purpose}:{device}"
-        if key not in self._generators:
-            seed = mc_seed(self.seed, self.rank) if purpose == "mc" else 0
-            self._generators[key] = torch.Generator(device=device).manual_seed(seed)
-        return self._generators[key]
+        held = self._generators.get(key)
+        if held is None or held[0] != step:
+            seed = mc_seed(self.seed, self.rank, step) if purpose == "mc" else step
+            held = self._generators[key] = (step, torch.Generator(device=device).manual_seed(seed))
+        return held[1]
 
     def mc_sample(self, opt: Host, outputs: Tensor, targets: Optional[Tensor],
                   mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[torch.Generator]]:
@@ -151,7 +155,7 @@ class GlobalBatch(SingleProcess):
         unless ``targets`` are given."""
         if targets is None:
             mask = check_mask(outputs, mask, opt.mc_loss)
-            targets = sample_targets(outputs, opt.mc_loss, self._generator(outputs.device), mask)
+            targets = sample_targets(outputs, opt.mc_loss, self._generator(outputs.device, opt._sched), mask)
         self.last_mc_targets = targets
         return targets, None
 
@@ -237,6 +241,11 @@ class GlobalBatch(SingleProcess):
             self._rebuild_local = False
             rows_vary = opt.curvature_samples is not None or opt.position_rows is not None
             self._group_rows = rows_by_group(self._local_groups) if self._local_groups and rows_vary else None
+            if self._local_groups and rows_vary and self._group_rows is None:  # one group per layer, in layer order
+                budget = opt.jacobian_budget
+                self._local_groups = [grp for lay in lays
+                                      for grp in build_groups([lay], opt.strategy, budget, packed=False)[0]]
+                self._group_rows = rows_by_group(self._local_groups)
         device = opt._layers[0].weight.device if opt._layers else torch.device("cpu")
         self._scales = share_scales(opt.curvature, self.owner, self.modes, self.rank, device, self.sharing.add_bytes)
 
@@ -250,8 +259,8 @@ class GlobalBatch(SingleProcess):
 
         def start_blocks() -> GramBlocksStep:  # computes J_a g, starts its all-gather
             device = self._local_groups[0].layers[0].weight.device
-            return GramBlocksStep(self._local_groups, push_through, self._generator(device, "probe"),
-                                  self.sharing.add_bytes, self._group_rows)
+            probe = self._generator(device, opt._sched, "probe") if push_through else None  # curvature steps only
+            return GramBlocksStep(self._local_groups, push_through, probe, self.sharing.add_bytes, self._group_rows)
 
         if self._local_groups and self.overlap:
             step = start_blocks()

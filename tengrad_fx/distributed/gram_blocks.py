@@ -62,14 +62,14 @@ class GramBlocksStep:
     Args:
         groups: the gram-blocks layers' groups of local records (``m`` rows each).
         use_pt: an empirical curvature step (``update_form="auto"``): probe for push-through.
-        generator: draws the probe coordinates (seeded alike on every rank).
+        generator: draws the probe coordinates (seeded alike on every rank; needed with ``use_pt``).
         count: ``count(layer name, bytes)`` for the bytes this rank sends.
         rows: per group, each rank's rows (``curvature_samples``, ``position_rows``: each rank's
             part of the ``k``); None: ``m`` on every rank. A rank's ``J_a g`` travels
             zero-padded to the most rows of any rank.
     """
 
-    def __init__(self, groups: list[LayerGroup], use_pt: bool, generator: torch.Generator,
+    def __init__(self, groups: list[LayerGroup], use_pt: bool, generator: Optional[torch.Generator],
                  count: Callable[[str, int], None], rows: Optional[list[list[int]]] = None):
         self.groups, self.use_pt, self.count = groups, use_pt, count
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -138,8 +138,9 @@ class GramBlocksStep:
                 Jg = solve.push_through_rhs(Jg, ok)
             self.push.append(ok)
             for i, lay in enumerate(grp.layers):
-                if lay.name in chol:
-                    cs[lay.name] = solve.solve_cholesky(chol[lay.name], Jg[i])
+                if lay.name in chol:  # a factor padded to the most rows of any layer (solve.ragged): pad, cut
+                    factor = chol[lay.name]
+                    cs[lay.name] = solve.solve_cholesky(factor, solve.pad_rows(Jg[i], factor.shape[-1]))[:M]
         buckets: dict[int, Bucket] = {}
         for grp, rows_g in zip(self.groups, self.rows):
             for lay in grp.layers:
@@ -196,15 +197,15 @@ class GramBlocksStep:
         return out
 
 
-def rows_by_group(groups: list[LayerGroup]) -> list[list[int]]:
+def rows_by_group(groups: list[LayerGroup]) -> Optional[list[list[int]]]:
     """Per group of this rank's records, each rank's rows (``curvature_samples``,
-    ``position_rows``: its part of the ``k``; a host exchange). The ranks' groups must hold
-    the same layers, else ``ValueError``."""
+    ``position_rows``: its part of the ``k``; a host exchange); None where the ranks' groups
+    do not hold the same layers in the same order (the cost model chose other forms for
+    other row counts, e.g. on a rank that holds none of the rows: same on every rank)."""
     mine = [([lay.name for lay in grp.layers], grp.m) for grp in groups]
     every = all_gather_meta(mine, "exchange of the gram-blocks rows")
     if any([names for names, _ in other] != [names for names, _ in mine] for other in every):
-        raise ValueError("DistributedTENGraD: the ranks group their gram-blocks layers differently (their "
-                         "parts of the chosen rows differ in shape); pass mode='gather'")
+        return None
     return [[other[g][1] for other in every] for g in range(len(mine))]
 
 

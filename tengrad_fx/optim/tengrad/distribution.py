@@ -40,6 +40,8 @@ class Host(Protocol):
     @property
     def _mc_rng(self) -> SampleRNG: ...
     @property
+    def _sched(self) -> int: ...  # the steps taken (a host count, saved in state_dict)
+    @property
     def curvature(self) -> CurvatureCache: ...
     @property
     def param_groups(self) -> list[dict[str, Any]]: ...
@@ -139,6 +141,11 @@ class SingleProcess(Sharding):
                   mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[torch.Generator]]:
         """The MC targets (None: sampled by :func:`~..step.mc.mc_capture`) and its generator."""
         return targets, opt._mc_rng.get(outputs.device)
+
+    def backward_inputs(self, opt: Host, weights: list[Tensor]) -> list[Tensor]:
+        """The tensors the sampled (MC / Gauss-Newton) backward differentiates: ``weights``,
+        the covered layers' weights as the graph reads them."""
+        return weights
 
     def begin(self, opt: Host, curvature_step: bool) -> None:
         """Before the step's curvature work (records move here on curvature steps)."""

@@ -296,7 +296,8 @@ class TENGraD(StepSkeleton):
     def _mc_backward(self, outputs: Tensor, targets: Optional[Tensor], mask: Optional[Tensor]) -> None:
         """:meth:`mc_capture`'s backward: one of sampled labels (``fisher="mc"``), or one per
         output (``"gauss-newton"``: the exact GGN; no ``targets``/``mask`` there)."""
-        weights = self._backward_targets()
+        weights = self.distribution.backward_inputs(
+            self, [layer.weight for layer in self._layers if layer.weight.requires_grad])
         if self.fisher == "gauss-newton":
             if mask is not None or targets is not None:
                 raise ValueError("mc_capture: targets and mask are for fisher='mc' "
@@ -306,11 +307,6 @@ class TENGraD(StepSkeleton):
         else:
             targets, generator = self.distribution.mc_sample(self, outputs, targets, mask)
             mc_capture(self._info.store, outputs, self.mc_loss, weights, targets, self._loss_scale(), mask, generator)
-
-    def _backward_targets(self) -> list[Tensor]:
-        """What :meth:`_mc_backward`'s backwards are taken to: the covered weights, leaves of
-        the forward's graph (a backward runs only the nodes that lead to one of them)."""
-        return [layer.weight for layer in self._layers if layer.weight.requires_grad]
 
     # ------------------------------------------------------------------ curvature
     def _refresh(self, damping: Damping) -> None:
