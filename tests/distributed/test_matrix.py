@@ -81,12 +81,6 @@ REFUSED: dict[tuple[str, str], str] = {
     # (strategy family, keyword) -> why that strategy cannot run it; the ValueError at construction names it
     ("ddp", "distribution"): "DistributedTENGraD brings its own distribution (GlobalBatch)",
     ("fsdp", "distribution"): "DistributedTENGraD brings its own distribution (FSDPShards)",
-    ("fsdp", "metric"): "the base metric's moments and scaling are not made for row shards",
-    ("fsdp", "relative_damping"): "the layers' traces are not summed over the row shards",
-    ("fsdp", "curvature_samples"): "the kept samples' records are not cut to the row shards",
-    ("fsdp", "position_rows"): "the drawn position rows are not cut to the row shards",
-    ("fsdp", "fisher"): "fisher='gauss-newton' only: its k backwards are not checked on sharded layers",
-    ("fsdp", "compile"): "the fused update reads whole weights",
     ("fsdp", "cuda_graph"): "a replay's static gradient buffers cannot hold FSDP2's DTensor gradients",
 }
 STRATEGIES = {("ddp-gather", 2): "ddp", ("ddp-gram-blocks", 2): "ddp", ("fsdp", 2): "fsdp",
