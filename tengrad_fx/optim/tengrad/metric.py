@@ -2,7 +2,8 @@
 still exact by Woodbury through the change of variables ``S = D^{-1/2}`` of
 :mod:`.metric_scaling`. :func:`make_metric` reads the option: ``"factored"`` (here) or
 ``"kronecker"`` (:mod:`.kronecker_metric`), as a string (the moments' EMA factor
-``beta2 = 0.99``) or as :class:`Metric` (the kind and its ``beta2`` together).
+``beta2 = 0.99``, ``S`` fixed between curvature steps) or as :class:`Metric` (the kind, its
+``beta2`` and ``root_every``, how often ``S`` is recomputed between curvature steps).
 
 ``metric="factored"``: ``D`` of a weight ``W [R, C]`` is Kronecker-diagonal, ``D = a ⊗ b``,
 from factored second moments as Adafactor keeps them: EMAs (``beta2``) over steps of the row
@@ -43,10 +44,16 @@ class Metric:
     Attributes:
         kind: ``"factored"`` or ``"kronecker"`` (module docstring).
         beta2: the EMA factor of the metric's second moments, in ``[0, 1)``.
+        root_every: ``k``: ``S = D^{-1/2}`` (the roots of the moments) is also recomputed on
+            every ``k``-th step after a curvature step, and the Grams of the kept rows rebuilt
+            and refactorized under it: a Gram and a Cholesky per layer, no backward, no capture
+            (:meth:`~.metric_scaling.ScaledMetric.refresh_roots`; such a step runs eagerly, with
+            the eigensolver's host reads). None: ``S`` fixed between curvature steps.
     """
 
     kind: Literal["factored", "kronecker"]
     beta2: float = 0.99
+    root_every: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.kind not in METRICS:
@@ -54,6 +61,10 @@ class Metric:
                              f"{self.kind!r} (or Metric(kind, beta2=...) of one of them)")
         if not (isinstance(self.beta2, (int, float)) and 0.0 <= self.beta2 < 1.0):
             raise ValueError(f"Metric.beta2 must be in [0, 1), got {self.beta2!r}")
+        every = self.root_every
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"Metric.root_every must be None or an int >= 1 (steps between recomputations "
+                             f"of S), got {every!r}")
 
 
 MetricOption = Optional[Union[Literal["factored", "kronecker"], Metric]]
@@ -66,7 +77,7 @@ def make_metric(metric: MetricOption) -> Optional[ScaledMetric]:
     if metric is None:
         return None
     spec = metric if isinstance(metric, Metric) else Metric(metric)
-    return FactoredMetric(spec.beta2) if spec.kind == "factored" else KroneckerMetric(spec.beta2)
+    return (FactoredMetric if spec.kind == "factored" else KroneckerMetric)(spec.beta2, spec.root_every)
 
 
 def _factor(moment: Tensor) -> Tensor:

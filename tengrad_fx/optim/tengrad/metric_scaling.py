@@ -24,7 +24,11 @@ Embedding tables (``[vocab, D]``: ``I`` holds indices, ``G [m, *, D]``; the voca
 diagonal). Other layers keep ``D = I``.
 
 ``S`` is fixed at each curvature step (the cached factors are those of ``S F S`` with that
-``S``) and written in place, so a captured CUDA graph reads the same storage; the moments
+``S``) and written in place, so a captured CUDA graph reads the same storage. With
+``root_every = k`` it is also recomputed every ``k`` steps in between
+(:meth:`ScaledMetric.refresh_roots`): the kept rows ``J S_old`` become ``J S_new`` by
+``S_old⁻¹ S_new`` on each side (:func:`tengrad_fx.solve.root_change`; the unscaled rows are
+not kept), after which the caller rebuilds their Grams and factors; no new capture. The moments
 are updated on every step, on the device, skipping a non-finite gradient (a skipped step
 leaves them as they were). All of it lives in the optimizer's state of each weight, so
 ``state_dict`` keeps it.
@@ -37,6 +41,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor
 
+from ... import solve
 from ...capture.store import Record
 from ...curvature.layer import CoveredLayer
 from ..step.result import StepResult
@@ -83,7 +88,8 @@ def _out_side(layer: CoveredLayer, s_rows: Tensor, s_cols: Tensor) -> Tensor:
 
 def scale_record(layer: CoveredLayer, rec: Record, s_rows: Tensor, s_cols: Tensor) -> None:
     """Replace ``rec``'s tensors by those of the rows ``J S`` (new tensors: an input shared
-    with another layer's record is left as it is).
+    with another layer's record is left as it is). Each factor acts on a row vector from the
+    right (``x @ s``; ``S``'s own are symmetric, :func:`tengrad_fx.solve.root_change`'s not).
 
     Linear ``I [m, *, d_in]``, ``G [m, *, d_out]``: each scaled by its side's factor;
     Embedding ``I = idx``, ``G [m, *, D]``: ``G`` by the columns' factor and by the row
@@ -92,7 +98,8 @@ def scale_record(layer: CoveredLayer, rec: Record, s_rows: Tensor, s_cols: Tenso
     if rec.P is not None:
         m = rec.P.shape[0]
         R, C = layer.weight.shape
-        rec.P = scale_weight(rec.P.reshape(m, R, C), s_rows, s_cols).reshape(rec.P.shape)
+        left = s_rows.mT if s_rows.ndim == 2 else s_rows  # S_rows w: (wᵀ S_rows)ᵀ
+        rec.P = scale_weight(rec.P.reshape(m, R, C), left, s_cols).reshape(rec.P.shape)
         if rec.Gsum is not None and rec.Gsum.numel():
             rec.Gsum = scale_along(rec.Gsum, _out_side(layer, s_rows, s_cols))
         return
@@ -112,15 +119,17 @@ class ScaledMetric:
 
     Args:
         beta2: the moments' EMA factor, in ``[0, 1)``.
+        root_every: recompute ``S`` every this many steps between curvature steps
+            (:meth:`refresh_roots`); None: fixed from one curvature step to the next.
     """
 
     MOMENTS: tuple[str, str] = ("", "")  # state keys of the rows' and the columns' moments
     SCALES: tuple[str, str] = ("", "")  # state keys of S's fixed factors
 
-    def __init__(self, beta2: float = 0.99):
+    def __init__(self, beta2: float = 0.99, root_every: Optional[int] = None):
         if not 0.0 <= beta2 < 1.0:
             raise ValueError(f"metric_beta2 must be in [0, 1), got {beta2}")
-        self.beta2 = beta2
+        self.beta2, self.root_every = beta2, root_every
         self._scaled: dict[int, Record] = {}  # id -> record, the records scaled at the last curvature step
 
     def observe(self, state: Any, layers: list[CoveredLayer]) -> None:
@@ -165,6 +174,21 @@ class ScaledMetric:
                 scale_record(lay, r, st[self.SCALES[0]], st[self.SCALES[1]])
                 scaled[id(r)] = r
         self._scaled = scaled
+
+    def refresh_roots(self, state: Any, layers: list[CoveredLayer]) -> None:
+        """Between curvature steps: ``S`` recomputed from the moments (:meth:`side_scales`) for
+        every covered layer with kept records, which become the rows ``J S_new`` (scaled by
+        ``S_old⁻¹ S_new``); ``S`` written in place. The caller rebuilds their Grams."""
+        kept = [lay for lay in layers if self.scales(state, lay) is not None and lay.captured]
+        new = iter(self.side_scales([state[lay.weight][k] for lay in kept for k in self.MOMENTS]))
+        for lay in kept:
+            olds = [state[lay.weight][key] for key in self.SCALES]
+            news = [next(new) for _ in olds]
+            change = [solve.root_change(o, n) for o, n in zip(olds, news)]
+            for r in lay.records():
+                scale_record(lay, r, *change)
+            for o, n in zip(olds, news):
+                o.copy_(n)  # in place: a captured CUDA graph reads the same storage
 
     def _pairs(self, state: Any, layers: list[CoveredLayer]) -> Iterator[tuple[CoveredLayer, Tensor, Tensor]]:
         for lay in layers:
