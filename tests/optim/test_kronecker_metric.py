@@ -18,8 +18,11 @@ from typing import Iterator
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
+import tengrad_fx
+from tengrad_fx import TENGraD
 from tengrad_fx.optim.tengrad import kronecker_metric
 from tengrad_fx.optim.tengrad.kronecker_metric import FLOOR
 from tengrad_fx.optim.tengrad.metric import Metric
@@ -115,6 +118,52 @@ def test_language_model_with_embedding_and_conv1d(tied: bool, strategy: str) -> 
         assert {"emb.weight", "mix.weight", "head.bias"} <= set(covered)
         D = _kronecker_metric(history, biases, out_rows, {"emb.weight": (True, False)})
         assert_matches(delta, dense_layer_updates(ref_model, x, y, lm_loss, g, ALPHA, covered, metric=D))
+
+
+def _norm_metric(history: dict[str, list[torch.Tensor]], names: list[str]) -> dict[str, torch.Tensor]:
+    """``{param name: D's block}`` of norm parameters: ``_side`` of the EMA of ``g²``."""
+    out = {}
+    for name in names:
+        M = torch.zeros(())
+        for g in history[name]:
+            M = BETA2 * M + (1 - BETA2) * g.square().flatten()
+        out[name] = _side(M)
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["factor", "materialize"])
+def test_norm_layers_get_diagonal_factors(strategy: str) -> None:
+    """An MLP with a ``LayerNorm`` (``γ``, ``β``) and an ``RMSNorm`` (``γ`` only), ``T = 3``,
+    ``root_every = 2``: each update is the dense solve with a diagonal ``D`` of each norm
+    parameter from its ``g²`` (and the Linear weights' Kronecker ``D``); records kept as
+    ``x̂``, ``G`` (``factor``) or per-sample gradients (``materialize``). The reference with
+    ``D = I`` on the norms misses them."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 12), nn.RMSNorm(12),
+                        nn.Tanh(), nn.Linear(12, 4)).double()
+    with torch.no_grad():  # γ, β away from their initial values, so their gradients differ per entry
+        for mod in (net[1], net[4]):
+            mod.weight.uniform_(0.5, 1.5)
+        net[1].bias.normal_()
+    template = copy.deepcopy(net)
+    model = tengrad_fx.prepare(net, example_inputs=(batch("mlp", 2, 99)[0],))
+    opt = TENGraD(model, lr=0.02, damping=ALPHA, momentum=0.0, weight_decay=0.0, kl_clip=None, curvature_every=3,
+                  metric=Metric("kronecker", BETA2, root_every=2), strategy=strategy)
+    covered, biases = covered_and_biases(model)
+    norms = ["1.weight", "1.bias", "4.weight"]
+    assert set(norms) <= set(covered)
+    history: dict[str, list[torch.Tensor]] = {}
+    for t in range(5):
+        ref_model, x, y, g = recorded_step(template, model, opt, t, history)
+        delta = step_delta(model, opt)
+        if _roots_due(t, 3, 2):
+            D = {**_kronecker_metric(history, biases, {n: True for n in biases}, {}), **_norm_metric(history, norms)}
+        if t % 3 == 0:
+            curv = (ref_model, x, y)
+        assert_matches(delta, dense_layer_updates(*curv, F.cross_entropy, g, ALPHA, covered, metric=D))
+        plain = {n: d for n, d in D.items() if n not in norms}
+        ref = dense_layer_updates(*curv, F.cross_entropy, g, ALPHA, covered, metric=plain)
+        assert min(rel(delta[n], ref[n]) for n in norms) > 1e-3
 
 
 @pytest.mark.parametrize("strategy", ["factor", "materialize"])

@@ -21,7 +21,11 @@ side's, so the Gram keeps its factor form ``(I S_in² Iᵀ) ⊙ (G S_out² Gᵀ)
 Covered (:func:`metric_covers`): Linear weights (``[d_out, d_in]``, a transposed Linear's
 ``[d_in, d_out]``, a table tied to a Linear, whose lookups are recorded as Linear calls) and
 Embedding tables (``[vocab, D]``: ``I`` holds indices, ``G [m, *, D]``; the vocabulary side
-diagonal). Other layers keep ``D = I``.
+diagonal), and, for a metric with :attr:`ScaledMetric.NORMS`, the affine weight ``γ`` and bias
+``β`` of norm layers (:func:`norm_covers`), each with its own diagonal factor (the pair's
+"rows" and "columns" are ``γ``'s and ``β``'s, flat ``[C]``): with ``J_γ = Σ_s G ⊙ x̂`` and
+``J_β = Σ_s G``, the rows ``J S`` are those of ``G S_β`` and ``x̂ S_γ S_β⁻¹``
+(:func:`scale_norm_record`). Other layers keep ``D = I``.
 
 ``S`` is fixed at each curvature step (the cached factors are those of ``S F S`` with that
 ``S``) and written in place, so a captured CUDA graph reads the same storage. With
@@ -42,17 +46,23 @@ import torch
 from torch import Tensor
 
 from ... import solve
+from ...capture.norm import CHANNEL_FIRST, NORM_KINDS
 from ...capture.store import Record
 from ...curvature.layer import CoveredLayer
 from ..step.result import StepResult
 
-__all__ = ["ScaledMetric", "ema_finite_", "metric_covers", "scale_along", "scale_record", "scale_weight",
-           "vocabulary_rows"]
+__all__ = ["ScaledMetric", "ema_finite_", "metric_covers", "norm_covers", "scale_along", "scale_norm_record",
+           "scale_params", "scale_record", "scale_weight", "vocabulary_rows"]
 
 
 def metric_covers(layer: CoveredLayer) -> bool:
     """Whether ``layer``'s weight gets a base metric ``D`` (Linear or Embedding, 2-D weight)."""
     return not layer.bias_only and layer.kind in ("linear", "embedding") and layer.weight.ndim == 2
+
+
+def norm_covers(layer: CoveredLayer) -> bool:
+    """Whether ``layer`` is a norm layer with a trainable affine weight ``γ``."""
+    return not layer.bias_only and layer.kind in NORM_KINDS
 
 
 def vocabulary_rows(layer: CoveredLayer) -> bool:
@@ -86,6 +96,33 @@ def _out_side(layer: CoveredLayer, s_rows: Tensor, s_cols: Tensor) -> Tensor:
     return s_cols if layer.spec.transposed else s_rows
 
 
+def scale_params(layer: CoveredLayer, w: Optional[Tensor], b: Optional[Tensor], s_rows: Tensor,
+                 s_cols: Tensor) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """``S`` applied to ``w`` (the weight's shape) and ``b`` (the bias's), either None: a norm
+    layer's ``γ`` by ``s_rows``, ``β`` by ``s_cols`` (flat ``[C]``, elementwise); else
+    ``S_rows w S_cols`` and the bias by the output side's factor."""
+    if layer.kind in NORM_KINDS:
+        return (None if w is None else w * s_rows.reshape(w.shape),
+                None if b is None else b * s_cols.reshape(b.shape))
+    return (None if w is None else scale_weight(w, s_rows, s_cols),
+            None if b is None else scale_along(b, _out_side(layer, s_rows, s_cols)))
+
+
+def scale_norm_record(layer: CoveredLayer, rec: Record, s_w: Tensor, s_b: Tensor) -> None:
+    """:func:`scale_record` of a norm layer (``s_w``, ``s_b``: ``γ``'s and ``β``'s diagonal
+    factors ``[C]``): materialized ``P [m, *γ.shape]`` by ``s_w``, ``Gsum [m, C]`` by ``s_b``;
+    else ``G`` by ``s_b`` and ``x̂ = I`` by ``s_w / s_b`` (channel-first kinds ``[m, C, *sp]``,
+    the others ``[m, *positions, *γ.shape]``)."""
+    if rec.P is not None:
+        rec.P = (rec.P.reshape(rec.P.shape[0], -1) * s_w).reshape(rec.P.shape)
+        if rec.Gsum is not None and rec.Gsum.numel():
+            rec.Gsum = (rec.Gsum.reshape(rec.Gsum.shape[0], -1) * s_b).reshape(rec.Gsum.shape)
+        return
+    assert rec.I is not None and rec.G is not None
+    shape = (-1, *[1] * (rec.I.ndim - 2)) if layer.kind in CHANNEL_FIRST else tuple(layer.weight.shape)
+    rec.I, rec.G = rec.I * (s_w / s_b).reshape(shape), rec.G * s_b.reshape(shape)
+
+
 def scale_record(layer: CoveredLayer, rec: Record, s_rows: Tensor, s_cols: Tensor) -> None:
     """Replace ``rec``'s tensors by those of the rows ``J S`` (new tensors: an input shared
     with another layer's record is left as it is). Each factor acts on a row vector from the
@@ -95,6 +132,8 @@ def scale_record(layer: CoveredLayer, rec: Record, s_rows: Tensor, s_cols: Tenso
     Embedding ``I = idx``, ``G [m, *, D]``: ``G`` by the columns' factor and by the row
     (diagonal) factor of its index; materialized ``P [m, *weight.shape]`` by both,
     ``Gsum [m, d_out]`` by the output side's."""
+    if layer.kind in NORM_KINDS:
+        return scale_norm_record(layer, rec, s_rows, s_cols)
     if rec.P is not None:
         m = rec.P.shape[0]
         R, C = layer.weight.shape
@@ -125,6 +164,7 @@ class ScaledMetric:
 
     MOMENTS: tuple[str, str] = ("", "")  # state keys of the rows' and the columns' moments
     SCALES: tuple[str, str] = ("", "")  # state keys of S's fixed factors
+    NORMS = False  # norm layers' γ and β get diagonal factors (module docstring)
 
     def __init__(self, beta2: float = 0.99, root_every: Optional[int] = None):
         if not 0.0 <= beta2 < 1.0:
@@ -140,10 +180,14 @@ class ScaledMetric:
         """``S``'s factor of each moment (of the layers' sides whose records are new)."""
         raise NotImplementedError
 
+    def covers(self, layer: CoveredLayer) -> bool:
+        """Whether ``layer`` gets a ``D`` (:func:`metric_covers`, or :func:`norm_covers` with :attr:`NORMS`)."""
+        return metric_covers(layer) or (self.NORMS and norm_covers(layer))
+
     def scales(self, state: Any, layer: CoveredLayer) -> Optional[tuple[Tensor, Tensor]]:
         """``(s_rows, s_cols)``: ``S``'s factors fixed at the last curvature step (None:
         ``D = I`` for this layer)."""
-        st = state.get(layer.weight, {}) if metric_covers(layer) else {}
+        st = state.get(layer.weight, {}) if self.covers(layer) else {}
         if self.SCALES[0] not in st:
             return None
         return st[self.SCALES[0]], st[self.SCALES[1]]
@@ -154,7 +198,7 @@ class ScaledMetric:
         scaled: dict[int, Record] = {}
         todo: list[tuple[CoveredLayer, list[Record]]] = []
         for lay in layers:
-            if not metric_covers(lay) or not lay.captured or self.MOMENTS[0] not in state[lay.weight]:
+            if not self.covers(lay) or not lay.captured or self.MOMENTS[0] not in state[lay.weight]:
                 continue
             recs = lay.records()
             if all(self._scaled.get(id(r)) is r for r in recs):
@@ -203,12 +247,12 @@ class ScaledMetric:
         try:
             for lay, s_rows, s_cols in self._pairs(state, layers):
                 w, b = lay.weight, lay.bias
-                if w.grad is not None:
-                    saved.append((w, w.grad))
-                    w.grad = scale_weight(w.grad, s_rows, s_cols)
-                if b is not None and b.grad is not None:
-                    saved.append((b, b.grad))
-                    b.grad = scale_along(b.grad, _out_side(lay, s_rows, s_cols))
+                gb = b.grad if b is not None else None
+                sw, sb = scale_params(lay, w.grad, gb, s_rows, s_cols)
+                for param, g, scaled in ((w, w.grad, sw), (b, gb, sb)):
+                    if param is not None and g is not None and scaled is not None:
+                        saved.append((param, g))
+                        param.grad = scaled
             yield
         finally:
             for p, g in saved:
@@ -220,8 +264,8 @@ class ScaledMetric:
         updates = dict(result.updates)
         for lay, s_rows, s_cols in self._pairs(state, layers):
             w, b = lay.weight, lay.bias
-            if w in updates:
-                updates[w] = scale_weight(updates[w], s_rows, s_cols)
-            if b is not None and b in updates:
-                updates[b] = scale_along(updates[b], _out_side(lay, s_rows, s_cols))
+            uw, ub = scale_params(lay, updates.get(w), updates.get(b) if b is not None else None, s_rows, s_cols)
+            for p, u in ((w, uw), (b, ub)):
+                if p is not None and u is not None:
+                    updates[p] = u
         return StepResult(updates, result.ok, result.update_dot, result.grad_sq)
