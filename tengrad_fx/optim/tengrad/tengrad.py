@@ -97,8 +97,10 @@ class TENGraD(StepSkeleton):
             ``"factored"``: Kronecker-diagonal ``D`` from factored second moments of the gradients
             (Adafactor's; :mod:`.metric`). ``"kronecker"``: ``D = L^{1/2} ⊗ R^{1/2}`` of full
             matrices from Shampoo's ``L = E[g gᵀ]``, ``R = E[gᵀ g]`` (:mod:`.kronecker_metric`;
-            an Embedding's vocabulary side diagonal). None: ``D = I`` (the paper's). The moments'
-            EMA factor: ``Metric("factored", beta2=0.9)`` (:class:`~.metric.Metric`; default 0.99).
+            an Embedding's vocabulary side and norm layers diagonal). None: ``D = I`` (the paper's).
+            The moments' EMA factor: ``Metric("factored", beta2=0.9)`` (:class:`~.metric.Metric`;
+            default 0.99); ``Metric(..., root_every=k)``: ``D`` recomputed every ``k`` steps between
+            curvature steps, the kept rows' Grams refactorized (one process only).
         relative_damping: each layer's ``α_l = α·tr(F_l)/m`` on the rows' span (``tr(K_l)/m²``: the
             mean of ``F_l``'s ``m`` eigenvalues there), so ``α`` is relative to the layer's own scale
             (:func:`.cache.relative_scales`); False: ``α`` as given (the paper's).
