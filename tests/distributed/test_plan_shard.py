@@ -95,5 +95,7 @@ def test_mode_placement_and_unsupported_options_are_checked() -> None:
         from tengrad_fx.optim.tengrad.metric import Metric
         with pytest.raises(ValueError, match="root_every"):  # the kept rows move between ranks
             DistributedTENGraD(net, lr=0.1, damping=0.1, metric=Metric("kronecker", root_every=2))
+        kron = DistributedTENGraD(net, lr=0.1, damping=0.1, metric="kronecker").metric  # root_every="auto"
+        assert kron is not None and kron.root_every is None
     finally:
         dist.destroy_process_group()

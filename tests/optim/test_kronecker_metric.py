@@ -25,7 +25,7 @@ import tengrad_fx
 from tengrad_fx import TENGraD
 from tengrad_fx.optim.tengrad import kronecker_metric
 from tengrad_fx.optim.tengrad.kronecker_metric import FLOOR
-from tengrad_fx.optim.tengrad.metric import Metric
+from tengrad_fx.optim.tengrad.metric import ROOT_EVERY, Metric
 from tengrad_fx.utils.dispatch import SyncCounter
 from testing.oracle import dense_layer_updates
 from testing.tengrad_step import (
@@ -314,9 +314,14 @@ def test_non_finite_gradient_leaves_the_moments(metric: str) -> None:
 
 
 def test_bad_metric_names_the_valid_values() -> None:
-    """An unknown metric is a ValueError listing the valid values."""
+    """An unknown metric is a ValueError listing the valid values; ``root_every`` defaults to
+    the kind's (``"auto"``: every 5 steps for the Kronecker metric, never for the factored)."""
     with pytest.raises(ValueError, match="metric must be None, 'factored', 'kronecker', got 'kron'"):
         setup("mlp", metric="kron")
+    assert Metric("kronecker").root_every == "auto"
+    for kind, every in (("kronecker", 5), ("factored", None)):
+        assert setup("mlp", metric=kind)[2].metric.root_every == ROOT_EVERY[kind] == every
+        assert setup("mlp", metric=Metric(kind, root_every=None))[2].metric.root_every is None
 
 
 def test_bfloat16_autocast_steps_run_and_the_metric_acts() -> None:

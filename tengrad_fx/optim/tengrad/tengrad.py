@@ -46,7 +46,7 @@ from .cuda_graphs import GraphRunner
 from .group_cost import reuse_cost
 from .jacobian_sites import marked_jacobian_sites
 from ..step.renamed import respelled_keywords
-from .metric import MetricOption, make_metric
+from .metric import Metric, MetricOption, make_metric
 from .options import Execution, built_options, check_options, jacobian_budget_bytes, use_cuda_graph
 from .position_rows import draw_position_rows, position_sites
 from .resume import restore_records, save_records
@@ -100,7 +100,8 @@ class TENGraD(StepSkeleton):
             an Embedding's vocabulary side and norm layers diagonal). None: ``D = I`` (the paper's).
             The moments' EMA factor: ``Metric("factored", beta2=0.9)`` (:class:`~.metric.Metric`;
             default 0.99); ``Metric(..., root_every=k)``: ``D`` recomputed every ``k`` steps between
-            curvature steps, the kept rows' Grams refactorized (one process only).
+            curvature steps, the kept rows' Grams refactorized (one process only; by default 5
+            for ``"kronecker"``, never for ``"factored"``).
         relative_damping: each layer's ``α_l = α·tr(F_l)/m`` on the rows' span (``tr(K_l)/m²``: the
             mean of ``F_l``'s ``m`` eigenvalues there), so ``α`` is relative to the layer's own scale
             (:func:`.cache.relative_scales`); False: ``α`` as given (the paper's).
@@ -215,10 +216,11 @@ class TENGraD(StepSkeleton):
         self._init_skeleton(model, info, grad_scaler)
         self.fisher, self.mc_loss, self.kl_clip = fisher, mc_loss, kl_clip
         self.shaping = UpdateShaping(graft, orthogonalize, orthogonalize_momentum, self.param_groups)
-        self.metric = make_metric(metric)
-        if self.metric is not None and self.metric.root_every is not None and type(dist) is not SingleProcess:
+        one_process = type(dist) is SingleProcess
+        if isinstance(metric, Metric) and metric.root_every not in (None, "auto") and not one_process:
             raise ValueError(f"{type(self).__name__}: Metric(root_every=...) rebuilds the Grams of one process's "
                              f"kept rows; {type(dist).__name__} moves them on curvature steps: pass root_every=None")
+        self.metric = make_metric(metric, one_process)  # root_every="auto": None under a distribution
         self.update_form = update_form
         self.solve_dtype, self.strategy, self.gram_tf32, self.compile = \
             ex.solve_dtype, ex.strategy, bool(ex.gram_tf32), bool(ex.compile)
