@@ -172,14 +172,15 @@ def recorded_step(template: nn.Module, model: nn.Module, opt: TENGraD, seed: int
 
 def lm_steps(steps: int, tied: bool = True, **opt_kw) -> Iterator[LMStep]:
     """``steps`` steps of :class:`TinyLM` in float64 (``T = 1``, lr 1, no momentum, weight decay or
-    KL clip; ``opt_kw`` the other options; batches ``[6, 4]``): per step ``(reference model
-    before it, x, y, g, the update u, the gradient history so far, the covered parameters)``."""
+    KL clip unless ``opt_kw`` says otherwise; ``opt_kw`` the other options; batches ``[6, 4]``):
+    per step ``(reference model before it, x, y, g, the update u, the gradient history so far,
+    the covered parameters)``."""
     net = TinyLM(tied).double()
     template = copy.deepcopy(net)
     gen = torch.Generator().manual_seed(3)
     model = tengrad_fx.prepare(net, example_inputs=(torch.randint(0, 7, (2, 4), generator=gen),))
     kw = dict(lr=1.0, momentum=0.0, weight_decay=0.0, curvature_every=1, kl_clip=None)
-    opt = TENGraD(model, **kw, **opt_kw)
+    opt = TENGraD(model, **{**kw, **opt_kw})
     covered = tengrad_fx.get_info(model).covered
     history: dict[str, list[torch.Tensor]] = {}
     for _ in range(steps):

@@ -76,14 +76,14 @@ def test_strategies_declare_capabilities_and_one_check_refuses() -> None:
     overriding = sorted(name for name in strategies if "check" in classes[name][1])
     assert not overriding, f"check() overridden in {overriding}: declare lacks() instead"
     body = inspect.getsource(SingleProcess.check)
-    named = [opt for opt in NEEDS if repr(opt) in body or f'"{opt}"' in body]
+    named = [opt for opt, _, _ in NEEDS if repr(opt) in body or f'"{opt}"' in body]
     assert not named, f"the shared check names options {named}: options declare their needs in NEEDS"
     keywords = set(inspect.signature(TENGraD.__init__).parameters)
-    assert set(NEEDS) <= keywords and {cap for cap, _ in NEEDS.values()} <= set(CAPABILITIES)
+    assert {opt for opt, _, _ in NEEDS} <= keywords and {cap for _, cap, _ in NEEDS} <= set(CAPABILITIES)
     fsdp, local = object.__new__(FSDPShards), object.__new__(GlobalBatch)
     fsdp.mode, local.mode = "auto", "local"
     for strategy in (fsdp, local):
         assert set(strategy.lacks()) <= set(CAPABILITIES), type(strategy).__name__
     # the capture of a reuse step cannot read FSDP2's reallocated DTensor gradients
     assert "DTensor" in fsdp.lacks()["static_buffers"]
-    assert set(local.lacks()) == {"global_rows"} and SingleProcess().lacks() == {}
+    assert set(local.lacks()) == {"global_rows", "kept_rows"} and SingleProcess().lacks() == {}

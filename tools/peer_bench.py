@@ -34,7 +34,8 @@ Methods (``METHODS``; ``--methods all`` = every one):
   and the other four run.
 
 ``--tengrad 'k32:curvature_samples=32'`` adds a TENGraD variant: the paper's settings with
-those keyword overrides (``preset=NAME`` stands for a preset's options), as in ``tools.ablate``.
+those keyword overrides (``preset=NAME`` stands for a preset's options, ``metric.FIELD=v`` for a
+field of ``Metric``: ``metric=kronecker,metric.root_every=10``), as in ``tools.ablate``.
 
 ``--schedule cosine`` gives every run the same lr schedule (``LambdaLR``: its lr times
 ``½(1 + cos(π·t/steps))`` after ``t`` steps, down to 0 at ``--steps``); default constant.

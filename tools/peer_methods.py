@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from tengrad_fx.optim.registry import PAPER_DEFAULTS, PRESETS, make_optimizer
+from tengrad_fx.optim.tengrad.metric import Metric
 from tengrad_fx.utils.optional import require
 from tools.chained_optim import Chained
 
@@ -176,10 +177,25 @@ def parse_variant(spec: str) -> tuple[str, dict[str, Any]]:
     return name, opts
 
 
+def _metric_fields(opts: dict[str, Any]) -> dict[str, Any]:
+    """``opts`` with ``metric.FIELD=v`` keys folded into ``metric=Metric(kind, FIELD=v)``
+    (``kind`` from ``metric=``, a string or a Metric)."""
+    fields = {k.partition(".")[2]: v for k, v in opts.items() if k.startswith("metric.")}
+    if not fields:
+        return opts
+    base = opts.get("metric")
+    if base is None:
+        raise ValueError(f"TENGraD variant: {', '.join('metric.' + k for k in fields)} needs metric=KIND")
+    metric = replace(base, **fields) if isinstance(base, Metric) else Metric(base, **fields)
+    return {**{k: v for k, v in opts.items() if not k.startswith("metric.")}, "metric": metric}
+
+
 def tengrad_method(name: str, opts: dict[str, Any]) -> Method:
-    """A prepared-model method building TENGraD at the paper's settings plus ``opts``."""
+    """A prepared-model method building TENGraD at the paper's settings plus ``opts``
+    (``metric.FIELD=v``: that field of :class:`~tengrad_fx.optim.tengrad.metric.Metric`)."""
     if "preset" in opts:  # the preset's options, then the others on top
         opts = {**PRESETS["tengrad"][opts["preset"]], **{k: v for k, v in opts.items() if k != "preset"}}
+    opts = _metric_fields(opts)
     lr = float(opts.get("lr", PAPER_DEFAULTS["tengrad"][_FM]["3c1f"]["lr"]))
     kw = {k: v for k, v in opts.items() if k != "lr"}
     return Method(name, lr, _project("tengrad"), f"paper settings + {opts}", prepared=True, tengrad=True, options=kw)

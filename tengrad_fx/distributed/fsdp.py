@@ -132,9 +132,9 @@ class FSDPShards(GlobalBatch):
                      "pass mode='gather' or 'auto'")
 
     def lacks(self) -> dict[str, str]:
-        """What FSDP2's row shards do not provide: static gradient buffers; under
+        """What FSDP2's row shards do not provide: the global batch's kept rows, static gradient buffers; under
         ``mode='gram-blocks'`` also rows chosen among the global batch's."""
-        out = {"static_buffers": self.STATIC_BUFFERS}
+        out = {**super().lacks(), "static_buffers": self.STATIC_BUFFERS}
         if self.mode == "gram-blocks":
             out["global_rows"] = self.GATHERED_ROWS
         return out

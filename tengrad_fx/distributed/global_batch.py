@@ -94,12 +94,18 @@ class GlobalBatch(SingleProcess):
     # ------------------------------------------------------------------ construction
     LABEL = "DistributedTENGraD"
 
+    KEPT_ROWS = ("the global batch's records are exchanged and released on curvature steps (a rank keeps its "
+                 "factors and its own rows, not every row), so no rank can rebuild the Grams under a new metric "
+                 "between them; pass Metric(..., root_every=None) or 'auto' (no recomputation here)")
+
     def lacks(self) -> dict[str, str]:
-        """``mode='local'`` forms no global batch's Fisher to choose rows of."""
-        if self.mode != "local":
-            return {}
-        return {"global_rows": "mode='local' does not form the global batch's Fisher (each rank preconditions "
-                               "with its own); pass mode='gather', 'gram-blocks' or 'auto', or leave it None"}
+        """The kept rows of the global batch; under ``mode='local'`` also the global batch's
+        Fisher to choose rows of."""
+        out = {"kept_rows": self.KEPT_ROWS}
+        if self.mode == "local":
+            out["global_rows"] = ("mode='local' does not form the global batch's Fisher (each rank preconditions "
+                                  "with its own); pass mode='gather', 'gram-blocks' or 'auto', or leave it None")
+        return out
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         if isinstance(model, DistributedDataParallel) and not _prepared(model):

@@ -8,9 +8,10 @@ push-through probe's rule (:func:`push_through_holds`), Grams of different sizes
 update (:func:`polar_factor`, exact; :func:`newton_schulz_polar`, Muon's matmul-only
 approximation), and eigendecompositions with floored eigenvalues (:func:`floored_eigh`) with the
 inverse square root of a base metric's Kronecker factor (:func:`root_inverse_sqrt`,
-:func:`diagonal_root_inverse_sqrt`). Callers look these up here at call time (``solve.f(...)``).
+:func:`diagonal_root_inverse_sqrt`) and the change from one such factor to the next
+(:func:`root_change`). Callers look these up here at call time (``solve.f(...)``).
 """
-from .eigen import diagonal_root_inverse_sqrt, floored_eigh, root_inverse_sqrt
+from .eigen import diagonal_root_inverse_sqrt, floored_eigh, root_change, root_inverse_sqrt
 from .polar import NEWTON_SCHULZ_COEFFS, NEWTON_SCHULZ_STEPS, POLAR_FLOOR, newton_schulz_polar, polar_factor
 from .probe import probe_tolerance, push_through_holds
 from .ragged import pad_gram, pad_rows
@@ -22,4 +23,4 @@ __all__ = ["damped_cholesky", "damped_cholesky_ex", "solve_cholesky", "woodbury_
            "woodbury_combine", "push_through_rhs", "push_through_scale", "woodbury_apply", "woodbury_push_through",
            "probe_tolerance", "push_through_holds", "CholeskyFailed", "POLAR_FLOOR", "polar_factor",
            "NEWTON_SCHULZ_COEFFS", "NEWTON_SCHULZ_STEPS", "newton_schulz_polar", "pad_gram", "pad_rows",
-           "floored_eigh", "root_inverse_sqrt", "diagonal_root_inverse_sqrt"]
+           "floored_eigh", "root_inverse_sqrt", "diagonal_root_inverse_sqrt", "root_change"]

@@ -13,14 +13,20 @@ caller picks what stands in for it.
 is a full matrix ``[..., n, n]``; :func:`diagonal_root_inverse_sqrt` is the same maths on a
 diagonal ``[..., n]`` (``E = I``). A non-finite ``M`` gives ``S = I``.
 
-The eigensolver reads its status on the host (one sync per call on CUDA, whatever the batch).
+When ``S`` is recomputed between curvature steps, rows already scaled by the old factor
+``x S_old`` become ``x S_new`` by :func:`root_change` ``S_old⁻¹ S_new`` (one Cholesky of
+``S_old``, positive definite with condition at most ``δ^{-1/2}`` by the floor), so only the
+scaled rows need be kept.
+
+The eigensolver reads its status on the host (one sync per call on CUDA, whatever the batch);
+:func:`root_change` reads nothing.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-__all__ = ["diagonal_root_inverse_sqrt", "floored_eigh", "root_inverse_sqrt"]
+__all__ = ["diagonal_root_inverse_sqrt", "floored_eigh", "root_change", "root_inverse_sqrt"]
 
 
 def _floored(lam: Tensor, lam_max: Tensor, floor: float) -> Tensor:
@@ -69,3 +75,16 @@ def diagonal_root_inverse_sqrt(moment: Tensor, floor: float) -> Tensor:
     lam = torch.where(finite, work, torch.ones((), dtype=work.dtype, device=work.device))
     lam = _floored(lam, lam.amax(-1, keepdim=True), floor ** 2)
     return _inverse_sqrt_of_normalized_root(lam).to(moment.dtype)
+
+
+def root_change(old: Tensor, new: Tensor) -> Tensor:
+    """``S_old⁻¹ S_new`` of two factors of :func:`root_inverse_sqrt` (``[..., n, n]``, acting
+    on row vectors from the right: ``(x S_old) S_old⁻¹ S_new = x S_new``) or of
+    :func:`diagonal_root_inverse_sqrt` (``[..., n]``: ``new / old``); ``new``'s dtype
+    (float16 / bfloat16 computed in float32). No host read: a Cholesky of ``S_old`` that
+    fails (a non-finite factor) gives non-finite entries, which the step's finite check sees."""
+    a, b = _working(old), _working(new)
+    if old.ndim == 1:
+        return (b / a).to(new.dtype)
+    chol, _ = torch.linalg.cholesky_ex(a)
+    return torch.cholesky_solve(b, chol).to(new.dtype)

@@ -17,11 +17,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import tengrad_fx
+from tengrad_fx import TENGraD
 from tengrad_fx.optim.tengrad.metric import FLOOR, Metric
 from testing.oracle import dense_layer_updates, per_sample_grads_reference
 from testing.tengrad_step import (
     assert_graphs_match_eager, assert_matches, batch, covered_and_biases, forward_backward, lm_loss, lm_steps,
-    recorded_step, setup, step_delta,
+    recorded_step, rel, setup, step_delta,
 )
 
 BETA2 = 0.9
@@ -62,22 +64,25 @@ def _relative(model: nn.Module, x: torch.Tensor, y: torch.Tensor, covered: dict[
     return {pn: alpha * total[lay] / m ** 2 for pn, lay in covered.items()}
 
 
-@pytest.mark.parametrize("every,metric,relative", [(1, "factored", False), (3, "factored", False),
-                                                   (1, None, True), (3, "factored", True)])
-def test_step_equals_dense_solve(every: int, metric: str | None, relative: bool) -> None:
-    """Five steps of the MLP: each update is ``solve(JᵀJ/m + α_l D, g)`` with ``J``, ``D`` and
-    ``α_l`` of the last curvature step and ``g`` of this one (``α_l = α`` or, relative,
+@pytest.mark.parametrize("every,metric,relative,root_every", [
+    (1, "factored", False, None), (3, "factored", False, None), (1, None, True, None), (3, "factored", True, None),
+    (4, "factored", True, 1), (4, "factored", False, 2)])
+def test_step_equals_dense_solve(every: int, metric: str | None, relative: bool, root_every: int | None) -> None:
+    """Five steps of the MLP: each update is ``solve(JᵀJ/m + α_l D, g)`` with ``J`` of the last
+    curvature step, ``D`` and ``α_l`` of it or of the last recomputation of ``S``
+    (``root_every``), and ``g`` of this one (``α_l = α`` or, relative,
     ``α·tr(D^{-1/2} F_l D^{-1/2})/m``)."""
-    template, model, opt = setup("mlp", metric=Metric(metric, BETA2) if metric else None, curvature_every=every,
-                                 relative_damping=relative, lr=0.02)
+    template, model, opt = setup("mlp", metric=Metric(metric, BETA2, root_every) if metric else None,
+                                 curvature_every=every, relative_damping=relative, lr=0.02)
     covered, biases = covered_and_biases(model)
     history: dict[str, list[torch.Tensor]] = {}
     for t in range(5):
         ref_model, x, y, g = recorded_step(template, model, opt, t, history)
         if t % every == 0:
-            D = _metric(history, {n: True for n in biases}, biases) if metric else {}
-            alphas = _relative(ref_model, x, y, covered, D, 0.05) if relative else None
             curv = (ref_model, x, y)
+        if t % every == 0 or (root_every is not None and (t % every) % root_every == 0):
+            D = _metric(history, {n: True for n in biases}, biases) if metric else {}
+            alphas = _relative(*curv, covered, D, 0.05) if relative else None
         ref = {}
         for pn, lay in covered.items():  # per layer: its α_l
             alpha = alphas[pn] if alphas else 0.05
@@ -120,6 +125,29 @@ def test_factored_metric_resumes_bit_for_bit() -> None:
     assert all(torch.equal(whole[n], resumed[n]) for n in whole)
 
 
+def test_recomputed_roots_leave_uncovered_stacked_layers() -> None:
+    """Two equal ``LayerNorm`` s (no factored ``D``: their records stay pointed at one stack)
+    with ``root_every = 1``, ``T = 4``: on the first reuse step (the same gradients) their
+    updates equal those of ``root_every = None`` (each layer's block is its own), while a
+    Linear's differ."""
+    deltas = []
+    for root_every in (None, 1):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.Linear(16, 16), nn.LayerNorm(16),
+                            nn.Linear(16, 4)).double()
+        model = tengrad_fx.prepare(net, example_inputs=(batch("mlp", 2, 99)[0],))
+        opt = TENGraD(model, lr=0.02, damping=0.5, curvature_every=4, metric=Metric("factored", BETA2, root_every))
+        for t in range(2):
+            x, y = batch("mlp", 8, t)
+            forward_backward(model, opt, x, y)
+            delta = step_delta(model, opt)
+        assert any(len(g.layers) == 2 and g.layers[0].kind == "layernorm" for g in opt.curvature.groups)
+        deltas.append(delta)
+    for n in ("1.weight", "1.bias", "3.weight", "3.bias"):
+        torch.testing.assert_close(deltas[1][n], deltas[0][n], rtol=1e-12, atol=0.0)
+    assert rel(deltas[1]["2.weight"], deltas[0]["2.weight"]) > 1e-3
+
+
 def test_metric_changes_the_step_and_bad_values_are_named() -> None:
     """The metric is not the identity (the update differs from the plain step's on the
     same batch); an unknown metric or a ``beta2`` outside ``[0, 1)`` is a ValueError
@@ -135,6 +163,9 @@ def test_metric_changes_the_step_and_bad_values_are_named() -> None:
         setup("mlp", metric="diagonal")
     with pytest.raises(ValueError, match="beta2"):
         setup("mlp", metric=Metric("factored", beta2=1.0))
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="root_every"):
+            Metric("kronecker", root_every=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -67,7 +67,8 @@ def test_every_keyword_has_one_classified_spelling() -> None:
         assert spelled and set(spelled) <= set(OPTIONS), name
     assert [SCHEDULE_FIELDS[f.name] for f in fields(CurvatureSchedule)] == list(DEPRECATED["schedule"])
     assert [f.name for f in fields(Execution)] == list(DEPRECATED["execution"])
-    assert [f.name for f in fields(Metric)] == ["kind", "beta2"]  # metric= (the kind) and metric_beta2
+    # metric= (the kind), metric_beta2 (deprecated), root_every (only Metric spells it)
+    assert [f.name for f in fields(Metric)] == ["kind", "beta2", "root_every"]
 
 
 def test_group_options_live_in_defaults() -> None:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import tengrad_fx
 from tengrad_fx import TENGraD
-from tengrad_fx.optim.tengrad.metric import FLOOR
+from tengrad_fx.optim.tengrad.metric import FLOOR, Metric
 from tengrad_fx.optim.tengrad.position_rows import scored_draw
 from tengrad_fx.utils.dispatch import SyncCounter
 from testing.oracle import dense_layer_updates, per_sample_grads_reference
@@ -134,26 +134,34 @@ def test_mc_fisher_rows_are_the_sampled_labels_positions() -> None:
     assert_matches(_step(model, opt, tok, y, targets=t), ref)
 
 
-def test_with_the_factored_metric() -> None:
-    """``metric="factored"`` on the drawn rows: ``u = (F_k + αD)⁻¹ g`` with the first step's
-    ``D = a ⊗ b`` (``a = √r/mean(√r)``, ``b = √c/mean(√c)`` of the row and column means of
-    ``g²``; a bias takes ``a``), built here."""
-    template, model, opt = _setup(metric="factored", metric_beta2=0.9)
+@pytest.mark.parametrize("steps", [1, 2])
+def test_with_the_factored_metric(steps: int) -> None:
+    """``metric="factored"`` on the drawn rows: ``u = (F_k + αD)⁻¹ g`` with ``D = a ⊗ b``
+    (``a = √r/mean(√r)``, ``b = √c/mean(√c)`` of the EMAs (``β₂ = 0.9``) of the row and column
+    means of ``g²``; a bias takes ``a``), built here: of the first step's, or (``steps = 2``,
+    ``root_every = 1``) on the reuse step, of both steps' gradients with the first step's rows."""
+    template, model, opt = _setup(metric=Metric("factored", beta2=0.9, root_every=1))
     layers = _position_layers(model)
-    tok, y = _batch(4)
-    ref_model = snapshot(template, model)
-    g = full_grad(ref_model, tok, y, lm_loss)
-    D = {}
-    for names in layers.values():
-        a, b = (m.sqrt() / m.sqrt().mean() for m in (g[names[0]].square().mean(1), g[names[0]].square().mean(0)))
-        a, b = a.clamp_min(FLOOR), b.clamp_min(FLOOR)
-        D[names[0]] = a[:, None] * b[None, :]
-        D.update({n: a for n in names[1:]})
-    xJ, yJ = _positions(tok, y, _drawn(5))
-    covered = {pn: lay for lay, names in layers.items() for pn in names}
-    ref = {**dense_layer_updates(ref_model, xJ, yJ, lm_loss, g, ALPHA, covered, metric=D),
-           **dense_u(ref_model, tok, y, lm_loss, g, ALPHA, {"norm": ["norm.weight", "norm.bias"]})}
-    assert_matches(_step(model, opt, tok, y), ref)
+    moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for step in range(steps):
+        tok, y = _batch(4 + step)
+        ref_model = snapshot(template, model)
+        if step == 0:
+            curv = ref_model, *_positions(tok, y, _drawn(5))
+        g = full_grad(ref_model, tok, y, lm_loss)
+        D = {}
+        for names in layers.values():
+            r0, c0 = moments.get(names[0], (0.0, 0.0))
+            r, c = (0.9 * old + 0.1 * new for old, new in ((r0, g[names[0]].square().mean(1)),
+                                                           (c0, g[names[0]].square().mean(0))))
+            moments[names[0]] = r, c
+            a, b = ((m.sqrt() / m.sqrt().mean()).clamp_min(FLOOR) for m in (r, c))
+            D[names[0]] = a[:, None] * b[None, :]
+            D.update({n: a for n in names[1:]})
+        covered = {pn: lay for lay, names in layers.items() for pn in names}
+        ref = {**dense_layer_updates(*curv, lm_loss, g, ALPHA, covered, metric=D),
+               **dense_u(curv[0], *_batch(4), lm_loss, g, ALPHA, {"norm": ["norm.weight", "norm.bias"]})}
+        assert_matches(_step(model, opt, tok, y), ref)
 
 
 def test_relative_damping_takes_each_layers_own_rows() -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tengrad_fx.optim.tengrad.metric import Metric
 from testing.repo_tools import tool
 from tengrad_fx.zoo import byte_lm
 
@@ -106,6 +107,10 @@ def test_lm_methods() -> None:
     assert tg.options == {"curvature_every": 20} and "curvature every 20" in tg.settings
     own = peer_methods.lm_method(peer_methods.tengrad_method("k", {"curvature_every": 5}))
     assert own.options == {"curvature_every": 5}
+    name, opts = peer_methods.parse_variant("kr:preset=lm,metric=kronecker,metric.root_every=10")
+    assert peer_methods.tengrad_method(name, opts).options["metric"] == Metric("kronecker", root_every=10)
+    with pytest.raises(ValueError, match="metric.root_every needs metric=KIND"):
+        peer_methods.tengrad_method("r", {"metric.root_every": 10})
     assert peer_methods.lm_method(peer_methods.METHODS["adamw"]) is peer_methods.METHODS["adamw"]
     pytest.importorskip("pytorch_optimizer")
     model, _ = lm.build_lm("gpt2-bytes-t")

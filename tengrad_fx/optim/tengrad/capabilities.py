@@ -21,19 +21,26 @@ CAPABILITIES: dict[str, str] = {
     "output_backwards": "the optimizer's own backward passes from the model's output record every layer's G",
     "metric_scaling": "a base metric can scale the records and gradients of every layer solved here",
     "layer_traces": "each layer's Gram trace tr(K_l) sets its damping where its factors are formed",
+    "kept_rows": "the rows a curvature step's factors were formed from stay on this process until the next one",
 }
 """Each capability a strategy may lack, with what it means."""
 
-NEEDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "cuda_graph": ("static_buffers", lambda v: bool(v)),
-    "compile": ("compiled_solve", lambda v: bool(v)),
-    "curvature_samples": ("global_rows", lambda v: v is not None),
-    "position_rows": ("global_rows", lambda v: v is not None),
-    "fisher": ("output_backwards", lambda v: v == "gauss-newton"),
-    "metric": ("metric_scaling", lambda v: bool(v)),
-    "relative_damping": ("layer_traces", lambda v: bool(v)),
-}
-"""``option: (the capability it needs, whether a value asks for it)``."""
+def _recomputed_roots(metric: Any) -> bool:
+    """A ``Metric(..., root_every=k)`` given with an explicit ``k``."""
+    return getattr(metric, "root_every", None) not in (None, "auto")
+
+
+NEEDS: list[tuple[str, str, Callable[[Any], bool]]] = [
+    ("cuda_graph", "static_buffers", lambda v: bool(v)),
+    ("compile", "compiled_solve", lambda v: bool(v)),
+    ("curvature_samples", "global_rows", lambda v: v is not None),
+    ("position_rows", "global_rows", lambda v: v is not None),
+    ("fisher", "output_backwards", lambda v: v == "gauss-newton"),
+    ("metric", "metric_scaling", lambda v: bool(v)),
+    ("metric", "kept_rows", _recomputed_roots),
+    ("relative_damping", "layer_traces", lambda v: bool(v)),
+]
+"""``(option, the capability it needs, whether a value asks for it)``."""
 
 
 def refuse(label: str, strategy: str, lacks: dict[str, str], options: dict[str, Any]) -> None:
@@ -41,7 +48,7 @@ def refuse(label: str, strategy: str, lacks: dict[str, str], options: dict[str, 
     name, :func:`.options.built_options`) whose value needs a capability in ``lacks``
     (``capability: the strategy's reason``); ``label``: the optimizer as users build it,
     ``strategy``: the strategy's name."""
-    for option, (capability, asks) in NEEDS.items():
+    for option, capability, asks in NEEDS:
         if asks(options[option]) and capability in lacks:
             raise ValueError(f"{label}: {option}={options[option]!r} is not supported: it needs {capability} "
                              f"({CAPABILITIES[capability]}), which {strategy} lacks: {lacks[capability]}")

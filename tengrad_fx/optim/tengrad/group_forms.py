@@ -27,7 +27,7 @@ from torch import Tensor
 from ...curvature import conv_stack, conv_stack_bmm, factored, materialized
 from ...curvature.layer import Strategy
 from .group_probe import ProbeTerms, conv_probe_rows, probe_generator
-from .layer_groups import LayerGroup, column_views, pack
+from .layer_groups import LayerGroup, column_views, copy_new, pack
 
 __all__ = ["MaterializedGroup", "PackedGroup", "FactoredLinearGroup", "ConvStackGroup", "SingleLayerGroup", "FORMS"]
 
@@ -99,7 +99,7 @@ class PackedGroup(MaterializedGroup):
 
     def refill(self, parts: list[tuple[Tensor, Optional[Tensor]]]) -> None:
         """The zero columns are never written, so they stay zero."""
-        torch._foreach_copy_(self.fill, [t for pair in parts for t in pair if t is not None])
+        copy_new(self.fill, [t for pair in parts for t in pair if t is not None])
 
     def _layer_slice(self, X: Tensor, i: int, Y: Optional[Tensor] = None,
                      records: bool = True) -> tuple[Tensor, Optional[Tensor]]:

@@ -24,7 +24,9 @@ Diagonal sides: an Embedding table's vocabulary side (rows of ``[vocab, D]``, al
 Linear tied to it) keeps only ``L``'s diagonal, the row sums of ``g²``, as does any side
 longer than :data:`MAX_FULL_SIDE` (a ``[n, n]`` factor and its eigendecomposition would
 cost too much); the same maths on the diagonal. The bias ``[d_out]`` gets the output side's
-factor. Other layers (convolutions, norm layers, bias-only) keep ``D = I``.
+factor. A norm layer's ``γ`` and ``β`` (flat ``[C]``) each get a diagonal factor, the same
+maths on EMAs of ``g²`` (Adam's second moment; a missing or frozen ``β`` keeps zeros, so
+``S_β = 1``). Other layers (convolutions, bias-only) keep ``D = I``.
 
 ``S`` is refreshed at each curvature step from the moments by one floored eigendecomposition
 per distinct factor shape (:func:`tengrad_fx.solve.root_inverse_sqrt`: eigenvalues of
@@ -33,7 +35,9 @@ and fixed until the next one. Per step: two matmuls for the moments, two to form
 two for ``S ũ`` per weight, on the device, with no host read; the eigensolver's one host
 read per shape falls on curvature steps, which run eagerly, so reuse steps replay as CUDA
 graphs. State of each covered weight: ``metric_L``, ``metric_R`` (``[n, n]``, or ``[n]``
-for a diagonal side; the weight's dtype) and the fixed ``metric_scale_L`` / ``metric_scale_R``.
+for a diagonal side; a norm layer's: ``γ``'s and ``β``'s ``[C]``; the weight's dtype) and the
+fixed ``metric_scale_L`` / ``metric_scale_R``. With ``Metric(root_every=k)`` ``S`` is also
+recomputed every ``k`` steps between curvature steps (:mod:`.metric_scaling`).
 Under DDP ``DistributedTENGraD`` runs it as :mod:`.metric` says of ``"factored"``.
 """
 from __future__ import annotations
@@ -45,7 +49,7 @@ from torch import Tensor
 
 from ... import solve
 from ...curvature.layer import CoveredLayer
-from .metric_scaling import ScaledMetric, ema_finite_, metric_covers, vocabulary_rows
+from .metric_scaling import ScaledMetric, ema_finite_, metric_covers, norm_covers, vocabulary_rows
 
 __all__ = ["FLOOR", "KroneckerMetric", "MAX_FULL_SIDE", "full_sides"]
 
@@ -69,13 +73,18 @@ class KroneckerMetric(ScaledMetric):
 
     MOMENTS = ("metric_L", "metric_R")
     SCALES = ("metric_scale_L", "metric_scale_R")
+    NORMS = True
 
     def observe(self, state: Any, layers: list[CoveredLayer]) -> None:
         """Fold this step's ``g gᵀ`` and ``gᵀ g`` (or their diagonals) into each covered
-        weight's ``L`` and ``R``."""
+        weight's ``L`` and ``R`` (a norm layer's: ``γ``'s and ``β``'s ``g²``)."""
         for lay in layers:
             w = lay.weight
-            if not metric_covers(lay) or w.grad is None:
+            if w.grad is None:
+                continue
+            if norm_covers(lay):
+                self._observe_norm(state[w], lay)
+            if not metric_covers(lay):
                 continue
             st, g = state[w], w.grad
             full_rows, full_cols = full_sides(lay)
@@ -85,6 +94,16 @@ class KroneckerMetric(ScaledMetric):
                 st["metric_R"] = w.new_zeros((C, C) if full_cols else (C,))
             ema_finite_(st["metric_L"], self.beta2, g @ g.mT if full_rows else g.square().sum(1))
             ema_finite_(st["metric_R"], self.beta2, g.mT @ g if full_cols else g.square().sum(0))
+
+    def _observe_norm(self, st: dict[str, Tensor], layer: CoveredLayer) -> None:
+        """``γ``'s and ``β``'s ``g²`` (flat) into ``L`` and ``R`` of a norm layer's state ``st``."""
+        w, b = layer.weight, layer.bias
+        if "metric_L" not in st:
+            st["metric_L"], st["metric_R"] = w.new_zeros(w.numel()), w.new_zeros(w.numel())
+        assert w.grad is not None
+        ema_finite_(st["metric_L"], self.beta2, w.grad.square().flatten())
+        if b is not None and b.grad is not None:
+            ema_finite_(st["metric_R"], self.beta2, b.grad.square().flatten())
 
     def side_scales(self, moments: list[Tensor]) -> list[Tensor]:
         """``S``'s factor of each moment, the equal-shaped ones decomposed in one batch."""

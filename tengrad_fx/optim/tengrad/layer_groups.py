@@ -51,7 +51,7 @@ from ...curvature.layer import CoveredLayer
 from ..step.sharding import WHOLE, Sharding
 from .group_probe import ProbeTerms
 
-__all__ = ["LayerGroup", "pack", "pack_views", "precondition", "scaled_bmm", "stack", "tf32_matmuls"]
+__all__ = ["LayerGroup", "copy_new", "pack", "pack_views", "precondition", "scaled_bmm", "stack", "tf32_matmuls"]
 
 @contextlib.contextmanager
 def tf32_matmuls(enabled: bool) -> Iterator[None]:
@@ -98,6 +98,15 @@ def pack_views(parts: list[list[Optional[Tensor]]], width: int, like: Tensor) ->
     views = column_views(out, widths)
     torch._foreach_copy_(views, [t for row in parts for t in row if t is not None])
     return out, views
+
+
+def copy_new(dst: list[Tensor], src: list[Tensor]) -> None:
+    """``_foreach_copy_(dst, src)`` but for the pairs whose source already is its destination
+    (a record pointed at its slice of the stack, unchanged since: nothing to copy)."""
+    pairs = [(d, t) for d, t in zip(dst, src)
+             if not (d.data_ptr() == t.data_ptr() and d.shape == t.shape and d.stride() == t.stride())]
+    if pairs:
+        torch._foreach_copy_([d for d, _ in pairs], [t for _, t in pairs])
 
 
 def column_views(out: Tensor, widths: list[list[Optional[int]]]) -> list[Tensor]:
@@ -161,10 +170,7 @@ class LayerGroup:
             if S is None:
                 continue
             ts = [t for t in (pair[j] for pair in parts) if t is not None]
-            if len(ts) == 1:  # the stack may be a strided view (of a record): copy_ takes any layout
-                S.copy_(ts[0].unsqueeze(dim))
-            else:
-                torch.stack(ts, dim, out=S)
+            copy_new(list(S.unbind(dim)), ts)  # the stack may be a strided view (of a record): any layout
 
     def point_records(self) -> None:
         """Point the store's records of layers captured as one call at their part of the

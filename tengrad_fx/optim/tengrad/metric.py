@@ -2,7 +2,9 @@
 still exact by Woodbury through the change of variables ``S = D^{-1/2}`` of
 :mod:`.metric_scaling`. :func:`make_metric` reads the option: ``"factored"`` (here) or
 ``"kronecker"`` (:mod:`.kronecker_metric`), as a string (the moments' EMA factor
-``beta2 = 0.99``) or as :class:`Metric` (the kind and its ``beta2`` together).
+``beta2 = 0.99``, ``root_every="auto"``) or as :class:`Metric` (the kind, its ``beta2`` and
+``root_every``, how often ``S`` is recomputed between curvature steps: by default every 5
+steps for ``"kronecker"``, never for ``"factored"``, :data:`ROOT_EVERY`).
 
 ``metric="factored"``: ``D`` of a weight ``W [R, C]`` is Kronecker-diagonal, ``D = a ⊗ b``,
 from factored second moments as Adafactor keeps them: EMAs (``beta2``) over steps of the row
@@ -31,10 +33,14 @@ from ...curvature.layer import CoveredLayer
 from .kronecker_metric import KroneckerMetric
 from .metric_scaling import ScaledMetric, ema_finite_, metric_covers
 
-__all__ = ["FactoredMetric", "FLOOR", "METRICS", "Metric", "MetricOption", "make_metric", "metric_covers"]
+__all__ = ["FactoredMetric", "FLOOR", "METRICS", "ROOT_EVERY", "Metric", "MetricOption", "make_metric", "metric_covers"]
 
 FLOOR = 1e-3  # the least of a and b (relative to their mean 1)
 METRICS = ("factored", "kronecker")
+ROOT_EVERY: dict[str, Optional[int]] = {"factored": None, "kronecker": 5}
+"""Each kind's ``Metric.root_every="auto"`` on one process: the best of ``None, 20, 10, 5`` on
+GPT-2 bytes for the Kronecker metric (docs/ablations.md); the factored one's as measured
+for the ``lm`` preset (fixed between curvature steps)."""
 
 
 @dataclass(frozen=True)
@@ -44,10 +50,17 @@ class Metric:
     Attributes:
         kind: ``"factored"`` or ``"kronecker"`` (module docstring).
         beta2: the EMA factor of the metric's second moments, in ``[0, 1)``.
+        root_every: ``k``: ``S = D^{-1/2}`` (the roots of the moments) is also recomputed on
+            every ``k``-th step after a curvature step, and the Grams of the kept rows rebuilt
+            and refactorized under it: a Gram and a Cholesky per layer, no backward, no capture
+            (:meth:`~.metric_scaling.ScaledMetric.refresh_roots`; such a step runs eagerly, with
+            the eigensolver's host reads). None: ``S`` fixed between curvature steps.
+            ``"auto"``: the kind's :data:`ROOT_EVERY` on one process, None under a distribution.
     """
 
     kind: Literal["factored", "kronecker"]
     beta2: float = 0.99
+    root_every: Union[int, None, Literal["auto"]] = "auto"
 
     def __post_init__(self) -> None:
         if self.kind not in METRICS:
@@ -55,19 +68,28 @@ class Metric:
                              f"{self.kind!r} (or Metric(kind, beta2=...) of one of them)")
         if not (isinstance(self.beta2, (int, float)) and 0.0 <= self.beta2 < 1.0):
             raise ValueError(f"Metric.beta2 must be in [0, 1), got {self.beta2!r}")
+        every = self.root_every
+        if every not in (None, "auto") and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(f"Metric.root_every must be None, 'auto' or an int >= 1 (steps between "
+                             f"recomputations of S), got {every!r}")
 
 
 MetricOption = Optional[Union[Literal["factored", "kronecker"], Metric]]
 """What ``metric=`` takes: None (``D = I``), a kind (``beta2 = 0.99``) or a :class:`Metric`."""
 
 
-def make_metric(metric: MetricOption) -> Optional[ScaledMetric]:
+def make_metric(metric: MetricOption, one_process: bool = True) -> Optional[ScaledMetric]:
     """TENGraD's ``metric`` option: None (``D = I``), ``"factored"``, ``"kronecker"`` or a
-    :class:`Metric` of one (else ``ValueError`` listing them)."""
+    :class:`Metric` of one (else ``ValueError`` listing them); ``root_every="auto"`` resolved
+    (:data:`ROOT_EVERY` with ``one_process``, else None)."""
     if metric is None:
         return None
     spec = metric if isinstance(metric, Metric) else Metric(metric)
-    return FactoredMetric(spec.beta2) if spec.kind == "factored" else KroneckerMetric(spec.beta2)
+    every = spec.root_every
+    if every == "auto":
+        every = ROOT_EVERY[spec.kind] if one_process else None
+    assert every is None or isinstance(every, int)
+    return (FactoredMetric if spec.kind == "factored" else KroneckerMetric)(spec.beta2, every)
 
 
 def _factor(moment: Tensor) -> Tensor:

@@ -7,7 +7,8 @@ under the same names in ``defaults`` (a group's ``"orthogonalize"`` is True or F
 its weights take the optimizer's polar factor), and presets, tools and ``make_optimizer``
 pass flat keywords. Options that only mean something together are one keyword: ``orthogonalize``
 carries the polar factor's method (``True``/``"eigh"``/``"newton-schulz"``), ``metric`` its
-EMA factor (``metric=Metric("factored", beta2=0.9)``; the string alone: ``beta2 = 0.99``).
+EMA factor and how often its roots are recomputed (``metric=Metric("factored", beta2=0.9,
+root_every=10)``; the string alone: ``beta2 = 0.99``, ``root_every = None``).
 
 The other spellings of :data:`DEPRECATED` still work, through :func:`respell_options` before
 the constructor runs, with a ``DeprecationWarning`` naming the keywords to pass instead:

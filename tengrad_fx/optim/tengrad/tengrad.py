@@ -97,8 +97,11 @@ class TENGraD(StepSkeleton):
             ``"factored"``: Kronecker-diagonal ``D`` from factored second moments of the gradients
             (Adafactor's; :mod:`.metric`). ``"kronecker"``: ``D = L^{1/2} ⊗ R^{1/2}`` of full
             matrices from Shampoo's ``L = E[g gᵀ]``, ``R = E[gᵀ g]`` (:mod:`.kronecker_metric`;
-            an Embedding's vocabulary side diagonal). None: ``D = I`` (the paper's). The moments'
-            EMA factor: ``Metric("factored", beta2=0.9)`` (:class:`~.metric.Metric`; default 0.99).
+            an Embedding's vocabulary side and norm layers diagonal). None: ``D = I`` (the paper's).
+            The moments' EMA factor: ``Metric("factored", beta2=0.9)`` (:class:`~.metric.Metric`;
+            default 0.99); ``Metric(..., root_every=k)``: ``D`` recomputed every ``k`` steps between
+            curvature steps, the kept rows' Grams refactorized (one process only; by default 5
+            for ``"kronecker"``, never for ``"factored"``).
         relative_damping: each layer's ``α_l = α·tr(F_l)/m`` on the rows' span (``tr(K_l)/m²``: the
             mean of ``F_l``'s ``m`` eigenvalues there), so ``α`` is relative to the layer's own scale
             (:func:`.cache.relative_scales`); False: ``α`` as given (the paper's).
@@ -214,7 +217,7 @@ class TENGraD(StepSkeleton):
         self._init_skeleton(model, info, grad_scaler)
         self.fisher, self.mc_loss, self.kl_clip = fisher, mc_loss, kl_clip
         self.shaping = UpdateShaping(graft, orthogonalize, orthogonalize_momentum, self.param_groups)
-        self.metric = make_metric(metric)
+        self.metric = make_metric(metric, "kept_rows" not in dist.lacks())  # root_every="auto": where rows are kept
         self.update_form = update_form
         self.solve_dtype, self.strategy, self.gram_tf32, self.compile = \
             ex.solve_dtype, ex.strategy, bool(ex.gram_tf32), bool(ex.compile)
@@ -285,6 +288,12 @@ class TENGraD(StepSkeleton):
     def _is_curvature_step(self) -> bool:
         return self._needs_capture(self._sched)
 
+    def _roots_due(self, step: int) -> bool:
+        """A reuse step on which the metric's ``S`` is recomputed (``Metric.root_every``)."""
+        every = self.metric.root_every if self.metric is not None else None
+        return every is not None and not self._needs_capture(step) and self.curvature.modular() \
+            and (step - self.curvature.sched) % every == 0
+
     def _on_seen_skip(self) -> None:
         if not self.distribution.agreed_skips:
             self.curvature.recapture = True
@@ -344,10 +353,13 @@ class TENGraD(StepSkeleton):
         t0 = time.perf_counter()
         dist, cache, metric = self.distribution, self.curvature, self.metric
         subsampled = curvature_step and choose_rows(self)  # the rows are chosen first: the metric scales those
+        roots = not curvature_step and self._roots_due(step)
         if metric is not None:
             metric.observe(self.state, self._layers)
             if curvature_step:  # the new records become the rows J S (before they move)
                 metric.freeze(self.state, self._layers)
+            elif roots:  # the kept rows become J S_new: their Grams are rebuilt below
+                metric.refresh_roots(self.state, self._layers)
         dist.begin(self, curvature_step)
         t_begin = time.perf_counter()
         self._gram_seconds = 0.0
@@ -356,7 +368,7 @@ class TENGraD(StepSkeleton):
         result = fused_curvature_step(self, push_through, damping) if curvature_step else None
         t1 = time.perf_counter()
         if result is None:  # the modular path
-            if curvature_step or not cache.modular():
+            if curvature_step or roots or not cache.modular():
                 self._refresh(damping)
             elif damping != cache.damping:
                 cache.factorize(damping, self.param_groups)
@@ -392,7 +404,8 @@ class TENGraD(StepSkeleton):
         """Reuse steps with ``cuda_graph``: static gradients and lrs, then the graph of this
         kind (:class:`~.cuda_graphs.GraphRunner`); else eagerly."""
         runner = self.graph_runner
-        params = runner.params(stats_step, self.distribution.has_factors(self), self.param_groups, self.state)
+        eager = stats_step or self._roots_due(self._sched)  # a recomputation of S reads the eigensolver's status
+        params = runner.params(eager, self.distribution.has_factors(self), self.param_groups, self.state)
         if params is None:
             return fn(None)
         # a replay runs no Python of the step: its whole device time is reported as "apply"
