@@ -79,7 +79,7 @@ def test_strategies_declare_capabilities_and_one_check_refuses() -> None:
     named = [opt for opt in NEEDS if repr(opt) in body or f'"{opt}"' in body]
     assert not named, f"the shared check names options {named}: options declare their needs in NEEDS"
     keywords = set(inspect.signature(TENGraD.__init__).parameters)
-    assert set(NEEDS) <= keywords and {cap for cap, _ in NEEDS.values()} <= set(CAPABILITIES)
+    assert set(NEEDS) <= keywords and {need[0] for need in NEEDS.values()} <= set(CAPABILITIES)
     fsdp, local = object.__new__(FSDPShards), object.__new__(GlobalBatch)
     fsdp.mode, local.mode = "auto", "local"
     for strategy in (fsdp, local):

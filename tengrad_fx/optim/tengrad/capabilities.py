@@ -24,16 +24,17 @@ CAPABILITIES: dict[str, str] = {
 }
 """Each capability a strategy may lack, with what it means."""
 
-NEEDS: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "cuda_graph": ("static_buffers", lambda v: bool(v)),
-    "compile": ("compiled_solve", lambda v: bool(v)),
-    "curvature_samples": ("global_rows", lambda v: v is not None),
-    "position_rows": ("global_rows", lambda v: v is not None),
-    "fisher": ("output_backwards", lambda v: v == "gauss-newton"),
-    "metric": ("metric_scaling", lambda v: bool(v)),
-    "relative_damping": ("layer_traces", lambda v: bool(v)),
+NEEDS: dict[str, tuple[str, Callable[[Any], bool], str]] = {
+    "cuda_graph": ("static_buffers", lambda v: bool(v), "replays reuse steps reading static gradient buffers"),
+    "compile": ("compiled_solve", lambda v: bool(v), "runs the compiled update"),
+    "curvature_samples": ("global_rows", lambda v: v is not None, "takes rows of the global batch's Fisher"),
+    "position_rows": ("global_rows", lambda v: v is not None, "takes rows of the global batch's Fisher"),
+    "fisher": ("output_backwards", lambda v: v == "gauss-newton",
+               "runs one backward per model output on curvature steps"),
+    "metric": ("metric_scaling", lambda v: bool(v), "scales the records and gradients by a base metric"),
+    "relative_damping": ("layer_traces", lambda v: bool(v), "scales each layer's damping by its Gram's trace"),
 }
-"""``option: (the capability it needs, whether a value asks for it)``."""
+"""``option: (the capability it needs, whether a value asks for it, what it then does)``."""
 
 
 def refuse(label: str, strategy: str, lacks: dict[str, str], options: dict[str, Any]) -> None:
@@ -41,7 +42,8 @@ def refuse(label: str, strategy: str, lacks: dict[str, str], options: dict[str, 
     name, :func:`.options.built_options`) whose value needs a capability in ``lacks``
     (``capability: the strategy's reason``); ``label``: the optimizer as users build it,
     ``strategy``: the strategy's name."""
-    for option, (capability, asks) in NEEDS.items():
+    for option, (capability, asks, does) in NEEDS.items():
         if asks(options[option]) and capability in lacks:
-            raise ValueError(f"{label}: {option}={options[option]!r} is not supported: it needs {capability} "
-                             f"({CAPABILITIES[capability]}), which {strategy} lacks: {lacks[capability]}")
+            raise ValueError(f"{label}: {option}={options[option]!r} is not supported: {option} {does}, which "
+                             f"needs {capability} ({CAPABILITIES[capability]}); {strategy} lacks it: "
+                             f"{lacks[capability]}")
