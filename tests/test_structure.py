@@ -76,10 +76,10 @@ def test_strategies_declare_capabilities_and_one_check_refuses() -> None:
     overriding = sorted(name for name in strategies if "check" in classes[name][1])
     assert not overriding, f"check() overridden in {overriding}: declare lacks() instead"
     body = inspect.getsource(SingleProcess.check)
-    named = [opt for opt, _, _ in NEEDS if repr(opt) in body or f'"{opt}"' in body]
+    named = [need[0] for need in NEEDS if repr(need[0]) in body or f'"{need[0]}"' in body]
     assert not named, f"the shared check names options {named}: options declare their needs in NEEDS"
     keywords = set(inspect.signature(TENGraD.__init__).parameters)
-    assert {opt for opt, _, _ in NEEDS} <= keywords and {cap for _, cap, _ in NEEDS} <= set(CAPABILITIES)
+    assert {need[0] for need in NEEDS} <= keywords and {need[1] for need in NEEDS} <= set(CAPABILITIES)
     fsdp, local = object.__new__(FSDPShards), object.__new__(GlobalBatch)
     fsdp.mode, local.mode = "auto", "local"
     for strategy in (fsdp, local):

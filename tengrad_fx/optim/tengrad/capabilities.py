@@ -30,17 +30,18 @@ def _recomputed_roots(metric: Any) -> bool:
     return getattr(metric, "root_every", None) not in (None, "auto")
 
 
-NEEDS: list[tuple[str, str, Callable[[Any], bool]]] = [
-    ("cuda_graph", "static_buffers", lambda v: bool(v)),
-    ("compile", "compiled_solve", lambda v: bool(v)),
-    ("curvature_samples", "global_rows", lambda v: v is not None),
-    ("position_rows", "global_rows", lambda v: v is not None),
-    ("fisher", "output_backwards", lambda v: v == "gauss-newton"),
-    ("metric", "metric_scaling", lambda v: bool(v)),
-    ("metric", "kept_rows", _recomputed_roots),
-    ("relative_damping", "layer_traces", lambda v: bool(v)),
+NEEDS: list[tuple[str, str, Callable[[Any], bool], str]] = [
+    ("cuda_graph", "static_buffers", lambda v: bool(v), "replays reuse steps reading static gradient buffers"),
+    ("compile", "compiled_solve", lambda v: bool(v), "runs the compiled update"),
+    ("curvature_samples", "global_rows", lambda v: v is not None, "takes rows of the global batch's Fisher"),
+    ("position_rows", "global_rows", lambda v: v is not None, "takes rows of the global batch's Fisher"),
+    ("fisher", "output_backwards", lambda v: v == "gauss-newton",
+     "runs one backward per model output on curvature steps"),
+    ("metric", "metric_scaling", lambda v: bool(v), "scales the records and gradients by a base metric"),
+    ("metric", "kept_rows", _recomputed_roots, "with root_every recomputes S and the kept rows' Grams"),
+    ("relative_damping", "layer_traces", lambda v: bool(v), "scales each layer's damping by its Gram's trace"),
 ]
-"""``(option, the capability it needs, whether a value asks for it)``."""
+"""``(option, the capability it needs, whether a value asks for it, what it then does)``."""
 
 
 def refuse(label: str, strategy: str, lacks: dict[str, str], options: dict[str, Any]) -> None:
@@ -48,7 +49,8 @@ def refuse(label: str, strategy: str, lacks: dict[str, str], options: dict[str, 
     name, :func:`.options.built_options`) whose value needs a capability in ``lacks``
     (``capability: the strategy's reason``); ``label``: the optimizer as users build it,
     ``strategy``: the strategy's name."""
-    for option, capability, asks in NEEDS:
+    for option, capability, asks, does in NEEDS:
         if asks(options[option]) and capability in lacks:
-            raise ValueError(f"{label}: {option}={options[option]!r} is not supported: it needs {capability} "
-                             f"({CAPABILITIES[capability]}), which {strategy} lacks: {lacks[capability]}")
+            raise ValueError(f"{label}: {option}={options[option]!r} is not supported: {option} {does}, which "
+                             f"needs {capability} ({CAPABILITIES[capability]}); {strategy} lacks it: "
+                             f"{lacks[capability]}")
