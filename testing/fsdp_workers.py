@@ -175,7 +175,7 @@ def _dp_rank(cfg: dict[str, Any], rank: int) -> int:
 
 def train_fsdp(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each ``cfg`` in turn on this rank: parameters after each step (gathered), the MC
-    targets, this rank's momentum-buffer bytes and its optimizer's type."""
+    targets, the bytes it sent on each step per layer, its momentum-buffer bytes and its optimizer's type."""
     import tengrad_fx
     from tengrad_fx.distributed import DistributedTENGraD
     out = []
@@ -205,12 +205,13 @@ def train_fsdp(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[s
             continue
         if cfg.get("load"):
             load_checkpoint(net, opt, cfg["load"])
-        traj, targets, owners = [full_params(net)], [], []
+        traj, targets, owners, comm = [full_params(net)], [], [], []
         r = _dp_rank(cfg, rank)
         with polar.counting_polar() as polar_calls:
             for k in range(cfg["steps"]):
                 _one_step(net, opt, cfg, rank, world, r, k, targets)
                 traj.append(full_params(net))
+                comm.append(dict(opt.comm_bytes) if hasattr(opt, "comm_bytes") else {})
                 owners.append(opt.polar_owners() if hasattr(opt, "polar_owners") else {})
         if cfg.get("save"):
             save_checkpoint(net, opt, cfg["save"])
@@ -220,7 +221,7 @@ def train_fsdp(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[s
                     "plan": opt.layer_plan(),
                     "state_bytes": state_bytes(opt, list(net.parameters())),
                     "bufs": {n: b.full_tensor() for n, b in bufs.items()},
-                    "polar_calls": polar_calls, "polar_owners": owners})
+                    "polar_calls": polar_calls, "polar_owners": owners, "comm": comm})
     return out
 
 

@@ -56,6 +56,9 @@ TWO: dict[str, dict[str, Any]] = {
     "extras-auto-T1": dict(model="mlp-extras", m=3, steps=3, T=1),
     "extras-layers-blocks-mc-T2": dict(model="mlp-extras", m=2, steps=4, T=2, fisher="mc", shard="layers",
                                        mode="gram-blocks", opts=dict(metric="factored")),
+    # the bytes of a curvature step (step 0) less a reuse step's (step 1), with k = 5 of the 24 rows and without
+    "bytes-rows5": dict(model="block", m=3, steps=2, T=2, mode="gather", opts=dict(position_rows=5)),
+    "bytes-full": dict(model="block", m=3, steps=2, T=2, mode="gather"),
 }
 # a metric's state through torch.distributed.checkpoint: saved after 2 steps, resumed for 2 more
 for _kind in ("factored", "kronecker"):
@@ -119,7 +122,7 @@ def test_per_sample_layers_are_gathered(two: dict[str, list[dict[str, Any]]]) ->
     assert {v["mode"] for n, v in plan.items() if n not in ("pos", "fc2")} == {"gram-blocks"}
 
 
-@pytest.mark.parametrize("name", [k for k in TWO if not k.endswith("-save")])
+@pytest.mark.parametrize("name", [k for k in TWO if not k.endswith("-save") and not k.startswith("bytes")])
 def test_two_ranks_equal_global_batch(two: dict[str, list[dict[str, Any]]], name: str) -> None:
     _check(TWO[name], two[name])
 
@@ -141,3 +144,18 @@ def test_metric_checkpoint_resumes_bit_for_bit(tmp_path: Any, two: dict[str, lis
     full = two[f"{kind}-full"][0]["traj"]
     for k in range(3):
         assert all(torch.equal(resumed[k][n], full[2 + k][n]) for n in full[0]), f"step {k}"
+
+
+def test_position_rows_records_bytes_are_k_rows(two: dict[str, list[dict[str, Any]]]) -> None:
+    """The records a curvature step sends per layer (summed over the ranks): with
+    ``position_rows=5`` a Linear's (the head tied to the embedding included) are ``5/24`` of the
+    whole global batch's (``W·m·S = 2·3·4`` rows of ``I``, ``G``); the norm layers keep one row
+    per sample (:mod:`tengrad_fx.optim.tengrad.position_rows`), their bytes unchanged."""
+    def records(name: str) -> dict[str, int]:
+        ranks = two[name]
+        return {n: sum(r["comm"][0][n] - r["comm"][1][n] for r in ranks) for n in ranks[0]["comm"][0]}
+    rows, full = records("bytes-rows5"), records("bytes-full")
+    linear = {"block.q", "block.k", "block.v", "block.o", "block.fc1", "block.fc2", "head"}
+    assert linear < rows.keys() == full.keys()
+    for n in rows:
+        assert 0 < rows[n] and rows[n] * 24 == full[n] * (5 if n in linear else 24), (n, rows[n], full[n])
