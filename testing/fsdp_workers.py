@@ -5,8 +5,8 @@ and the same model in one process on the concatenated batch (:func:`train_refere
 A run is a ``cfg`` dict: ``model`` ("block": embedding tied to the output head, one
 pre-norm transformer block with attention and an MLP, a final LayerNorm; "cnn": two
 convolutions with BatchNorm (in eval mode, :func:`frozen_statistics`) and a Linear head;
-"conv1d", "gpt2": Hugging Face's transposed Linear, :mod:`testing.fsdp_conv1d`; "mlp-extras": an added
-parameter and a bias-only layer, :mod:`testing.fsdp_extras`), ``m`` (local batch),
+"conv1d", "gpt2": Hugging Face's transposed Linear, :mod:`testing.fsdp_conv1d`; "mlp-extras", "cnn-grouped":
+per-sample-gradient layers, grouped convolutions, :mod:`testing.fsdp_extras`), ``m`` (local batch),
 ``steps``, ``T``, ``fisher``, ``kl_clip``, ``shard`` ("blocks": ``fully_shard`` on each
 block and the root; "layers": on every Linear/conv too; "root": on the root only), ``order``
 ("prepare-first": ``prepare`` by torch.fx, then ``fully_shard``; with ``expect_error`` the
@@ -87,7 +87,8 @@ class TinyCNN(nn.Module):
 def make_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
     net: nn.Module = TinyLM() if kind == "block" else polar.MLP() if kind == "mlp" else extras.ExtrasMLP() \
-        if kind == "mlp-extras" else transposed.build(kind) if kind in transposed.TRANSPOSED_KINDS else TinyCNN()
+        if kind == "mlp-extras" else extras.GroupedCNN() if kind == "cnn-grouped" else transposed.build(kind) \
+        if kind in transposed.TRANSPOSED_KINDS else TinyCNN()
     net = net.double()
     for mod in net.modules():
         if isinstance(mod, nn.BatchNorm2d):

@@ -56,6 +56,10 @@ TWO: dict[str, dict[str, Any]] = {
     "extras-auto-T1": dict(model="mlp-extras", m=3, steps=3, T=1),
     "extras-layers-blocks-mc-T2": dict(model="mlp-extras", m=2, steps=4, T=2, fisher="mc", shard="layers",
                                        mode="gram-blocks", opts=dict(metric="factored")),
+    # grouped convolutions (each shard's rows whole groups: the groups' input channels cut with them)
+    "grouped-layers-auto-T1": dict(model="cnn-grouped", m=3, steps=3, T=1, shard="layers"),
+    "grouped-layers-blocks-mc-T2": dict(model="cnn-grouped", m=2, steps=4, T=2, shard="layers", mode="gram-blocks",
+                                        fisher="mc"),
     # the bytes of a curvature step (step 0) less a reuse step's (step 1), with k = 5 of the 24 rows and without
     "bytes-rows5": dict(model="block", m=3, steps=2, T=2, mode="gather", opts=dict(position_rows=5)),
     "bytes-full": dict(model="block", m=3, steps=2, T=2, mode="gather"),
@@ -74,6 +78,7 @@ FOUR: dict[str, dict[str, Any]] = {  # (the block's key bias has a roundoff grad
     "gn-cnn-hsdp-layers-T1": dict(model="cnn", m=2, steps=3, T=1, mesh=(2, 2), fisher="gauss-newton",
                                   shard="layers"),
     "rows6-block-hsdp-T1": dict(model="block", m=2, steps=3, T=1, mesh=(2, 2), opts=dict(position_rows=6)),
+    "grouped-4-refused": dict(model="cnn-grouped", m=2, steps=1, shard="layers", expect_error=True),
     "factored-block-4-blocks-T2": dict(model="block", m=2, steps=4, T=2, mode="gram-blocks",
                                        opts=dict(metric="factored")),
 }
@@ -127,7 +132,7 @@ def test_two_ranks_equal_global_batch(two: dict[str, list[dict[str, Any]]], name
     _check(TWO[name], two[name])
 
 
-@pytest.mark.parametrize("name", list(FOUR))
+@pytest.mark.parametrize("name", [k for k in FOUR if not FOUR[k].get("expect_error")])
 def test_four_ranks_equal_global_batch(four: dict[str, list[dict[str, Any]]], name: str) -> None:
     _check(FOUR[name], four[name])
 
@@ -159,3 +164,10 @@ def test_position_rows_records_bytes_are_k_rows(two: dict[str, list[dict[str, An
     assert linear < rows.keys() == full.keys()
     for n in rows:
         assert 0 < rows[n] and rows[n] * 24 == full[n] * (5 if n in linear else 24), (n, rows[n], full[n])
+
+
+def test_grouped_convolution_split_by_the_shards_is_refused(four: dict[str, list[dict[str, Any]]]) -> None:
+    """On 4 ranks ``fully_shard`` gives each rank one of ``c2``'s 4 output channels, which
+    splits its groups of 2: a ValueError at construction naming the layer, on every rank."""
+    for r in four["grouped-4-refused"]:
+        assert "layer 'c2' is a convolution of 2 groups" in r["error"] and "split a group" in r["error"]
