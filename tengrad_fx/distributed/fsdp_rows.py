@@ -13,12 +13,15 @@ parameter, gradient or update:
   features, so the weight's part of ``J`` is that of ``(I[..., a:b], G)``; its bias
   ``[o]`` is sharded apart (rows ``[a', b')`` of the output features: per-sample
   gradients ``Σ_s G[:, s, a':b']``), :class:`TransposedRows`;
-* ConvNd (``groups = 1``, not transposed), ``W [o, c, *k]``: ``G[:, a:b]``;
+* ConvNd (not transposed), ``W [o, c/g, *k]``: ``G[:, a:b]``, and with ``g > 1`` groups the
+  input channels of the rows' groups (rows of whole groups only: a convolution of those groups);
 * norm layers: the affine elements ``[a·r, b·r)`` of ``x̂`` and ``G`` (``r`` = elements
   per row of ``γ``; channel-first kinds: channels ``a:b``);
 * Embedding, ``W [V, D]``: positions whose index is in ``[a, b)``, re-indexed from ``a``
   (others, and padding, contribute nothing); a lookup tied to a Linear is recorded in the
   Linear's layout (``G' = onehot``) and sliced as a Linear.
+* layers recorded as per-sample gradients ``P`` only (bias-only, added parameters): ``P``'s
+  columns of the rows, :class:`PerSampleRows`.
 """
 from __future__ import annotations
 
