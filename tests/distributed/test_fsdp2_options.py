@@ -81,6 +81,8 @@ FOUR: dict[str, dict[str, Any]] = {  # (the block's key bias has a roundoff grad
     "grouped-4-refused": dict(model="cnn-grouped", m=2, steps=1, shard="layers", expect_error=True),
     "factored-block-4-blocks-T2": dict(model="block", m=2, steps=4, T=2, mode="gram-blocks",
                                        opts=dict(metric="factored")),
+    "factored-block-hsdp-gather-T1": dict(model="block", m=2, steps=3, T=1, mesh=(2, 2), mode="gather",
+                                          opts=dict(metric="factored", compile=True), reference=dict(compile=False)),
 }
 
 
