@@ -1,8 +1,10 @@
-"""A model of the FSDP2 tests with layers recorded as per-sample gradients only: "mlp-extras",
-an added parameter ``pos [1, 6]`` (a learned offset of the input, covered by ``prepare``'s
-surgery: :mod:`tengrad_fx.capture.added_params`; ``fully_shard`` gives its one row to one
-rank) and a bias-only layer (``fc2``'s weight frozen), around the polar tests' MLP; built by
-:func:`testing.fsdp_workers.make_model`, batches of :func:`testing.fsdp_polar.batch`.
+"""Models of the FSDP2 tests with layers of their own row cuts, built by
+:func:`testing.fsdp_workers.make_model`: "mlp-extras", layers recorded as per-sample gradients
+only: an added parameter ``pos [1, 6]`` (a learned offset of the input, covered by
+``prepare``'s surgery: :mod:`tengrad_fx.capture.added_params`; ``fully_shard`` gives its one
+row to one rank) and a bias-only layer (``fc2``'s weight frozen), around the polar tests' MLP
+(batches of :func:`testing.fsdp_polar.batch`); "cnn-grouped", grouped convolutions (2 groups
+of 2 output channels: whole groups on each of 2 ranks; a depthwise one), the CNN's batches.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch.nn as nn
 
 from .fsdp_polar import MLP
 
-__all__ = ["ExtrasMLP"]
+__all__ = ["ExtrasMLP", "GroupedCNN"]
 
 
 class ExtrasMLP(MLP):
@@ -24,3 +26,19 @@ class ExtrasMLP(MLP):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x + self.pos)
+
+
+class GroupedCNN(nn.Module):
+    """``[m, 3, 6, 6]`` → Conv 3→6 → tanh → Conv 6→4 (2 groups, stride 2) → relu → depthwise
+    Conv 4→4 → Linear 16→3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 6, 3, padding=1)
+        self.c2 = nn.Conv2d(6, 4, 3, stride=2, groups=2)
+        self.c3 = nn.Conv2d(4, 4, 3, padding=1, groups=4)
+        self.fc = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.c2(torch.tanh(self.c1(x))))
+        return self.fc(torch.tanh(self.c3(x)).flatten(1))

@@ -5,8 +5,8 @@ and the same model in one process on the concatenated batch (:func:`train_refere
 A run is a ``cfg`` dict: ``model`` ("block": embedding tied to the output head, one
 pre-norm transformer block with attention and an MLP, a final LayerNorm; "cnn": two
 convolutions with BatchNorm (in eval mode, :func:`frozen_statistics`) and a Linear head;
-"conv1d", "gpt2": Hugging Face's transposed Linear, :mod:`testing.fsdp_conv1d`; "mlp-extras": an added
-parameter and a bias-only layer, :mod:`testing.fsdp_extras`), ``m`` (local batch),
+"conv1d", "gpt2": Hugging Face's transposed Linear, :mod:`testing.fsdp_conv1d`; "mlp-extras", "cnn-grouped":
+per-sample-gradient layers, grouped convolutions, :mod:`testing.fsdp_extras`), ``m`` (local batch),
 ``steps``, ``T``, ``fisher``, ``kl_clip``, ``shard`` ("blocks": ``fully_shard`` on each
 block and the root; "layers": on every Linear/conv too; "root": on the root only), ``order``
 ("prepare-first": ``prepare`` by torch.fx, then ``fully_shard``; with ``expect_error`` the
@@ -87,7 +87,8 @@ class TinyCNN(nn.Module):
 def make_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
     net: nn.Module = TinyLM() if kind == "block" else polar.MLP() if kind == "mlp" else extras.ExtrasMLP() \
-        if kind == "mlp-extras" else transposed.build(kind) if kind in transposed.TRANSPOSED_KINDS else TinyCNN()
+        if kind == "mlp-extras" else extras.GroupedCNN() if kind == "cnn-grouped" else transposed.build(kind) \
+        if kind in transposed.TRANSPOSED_KINDS else TinyCNN()
     net = net.double()
     for mod in net.modules():
         if isinstance(mod, nn.BatchNorm2d):
@@ -175,7 +176,7 @@ def _dp_rank(cfg: dict[str, Any], rank: int) -> int:
 
 def train_fsdp(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each ``cfg`` in turn on this rank: parameters after each step (gathered), the MC
-    targets, this rank's momentum-buffer bytes and its optimizer's type."""
+    targets, the bytes it sent on each step per layer, its momentum-buffer bytes and its optimizer's type."""
     import tengrad_fx
     from tengrad_fx.distributed import DistributedTENGraD
     out = []
@@ -205,12 +206,13 @@ def train_fsdp(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[s
             continue
         if cfg.get("load"):
             load_checkpoint(net, opt, cfg["load"])
-        traj, targets, owners = [full_params(net)], [], []
+        traj, targets, owners, comm = [full_params(net)], [], [], []
         r = _dp_rank(cfg, rank)
         with polar.counting_polar() as polar_calls:
             for k in range(cfg["steps"]):
                 _one_step(net, opt, cfg, rank, world, r, k, targets)
                 traj.append(full_params(net))
+                comm.append(dict(opt.comm_bytes) if hasattr(opt, "comm_bytes") else {})
                 owners.append(opt.polar_owners() if hasattr(opt, "polar_owners") else {})
         if cfg.get("save"):
             save_checkpoint(net, opt, cfg["save"])
@@ -220,7 +222,7 @@ def train_fsdp(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[s
                     "plan": opt.layer_plan(),
                     "state_bytes": state_bytes(opt, list(net.parameters())),
                     "bufs": {n: b.full_tensor() for n, b in bufs.items()},
-                    "polar_calls": polar_calls, "polar_owners": owners})
+                    "polar_calls": polar_calls, "polar_owners": owners, "comm": comm})
     return out
 
 

@@ -13,12 +13,15 @@ parameter, gradient or update:
   features, so the weight's part of ``J`` is that of ``(I[..., a:b], G)``; its bias
   ``[o]`` is sharded apart (rows ``[a', b')`` of the output features: per-sample
   gradients ``Σ_s G[:, s, a':b']``), :class:`TransposedRows`;
-* ConvNd (``groups = 1``, not transposed), ``W [o, c, *k]``: ``G[:, a:b]``;
+* ConvNd (not transposed), ``W [o, c/g, *k]``: ``G[:, a:b]``, and with ``g > 1`` groups the
+  input channels of the rows' groups (rows of whole groups only: a convolution of those groups);
 * norm layers: the affine elements ``[a·r, b·r)`` of ``x̂`` and ``G`` (``r`` = elements
   per row of ``γ``; channel-first kinds: channels ``a:b``);
 * Embedding, ``W [V, D]``: positions whose index is in ``[a, b)``, re-indexed from ``a``
   (others, and padding, contribute nothing); a lookup tied to a Linear is recorded in the
   Linear's layout (``G' = onehot``) and sliced as a Linear.
+* layers recorded as per-sample gradients ``P`` only (bias-only, added parameters): ``P``'s
+  columns of the rows, :class:`PerSampleRows`.
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from ..capture.norm import CHANNEL_FIRST, NORM_KINDS
 from ..curvature import tensors
@@ -83,28 +86,51 @@ def per_sample_only(lay: CoveredLayer) -> bool:
     return lay.bias_only or lay.kind == "param"
 
 
+def _groups_of_rows(spec: Any, a: int, b: int, rows_total: int) -> int:
+    """The groups of a convolution whose output channels are the rows ``[a, b)`` (1 for any
+    other layer); ``ValueError`` where the rows split a group."""
+    groups = getattr(spec, "groups", 1) if getattr(spec, "kind", "").startswith("conv") else 1
+    if groups == 1:
+        return 1
+    per = rows_total // groups
+    if a % per or b % per:
+        raise ValueError(f"DistributedTENGraD (FSDP2): layer '{spec.name}' is a convolution of {groups} groups of "
+                         f"{per} output channels, and a shard's rows [{a}, {b}) split a group (fully_shard gives each "
+                         "rank ⌈C_out/S⌉ rows), whose per-sample gradients need the whole group's input channels; "
+                         "shard it over a number of ranks that keeps each group on one rank, or leave it out of "
+                         "fully_shard")
+    return (b - a) // per
+
+
 def check_shardable(lay: CoveredLayer) -> None:
     """``ValueError`` naming the layer where its ``J`` cannot be cut by rows here."""
     spec, kind = lay.spec, lay.kind
     why = None
     if per_sample_only(lay):  # P's columns are cut by rows (PerSampleRows)
         return
-    if kind.startswith("conv") and (spec.transposed or spec.groups != 1):
-        why = "a transposed or grouped convolution"
+    if kind.startswith("conv") and spec.transposed:
+        why = "a transposed convolution"
     elif kind not in ("linear", "embedding", "conv1d", "conv2d", "conv3d") and kind not in NORM_KINDS:
         why = f"a layer of kind {kind!r}"
     if why is not None:
         raise ValueError(f"DistributedTENGraD (FSDP2): layer '{lay.name}' is {why}, whose rows are not cut here; "
                          "leave it out of the optimizer's params (a plain optimizer for it) or out of fully_shard")
+    w = lay.weight
+    if kind.startswith("conv") and isinstance(w, DTensor):  # every shard's rows whole groups
+        dims = [d for d, pl in enumerate(w.placements) if isinstance(pl, Shard) and pl.dim == 0]
+        shards = w.device_mesh.size(dims[0]) if dims else 1
+        for c in range(shards):
+            _groups_of_rows(spec, *row_chunk(w.shape[0], shards, c), w.shape[0])
 
 
 class RowSpec:
     """A layer's spec with its weight (and bias) replaced by this rank's shards (what the
     kernels read for shapes); every other field is the layer's."""
 
-    def __init__(self, spec: Any, weight: Tensor, bias: Optional[Tensor]):
+    def __init__(self, spec: Any, weight: Tensor, bias: Optional[Tensor], groups: int = 1):
         self._spec, self.weight, self.bias = spec, weight, bias
         self.module = SimpleNamespace(padding_idx=None)  # embedding: padding is masked in the records
+        self.groups = groups  # a grouped convolution's: the groups whose output channels the rows are
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._spec, name)
@@ -287,8 +313,11 @@ def cut(kind: str, spec: Any, I: Tensor, G: Tensor, a: int, b: int, rows_total: 
     """One record ``(I, G)`` cut to the rows ``[a, b)`` of a weight with ``rows_total`` rows."""
     if kind == "linear":  # transposed (Conv1D): the weight's rows are input features
         return (I[..., a:b], G) if spec.transposed else (I, G[..., a:b])
-    if kind.startswith("conv"):
-        return I, G[:, a:b]
+    if kind.startswith("conv"):  # grouped: the input channels of the rows' groups
+        g = _groups_of_rows(spec, a, b, rows_total)
+        c = I.shape[1] // spec.groups
+        first = a // (rows_total // spec.groups) if spec.groups > 1 else 0
+        return (I[:, first * c:(first + g) * c] if spec.groups > 1 else I), G[:, a:b]
     if kind in CHANNEL_FIRST:
         return I[:, a:b], G[:, a:b]
     if kind in NORM_KINDS:  # trailing normalized dims: elements [a·r, b·r) of the flattened γ
@@ -309,9 +338,11 @@ def row_spec(lay: CoveredLayer, rows: Optional[tuple[int, int]] = None) -> RowSp
     """``lay``'s spec over this rank's shards (``rows``: over those rows of the whole parameters)."""
     w, bias = lay.weight, lay.bias
     if rows is None:
-        return RowSpec(lay.spec, local(w).detach(), None if bias is None else local(bias).detach())
+        return RowSpec(lay.spec, local(w).detach(), None if bias is None else local(bias).detach(),
+                       _groups_of_rows(lay.spec, *row_range(w), w.shape[0]))
     a, b = rows
-    return RowSpec(lay.spec, w.detach()[a:b], None if bias is None else bias.detach()[a:b])
+    return RowSpec(lay.spec, w.detach()[a:b], None if bias is None else bias.detach()[a:b],
+                   _groups_of_rows(lay.spec, a, b, w.shape[0]))
 
 
 def row_records(lay: CoveredLayer, rows: Optional[tuple[int, int]] = None,

@@ -56,6 +56,13 @@ TWO: dict[str, dict[str, Any]] = {
     "extras-auto-T1": dict(model="mlp-extras", m=3, steps=3, T=1),
     "extras-layers-blocks-mc-T2": dict(model="mlp-extras", m=2, steps=4, T=2, fisher="mc", shard="layers",
                                        mode="gram-blocks", opts=dict(metric="factored")),
+    # grouped convolutions (each shard's rows whole groups: the groups' input channels cut with them)
+    "grouped-layers-auto-T1": dict(model="cnn-grouped", m=3, steps=3, T=1, shard="layers"),
+    "grouped-layers-blocks-mc-T2": dict(model="cnn-grouped", m=2, steps=4, T=2, shard="layers", mode="gram-blocks",
+                                        fisher="mc"),
+    # the bytes of a curvature step (step 0) less a reuse step's (step 1), with k = 5 of the 24 rows and without
+    "bytes-rows5": dict(model="block", m=3, steps=2, T=2, mode="gather", opts=dict(position_rows=5)),
+    "bytes-full": dict(model="block", m=3, steps=2, T=2, mode="gather"),
 }
 # a metric's state through torch.distributed.checkpoint: saved after 2 steps, resumed for 2 more
 for _kind in ("factored", "kronecker"):
@@ -71,8 +78,11 @@ FOUR: dict[str, dict[str, Any]] = {  # (the block's key bias has a roundoff grad
     "gn-cnn-hsdp-layers-T1": dict(model="cnn", m=2, steps=3, T=1, mesh=(2, 2), fisher="gauss-newton",
                                   shard="layers"),
     "rows6-block-hsdp-T1": dict(model="block", m=2, steps=3, T=1, mesh=(2, 2), opts=dict(position_rows=6)),
+    "grouped-4-refused": dict(model="cnn-grouped", m=2, steps=1, shard="layers", expect_error=True),
     "factored-block-4-blocks-T2": dict(model="block", m=2, steps=4, T=2, mode="gram-blocks",
                                        opts=dict(metric="factored")),
+    "factored-block-hsdp-gather-T1": dict(model="block", m=2, steps=3, T=1, mesh=(2, 2), mode="gather",
+                                          opts=dict(metric="factored", compile=True), reference=dict(compile=False)),
 }
 
 
@@ -119,12 +129,12 @@ def test_per_sample_layers_are_gathered(two: dict[str, list[dict[str, Any]]]) ->
     assert {v["mode"] for n, v in plan.items() if n not in ("pos", "fc2")} == {"gram-blocks"}
 
 
-@pytest.mark.parametrize("name", [k for k in TWO if not k.endswith("-save")])
+@pytest.mark.parametrize("name", [k for k in TWO if not k.endswith("-save") and not k.startswith("bytes")])
 def test_two_ranks_equal_global_batch(two: dict[str, list[dict[str, Any]]], name: str) -> None:
     _check(TWO[name], two[name])
 
 
-@pytest.mark.parametrize("name", list(FOUR))
+@pytest.mark.parametrize("name", [k for k in FOUR if not FOUR[k].get("expect_error")])
 def test_four_ranks_equal_global_batch(four: dict[str, list[dict[str, Any]]], name: str) -> None:
     _check(FOUR[name], four[name])
 
@@ -141,3 +151,25 @@ def test_metric_checkpoint_resumes_bit_for_bit(tmp_path: Any, two: dict[str, lis
     full = two[f"{kind}-full"][0]["traj"]
     for k in range(3):
         assert all(torch.equal(resumed[k][n], full[2 + k][n]) for n in full[0]), f"step {k}"
+
+
+def test_position_rows_records_bytes_are_k_rows(two: dict[str, list[dict[str, Any]]]) -> None:
+    """The records a curvature step sends per layer (summed over the ranks): with
+    ``position_rows=5`` a Linear's (the head tied to the embedding included) are ``5/24`` of the
+    whole global batch's (``W·m·S = 2·3·4`` rows of ``I``, ``G``); the norm layers keep one row
+    per sample (:mod:`tengrad_fx.optim.tengrad.position_rows`), their bytes unchanged."""
+    def records(name: str) -> dict[str, int]:
+        ranks = two[name]
+        return {n: sum(r["comm"][0][n] - r["comm"][1][n] for r in ranks) for n in ranks[0]["comm"][0]}
+    rows, full = records("bytes-rows5"), records("bytes-full")
+    linear = {"block.q", "block.k", "block.v", "block.o", "block.fc1", "block.fc2", "head"}
+    assert linear < rows.keys() == full.keys()
+    for n in rows:
+        assert 0 < rows[n] and rows[n] * 24 == full[n] * (5 if n in linear else 24), (n, rows[n], full[n])
+
+
+def test_grouped_convolution_split_by_the_shards_is_refused(four: dict[str, list[dict[str, Any]]]) -> None:
+    """On 4 ranks ``fully_shard`` gives each rank one of ``c2``'s 4 output channels, which
+    splits its groups of 2: a ValueError at construction naming the layer, on every rank."""
+    for r in four["grouped-4-refused"]:
+        assert "layer 'c2' is a convolution of 2 groups" in r["error"] and "split a group" in r["error"]
