@@ -74,7 +74,8 @@ class GlobalBatch(SingleProcess):
         self.overlap = True  # False: the same collectives one after the other (tests: identical bits)
         self.sharing = UpdateSharing(self.rank, self.world)
         self.last_mc_targets: Optional[Tensor] = None
-        self._generators: dict[str, tuple[int, torch.Generator]] = {}  # purpose:device -> (step, generator)
+        self._generators: dict[str, torch.Generator] = {}  # purpose:device -> generator
+        self._generator_steps: dict[str, int] = {}  # purpose:device -> the step it was seeded for
         self._seconds = (0.0, 0.0)  # (gather, share) of the last step
         self.forget()
 
@@ -149,11 +150,11 @@ class GlobalBatch(SingleProcess):
         a run resumed from a ``state_dict`` (which holds the step count, and is saved by one
         rank) draws what the uninterrupted run drew."""
         key = f"{purpose}:{device}"
-        held = self._generators.get(key)
-        if held is None or held[0] != step:
+        if self._generator_steps.get(key) != step:
             seed = mc_seed(self.seed, self.rank, step) if purpose == "mc" else step
-            held = self._generators[key] = (step, torch.Generator(device=device).manual_seed(seed))
-        return held[1]
+            self._generators[key] = torch.Generator(device=device).manual_seed(seed)
+            self._generator_steps[key] = step
+        return self._generators[key]
 
     def mc_sample(self, opt: Host, outputs: Tensor, targets: Optional[Tensor],
                   mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[torch.Generator]]:
