@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from types import SimpleNamespace
-from typing import Any, Iterator, cast
+from typing import Any, Iterator, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -73,6 +73,11 @@ class ShardedMetric:
 
     def __init__(self, base: ScaledMetric, shards: Any):
         self.base, self.shards = base, shards
+
+    @property
+    def root_every(self) -> Optional[int]:
+        """``base``'s (None under a distribution: :data:`~..optim.tengrad.capabilities.NEEDS`)."""
+        return self.base.root_every
 
     def observe(self, state: Any, layers: list[CoveredLayer]) -> None:
         """Fold this step's gradient into each covered weight's whole moments."""
