@@ -34,7 +34,7 @@ from ..curvature.layer import CoveredLayer
 from ..optim.step.result import StepResult
 from ..optim.tengrad.kronecker_metric import KroneckerMetric, full_sides
 from ..optim.tengrad.metric import FactoredMetric
-from ..optim.tengrad.metric_scaling import ScaledMetric, ema_finite_, metric_covers, scale_along
+from ..optim.tengrad.metric_scaling import ScaledMetric, ema_finite_, metric_covers, norm_covers, scale_along
 from .comm import collective
 from .fsdp_rows import like, local, row_range
 
@@ -45,6 +45,14 @@ def _whole(p: Tensor, shard: Tensor) -> Tensor:
     """The whole tensor of which ``shard`` is this rank's rows of ``p`` (all-gathered over the
     shard group)."""
     return like(p, shard).full_tensor()  # type: ignore[attr-defined]
+
+
+def _whole_proxy(p: Tensor) -> Tensor:
+    """A storage-less tensor of ``p``'s shape whose ``.grad`` is ``p``'s whole gradient."""
+    g = _whole(p, local(p.grad))  # type: ignore[arg-type]
+    proxy = g.new_empty(()).expand(g.shape)
+    proxy.grad = g
+    return proxy
 
 
 def _side_rows(p: Tensor, x: Tensor, s: Tensor) -> Tensor:
@@ -85,12 +93,12 @@ class ShardedMetric:
         if isinstance(self.base, FactoredMetric):
             self._observe_factored(state, covered)
             return
-        for lay in covered:  # the whole gradient, one layer at a time
-            w = lay.weight
-            g = _whole(w, local(w.grad))  # type: ignore[arg-type]
-            proxy = g.new_empty(()).expand(g.shape)  # the weight's shape, no storage
-            proxy.grad = g
-            view = SimpleNamespace(weight=proxy, bias_only=False, kind=lay.kind, spec=lay.spec)
+        norms = [lay for lay in layers if norm_covers(lay) and self.base.covers(lay) and lay.weight.grad is not None]
+        for lay in covered + norms:  # the whole gradients, one layer at a time
+            w, b = lay.weight, lay.bias
+            proxy = _whole_proxy(w)
+            bias = _whole_proxy(b) if b is not None and b.grad is not None else None
+            view = SimpleNamespace(weight=proxy, bias=bias, bias_only=False, kind=lay.kind, spec=lay.spec)
             self.base.observe({proxy: state[w]}, [cast(CoveredLayer, view)])
 
     def _observe_factored(self, state: Any, covered: list[CoveredLayer]) -> None:
@@ -123,12 +131,15 @@ class ShardedMetric:
         """Zeros of the metric's state of the weight ``p`` (of a covered layer of ``layers``; else
         empty) in its shapes: the keys a fresh optimizer's ``state_dict`` lists for
         ``torch.distributed.checkpoint`` to load into (:meth:`.fsdp_optimizer.FSDPTENGraD.state_dict`)."""
-        lay = next((lay for lay in layers if lay.weight is p and metric_covers(lay)), None)
+        lay = next((lay for lay in layers if lay.weight is p and self.base.covers(lay)), None)
         if lay is None:
             return {}
-        R, C = p.shape
-        full = full_sides(lay) if isinstance(self.base, KroneckerMetric) else (False, False)
-        shapes = ((R, R) if full[0] else (R,), (C, C) if full[1] else (C,))
+        if norm_covers(lay):  # γ's and β's diagonal factors, flat
+            shapes: tuple[tuple[int, ...], ...] = ((p.numel(),), (p.numel(),))
+        else:
+            R, C = p.shape
+            full = full_sides(lay) if isinstance(self.base, KroneckerMetric) else (False, False)
+            shapes = ((R, R) if full[0] else (R,), (C, C) if full[1] else (C,))
         zeros = [torch.zeros(shape, dtype=p.dtype, device=local(p).device) for shape in shapes]
         return {key: z.clone() for keys in (self.base.MOMENTS, self.base.SCALES) for key, z in zip(keys, zeros)}
 
@@ -168,6 +179,9 @@ class ShardedMetric:
         s_rows, s_cols = s
         out: list[tuple[Tensor, Tensor]] = []
         w, b = lay.weight, lay.bias
+        if norm_covers(lay):  # γ by s_rows, β by s_cols, elementwise on this rank's entries
+            return [(p, _side_rows(p, rows[p], side)) for p, side in ((w, s_rows), (b, s_cols))
+                    if p is not None and p in rows]
         if w in rows:
             out.append((w, scale_along(_side_rows(w, rows[w], s_rows), s_cols)))
         if b is not None and b in rows:

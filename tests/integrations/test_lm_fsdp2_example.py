@@ -1,17 +1,7 @@
 """``examples/lm_fsdp2.py --smoke`` under ``torchrun`` on 2 gloo ranks (CPU), per ``--setting``:
 the byte-level GPT-2 trains (finite losses that go down) and the run resumed from its DCP
-checkpoint equals the uninterrupted one bit for bit (the example raises otherwise).
-
-Two options are not yet taken under FSDP2; each has a flag to flip once it is, and until then
-the test asserts the current refusal, so it fails (and the flag must be flipped) once the
-option works:
-
-* ``FSDP2_TAKES_METRIC_AND_ROWS``: ``metric`` and ``position_rows`` (both settings use the
-  factored metric, ``lm`` also ``position_rows=512``) are a ValueError at construction (one
-  check refuses both: asserted on ``lm``); the ``polar`` setting then trains with ``--no-metric``.
-* ``FSDP2_RESUMES_MC_FISHER``: the MC Fisher's per-rank label generator is not in the state
-  dict, so the resumed run samples other labels; the training run then takes
-  ``--fisher empirical``.
+checkpoint equals the uninterrupted one bit for bit (the example raises otherwise), with the
+setting's metric, position rows (``lm``) and MC Fisher.
 """
 from __future__ import annotations
 
@@ -26,11 +16,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-FSDP2_TAKES_METRIC_AND_ROWS = False
-FSDP2_RESUMES_MC_FISHER = False
-
 ROOT = Path(__file__).resolve().parents[2]
-REFUSED = "ValueError: DistributedTENGraD (FSDP2): position_rows=512 is not supported on sharded parameters"
 
 
 def _torchrun(args: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
@@ -48,18 +34,7 @@ def _torchrun(args: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProc
 
 @pytest.mark.parametrize("setting", ["lm", "polar"])
 def test_lm_fsdp2_smoke(setting: str, tmp_path: Path) -> None:
-    args = ["--setting", setting]
-    if not FSDP2_TAKES_METRIC_AND_ROWS:
-        if setting == "lm":  # no lm run without its position rows (the refusal of both options: one check)
-            proc, _ = _torchrun(args, tmp_path)
-            assert proc.returncode != 0 and REFUSED in proc.stderr, proc.stderr[-3000:]
-            return
-        args.append("--no-metric")
-    if not FSDP2_RESUMES_MC_FISHER:
-        proc, _ = _torchrun(args, tmp_path)
-        assert proc.returncode != 0 and "differs from the uninterrupted one" in proc.stderr, proc.stderr[-3000:]
-        args += ["--fisher", "empirical"]
-    proc, out = _torchrun(args, tmp_path)
+    proc, out = _torchrun(["--setting", setting], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed run equals the uninterrupted one bit for bit" in proc.stdout
     result = json.loads(out.read_text())
