@@ -51,6 +51,26 @@ def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
+def mc_step(opt: Any, out: torch.Tensor, loss: torch.Tensor, targets: Optional[torch.Tensor],
+            scaler: Any = None) -> Optional[torch.Tensor]:
+    """One training step after the forward: ``opt.mc_capture(out, targets)``, the backward of
+    ``loss`` (through ``scaler`` if given) and ``opt.step()``; the MC labels the optimizer
+    drew (``last_mc_targets``, then cleared; None where it keeps none)."""
+    opt.zero_grad()
+    opt.mc_capture(out, targets)
+    drawn = getattr(opt, "last_mc_targets", None)
+    if hasattr(opt, "last_mc_targets"):
+        opt.last_mc_targets = None
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    else:
+        loss.backward()
+        opt.step()
+    return drawn
+
+
 def _opt_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
     return dict(lr=0.1, damping=0.05, momentum=0.9, weight_decay=1e-3, curvature_every=cfg.get("T", 1),
                 fisher=cfg.get("fisher", "empirical"), kl_clip=cfg.get("kl_clip"), graft=cfg.get("graft"),

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from . import fsdp_conv1d as transposed
 from . import fsdp_workers
+from .dist_workers import mc_step
 
 __all__ = ["CORE", "M", "STEPS", "case_options", "train_reference", "matrix_ranks", "built", "built_or_refused",
            "per_job", "train"]
@@ -120,20 +121,9 @@ def train(opt: Any, fwd: nn.Module, net: nn.Module, kind: str, part: tuple[int, 
         x, y = x[r * m:(r + 1) * m], y[r * m:(r + 1) * m]
         out = fwd(x)
         loss = _loss(out, y)
-        opt.zero_grad()
         with warnings.catch_warnings():  # sampled at every position: what these tests mean
             warnings.filterwarnings("ignore", ".*the MC Fisher samples labels at every position")
-            opt.mc_capture(out, None if targets is None else targets[k - steps[0]])
-        drawn.append(getattr(opt, "last_mc_targets", None))
-        if hasattr(opt, "last_mc_targets"):
-            opt.last_mc_targets = None
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
+            drawn.append(mc_step(opt, out, loss, None if targets is None else targets[k - steps[0]], scaler))
     return {"start": start, "end": _params(net), "targets": drawn, "curvature_steps": opt.curvature_steps}
 
 

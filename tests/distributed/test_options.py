@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from tengrad_fx import Metric
-from testing.dist_workers import flat_params, global_batch, make_model
+from testing.dist_workers import flat_params, global_batch, make_model, mc_step
 from testing.distributed import run_ranks
 
 TOL = 1e-10
@@ -128,18 +128,7 @@ def _train(opt: Any, net: torch.nn.Module, fwd: torch.nn.Module, batches: list[t
         curv.append(opt._is_curvature_step())
         out = fwd(x)
         loss = F.mse_loss(out, torch.sin(x[:, :out.shape[1]])) if mse else F.cross_entropy(out, y)
-        opt.zero_grad()
-        opt.mc_capture(out, None if targets is None else targets[k])
-        drawn.append(getattr(opt, "last_mc_targets", None))
-        if hasattr(opt, "last_mc_targets"):
-            opt.last_mc_targets = None
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
+        drawn.append(mc_step(opt, out, loss, None if targets is None else targets[k], scaler))
         traj.append(flat_params(net))
     return {"traj": traj, "curv": curv, "targets": drawn, "curvature_steps": opt.curvature_steps}
 
