@@ -141,8 +141,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 def plan(a: argparse.Namespace, grids: dict[str, list[float]]) -> dict[str, Any]:
     """``protocol.json``: the model, B, each method's budgets and grid, the seeds, and each
     method's own options of this driver (to run extra lr points of it later)."""
-    own = {m: ["--methods", m] for m in a.methods} | {parse_variant(s)[0]: ["--no-twins", "--tengrad", s]
-                                                      for s in a.tengrad}
+    alone = ["--methods", "", "--no-twins"]  # a setting rerun without AdamW or its twin
+    own = {m: ["--methods", m] for m in a.methods} | {parse_variant(s)[0]: [*alone, "--tengrad", s] for s in a.tengrad}
     base = ["--model", a.model, "--budget", str(a.budget), "--seeds", ",".join(map(str, a.seeds)),
             "--warmup-frac", str(a.warmup_frac)]
     for opt in ("text", "device", "batch_size", "eval_subset", "eval_every"):

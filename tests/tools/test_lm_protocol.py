@@ -194,6 +194,8 @@ def test_protocol_end_to_end(docs_text: Path, tmp_path: Path, capsys: pytest.Cap
     spec = proto.main(argv)
     assert spec["methods"] == ["adamw", "lm", "lm-off"]
     assert spec["budgets"] == {"adamw": [2, 4, 8], "lm": [2, 4], "lm-off": [2, 4]}
+    extra = proto.parse_args([*spec["method_args"]["lm-off"], "--model", "gpt2-bytes-t", "--budget", "2", "--out", "o"])
+    assert extra.methods == [] and extra.tengrad == ["lm-off:preset=lm,damping=1000.0"]  # reruns that setting alone
     assert sorted(str(p.relative_to(tmp_path / "p")) for p in (tmp_path / "p").glob("*/*/results.json")) == \
         ["b2/seed0/results.json", "b4/seed0/results.json", "b8/seed0/results.json"]
     res = json.loads((tmp_path / "p/b8/seed0/results.json").read_text())

@@ -29,3 +29,25 @@ def test_spectra_after_each_curvature_step(docs_text: Path, damping: float, held
     assert (min(shares) >= 0.5) if held else (max(shares) == 0.0)  # tiny α: curvature everywhere; huge: none
     text = capsys.readouterr().out
     assert "after step 3 (curvature step 2)" in text and "| layer | rows |" in text
+
+
+def test_protocol_schedule_sets_the_lr(docs_text: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--lr`` with ``--schedule cosine --lr-warmup``: the run's lr follows the protocol's
+    schedule (warm-up, then cosine to 0 at ``--steps``)."""
+    lrs: list[float] = []
+    real_make_run = lm_spectrum.make_run
+
+    def spy(*a: object, **k: object) -> object:
+        r = real_make_run(*a, **k)
+        step = r.step
+
+        def logged(*sa: object) -> None:
+            lrs.append(r.opt.param_groups[0]["lr"])
+            step(*sa)
+        r.step = logged
+        return r
+    monkeypatch.setattr(lm_spectrum, "make_run", spy)
+    lm_spectrum.main(["--model", "gpt2-bytes-t", "--text", str(docs_text), "--steps", "4", "--batch-size", "4",
+                      "--tengrad", "v:preset=lm,position_rows=16", "--lr", "0.01", "--schedule", "cosine",
+                      "--lr-warmup", "2"])
+    assert lrs[0] < lrs[1] and math.isclose(max(lrs), 0.01) and lrs[-1] < 0.01
