@@ -28,7 +28,7 @@ from ..curvature.layer import CoveredLayer, gram_flops
 from .comm import collective
 from .fsdp_rows import bias_apart, cut, cut_bias, row_chunk
 
-__all__ = ["shard_coordinates", "exchange_rows", "choose_fsdp_modes"]
+__all__ = ["Cut", "shard_coordinates", "exchange_rows", "choose_fsdp_modes"]
 
 Pieces = list[tuple[str, int, int, str]]  # (layer name, site index, record index, field)
 Cut = tuple[list[tuple[Tensor, Tensor]], Optional[Tensor]]  # per call (I', G'); the bias rows' gradients
