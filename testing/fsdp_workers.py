@@ -5,8 +5,9 @@ and the same model in one process on the concatenated batch (:func:`train_refere
 A run is a ``cfg`` dict: ``model`` ("block": embedding tied to the output head, one
 pre-norm transformer block with attention and an MLP, a final LayerNorm; "cnn": two
 convolutions with BatchNorm (in eval mode, :func:`frozen_statistics`) and a Linear head;
-"conv1d", "gpt2": Hugging Face's transposed Linear, :mod:`testing.fsdp_conv1d`; "mlp-extras", "cnn-grouped":
-per-sample-gradient layers, grouped convolutions, :mod:`testing.fsdp_extras`), ``m`` (local batch),
+"conv1d", "gpt2": Hugging Face's transposed Linear, :mod:`testing.fsdp_conv1d`; "mlp-extras", "cnn-grouped",
+"tconv": per-sample-gradient layers, grouped and transposed convolutions, :mod:`testing.fsdp_extras`),
+``m`` (local batch),
 ``steps``, ``T``, ``fisher``, ``kl_clip``, ``shard`` ("blocks": ``fully_shard`` on each
 block and the root; "layers": on every Linear/conv too; "root": on the root only), ``order``
 ("prepare-first": ``prepare`` by torch.fx, then ``fully_shard``; with ``expect_error`` the
@@ -31,7 +32,7 @@ from . import fsdp_extras as extras
 from . import fsdp_polar as polar
 
 __all__ = ["make_model", "global_batch", "train_fsdp", "train_reference", "full_params", "run_example",
-           "assert_follows_reference",
+           "assert_follows_reference", "check_run",
            "train_accumulated", "accumulated_reference"]
 
 VOCAB, SEQ, D = 11, 4, 6
@@ -87,7 +88,8 @@ class TinyCNN(nn.Module):
 def make_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
     net: nn.Module = TinyLM() if kind == "block" else polar.MLP() if kind == "mlp" else extras.ExtrasMLP() \
-        if kind == "mlp-extras" else extras.GroupedCNN() if kind == "cnn-grouped" else transposed.build(kind) \
+        if kind == "mlp-extras" else extras.GroupedCNN() if kind == "cnn-grouped" else extras.TransposedCNN() \
+        if kind == "tconv" else transposed.build(kind) \
         if kind in transposed.TRANSPOSED_KINDS else TinyCNN()
     net = net.double()
     for mod in net.modules():
@@ -162,8 +164,9 @@ def _shard(net: nn.Module, cfg: dict[str, Any], world: int) -> Any:
     blocks = [mod for mod in net.modules() if isinstance(mod, Block)] + transposed.blocks(net) \
         if cfg.get("shard") != "root" else []
     if cfg.get("shard") == "layers":  # innermost first: fully_shard shards the parameters not yet sharded
-        blocks = [mod for mod in net.modules() if isinstance(mod, (nn.Linear, nn.Conv2d)) and mod is not
-                  getattr(net, "head", None)] + blocks
+        kinds = (nn.Linear, nn.Conv2d, nn.ConvTranspose2d)
+        blocks = [mod for mod in net.modules() if isinstance(mod, kinds) and mod is not getattr(net, "head", None)] \
+            + blocks
     for mod in blocks:
         fully_shard(mod, **kw)
     fully_shard(net, **kw)
@@ -300,6 +303,25 @@ def assert_follows_reference(got: list[dict[str, Any]], ref: list[dict[str, torc
             err = ((d - dr).norm() / dr.norm()).item()
             assert err <= tol, f"step {k - 1}, {n}: relative error {err:.2e} vs the global-batch update"
         assert all(torch.equal(r["traj"][k][n], traj[k][n]) for r in got[1:] for n in traj[k]), "the ranks differ"
+
+
+def check_run(cfg: dict[str, Any], ranks: list[dict[str, Any]], tol: float) -> list[dict[str, torch.Tensor]]:
+    """``cfg``'s run on ``ranks`` (:func:`train_fsdp`'s results) took every step with
+    ``DistributedTENGraD`` and follows :func:`train_reference` on the concatenated batch (MC
+    with the ranks' targets) to ``tol`` (:func:`assert_follows_reference`; parameters the
+    reference never moves, e.g. frozen ones, unchanged); the reference's trajectory."""
+    assert ranks[0]["type"] == "FSDPTENGraD"
+    assert ranks[0]["counters"] == {"step": cfg["steps"], "skipped": 0, "uncaptured": 0}
+    targets = None
+    if cfg.get("fisher") == "mc":
+        targets = [None if ranks[0]["targets"][k] is None else torch.cat([r["targets"][k] for r in ranks])
+                   for k in range(cfg["steps"])]
+    ref = train_reference(cfg, len(ranks), targets)
+    assert ranks[0]["traj"][0].keys() == ref[0].keys()
+    frozen = {n for n in ref[0] if torch.equal(ref[-1][n], ref[0][n])}  # mlp-extras: fc2.weight
+    assert all(torch.equal(ranks[0]["traj"][-1][n], ref[0][n]) for n in frozen)
+    assert_follows_reference(ranks, [{n: t for n, t in r.items() if n not in frozen} for r in ref], cfg["steps"], tol)
+    return ref
 
 
 def run_example(rank: int, world: int, argv: list[str]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ curvature step, per layer (``mode``; ``"auto"``: :func:`.fsdp_exchange.choose_fs
   ranks (``M = W·m`` samples, rank order, ``G`` rescaled by ``1/W``: :mod:`.records`) and
   builds the ``M × M`` Gram (TENGraD's own groups; the same on every rank), then cuts the
   records to its rows (:mod:`.fsdp_rows`: ``G[..., R_r]`` for Linear, ``I[..., R_r]`` for a
-  transposed one);
+  transposed one, ``G[:, R_r]`` for a convolution, ``I[:, R_r]`` for a transposed one);
 * ``"gram-blocks"``: every rank receives only its rows' cut of every rank's records (one
   all_to_all per dtype, :mod:`.fsdp_exchange`), forms ``J_r J_rᵀ`` and one all_reduce over
   the shard group gives ``K = Σ_r J_r J_rᵀ`` (:class:`RowGroup`).
@@ -56,7 +56,7 @@ from ..optim.tengrad.distribution import Host, SingleProcess
 from ..optim.tengrad.group_build import build_groups
 from ..optim.tengrad.layer_groups import LayerGroup
 from .comm import all_ok, collective
-from .fsdp_exchange import choose_fsdp_modes, exchange_rows, shard_coordinates
+from .fsdp_exchange import Cut, choose_fsdp_modes, exchange_rows, shard_coordinates
 from .fsdp_unsharded import unsharded_weights
 from .fsdp_rows import check_shardable, layer_rows, like, local, per_sample_only, row_records
 from .global_batch import GlobalBatch, Mode
@@ -114,7 +114,7 @@ class FSDPShards(GlobalBatch):
         self._coords: list[int] = []  # each global rank's coordinate on the shard dim
         self._shards = 1  # the shard dim's size
         self._row_groups: list[LayerGroup] = []  # the cached layers' records cut to this rank's rows (group order)
-        self._row_parts: dict[str, list[tuple[Tensor, Tensor]]] = {}  # gram-blocks layers: this rank's cut
+        self._row_parts: dict[str, Cut] = {}  # gram-blocks layers: this rank's cut
         self._modules: list[FSDPModule] = []  # the model's FSDP modules (unwrap)
         self._unsharded: dict[Tensor, Tensor] = {}  # sharded weight -> FSDP's unsharded parameter of it
 
@@ -221,7 +221,9 @@ class FSDPShards(GlobalBatch):
         blocks = [lay for lay in self.layers if self.modes[lay.name] == "gram-blocks"]
         rows = {lay.name: row_records(lay) for lay in gather}
         k = float(self.world * blocks[0].m) if blocks and opt._info.loss_reduction == "mean" else 1.0
-        rows.update({lay.name: layer_rows(lay, self._row_parts[lay.name], k) for lay in blocks})
+        for lay in blocks:
+            parts, db = self._row_parts[lay.name]
+            rows[lay.name] = layer_rows(lay, parts, k, db=db)
         self._row_parts = {}
         groups = build_groups(gather, opt.strategy, opt.jacobian_budget)[0] if gather else []
         if blocks:

@@ -3,7 +3,10 @@ data-parallel rank, only the part of its records that its own rows need.
 
 Rank ``d`` holds rows ``R_d`` of a layer's weight; the per-sample gradients restricted to
 ``R_d`` need the records cut to ``R_d`` (:func:`.fsdp_rows.cut`: for Linear ``I`` and
-``G[..., R_d]``, so ``1/S`` of ``G``; for a transposed Linear ``I[..., R_d]`` and ``G``).
+``G[..., R_d]``, so ``1/S`` of ``G``; for a transposed Linear ``I[..., R_d]`` and ``G``; a
+transposed convolution ``I[:, R_d]`` and ``G``, or with groups their output channels). A
+transposed layer's bias, sharded apart (rows ``R'_d`` of its output features or channels),
+travels as its rows' per-sample gradients ``[m, |R'_d|]`` (:func:`.fsdp_rows.cut_bias`).
 Every rank cuts its ``m`` rows of records for every destination and one ``all_to_all`` per
 dtype delivers them: rank ``d`` ends with the global batch's ``M = W·m`` rows of its cut
 (rank order, ``G`` rescaled by ``1/W`` as in :mod:`.records`), and the layer's Gram is
@@ -14,7 +17,7 @@ dtype delivers them: rank ``d`` ends with the global batch's ``M = W·m`` rows o
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,11 +26,12 @@ from torch import Tensor
 from ..capture.norm import NORM_KINDS
 from ..curvature.layer import CoveredLayer, gram_flops
 from .comm import collective
-from .fsdp_rows import cut, row_chunk
+from .fsdp_rows import bias_apart, cut, cut_bias, row_chunk
 
-__all__ = ["shard_coordinates", "exchange_rows", "choose_fsdp_modes"]
+__all__ = ["Cut", "shard_coordinates", "exchange_rows", "choose_fsdp_modes"]
 
 Pieces = list[tuple[str, int, int, str]]  # (layer name, site index, record index, field)
+Cut = tuple[list[tuple[Tensor, Tensor]], Optional[Tensor]]  # per call (I', G'); the bias rows' gradients
 
 
 def shard_coordinates(mesh: Any, dim: int) -> list[int]:
@@ -40,17 +44,24 @@ def shard_coordinates(mesh: Any, dim: int) -> list[int]:
     return out
 
 
-def _cut_for(lay: CoveredLayer, I: Tensor, G: Tensor, coord: int, shards: int) -> tuple[Tensor, Tensor]:
+def _cut_for(lay: CoveredLayer, I: Tensor, G: Tensor, coord: int, shards: int) -> dict[str, Tensor]:
+    """One record's cut for the shard ``coord``: ``I``, ``G`` (and ``b``, :func:`.fsdp_rows.cut_bias`)."""
     rows_total = lay.weight.shape[0]
     a, b = row_chunk(rows_total, shards, coord)
-    return cut(lay.kind, lay.spec, I, G, a, b, rows_total)
+    out = dict(zip("IG", cut(lay.kind, lay.spec, I, G, a, b, rows_total)))
+    if bias_apart(lay):
+        assert lay.bias is not None
+        out["b"] = cut_bias(lay.kind, G, *row_chunk(lay.bias.shape[0], shards, coord))
+    return out
 
 
 def exchange_rows(layers: list[CoveredLayer], coords: list[int], shards: int, rank: int,
-                  count: Callable[[str, int], None]) -> dict[str, list[tuple[Tensor, Tensor]]]:
+                  count: Callable[[str, int], None]) -> dict[str, Cut]:
     """Per layer, this rank's cut of the global batch's records, ``[(I', G')]`` per call
-    (``M`` rows, rank order; ``G'`` rescaled by ``1/W``); one ``all_to_all`` per dtype.
-    ``coords``: :func:`shard_coordinates`; ``count(name, bytes)``: the bytes sent per layer."""
+    (``M`` rows, rank order; ``G'`` rescaled by ``1/W``), and a transposed layer's bias rows'
+    per-sample gradients ``[M, |R'|]`` summed over the calls (alike rescaled; None: no bias
+    apart); one ``all_to_all`` per dtype. ``coords``: :func:`shard_coordinates`;
+    ``count(name, bytes)``: the bytes sent per layer."""
     world = len(coords)
     send: dict[torch.dtype, list[list[Tensor]]] = {}
     shapes: dict[torch.dtype, list[tuple[tuple[str, int, int, str], torch.Size]]] = {}
@@ -60,7 +71,7 @@ def exchange_rows(layers: list[CoveredLayer], coords: list[int], shards: int, ra
             for j, r in enumerate(store.records.get(site, [])):
                 assert r.I is not None and r.G is not None
                 for d in range(world):
-                    for f, t in zip("IG", _cut_for(lay, r.I, r.G, coords[d], shards)):
+                    for f, t in _cut_for(lay, r.I, r.G, coords[d], shards).items():
                         per_dest = send.setdefault(t.dtype, [[] for _ in range(world)])
                         per_dest[d].append(t.reshape(-1))
                         if d == rank:  # what every source sends here has this rank's cut's shapes
@@ -76,15 +87,18 @@ def exchange_rows(layers: list[CoveredLayer], coords: list[int], shards: int, ra
         for src in out.split(sum(mine)):
             for (key, shape), part in zip(shapes[dtype], src.split(mine)):
                 got.setdefault(key, []).append(part.view(shape))
-    result: dict[str, list[tuple[Tensor, Tensor]]] = {}
+    result: dict[str, Cut] = {}
     for lay in layers:
-        parts = []
+        parts, db = [], None
         for s, site in enumerate(lay.spec.sites):
             for j, _ in enumerate(lay._info.store.records.get(site, [])):
                 I = torch.cat(got[(lay.name, s, j, "I")])
                 G = torch.cat(got[(lay.name, s, j, "G")]) * (1.0 / world)
                 parts.append((I, G))
-        result[lay.name] = parts
+                if (lay.name, s, j, "b") in got:
+                    part = torch.cat(got[(lay.name, s, j, "b")]) * (1.0 / world)
+                    db = part if db is None else db + part
+        result[lay.name] = (parts, db)
     return result
 
 
@@ -115,6 +129,8 @@ def choose_fsdp_modes(layers: list[CoveredLayer], M: int, world: int, shards: in
             keep_i, keep_g, scale = frac, frac, (frac, 1.0, 1.0)
         elif lay.kind == "linear" and lay.spec.transposed:  # rows are input features
             keep_i, keep_g, scale = frac, 1.0, (1.0, frac, 1.0)
+        elif lay.spec.transposed:  # a transposed convolution: rows are input channels (o), with groups G's cut too
+            keep_i, keep_g, scale = frac, (frac if lay.spec.groups > 1 else 1.0), (1.0, 1.0, frac)
         else:
             keep_i, keep_g, scale = 1.0, frac, (1.0, 1.0, frac)
         part = whole if lay.kind == "embedding" else \

@@ -13,8 +13,14 @@ parameter, gradient or update:
   features, so the weight's part of ``J`` is that of ``(I[..., a:b], G)``; its bias
   ``[o]`` is sharded apart (rows ``[a', b')`` of the output features: per-sample
   gradients ``Σ_s G[:, s, a':b']``), :class:`TransposedRows`;
-* ConvNd (not transposed), ``W [o, c/g, *k]``: ``G[:, a:b]``, and with ``g > 1`` groups the
-  input channels of the rows' groups (rows of whole groups only: a convolution of those groups);
+* ConvNd, ``W [o, c/g, *k]``: ``G[:, a:b]``, and with ``g > 1`` groups the input channels of
+  the rows' groups (rows of whole groups only: a convolution of those groups);
+* ConvTransposeNd, ``W [c, o/g, *k]``: its rows are input channels, ``I[:, a:b]``, and ``G``
+  (with ``g > 1`` groups the output channels of the rows' groups, whole groups only); its
+  ``J`` is that of the transposed convolution of those channels (``x[s]·unfold(G)[s]``, the
+  roles of ``I`` and ``G`` swapped, :mod:`tengrad_fx.curvature.conv`); its bias ``[o]`` is
+  sharded apart as a transposed Linear's (per-sample gradients ``Σ_t G[:, a':b', t]``,
+  :class:`TransposedRows`);
 * norm layers: the affine elements ``[a·r, b·r)`` of ``x̂`` and ``G`` (``r`` = elements
   per row of ``γ``; channel-first kinds: channels ``a:b``);
 * Embedding, ``W [V, D]``: positions whose index is in ``[a, b)``, re-indexed from ``a``
@@ -39,7 +45,7 @@ from ..curvature.layer import KERNELS, CoveredLayer, choose_strategy
 
 __all__ = ["RowSpec", "RowRecords", "TransposedRows", "PerSampleRows", "Rows", "per_sample_only",
            "layer_rows", "row_range", "row_chunk", "check_shardable", "row_records", "row_spec", "cut",
-           "local", "like", "fully_sharded"]
+           "bias_apart", "cut_bias", "local", "like", "fully_sharded"]
 
 
 def fully_sharded(model: Any) -> bool:
@@ -87,34 +93,32 @@ def per_sample_only(lay: CoveredLayer) -> bool:
 
 
 def _groups_of_rows(spec: Any, a: int, b: int, rows_total: int) -> int:
-    """The groups of a convolution whose output channels are the rows ``[a, b)`` (1 for any
-    other layer); ``ValueError`` where the rows split a group."""
+    """The groups of a convolution whose rows are ``[a, b)`` (output channels; a transposed
+    one's: input channels) (1 for any other layer); ``ValueError`` where the rows split a group."""
     groups = getattr(spec, "groups", 1) if getattr(spec, "kind", "").startswith("conv") else 1
     if groups == 1:
         return 1
     per = rows_total // groups
     if a % per or b % per:
-        raise ValueError(f"DistributedTENGraD (FSDP2): layer '{spec.name}' is a convolution of {groups} groups of "
-                         f"{per} output channels, and a shard's rows [{a}, {b}) split a group (fully_shard gives each "
-                         "rank ⌈C_out/S⌉ rows), whose per-sample gradients need the whole group's input channels; "
-                         "shard it over a number of ranks that keeps each group on one rank, or leave it out of "
-                         "fully_shard")
+        what, rows, other = ("a transposed convolution", "input", "output") if spec.transposed else \
+            ("a convolution", "output", "input")
+        raise ValueError(f"DistributedTENGraD (FSDP2): layer '{spec.name}' is {what} of {groups} groups of "
+                         f"{per} {rows} channels, and a shard's rows [{a}, {b}) split a group (fully_shard gives "
+                         f"each rank ⌈{rows_total}/S⌉ rows); the rows are cut as whole groups, each rank's a "
+                         f"convolution of its groups with their {other} channels; shard it over a number of "
+                         "ranks that keeps each group on one rank, or leave it out of fully_shard")
     return (b - a) // per
 
 
 def check_shardable(lay: CoveredLayer) -> None:
     """``ValueError`` naming the layer where its ``J`` cannot be cut by rows here."""
     spec, kind = lay.spec, lay.kind
-    why = None
     if per_sample_only(lay):  # P's columns are cut by rows (PerSampleRows)
         return
-    if kind.startswith("conv") and spec.transposed:
-        why = "a transposed convolution"
-    elif kind not in ("linear", "embedding", "conv1d", "conv2d", "conv3d") and kind not in NORM_KINDS:
-        why = f"a layer of kind {kind!r}"
-    if why is not None:
-        raise ValueError(f"DistributedTENGraD (FSDP2): layer '{lay.name}' is {why}, whose rows are not cut here; "
-                         "leave it out of the optimizer's params (a plain optimizer for it) or out of fully_shard")
+    if kind not in ("linear", "embedding") and not kind.startswith("conv") and kind not in NORM_KINDS:
+        raise ValueError(f"DistributedTENGraD (FSDP2): layer '{lay.name}' is a layer of kind {kind!r}, whose rows "
+                         "are not cut here; leave it out of the optimizer's params (a plain optimizer for it) or "
+                         "out of fully_shard")
     w = lay.weight
     if kind.startswith("conv") and isinstance(w, DTensor):  # every shard's rows whole groups
         dims = [d for d, pl in enumerate(w.placements) if isinstance(pl, Shard) and pl.dim == 0]
@@ -220,16 +224,17 @@ class RowRecords:
 
 @dataclass
 class TransposedRows:
-    """A transposed Linear's rows (module docstring): ``weight``, the records cut to the
-    weight's rows ``(I[..., a:b], G)`` with no bias, and ``db`` ``[M, b'−a']``, the per-sample
-    gradients of this rank's bias rows (scaled by ``k``; None: no bias). ``J_r`` is their
-    columns side by side, so each product is the weight's plus the bias's."""
+    """A transposed layer's rows (a transposed Linear or convolution: module docstring):
+    ``weight``, the records cut to the weight's rows (input features or channels) with no bias,
+    and ``db`` ``[M, b'−a']``, the per-sample gradients of this rank's bias rows (output
+    features or channels; scaled by ``k``; None: no bias). ``J_r`` is their columns side by
+    side, so each product is the weight's plus the bias's."""
 
     weight: RowRecords
     db: Optional[Tensor]
 
     def jvp(self, gw: Tensor, gb: Optional[Tensor]) -> Tensor:
-        """``J_r g_r``, ``[M]`` (``gw [b−a, o]``, ``gb [b'−a']``)."""
+        """``J_r g_r``, ``[M]`` (``gw``: the weight's rows ``[b−a, ...]``, ``gb [b'−a']``)."""
         out = self.weight.jvp(gw, None)
         return out if self.db is None or gb is None else out + self.db @ gb.to(self.db.dtype)
 
@@ -239,7 +244,7 @@ class TransposedRows:
         return K if self.db is None else K + self.db @ self.db.T
 
     def vjp(self, c: Tensor) -> tuple[Tensor, Optional[Tensor]]:
-        """This rank's rows of ``Jᵀ c``: ``(weight [b−a, o], bias [b'−a'] or None)``."""
+        """This rank's rows of ``Jᵀ c``: ``(weight [b−a, ...], bias [b'−a'] or None)``."""
         gw, _ = self.weight.vjp(c)
         return gw, (None if self.db is None else c.to(self.db.dtype) @ self.db)
 
@@ -282,26 +287,35 @@ Rows = RowRecords | TransposedRows | PerSampleRows
 
 
 def layer_rows(lay: CoveredLayer, parts: list[tuple[Tensor, Tensor]], k: float,
-               rows: Optional[tuple[int, int]] = None, bias_rows: Optional[tuple[int, int]] = None) -> Rows:
+               rows: Optional[tuple[int, int]] = None, db: Optional[Tensor] = None) -> Rows:
     """``lay``'s row records from its records' cut ``parts`` (:func:`cut`; ``k``: their
     per-sample scale) over this rank's shards, or (``rows``) over those rows of the whole
-    parameters. A transposed Linear's bias rows are ``bias_rows`` of its output features
-    (default: this rank's, :func:`row_range` of the bias; needed with ``rows``)."""
+    parameters. ``db``: a transposed layer's bias rows' per-sample gradients (:func:`cut_bias`
+    summed over the calls, unscaled), required where :func:`bias_apart`."""
     spec = row_spec(lay, rows)
-    if lay.kind != "linear" or not lay.spec.transposed:
+    if not lay.spec.transposed:
         return RowRecords(spec, parts, k)
-    weight = RowRecords(RowSpec(lay.spec, spec.weight, None), parts, k)
+    weight = RowRecords(RowSpec(lay.spec, spec.weight, None, spec.groups), parts, k)
     if lay.bias is None:
         return TransposedRows(weight, None)
-    if bias_rows is None:
-        if rows is not None:
-            raise ValueError(f"layer '{lay.name}': a transposed Linear's rows of its bias (output features) are "
-                             "its own; pass bias_rows with rows")
-        bias_rows = row_range(lay.bias)
-    a, b = bias_rows
-    db = sum(G.reshape(G.shape[0], -1, G.shape[-1])[..., a:b].sum(1) for _, G in weight.parts)
-    assert isinstance(db, Tensor)
-    return TransposedRows(weight, db * k)
+    if db is None:
+        raise ValueError(f"layer '{lay.name}': a transposed layer's bias rows (output features or channels) are "
+                         "sharded apart from its weight's; pass their per-sample gradients db")
+    return TransposedRows(weight, db.to(spec.weight.dtype) * k)
+
+
+def bias_apart(lay: CoveredLayer) -> bool:
+    """Is ``lay``'s bias sharded apart from its weight's rows: a transposed layer's bias, whose
+    rows are output features or channels while the weight's are input ones?"""
+    return bool(lay.spec.transposed) and lay.bias is not None
+
+
+def cut_bias(kind: str, G: Tensor, a: int, b: int) -> Tensor:
+    """A transposed layer's bias rows ``[a, b)``: their per-sample gradients from one record's
+    whole ``G``, ``[m, b−a]`` (``G``'s output features or channels ``a:b`` summed over positions)."""
+    if kind == "linear":
+        return G.reshape(G.shape[0], -1, G.shape[-1])[..., a:b].sum(1)
+    return G[:, a:b].flatten(2).sum(2)
 
 
 def _in(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -313,11 +327,14 @@ def cut(kind: str, spec: Any, I: Tensor, G: Tensor, a: int, b: int, rows_total: 
     """One record ``(I, G)`` cut to the rows ``[a, b)`` of a weight with ``rows_total`` rows."""
     if kind == "linear":  # transposed (Conv1D): the weight's rows are input features
         return (I[..., a:b], G) if spec.transposed else (I, G[..., a:b])
-    if kind.startswith("conv"):  # grouped: the input channels of the rows' groups
+    if kind.startswith("conv"):  # rows: G's channels (transposed: I's); grouped: the rows' groups' other ones
         g = _groups_of_rows(spec, a, b, rows_total)
-        c = I.shape[1] // spec.groups
-        first = a // (rows_total // spec.groups) if spec.groups > 1 else 0
-        return (I[:, first * c:(first + g) * c] if spec.groups > 1 else I), G[:, a:b]
+        mine, other = (I, G) if spec.transposed else (G, I)
+        if spec.groups > 1:
+            c = other.shape[1] // spec.groups
+            first = a // (rows_total // spec.groups)
+            other = other[:, first * c:(first + g) * c]
+        return (mine[:, a:b], other) if spec.transposed else (other, mine[:, a:b])
     if kind in CHANNEL_FIRST:
         return I[:, a:b], G[:, a:b]
     if kind in NORM_KINDS:  # trailing normalized dims: elements [a·r, b·r) of the flattened γ
@@ -350,15 +367,25 @@ def row_records(lay: CoveredLayer, rows: Optional[tuple[int, int]] = None,
     """``lay``'s current (global) records cut to the rows ``[a, b)`` of its weight (default:
     this rank's, :func:`row_range`; then the spec holds the local shards, else the rows of
     the whole parameters), as tensors of their own (no view keeps a whole record alive);
-    ``bias_rows``: :func:`layer_rows`."""
+    ``bias_rows``: a transposed layer's rows of its bias (output features or channels; default
+    this rank's, :func:`row_range` of the bias; needed with ``rows``)."""
     w = lay.weight
     a, b = row_range(w) if rows is None else rows
     if per_sample_only(lay):
         return PerSampleRows.cut(lay, a, b)
-    parts = []
+    if bias_apart(lay) and bias_rows is None:
+        if rows is not None:
+            raise ValueError(f"layer '{lay.name}': a transposed layer's rows of its bias (output features or "
+                             "channels) are its own; pass bias_rows with rows")
+        assert lay.bias is not None
+        bias_rows = row_range(lay.bias)
+    parts, db = [], None
     for r in lay.records():
         if r.I is None or r.G is None:
             raise RuntimeError(f"layer '{lay.name}': only per-sample gradients were kept; FSDP2 needs I and G")
         I, G = cut(lay.kind, lay.spec, r.I, r.G, a, b, w.shape[0])
         parts.append((I.contiguous(), G.contiguous()))
-    return layer_rows(lay, parts, lay._scale(), rows, bias_rows)
+        if bias_apart(lay) and bias_rows is not None:
+            part = cut_bias(lay.kind, r.G, *bias_rows)
+            db = part if db is None else db + part
+    return layer_rows(lay, parts, lay._scale(), rows, db)

@@ -13,7 +13,7 @@ import torch
 
 from tengrad_fx import Metric
 from testing.distributed import run_ranks
-from testing.fsdp_workers import assert_follows_reference, train_fsdp, train_reference
+from testing.fsdp_workers import check_run, train_fsdp
 
 TOL = 1e-10
 
@@ -108,17 +108,7 @@ def four(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, A
 
 
 def _check(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
-    assert ranks[0]["type"] == "FSDPTENGraD"
-    assert ranks[0]["counters"] == {"step": cfg["steps"], "skipped": 0, "uncaptured": 0}
-    targets = None
-    if cfg.get("fisher") == "mc":
-        targets = [None if ranks[0]["targets"][k] is None else torch.cat([r["targets"][k] for r in ranks])
-                   for k in range(cfg["steps"])]
-    ref = train_reference(cfg, len(ranks), targets)
-    assert ranks[0]["traj"][0].keys() == ref[0].keys()
-    frozen = {n for n in ref[0] if torch.equal(ref[-1][n], ref[0][n])}  # mlp-extras: fc2.weight
-    assert all(torch.equal(ranks[0]["traj"][-1][n], ref[0][n]) for n in frozen)
-    assert_follows_reference(ranks, [{n: t for n, t in r.items() if n not in frozen} for r in ref], cfg["steps"], TOL)
+    check_run(cfg, ranks, TOL)
 
 
 def test_per_sample_layers_are_gathered(two: dict[str, list[dict[str, Any]]]) -> None:
