@@ -266,9 +266,13 @@ class GlobalBatch(SingleProcess):
     def solve(self, opt: Host, push_through: bool, damping: Damping) -> StepResult:
         """``u`` of the gather layers solved here and of every ``gram-blocks`` layer (over
         this rank's rows, :class:`.gram_blocks.RowBlocks`), both by the one Woodbury apply
-        (:func:`~..optim.tengrad.layer_groups.precondition`); the broadcasts of the gather
-        layers' ``u`` are in flight while this rank takes part in the gram-blocks layers'."""
+        (:func:`~..optim.tengrad.layer_groups.precondition`), overlapped: the all-gather of the
+        ``J_a g`` runs while this rank solves its gather layers; the broadcasts of their ``u``
+        run while it finishes the gram-blocks layers."""
         cache = opt.curvature
+        rows = self._block_rows(opt, push_through) if self._local_groups else None
+        if rows is not None and self.overlap:
+            rows.start(self._local_groups, push_through)  # J_a g, its all-gather in flight from here
         gather = cache.groups[:self._n_gather]
         out: dict[Tensor, Tensor] = {}
         alphas = cache.dampings(damping, opt.param_groups)  # float, or [L_total] in the groups' order
@@ -278,24 +282,21 @@ class GlobalBatch(SingleProcess):
                                   else alphas, opt._info.loss_reduction)
         if self.mode != "local" and self.overlap:
             self.sharing.start(opt._layers, self.owner, self.modes, out)  # the owners' u, in flight from here
-        if self._local_groups:
-            out.update(self._solve_blocks(opt, push_through, damping))
+        if rows is not None:
+            layers = [lay for grp in self._local_groups for lay in grp.layers]
+            scales = torch.stack([self._scales[lay.name] for lay in layers]) if self._scales else None
+            alphas = layer_alphas(damping, opt.param_groups, layers, scales)  # the owners' scales (relative_damping)
+            out.update(precondition(self._local_groups, None, push_through, alphas, opt._info.loss_reduction,
+                                    rows=rows)[0])
         return StepResult(out, cache.ok)
 
-    def _solve_blocks(self, opt: Host, push_through: bool, damping: Damping) -> dict[Tensor, Tensor]:
-        """``u`` of the ``gram-blocks`` layers on every rank: :func:`precondition` over this
-        rank's rows (:class:`.gram_blocks.RowBlocks`, the owners' factors), each layer's ``α``
-        by :func:`~..optim.tengrad.cache.layer_alphas` with the scales its owner broadcast."""
-        groups = self._local_groups
-        device = groups[0].layers[0].weight.device
+    def _block_rows(self, opt: Host, push_through: bool) -> RowBlocks:
+        """The ``gram-blocks`` layers' rows over the ranks, with this rank's factors of them."""
+        device = self._local_groups[0].layers[0].weight.device
         probe = self._generator(device, opt._sched, "probe") if push_through else None  # curvature steps only
         chol = {lay.name: grp.chol[i] for grp in opt.curvature.groups[self._n_gather:] if grp.chol is not None
                 for i, lay in enumerate(grp.layers)}
-        layers = [lay for grp in groups for lay in grp.layers]
-        scales = torch.stack([self._scales[lay.name] for lay in layers]) if self._scales else None
-        alphas = layer_alphas(damping, opt.param_groups, layers, scales)
-        rows = RowBlocks(self.owner, chol, probe, self.sharing.add_bytes, self._group_rows)
-        return precondition(groups, None, push_through, alphas, opt._info.loss_reduction, rows=rows)[0]
+        return RowBlocks(self.owner, chol, probe, self.sharing.add_bytes, self._group_rows)
 
     def finish(self, opt: Host, result: StepResult) -> StepResult:
         """Step 5 (every rank gets every layer's ``u``, or ``local``'s mean), and the step's

@@ -30,14 +30,14 @@ takes the same decision and the same ``u`` bit for bit.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from ..curvature.layer import CoveredLayer
-from ..optim.tengrad.layer_groups import LayerGroup
+from ..optim.tengrad.layer_groups import LayerGroup, Products, group_products
 from .. import solve
 from .comm import Bucket, all_gather_meta, broadcast_buckets, collective, pack, unpack
 from .traffic import all_gather_sent, all_reduce_sent, broadcast_sent
@@ -47,6 +47,7 @@ __all__ = ["N_PROBE", "RowBlocks", "rows_by_group"]
 N_PROBE = 256  # weight coordinates of the push-through probe (plus the whole bias)
 
 Grads = list[tuple[Tensor, Optional[Tensor]]]
+Gathering = tuple[list[Tensor], list[Optional[Tensor]], list[int], Any]
 
 
 class RowBlocks:
@@ -57,8 +58,10 @@ class RowBlocks:
     records (the same groups, in the same order, on every rank: one batched ``J g`` /
     ``Jᵀ c`` per group of equal shapes).
 
-    * :meth:`solve`: one all-gather of the ``J_a g`` (and the probe's ``J_aᵀ1``), the
-      probe, ``c`` solved where the factor is, one broadcast of the owners' ``c`` per owner;
+    * :meth:`start` (optional): ``J_a g`` (and the probe's ``J_aᵀ1``) and their all-gather
+      started (async), so the caller works while they travel;
+    * :meth:`solve`: that all-gather (started here without :meth:`start`), the probe, ``c``
+      solved where the factor is, one broadcast of the owners' ``c`` per owner;
     * :meth:`sum_vjps`: ``J_aᵀ c_a`` and one all-reduce of the partial sums.
 
     Args:
@@ -72,12 +75,20 @@ class RowBlocks:
     """
 
     scale = 1.0  # push-through: u = Jᵀ(K + MαI)⁻¹1 for the global batch's mean loss
+    products: Optional[Products] = None  # the groups' group_products, from start
 
     def __init__(self, owner: dict[str, int], chol: dict[str, Tensor], generator: Optional[torch.Generator],
                  count: Callable[[str, int], None], rows: Optional[list[list[int]]] = None):
         self.owner, self.chol, self.generator, self.count, self.rows = owner, chol, generator, count, rows
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dtype, self.device, self.es = torch.float32, torch.device("cpu"), 4
+        self._gathering: Optional[Gathering] = None
+
+    def start(self, groups: list[LayerGroup], use_pt: bool) -> None:
+        """:func:`~tengrad_fx.optim.tengrad.layer_groups.group_products` of ``groups`` (kept in
+        :attr:`products` for the apply) and their ``J_a g``'s all-gather started."""
+        self.products = grads, jgs, _ = group_products(groups, max(grp.m for grp in groups))
+        self._gathering = self._gather(groups, grads, jgs, self._setup(groups), use_pt)
 
     def _setup(self, groups: list[LayerGroup]) -> list[list[int]]:
         """The groups' dtype (the weights' promoted: what travels), device and rows."""
@@ -95,7 +106,8 @@ class RowBlocks:
         (``m``: the most of any group here, zero-padded; in the travelling dtype) and the
         probe's ``[L_total]`` flags (None without ``use_pt``). ``jgs``: per group ``J_a g``."""
         rows = self._setup(groups)
-        parts, idxs, widths = self._gather(groups, grads, jgs, rows, use_pt)
+        parts, idxs, widths, work = self._gathering or self._gather(groups, grads, jgs, rows, use_pt)
+        collective("waiting for J g (gram-blocks)", work.wait)
         cs: dict[str, Tensor] = {}
         push: list[Tensor] = []
         off = 0
@@ -128,10 +140,10 @@ class RowBlocks:
         return torch.stack(mine), (torch.cat(push) if use_pt else None)
 
     def _gather(self, groups: list[LayerGroup], grads: Grads, jgs: list[Tensor], rows: list[list[int]],
-                use_pt: bool) -> tuple[list[Tensor], list[Optional[Tensor]], list[int]]:
+                use_pt: bool) -> Gathering:
         """Every rank's ``J_a g`` (and the probe's ``J_aᵀ1`` on coordinates drawn alike on
-        every rank) by one all-gather: ``(each rank's flat part, the probe coordinates per
-        group, the values per layer of each group)``."""
+        every rank) by one all-gather, started: ``(each rank's flat part, the probe
+        coordinates per group, the values per layer of each group, its handle)``."""
         pieces: list[Tensor] = []
         idxs: list[Optional[Tensor]] = []
         widths: list[int] = []
@@ -156,8 +168,7 @@ class RowBlocks:
         mine = torch.cat(pieces)
         parts = [torch.empty_like(mine) for _ in range(self.world)]
         work = collective("all_gather of J g (gram-blocks)", lambda: dist.all_gather(parts, mine, async_op=True))
-        collective("waiting for J g (gram-blocks)", work.wait)
-        return parts, idxs, widths
+        return parts, idxs, widths, work
 
     def _share(self, groups: list[LayerGroup], rows: list[list[int]], cs: dict[str, Tensor]) -> None:
         """The owners' ``c`` into ``cs`` on every rank (one bucketed broadcast per owner)."""

@@ -51,8 +51,8 @@ from ...curvature.layer import CoveredLayer
 from ..step.sharding import WHOLE, Sharding
 from .group_probe import ProbeTerms
 
-__all__ = ["LayerGroup", "RowSplit", "copy_new", "pack", "pack_views", "precondition", "scaled_bmm", "stack",
-           "tf32_matmuls"]
+__all__ = ["LayerGroup", "Products", "RowSplit", "copy_new", "group_products", "pack", "pack_views", "precondition",
+           "scaled_bmm", "stack", "tf32_matmuls"]
 
 @contextlib.contextmanager
 def tf32_matmuls(enabled: bool) -> Iterator[None]:
@@ -288,6 +288,25 @@ class LayerGroup:
         return got, gw, got_b, s
 
 
+Products = tuple[list[tuple[Tensor, Optional[Tensor]]], list[Tensor], list[Tensor]]
+"""Per group ``(gw, gb)``, ``J g`` and ``‖g_l‖²`` (:func:`group_products`)."""
+
+
+def group_products(groups: list[LayerGroup], M: int, sqnorms: bool = False) -> Products:
+    """:func:`precondition`'s first pass: per group its gradients ``(gw [L, n_w], gb [L, n_b]
+    or None)``, ``J g`` ``[L, M]`` (zero-padded rows; zeros for a group without rows in this
+    process) and, with ``sqnorms``, ``‖g_l‖²`` ``[L]`` (else none)."""
+    grads, jgs, sqs = [], [], []
+    for grp in groups:
+        gw, gb = grp.grads()
+        Jg = grp.jvp(gw, gb) if grp.m else gw.new_zeros(len(grp.layers), 0)  # a process may hold no rows
+        jgs.append(solve.pad_rows(Jg, M))
+        if sqnorms:  # ‖g_l‖² per layer
+            sqs.append(grp.sqnorms(gw, gb))
+        grads.append((gw, gb))
+    return grads, jgs, sqs
+
+
 class RowSplit(Protocol):
     """The rows (samples) of :func:`precondition`'s groups split over processes, every
     process holding its own row block ``J_a`` of each layer's ``J``
@@ -295,6 +314,7 @@ class RowSplit(Protocol):
     holding every row is where ``J g`` and the factors are, not the combination."""
 
     scale: float  # the push-through form's s·m (the whole batch's)
+    products: Optional[Products]  # the groups' group_products, run already (its exchange started early); None
 
     def solve(self, groups: list[LayerGroup], grads: list[tuple[Tensor, Optional[Tensor]]], jgs: list[Tensor],
               use_pt: bool) -> tuple[Tensor, Optional[Tensor]]:
@@ -340,14 +360,8 @@ def precondition(groups: list[LayerGroup], chol: Optional[Tensor], use_pt: bool,
     if rows is not None and dot:
         raise ValueError("precondition: the KL clip's dots need every row of c in this process (rows=None)")
     scale = solve.push_through_scale(m, loss_reduction) if rows is None else rows.scale
-    grads, jgs, sqs = [], [], []
-    for grp in groups:
-        gw, gb = grp.grads()
-        Jg = grp.jvp(gw, gb) if grp.m else gw.new_zeros(len(grp.layers), 0)  # a process may hold no rows
-        jgs.append(solve.pad_rows(Jg, M))
-        if dot and per_layer:  # ‖g_l‖² per layer
-            sqs.append(grp.sqnorms(gw, gb))
-        grads.append((gw, gb))
+    grads, jgs, sqs = rows.products if rows is not None and rows.products is not None \
+        else group_products(groups, M, dot and per_layer)
     jgs = sharding.sum_parts(jgs, "sum of the row shards' J g")
     if rows is None:
         c, push = _solve_here(groups, grads, jgs, chol, use_pt, scale)
