@@ -92,6 +92,7 @@ class GlobalBatch(SingleProcess):
         self._rebuild_local = False
         self._n_gather = 0  # curvature.groups[:_n_gather]: groups of gather layers; the rest gram-blocks
         self._scales: dict[str, Tensor] = {}  # gram-blocks layer name -> its damping scale (relative_damping)
+        self._taking = False  # this step takes curvature (begin): the scales are exchanged then only
         self._group_rows: Optional[list[list[int]]] = None  # per local group, each rank's rows (rows_vary)
 
     # ------------------------------------------------------------------ construction
@@ -177,6 +178,7 @@ class GlobalBatch(SingleProcess):
     def begin(self, opt: Host, curvature_step: bool) -> None:
         t0 = time.perf_counter()
         self.sharing.reset(opt._layers)
+        self._taking = curvature_step
         if curvature_step:
             # a captured reuse step reads this step's records and factors: its graphs are replaced
             opt.curvature.replaced()
@@ -261,7 +263,9 @@ class GlobalBatch(SingleProcess):
                                       for grp in build_groups([lay], opt.strategy, budget, packed=False)[0]]
                 self._group_rows = rows_by_group(self._local_groups)
         device = opt._layers[0].weight.device if opt._layers else torch.device("cpu")
-        self._scales = share_scales(opt.curvature, self.owner, self.modes, self.rank, device, self.sharing.add_bytes)
+        if self._taking:  # a rank that holds no factor refactorizes (nothing) on reuse steps too: no collective
+            self._scales = share_scales(opt.curvature, self.owner, self.modes, self.rank, device,
+                                        self.sharing.add_bytes)
 
     def solve(self, opt: Host, push_through: bool, damping: Damping) -> StepResult:
         """``u`` of the gather layers solved here and of every ``gram-blocks`` layer (over
