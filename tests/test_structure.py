@@ -87,3 +87,55 @@ def test_strategies_declare_capabilities_and_one_check_refuses() -> None:
     # the capture of a reuse step cannot read FSDP2's reallocated DTensor gradients
     assert "DTensor" in fsdp.lacks()["static_buffers"]
     assert set(local.lacks()) == {"global_rows", "kept_rows"} and SingleProcess().lacks() == {}
+
+
+def test_capturable_is_derived_from_lacks() -> None:
+    """Whether a strategy's step may run as a CUDA graph is what it lacks, nothing set apart."""
+    classes = _classes()
+    for name in _derived(classes, "SingleProcess") | {"SingleProcess"}:
+        path = classes[name][2]
+        assigned = [node.lineno for node in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(node, (ast.Assign, ast.AnnAssign))
+                    for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                    if (isinstance(t, ast.Attribute) and t.attr == "capturable")
+                    or (isinstance(t, ast.Name) and t.id == "capturable")]
+        assert not assigned, f"{path.name}:{assigned}: capturable set; declare a lacked capability instead"
+    ddp, fsdp = object.__new__(GlobalBatch), object.__new__(FSDPShards)
+    ddp.mode, fsdp.mode = "gather", "auto"
+    assert SingleProcess().capturable and ddp.capturable and not fsdp.capturable
+    ddp.nccl = False  # gloo: collectives on CUDA tensors are not captured
+    assert "graph_collectives" in ddp.lacks() and not ddp.capturable
+
+
+# the Woodbury apply's coefficients and combination, and the dampings' expressions: only in their one home
+APPLY_ONLY = {"woodbury_combine", "woodbury_coefficients", "woodbury_solve", "woodbury_apply", "woodbury_push_through",
+              "cholesky_solve", "cho_solve", "layer_dampings", "scaled_dampings", "relative_scales"}
+
+
+def _calls(path: Path) -> list[tuple[str, int]]:
+    """``(called name, line)`` of every call in ``path`` (a name or an attribute's last part)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            out.append((name, node.lineno))
+    return out
+
+
+def test_distributed_preconditions_and_damps_through_the_one_home() -> None:
+    """Every distributed layer's ``u`` is :func:`~tengrad_fx.optim.tengrad.layer_groups.precondition`'s
+    (gathered layers, FSDP2's rows, DDP's gram-blocks rows through ``rows=``) and every ``α`` is
+    :func:`~tengrad_fx.optim.tengrad.cache.layer_alphas`' (the strategies add only the
+    exchanges): no module of ``tengrad_fx/distributed`` calls the apply's parts or the
+    dampings' expressions itself, and none defines a damping function of its own."""
+    dist_dir = PACKAGE / "distributed"
+    calls = {f"{path.name}:{line}": name for path in sorted(dist_dir.rglob("*.py"))
+             for name, line in _calls(path) if name in APPLY_ONLY}
+    assert not calls, f"the Woodbury apply or a damping formed outside its home: {calls}"
+    defs = [f"{path.name}:{node.name}" for path in sorted(dist_dir.rglob("*.py"))
+            for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.FunctionDef)
+            and "damping" in node.name]
+    assert not defs, f"dampings computed in tengrad_fx/distributed: {defs} (use cache.layer_alphas)"
+    users = {path.name for path in dist_dir.rglob("*.py") if any(name == "precondition" for name, _ in _calls(path))}
+    assert "global_batch.py" in users  # the gather and gram-blocks layers alike

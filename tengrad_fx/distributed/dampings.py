@@ -1,4 +1,4 @@
-"""The damping of each ``gram-blocks`` layer on every rank.
+"""The relative-damping scales of the ``gram-blocks`` layers, agreed on every rank.
 
 Every rank forms a ``gram-blocks`` layer's ``u = (g − Jᵀc)/α`` (:mod:`.gram_blocks`), so
 every rank needs the ``α`` that the layer's solver factorized ``K + MαI`` with. The param
@@ -6,26 +6,24 @@ groups give ``α`` on every rank; with ``relative_damping`` it is scaled by ``s 
 of the global Gram (:func:`~tengrad_fx.optim.tengrad.cache.relative_scales`), which only
 the solver holds. So once per curvature step each owner broadcasts its layers' ``s``
 (float64, one value per layer, one bucket per owner; a replicated layer's every rank has),
-and every rank forms ``α·s`` by :func:`~tengrad_fx.optim.tengrad.cache.scaled_dampings`,
-the solver's own expression: the same bits as its factor's ``α``. A damping changed on a
+and every rank forms ``α·s`` by :func:`~tengrad_fx.optim.tengrad.cache.layer_alphas`,
+the one function the solver's factorization takes its ``α`` from: the same bits. A damping changed on a
 reuse step needs nothing sent (the solver refactorizes with the new ``α·s``, every rank
 forms the same).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Union
+from typing import Callable
 
 import torch
 from torch import Tensor
 
-from ..curvature.layer import CoveredLayer
-from ..optim.step.param_groups import Damping, layer_dampings
-from ..optim.tengrad.cache import CurvatureCache, scaled_dampings
+from ..optim.tengrad.cache import CurvatureCache
 from .comm import Bucket, broadcast_buckets, pack, unpack
 from .records import REPLICATED
 from .traffic import broadcast_sent
 
-__all__ = ["block_dampings", "share_scales"]
+__all__ = ["share_scales"]
 
 
 def share_scales(cache: CurvatureCache, owner: dict[str, int], modes: dict[str, str], rank: int,
@@ -52,17 +50,3 @@ def share_scales(cache: CurvatureCache, owner: dict[str, int], modes: dict[str, 
     for flat, b in zip(flats, blist):
         held.update(zip(b.keys, unpack(flat, b)))
     return held
-
-
-def block_dampings(damping: Damping, param_groups: list[dict[str, Any]], layers: list[CoveredLayer],
-                   scales: dict[str, Tensor]) -> Union[float, dict[str, Any]]:
-    """``α`` of the ``gram-blocks`` ``layers`` as their solvers factorized it: ``damping``
-    when it is one float for all, else layer name -> its ``α`` (a float, or a float64
-    scalar ``α·s`` with the :func:`share_scales` ``scales``)."""
-    if not scales and not isinstance(damping, tuple):
-        return damping
-    alphas = layer_dampings(damping, param_groups, layers)
-    per = alphas.tolist() if isinstance(alphas, Tensor) else [alphas] * len(layers)
-    if not scales:
-        return {lay.name: a for lay, a in zip(layers, per)}
-    return {lay.name: scaled_dampings(a, scales[lay.name]) for lay, a in zip(layers, per)}

@@ -109,7 +109,6 @@ class FSDPShards(GlobalBatch):
                              f"got {mode!r}")
         super().__init__("gather", "replicate", seed, bandwidth, flop_rate)
         self.mode = mode
-        self.capturable = False  # cuda_graph stays off (check)
         self.shard_group: Optional[Any] = None  # the process group of the mesh's shard dim
         self._coords: list[int] = []  # each global rank's coordinate on the shard dim
         self._shards = 1  # the shard dim's size

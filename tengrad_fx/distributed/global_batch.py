@@ -17,12 +17,13 @@ from ..optim.step.mc import check_mask, sample_targets
 from ..optim.step.param_groups import Damping
 from ..optim.step.result import StepResult
 from ..optim.step.update import finite_flag
+from ..optim.tengrad.cache import layer_alphas
 from ..optim.tengrad.distribution import Host, SingleProcess
 from ..optim.tengrad.group_build import build_groups
 from ..optim.tengrad.layer_groups import LayerGroup, precondition
 from .comm import all_ok, nccl_backend
-from .dampings import block_dampings, share_scales
-from .gram_blocks import GramBlocksStep, rows_by_group
+from .dampings import share_scales
+from .gram_blocks import RowBlocks, rows_by_group
 from .plan import assign_owners, choose_modes, choose_placement, solve_cost
 from .records import (REPLICATED, check_records, gather_records, global_scored, record_bytes, sends_per_sample,
                       to_per_sample)
@@ -56,6 +57,7 @@ class GlobalBatch(SingleProcess):
     saves_records = False  # records are per owner: a resumed run takes curvature first
     agreed_skips = True
     fuses = False  # compile: the fused update is one process's solve; the steps here run the modular path
+    nccl = True  # the process group's backend is NCCL (read at construction): its collectives can be captured
 
     def __init__(self, mode: Mode = "auto", placement: Placement = "auto", seed: int = 0,
                  bandwidth: float = 50e9, flop_rate: float = 50e12):
@@ -68,7 +70,7 @@ class GlobalBatch(SingleProcess):
         if placement not in ("auto", "owner", "replicate"):
             raise ValueError(f"DistributedTENGraD: placement must be 'auto', 'owner' or 'replicate', got {placement!r}")
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
-        self.capturable = nccl_backend()  # a reuse step's broadcasts, all_gathers, all_reduces: NCCL captures them
+        self.nccl = nccl_backend()  # a reuse step's broadcasts, all_gathers, all_reduces: NCCL captures them
         self.mode, self.placement, self.seed = mode, placement, int(seed)
         self.bandwidth, self.flop_rate = float(bandwidth), float(flop_rate)
         self.overlap = True  # False: the same collectives one after the other (tests: identical bits)
@@ -90,6 +92,7 @@ class GlobalBatch(SingleProcess):
         self._rebuild_local = False
         self._n_gather = 0  # curvature.groups[:_n_gather]: groups of gather layers; the rest gram-blocks
         self._scales: dict[str, Tensor] = {}  # gram-blocks layer name -> its damping scale (relative_damping)
+        self._taking = False  # this step takes curvature (begin): the scales are exchanged then only
         self._group_rows: Optional[list[list[int]]] = None  # per local group, each rank's rows (rows_vary)
 
     # ------------------------------------------------------------------ construction
@@ -99,10 +102,15 @@ class GlobalBatch(SingleProcess):
                  "factors and its own rows, not every row), so no rank can rebuild the Grams under a new metric "
                  "between them; pass Metric(..., root_every=None) or 'auto' (no recomputation here)")
 
+    GRAPH_COLLECTIVES = ("the process group's backend is not NCCL, whose collectives on CUDA tensors alone can be "
+                         "captured in a CUDA graph; pass cuda_graph=False or leave it None")
+
     def lacks(self) -> dict[str, str]:
-        """The kept rows of the global batch; under ``mode='local'`` also the global batch's
-        Fisher to choose rows of."""
+        """The kept rows of the global batch; collectives a CUDA graph captures unless the
+        backend is NCCL; under ``mode='local'`` also the global batch's Fisher to choose rows of."""
         out = {"kept_rows": self.KEPT_ROWS}
+        if not self.nccl:
+            out["graph_collectives"] = self.GRAPH_COLLECTIVES
         if self.mode == "local":
             out["global_rows"] = ("mode='local' does not form the global batch's Fisher (each rank preconditions "
                                   "with its own); pass mode='gather', 'gram-blocks' or 'auto', or leave it None")
@@ -117,10 +125,10 @@ class GlobalBatch(SingleProcess):
         if opt._info.loss_reduction != "mean":
             raise ValueError("DistributedTENGraD: prepare(..., loss_reduction='mean') is required (DDP averages "
                              "the gradients over the ranks, i.e. the global loss is the mean over the global batch)")
-        if opt.cuda_graph and not self.capturable and any(p.is_cuda for p in opt._group_params()):
+        lacks = self.lacks()
+        if opt.cuda_graph and "graph_collectives" in lacks and any(p.is_cuda for p in opt._group_params()):
             raise ValueError(f"DistributedTENGraD: cuda_graph=True with CUDA parameters needs the NCCL backend "
-                             f"(the process group's is {dist.get_backend()!r}, whose collectives on CUDA tensors "
-                             "cannot be captured in a CUDA graph); pass cuda_graph=False or leave it None")
+                             f"(the process group's is {dist.get_backend()!r}): {lacks['graph_collectives']}")
 
         if opt._mc_rng.state() is None:
             opt._mc_rng.seed(self.seed)  # the position rows' draw: the same generator state on every rank
@@ -170,6 +178,7 @@ class GlobalBatch(SingleProcess):
     def begin(self, opt: Host, curvature_step: bool) -> None:
         t0 = time.perf_counter()
         self.sharing.reset(opt._layers)
+        self._taking = curvature_step
         if curvature_step:
             # a captured reuse step reads this step's records and factors: its graphs are replaced
             opt.curvature.replaced()
@@ -254,23 +263,20 @@ class GlobalBatch(SingleProcess):
                                       for grp in build_groups([lay], opt.strategy, budget, packed=False)[0]]
                 self._group_rows = rows_by_group(self._local_groups)
         device = opt._layers[0].weight.device if opt._layers else torch.device("cpu")
-        self._scales = share_scales(opt.curvature, self.owner, self.modes, self.rank, device, self.sharing.add_bytes)
+        if self._taking:  # a rank that holds no factor refactorizes (nothing) on reuse steps too: no collective
+            self._scales = share_scales(opt.curvature, self.owner, self.modes, self.rank, device,
+                                        self.sharing.add_bytes)
 
     def solve(self, opt: Host, push_through: bool, damping: Damping) -> StepResult:
-        """``u`` of the gather layers solved here (:func:`~..optim.tengrad.layer_groups.precondition`)
-        and of every ``gram-blocks`` layer
-        (data-parallel, :class:`.gram_blocks.GramBlocksStep`), overlapped: the all-gather of
-        the ``J_a g`` runs while this rank solves its gather layers; the broadcasts of their
-        ``u`` run while it finishes the gram-blocks layers."""
-        cache, step = opt.curvature, None
-
-        def start_blocks() -> GramBlocksStep:  # computes J_a g, starts its all-gather
-            device = self._local_groups[0].layers[0].weight.device
-            probe = self._generator(device, opt._sched, "probe") if push_through else None  # curvature steps only
-            return GramBlocksStep(self._local_groups, push_through, probe, self.sharing.add_bytes, self._group_rows)
-
-        if self._local_groups and self.overlap:
-            step = start_blocks()
+        """``u`` of the gather layers solved here and of every ``gram-blocks`` layer (over
+        this rank's rows, :class:`.gram_blocks.RowBlocks`), both by the one Woodbury apply
+        (:func:`~..optim.tengrad.layer_groups.precondition`), overlapped: the all-gather of the
+        ``J_a g`` runs while this rank solves its gather layers; the broadcasts of their ``u``
+        run while it finishes the gram-blocks layers."""
+        cache = opt.curvature
+        rows = self._block_rows(opt, push_through) if self._local_groups else None
+        if rows is not None and self.overlap:
+            rows.start(self._local_groups, push_through)  # J_a g, its all-gather in flight from here
         gather = cache.groups[:self._n_gather]
         out: dict[Tensor, Tensor] = {}
         alphas = cache.dampings(damping, opt.param_groups)  # float, or [L_total] in the groups' order
@@ -280,15 +286,21 @@ class GlobalBatch(SingleProcess):
                                   else alphas, opt._info.loss_reduction)
         if self.mode != "local" and self.overlap:
             self.sharing.start(opt._layers, self.owner, self.modes, out)  # the owners' u, in flight from here
-        if self._local_groups and step is None:
-            step = start_blocks()
-        if step is not None:
-            chol = {lay.name: grp.chol[i] for grp in cache.groups[self._n_gather:] if grp.chol is not None
-                    for i, lay in enumerate(grp.layers)}
-            blocks = [lay for lay in opt._layers if self.modes.get(lay.name) == "gram-blocks"]
-            step.exchange(self.owner, chol, block_dampings(damping, opt.param_groups, blocks, self._scales))
-            out.update(step.finish())
+        if rows is not None:
+            layers = [lay for grp in self._local_groups for lay in grp.layers]
+            scales = torch.stack([self._scales[lay.name] for lay in layers]) if self._scales else None
+            alphas = layer_alphas(damping, opt.param_groups, layers, scales)  # the owners' scales (relative_damping)
+            out.update(precondition(self._local_groups, None, push_through, alphas, opt._info.loss_reduction,
+                                    rows=rows)[0])
         return StepResult(out, cache.ok)
+
+    def _block_rows(self, opt: Host, push_through: bool) -> RowBlocks:
+        """The ``gram-blocks`` layers' rows over the ranks, with this rank's factors of them."""
+        device = self._local_groups[0].layers[0].weight.device
+        probe = self._generator(device, opt._sched, "probe") if push_through else None  # curvature steps only
+        chol = {lay.name: grp.chol[i] for grp in opt.curvature.groups[self._n_gather:] if grp.chol is not None
+                for i, lay in enumerate(grp.layers)}
+        return RowBlocks(self.owner, chol, probe, self.sharing.add_bytes, self._group_rows)
 
     def finish(self, opt: Host, result: StepResult) -> StepResult:
         """Step 5 (every rank gets every layer's ``u``, or ``local``'s mean), and the step's

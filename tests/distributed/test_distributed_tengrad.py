@@ -60,6 +60,9 @@ THREE = {
                                     placement="replicate"),
     "cnn-auto-mixed": dict(model="cnn", m=2, steps=4, T=2, mode="auto", bandwidth=1e9, flop_rate=1e10),
     "mlp2-blocks-a-rank-owns-nothing": dict(model="mlp2", m=3, steps=4, T=2, mode="gram-blocks"),
+    # the owners' damping scales reach the rank without factors on curvature steps only (as every rank's)
+    "mlp2-blocks-relative-a-rank-owns-nothing": dict(model="mlp2", m=3, steps=4, T=2, mode="gram-blocks",
+                                                     relative=True),
     "mlp-resume": dict(model="mlp", m=4, steps=2, T=1, start=2),  # + load (fixture)
     "mlp-unequal-batches": dict(model="mlp", m=4, steps=1, T=1, short_rank=2, expect_error=True),
 }

@@ -18,7 +18,7 @@ from ...curvature.layer import CoveredLayer
 from ..step.param_groups import Damping, layer_dampings
 from .layer_groups import LayerGroup, tf32_matmuls
 
-__all__ = ["CurvatureCache", "relative_scales", "scaled_dampings"]
+__all__ = ["CurvatureCache", "layer_alphas", "relative_scales", "scaled_dampings"]
 
 
 class CurvatureCache:
@@ -33,7 +33,7 @@ class CurvatureCache:
         chol: ``[L_total, m, m]``: every layer's factor, group order (None: none cached).
         ok: device ``bool``: every cached factor is valid.
         damping: the damping ``chol`` was factorized with.
-        relative: each layer's ``α_l = α·tr(K_l)/m²`` (:func:`relative_scales`, :func:`scaled_dampings`), kept in
+        relative: each layer's ``α_l = α·tr(K_l)/m²`` (:func:`relative_scales`, :func:`layer_alphas`), kept in
             :attr:`alphas` ``[L_total]``; the scales ``tr(K_l)/m²`` in :attr:`scales`
             ``[L_total]`` (None without ``relative`` or layers).
         sched: the schedule count of the last curvature step.
@@ -107,10 +107,9 @@ class CurvatureCache:
             Ks = [solve.pad_gram(Kg, M) for Kg in self.K]
             K = Ks[0] if len(Ks) == 1 else torch.cat(Ks)
             m: Any = M if min(ms) == M else torch.tensor(ms, dtype=torch.float64, device=K.device)
-            alphas = layer_dampings(damping, param_groups, self.layers())
             if self.relative:
                 self.scales = relative_scales(K, m)
-                alphas = self._relative(alphas, self.scales)
+            alphas = self._kept(layer_alphas(damping, param_groups, self.layers(), self.scales))
             chol, ok = solve.damped_cholesky_ex(K, m * alphas, self.solve_dtype)
             ok = ok.all()
             if self.static and old_chol is not None and old_ok is not None and old_chol.shape == chol.shape \
@@ -149,16 +148,29 @@ class CurvatureCache:
         """``damping``, or the ``[L_total]`` ``α`` of the cached layers (group order)."""
         if self.relative and self.alphas is not None:
             return self.alphas
-        return layer_dampings(damping, param_groups, self.layers())
+        return layer_alphas(damping, param_groups, self.layers())
 
-    def _relative(self, alphas: Any, scales: Tensor) -> Tensor:
-        """:func:`scaled_dampings`, into :attr:`alphas` in place where it has their shape
-        (a captured reuse step reads the same storage)."""
-        new = scaled_dampings(alphas, scales)
+    def _kept(self, new: Any) -> Any:
+        """The relative dampings ``new`` (as given without ``relative``), into :attr:`alphas`
+        in place where it has their shape (a captured reuse step reads the same storage)."""
+        if not self.relative:
+            return new
         if self.alphas is not None and self.alphas.shape == new.shape and self.alphas.device == new.device:
             return self.alphas.copy_(new)
         self.alphas = new
         return new
+
+
+def layer_alphas(damping: Damping, param_groups: list[dict[str, Any]], layers: list[CoveredLayer],
+                 scales: Optional[Tensor] = None) -> Any:
+    """The ``α`` of ``layers`` as their factors of ``K + mαI`` hold it: ``damping`` when it is
+    one float and ``scales`` is None, else ``[len(layers)]`` float64: each layer's group's
+    (:func:`~..step.param_groups.layer_dampings`) times its relative-damping scale
+    (``scales [len(layers)]``, :func:`relative_scales`, by :func:`scaled_dampings`). Every
+    process that holds the same ``α`` and ``s`` forms the same bits (a distributed layer's
+    solver and the ranks that only apply it)."""
+    alphas = layer_dampings(damping, param_groups, layers)
+    return alphas if scales is None else scaled_dampings(alphas, scales)
 
 
 def relative_scales(K: Tensor, m: Any = None) -> Tensor:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["CAPABILITIES", "NEEDS", "refuse"]
+__all__ = ["CAPABILITIES", "GRAPHS", "NEEDS", "refuse"]
 
 CAPABILITIES: dict[str, str] = {
     "static_buffers": "the gradients live in memory a captured CUDA graph can read again on every replay",
+    "graph_collectives": "the collectives of a step on CUDA tensors can be captured in a CUDA graph",
     "compiled_solve": "the compiled update (or the modular path standing in for it) gives the eager update",
     "global_rows": "the rows of the Fisher whose curvature is taken can be chosen among the whole batch's",
     "output_backwards": "the optimizer's own backward passes from the model's output record every layer's G",
@@ -24,6 +25,10 @@ CAPABILITIES: dict[str, str] = {
     "kept_rows": "the rows a curvature step's factors were formed from stay on this process until the next one",
 }
 """Each capability a strategy may lack, with what it means."""
+
+GRAPHS = ("static_buffers", "graph_collectives")
+"""The capabilities a step run as a CUDA graph needs (``cuda_graph=None`` turns graphs on
+only where a strategy lacks none of them: :attr:`~.distribution.SingleProcess.capturable`)."""
 
 def _recomputed_roots(metric: Any) -> bool:
     """A ``Metric(..., root_every=k)`` given with an explicit ``k``."""

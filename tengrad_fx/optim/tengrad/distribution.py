@@ -22,7 +22,7 @@ from ..step.mc import SampleRNG
 from ..step.result import StepResult
 from ..step.sharding import Sharding
 from .cache import CurvatureCache
-from .capabilities import refuse
+from .capabilities import GRAPHS, refuse
 from .group_build import build_groups, previous_stacks
 from .jacobian_sites import initial_jacobian_sites, uncaptured_sites
 from .layer_groups import LayerGroup, precondition
@@ -75,8 +75,6 @@ class SingleProcess(Sharding):
         agreed_skips: a skipped curvature step is re-taken as decided from the step's flag
             on curvature steps (one host read of a flag all ranks share); False: when the
             host first sees a skip (the non-blocking mirror, no read).
-        capturable: the step may run as a CUDA graph (``cuda_graph=None`` turns it on for
-            CUDA parameters only where it is).
         fuses: ``compile``'s fused update may stand for a curvature step's :meth:`build_groups`
             and :meth:`solve`, i.e. they are one process's solve of every layer on its
             own batch; False: ``compile`` runs the modular path (no fused steps).
@@ -85,7 +83,6 @@ class SingleProcess(Sharding):
     saves_records = True
     whole_gradients = True
     agreed_skips = False
-    capturable = True
     fuses = True
 
     LABEL = "TENGraD"  # the optimizer as users build it with this strategy (in errors)
@@ -101,6 +98,13 @@ class SingleProcess(Sharding):
         """``{capability: why not}``: the :data:`.capabilities.CAPABILITIES` this strategy
         does not provide, each with its physical reason; none here."""
         return {}
+
+    @property
+    def capturable(self) -> bool:
+        """The step may run as a CUDA graph: the strategy :meth:`lacks` none of
+        :data:`.capabilities.GRAPHS` (``cuda_graph=None`` turns graphs on for CUDA
+        parameters only where it may)."""
+        return not any(c in self.lacks() for c in GRAPHS)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The prepared model the optimizer reads (``model`` itself here)."""

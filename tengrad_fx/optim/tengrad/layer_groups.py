@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator, Optional, Union
+from typing import Any, ClassVar, Iterator, Optional, Protocol, Union
 
 import torch
 from torch import Tensor
@@ -51,7 +51,8 @@ from ...curvature.layer import CoveredLayer
 from ..step.sharding import WHOLE, Sharding
 from .group_probe import ProbeTerms
 
-__all__ = ["LayerGroup", "copy_new", "pack", "pack_views", "precondition", "scaled_bmm", "stack", "tf32_matmuls"]
+__all__ = ["LayerGroup", "Products", "RowSplit", "copy_new", "group_products", "pack", "pack_views", "precondition",
+           "scaled_bmm", "stack", "tf32_matmuls"]
 
 @contextlib.contextmanager
 def tf32_matmuls(enabled: bool) -> Iterator[None]:
@@ -244,27 +245,28 @@ class LayerGroup:
         raise NotImplementedError
 
     def woodbury(self, c: Tensor, gw: Tensor, gb: Optional[Tensor], beta: Union[float, Tensor], gamma: float,
-                 ) -> tuple[Tensor, Optional[Tensor]]:
+                 JTc: Optional[tuple[Tensor, Optional[Tensor]]] = None) -> tuple[Tensor, Optional[Tensor]]:
         """``u = β·g + γ·Jᵀc`` for ``c [L, m]``: ``(uw [L, n_w], ub [L, n_b] or None)``;
         ``β`` a float or ``[L]`` (one per layer, picked on the device). The Woodbury form
         ``(g − Jᵀc)/α`` is ``β = 1/α, γ = −1/α``; push-through ``s·Jᵀc`` is ``β = 0`` with
         ``c`` scaled by ``s`` (:func:`tengrad_fx.solve.woodbury_coefficients`).
 
         For stacked ``P`` (and a factored Linear's weight) one ``baddbmm`` per parameter
-        computes it (a reuse step's whole per-group work after ``J g``)."""
+        computes it (a reuse step's whole per-group work after ``J g``). ``JTc``: ``Jᵀc``
+        given, ``([L, n_w], [L, n_b] or None)`` (summed over the processes' rows where
+        they are split, :class:`RowSplit`), combined with ``g`` as it is (``c`` unread)."""
         if isinstance(beta, Tensor):  # per layer: folded into g
             bw = beta.unsqueeze(1)
             gw, gb = gw * bw, (gb * bw if gb is not None else None)
             beta = 1.0
+        if JTc is not None:
+            return _combine(gw, gb, JTc, beta, gamma)
         return self._woodbury(c, gw, gb, beta, gamma)
 
     def _woodbury(self, c: Tensor, gw: Tensor, gb: Optional[Tensor], beta: float, gamma: float,
                   ) -> tuple[Tensor, Optional[Tensor]]:
         """:meth:`woodbury` with one float ``β``: by :meth:`vjp` (a form may fuse it)."""
-        JTw, JTb = self.vjp(c)
-        uw = solve.woodbury_combine(gw, JTw, beta, gamma)
-        ub = solve.woodbury_combine(gb, JTb, beta, gamma) if gb is not None and JTb is not None else None
-        return uw, ub
+        return _combine(gw, gb, self.vjp(c), beta, gamma)
 
     def probe(self, gw: Tensor, gb: Optional[Tensor], s: float, n_probe: int = 256) -> Tensor:
         """Is each layer's gradient the captured batch's ``s·Jᵀ1``? ``[L]`` bool, on the
@@ -286,9 +288,50 @@ class LayerGroup:
         return got, gw, got_b, s
 
 
-def precondition(groups: list[LayerGroup], chol: Tensor, use_pt: bool, damping: Union[float, Tensor],
-                 loss_reduction: str, dot: bool = False,
-                 sharding: Sharding = WHOLE) -> tuple[dict[Tensor, Tensor], Optional[tuple[Tensor, Tensor]]]:
+Products = tuple[list[tuple[Tensor, Optional[Tensor]]], list[Tensor], list[Tensor]]
+"""Per group ``(gw, gb)``, ``J g`` and ``‖g_l‖²`` (:func:`group_products`)."""
+
+
+def group_products(groups: list[LayerGroup], M: int, sqnorms: bool = False) -> Products:
+    """:func:`precondition`'s first pass: per group its gradients ``(gw [L, n_w], gb [L, n_b]
+    or None)``, ``J g`` ``[L, M]`` (zero-padded rows; zeros for a group without rows in this
+    process) and, with ``sqnorms``, ``‖g_l‖²`` ``[L]`` (else none)."""
+    grads, jgs, sqs = [], [], []
+    for grp in groups:
+        gw, gb = grp.grads()
+        Jg = grp.jvp(gw, gb) if grp.m else gw.new_zeros(len(grp.layers), 0)  # a process may hold no rows
+        jgs.append(solve.pad_rows(Jg, M))
+        if sqnorms:  # ‖g_l‖² per layer
+            sqs.append(grp.sqnorms(gw, gb))
+        grads.append((gw, gb))
+    return grads, jgs, sqs
+
+
+class RowSplit(Protocol):
+    """The rows (samples) of :func:`precondition`'s groups split over processes, every
+    process holding its own row block ``J_a`` of each layer's ``J``
+    (:class:`tengrad_fx.distributed.gram_blocks.RowBlocks`): what differs from one process
+    holding every row is where ``J g`` and the factors are, not the combination."""
+
+    scale: float  # the push-through form's s·m (the whole batch's)
+    products: Optional[Products]  # the groups' group_products, run already (its exchange started early); None
+
+    def solve(self, groups: list[LayerGroup], grads: list[tuple[Tensor, Optional[Tensor]]], jgs: list[Tensor],
+              use_pt: bool) -> tuple[Tensor, Optional[Tensor]]:
+        """``(c [L_total, M], push [L_total] or None)``: this process's ``M`` rows (the most
+        of any group, zero-padded) of ``(K + M_allαI)⁻¹ rhs`` (``rhs``: every process's
+        ``J_a g``, ``jgs`` here, or ``1`` where the push-through probe holds, ``push``)."""
+        ...
+
+    def sum_vjps(self, groups: list[LayerGroup], cs: list[Tensor],
+                 grads: list[tuple[Tensor, Optional[Tensor]]]) -> list[tuple[Tensor, Optional[Tensor]]]:
+        """Per group ``Jᵀc = Σ_a J_aᵀ c_a`` (``cs``: this process's rows ``c_a [L, m]``)."""
+        ...
+
+
+def precondition(groups: list[LayerGroup], chol: Optional[Tensor], use_pt: bool, damping: Union[float, Tensor],
+                 loss_reduction: str, dot: bool = False, sharding: Sharding = WHOLE,
+                 rows: Optional[RowSplit] = None) -> tuple[dict[Tensor, Tensor], Optional[tuple[Tensor, Tensor]]]:
     """``({param: u}, dots)`` for every parameter with a gradient of ``groups`` (``chol``
     ``[L_total, M, M]``: their factors of ``K + mαI``, in group order, zero-padded to the
     most rows ``M``: :mod:`tengrad_fx.solve.ragged`): per group ``J g``,
@@ -306,39 +349,61 @@ def precondition(groups: list[LayerGroup], chol: Tensor, use_pt: bool, damping: 
     ``sharding``: groups over shards of their parameters (FSDP2's rows,
     :class:`tengrad_fx.distributed.shard_groups.ShardRows`) give partial sums of ``J g``
     and ``‖g‖²``, summed over the shards by :meth:`~..step.sharding.Sharding.sum_parts`
-    (whole parameters: as they are)."""
+    (whole parameters: as they are). ``rows``: groups over row blocks of the samples
+    (:class:`RowSplit`; ``chol`` None, no ``dot``): ``J g`` gathered, ``c`` solved and
+    ``Jᵀc`` summed over the processes there; the coefficients and ``u`` as here."""
     per_layer = use_pt or isinstance(damping, Tensor)  # β differs per layer
     m = groups[0].m
     M = max(grp.m for grp in groups)  # fewer rows than M: zero-padded (solve.ragged)
     if use_pt and M != min(grp.m for grp in groups):
         raise ValueError("push-through needs every layer's rows to be the batch's samples")
-    scale = solve.push_through_scale(m, loss_reduction)
-    grads, jgs, sqs = [], [], []
-    for grp in groups:
-        gw, gb = grp.grads()
-        jgs.append(solve.pad_rows(grp.jvp(gw, gb), M))
-        if dot and per_layer:  # ‖g_l‖² per layer
-            sqs.append(grp.sqnorms(gw, gb))
-        grads.append((gw, gb))
+    if rows is not None and dot:
+        raise ValueError("precondition: the KL clip's dots need every row of c in this process (rows=None)")
+    scale = solve.push_through_scale(m, loss_reduction) if rows is None else rows.scale
+    grads, jgs, sqs = rows.products if rows is not None and rows.products is not None \
+        else group_products(groups, M, dot and per_layer)
     jgs = sharding.sum_parts(jgs, "sum of the row shards' J g")
+    if rows is None:
+        c, push = _solve_here(groups, grads, jgs, chol, use_pt, scale)
+    else:
+        c, push = rows.solve(groups, grads, jgs, use_pt)
+    # c = (K + mαI)⁻¹ rhs, [L_total, M]; per layer u = β·g + γ·Jᵀc
+    c_all, beta_all, gamma = solve.woodbury_coefficients(c, damping, push, scale, grads[0][0].dtype)
+    sizes = [len(grp.layers) for grp in groups]
+    betas: list[Union[float, Tensor]] = list(beta_all.split(sizes)) if isinstance(beta_all, Tensor) \
+        else [beta_all] * len(groups)
+    dots = _update_dots(c_all, beta_all, jgs, sqs, grads, damping, sharding) if dot else None
+    cs = [c if grp.m == M else c[..., :grp.m] for grp, c in zip(groups, c_all.split(sizes))]
+    JTcs = rows.sum_vjps(groups, cs, grads) if rows is not None else [None] * len(groups)
+    out: dict[Tensor, Tensor] = {}
+    for grp, (gw, gb), beta, c, JTc in zip(groups, grads, betas, cs, JTcs):
+        out.update(grp.split(*grp.woodbury(c, gw, gb, beta, gamma, JTc)))
+    return out, dots
+
+
+def _solve_here(groups: list[LayerGroup], grads: list[tuple[Tensor, Optional[Tensor]]], jgs: list[Tensor],
+                chol: Optional[Tensor], use_pt: bool, scale: float) -> tuple[Tensor, Optional[Tensor]]:
+    """:func:`precondition`'s ``(c, push)`` with every row in this process: the probe per
+    group, one solve of all layers with the factors ``chol``."""
+    assert chol is not None, "precondition: the factors of the groups solved here"
     rhs, push = jgs, []
     if use_pt:
+        m = groups[0].m
         rhs = []
         for grp, (gw, gb), Jg in zip(groups, grads, jgs):
             ok = grp.probe(gw, gb, scale / m)
             push.append(ok)
             rhs.append(solve.push_through_rhs(Jg, ok))
-    # c = (K + mαI)⁻¹ rhs, [L_total, m]; per layer u = β·g + γ·Jᵀc
-    c_all, beta_all, gamma = solve.woodbury_solve(chol, torch.cat(rhs), damping, torch.cat(push) if use_pt else None,
-                                                  scale, grads[0][0].dtype)
-    sizes = [len(grp.layers) for grp in groups]
-    betas: list[Union[float, Tensor]] = list(beta_all.split(sizes)) if isinstance(beta_all, Tensor) \
-        else [beta_all] * len(groups)
-    dots = _update_dots(c_all, beta_all, jgs, sqs, grads, damping, sharding) if dot else None
-    out: dict[Tensor, Tensor] = {}
-    for grp, (gw, gb), beta, c in zip(groups, grads, betas, c_all.split(sizes)):
-        out.update(grp.split(*grp.woodbury(c if grp.m == M else c[..., :grp.m], gw, gb, beta, gamma)))
-    return out, dots
+    return solve.solve_cholesky(chol, torch.cat(rhs)), (torch.cat(push) if use_pt else None)
+
+
+def _combine(gw: Tensor, gb: Optional[Tensor], JTc: tuple[Tensor, Optional[Tensor]], beta: float, gamma: float,
+             ) -> tuple[Tensor, Optional[Tensor]]:
+    """``β·g + γ·Jᵀc`` of a weight and bias stack (:func:`tengrad_fx.solve.woodbury_combine`)."""
+    JTw, JTb = JTc
+    uw = solve.woodbury_combine(gw, JTw, beta, gamma)
+    ub = solve.woodbury_combine(gb, JTb, beta, gamma) if gb is not None and JTb is not None else None
+    return uw, ub
 
 
 def _update_dots(c_all: Tensor, beta_all: Union[float, Tensor], jgs: list[Tensor], sqs: list[Tensor],

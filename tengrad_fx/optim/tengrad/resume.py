@@ -18,15 +18,18 @@ stored. Views are saved as compact copies, never with a larger underlying storag
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
+from ...capture.prepare import capturing
 from ...capture.store import CaptureStore, Record
 from ...curvature.layer import CoveredLayer
+from ..step.state_check import META
+from .subsample import choose_rows
 
-__all__ = ["save_records", "restore_records"]
+__all__ = ["load_state", "save_records", "restore_records", "save_state"]
 
 Records = dict[str, list[list[dict[str, Any]]]]
 """Layer name -> per call site -> per record ``{"I", "G", "P", "Gsum": tensor or None,
@@ -80,3 +83,40 @@ def restore_records(store: CaptureStore, layers: Sequence[CoveredLayer], records
                        in_shape=tuple(r["in_shape"]), batch=int(r.get("batch", 0))) for r in recs]
     store._complete = True  # the next capturing forward releases them, as after a backward
     store.mark_finalized()  # saved after the step's finalize: float32, unscaled
+
+
+def save_state(opt: Any, sd: dict[str, Any]) -> dict[str, Any]:
+    """:meth:`TENGraD.state_dict` from the skeleton's ``sd`` (``opt``: the TENGraD): the
+    materialized sites, and under ``"curvature"`` the records the next step reuses (when it
+    reuses curvature and the distribution keeps records) with the schedule position and the
+    damping they were factorized with; marked a ``TENGraD`` state."""
+    sd["state"][opt.NAME]["jacobian_sites"] = sorted(opt._info.store.jacobian_sites)
+    if opt.distribution.saves_records and opt.curvature_every > 1 and not opt._needs_capture(opt._sched):
+        sd["curvature"] = {"sched": opt.curvature.sched, "damping": opt.curvature.damping,
+                           "records": save_records(opt._info.store, opt._layers)}
+    sd[META] = {**sd[META], "optimizer": "TENGraD"}
+    return sd
+
+
+def load_state(opt: Any, state_dict: dict[str, Any], load: Callable[[dict[str, Any]], None]) -> None:
+    """:meth:`TENGraD.load_state_dict`: ``load`` (the skeleton's) of ``state_dict`` less its
+    curvature, then the saved records put back into the capture store and the cached
+    curvature rebuilt from them as the curvature step that captured them did (where the
+    distribution keeps records; else capture is on and the next step takes curvature)."""
+    sd = dict(state_dict)
+    curv = sd.pop("curvature", None)
+    if isinstance(sd.get(META), dict) and sd[META].get("optimizer") == "TENGraD":
+        sd[META] = {**sd[META], "optimizer": type(opt).__name__}
+    opt.distribution.reset(opt)
+    load(sd)
+    store = opt._info.store
+    store.jacobian_sites = set(opt.state[opt.NAME].get("jacobian_sites", []))
+    opt.curvature.groups, opt.curvature.fused = [], False  # the factors stay (refilled in place: static)
+    opt.graph_runner.clear()
+    if curv is not None and opt.distribution.saves_records:
+        restore_records(store, opt._layers, curv["records"])
+        opt._last_generation = store.generation
+        choose_rows(opt)
+        opt._refresh(curv["damping"])
+        opt.curvature.sched, opt.curvature.recapture = int(curv["sched"]), False
+    capturing(opt.model, opt._needs_capture(opt._sched))

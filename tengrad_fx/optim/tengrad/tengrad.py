@@ -37,7 +37,7 @@ from ..step.mc import mc_capture
 from ..step.param_groups import Damping, grouped_layers, optimizer_params
 from ..step.result import StepResult
 from ..step.skeleton import StepSkeleton
-from ..step.state_check import META, check_materialization, materialization_meta
+from ..step.state_check import check_materialization, materialization_meta
 from .cache import CurvatureCache
 from .distribution import SingleProcess
 from .fused_runner import FusedStep, fused_curvature_step
@@ -48,7 +48,7 @@ from ..step.renamed import respelled_keywords
 from .metric import MetricOption, make_metric
 from .options import Execution, built_options, check_options, jacobian_budget_bytes, use_cuda_graph
 from .position_rows import position_sites
-from .resume import restore_records, save_records
+from .resume import load_state, save_state
 from .schedule import CurvatureSchedule
 from .shaping import UpdateShaping
 from .spellings import respell_options
@@ -424,40 +424,13 @@ class TENGraD(StepSkeleton):
         ``curvature_every > 1``, when the next step reuses curvature and the distribution
         keeps records) the curvature records that step needs (:mod:`.resume`), so a resumed
         run continues bit for bit. Saved as a ``TENGraD`` state (any distribution loads it)."""
-        sd = super().state_dict()
-        sd["state"][self.NAME]["jacobian_sites"] = sorted(self._info.store.jacobian_sites)
-        if self.distribution.saves_records and self.curvature_every > 1 and not self._needs_capture(self._sched):
-            sd["curvature"] = {"sched": self.curvature.sched, "damping": self.curvature.damping,
-                               "records": save_records(self._info.store, self._layers)}
-        sd[META] = {**sd[META], "optimizer": "TENGraD"}
-        return sd
+        return save_state(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load counters, momentum buffers and the saved curvature records (if any, and if
         the distribution keeps them; else the next step takes curvature: capture is switched
         on). Refuses another optimizer's state, parameter layout or materialization (``ValueError``)."""
-        sd = dict(state_dict)
-        curv = sd.pop("curvature", None)
-        if isinstance(sd.get(META), dict) and sd[META].get("optimizer") == "TENGraD":
-            sd[META] = {**sd[META], "optimizer": type(self).__name__}
-        self.distribution.reset(self)
-        super().load_state_dict(sd)
-        self._info.store.jacobian_sites = set(self.state[self.NAME].get("jacobian_sites", []))
-        self.curvature.groups, self.curvature.fused = [], False  # the factors stay (refilled in place: static)
-        self.graph_runner.clear()
-        if curv is not None and self.distribution.saves_records:
-            self._restore_curvature(curv)
-        capturing(self.model, self._needs_capture(self._sched))
-
-    def _restore_curvature(self, curv: dict[str, Any]) -> None:
-        """Put saved records back into the capture store and rebuild the cached curvature
-        from them (as the curvature step that captured them did)."""
-        store = self._info.store
-        restore_records(store, self._layers, curv["records"])
-        self._last_generation = store.generation
-        choose_rows(self)
-        self._refresh(curv["damping"])
-        self.curvature.sched, self.curvature.recapture = int(curv["sched"]), False
+        load_state(self, state_dict, super().load_state_dict)
 
     def _layout_meta(self) -> dict[str, Any]:
         return materialization_meta(self.strategy, self.jacobian_budget_mb, self._layers,
