@@ -271,7 +271,7 @@ def train_reference(cfg: dict[str, Any], world: int, targets: Optional[list[Opti
     net = frozen_statistics(tengrad_fx.prepare(make_model(kind), example_inputs=example))
     opt = tengrad_fx.TENGraD(net, params=polar.param_groups(net, cfg), **{**opt_kwargs(cfg),
                                                                           **cfg.get("reference", {})})
-    opt.seed_mc(cfg.get("seed", 0))  # the position rows' draw: DistributedTENGraD seeds its generator with seed
+    opt.seed_mc(cfg.get("seed", 0))  # MC labels, position rows: DistributedTENGraD seeds its generator with seed
     traj = [full_params(net)]
     for k in range(cfg["steps"]):
         x, y = global_batch(kind, M, cfg.get("start", 0) + k)

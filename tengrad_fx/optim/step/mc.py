@@ -161,20 +161,20 @@ def inverse_cdf(logits: Tensor, u: Tensor, keep: Optional[Tensor] = None) -> Ten
     """Class indices ``[*]`` drawn from ``softmax(logits)`` (``[*, c]``) by inverse CDF: the
     first class whose cumulative weight exceeds ``u·total`` (``u`` ``[*]`` uniform in
     ``[0, 1)``, float32 or wider); a class of zero probability is never drawn. Rows where
-    ``keep`` (bool ``[*]``) is False, or whose probabilities are not finite, are drawn
-    uniformly (their logits are not read). One ``[*, c]`` buffer (the unnormalized
+    ``keep`` (bool ``[*]``) is False, or whose probabilities are not finite, take the uniform
+    class ``⌊u·c⌋`` (their logits do not count). One ``[*, c]`` buffer (the unnormalized
     ``exp(logits − max)``, then its cumulative sum in place) and two ``searchsorted`` per
     row: no data-dependent shape, no host sync."""
     c = logits.shape[-1]
     w = logits.detach().to(u.dtype)
-    w = (w - w.amax(-1, keepdim=True)).exp_()
-    ok = w.isfinite().all(-1)
-    ok = ok if keep is None else ok & keep
-    cdf = w.masked_fill_(~ok.unsqueeze(-1), 1.0).cumsum_(-1).reshape(-1, c)
-    total = cdf[:, -1:].contiguous()
-    drawn = torch.searchsorted(cdf, u.reshape(-1, 1) * total, right=True)
+    cdf = (w - w.amax(-1, keepdim=True)).exp_().cumsum_(-1).reshape(-1, c)
+    total = cdf[:, -1:].contiguous()  # finite where every weight of the row is (each is in [0, 1] or NaN)
+    flat = u.reshape(-1, 1)
+    drawn = torch.searchsorted(cdf, flat * total, right=True)
     last = torch.searchsorted(cdf, total)  # the last class of positive weight: u·total rounded up to total
-    return torch.minimum(drawn, last).reshape(u.shape)
+    ok = total.isfinite() if keep is None else total.isfinite() & keep.reshape(-1, 1)
+    uniform = (flat * c).long().clamp_(max=c - 1)
+    return torch.where(ok, torch.minimum(drawn, last), uniform).reshape(u.shape)
 
 
 @torch.no_grad()
@@ -194,7 +194,7 @@ def sample_targets(outputs: Tensor, mc_loss: Literal["cross_entropy", "mse"],
     state, its global index and its own logits (:func:`inverse_cdf`).
     ``mask`` (bool ``[m, *]``, cross-entropy): the positions where it is False are left out
     of the sample: their label is ``-100`` (``F.cross_entropy``'s ``ignore_index``) and
-    their logits are not read; the labels of the kept positions are those of the unmasked
+    their logits do not count; the labels of the kept positions are those of the unmasked
     draw. Rows with non-finite logits are drawn uniformly (their loss stays non-finite: the
     optimizers skip such a step on the device)."""
     if mc_loss == "cross_entropy":
