@@ -51,13 +51,12 @@ def flat_params(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-def mc_step(opt: Any, out: torch.Tensor, loss: torch.Tensor, targets: Optional[torch.Tensor],
-            scaler: Any = None) -> Optional[torch.Tensor]:
-    """One training step after the forward: ``opt.mc_capture(out, targets)``, the backward of
+def mc_step(opt: Any, out: torch.Tensor, loss: torch.Tensor, scaler: Any = None) -> Optional[torch.Tensor]:
+    """One training step after the forward: ``opt.mc_capture(out)``, the backward of
     ``loss`` (through ``scaler`` if given) and ``opt.step()``; the MC labels the optimizer
     drew (``last_mc_targets``, then cleared; None where it keeps none)."""
     opt.zero_grad()
-    opt.mc_capture(out, targets)
+    opt.mc_capture(out)
     drawn = getattr(opt, "last_mc_targets", None)
     if hasattr(opt, "last_mc_targets"):
         opt.last_mc_targets = None
@@ -160,12 +159,14 @@ def train_ranks(rank: int, world: int, cfgs: list[dict[str, Any]]) -> list[dict[
 
 def train_single(cfg: dict[str, Any], world: int, targets: Optional[list[Optional[torch.Tensor]]] = None,
                  ) -> list[torch.Tensor]:
-    """The reference: plain TENGraD on the concatenated batches (``world·m`` samples),
-    MC with ``targets[k]`` (the ranks' samples concatenated); parameters after each step."""
+    """The reference: plain TENGraD on the concatenated batches (``world·m`` samples), its
+    generator seeded as the ranks' (MC labels drawn alike; ``targets[k]``: given labels);
+    parameters after each step."""
     import tengrad_fx
     kind, M = cfg["model"], world * cfg["m"]
     net = tengrad_fx.prepare(make_model(kind))
     opt = tengrad_fx.TENGraD(net, **_opt_kwargs(cfg), **param_groups(net, cfg))
+    opt.seed_mc(cfg.get("seed", 0))  # MC labels: DistributedTENGraD seeds its generator with seed
     traj = [flat_params(net)]
     for k in range(cfg["steps"]):
         x, y = global_batch(kind, M, cfg.get("start", 0) + k)

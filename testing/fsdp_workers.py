@@ -274,7 +274,7 @@ def train_reference(cfg: dict[str, Any], world: int, targets: Optional[list[Opti
     net = frozen_statistics(tengrad_fx.prepare(make_model(kind), example_inputs=example))
     opt = tengrad_fx.TENGraD(net, params=polar.param_groups(net, cfg), **{**opt_kwargs(cfg),
                                                                           **cfg.get("reference", {})})
-    opt.seed_mc(cfg.get("seed", 0))  # the position rows' draw: DistributedTENGraD seeds its generator with seed
+    opt.seed_mc(cfg.get("seed", 0))  # MC labels, position rows: DistributedTENGraD seeds its generator with seed
     traj = [full_params(net)]
     for k in range(cfg["steps"]):
         x, y = global_batch(kind, M, cfg.get("start", 0) + k)
@@ -307,16 +307,13 @@ def assert_follows_reference(got: list[dict[str, Any]], ref: list[dict[str, torc
 
 def check_run(cfg: dict[str, Any], ranks: list[dict[str, Any]], tol: float) -> list[dict[str, torch.Tensor]]:
     """``cfg``'s run on ``ranks`` (:func:`train_fsdp`'s results) took every step with
-    ``DistributedTENGraD`` and follows :func:`train_reference` on the concatenated batch (MC
-    with the ranks' targets) to ``tol`` (:func:`assert_follows_reference`; parameters the
-    reference never moves, e.g. frozen ones, unchanged); the reference's trajectory."""
+    ``DistributedTENGraD`` and follows :func:`train_reference` on the concatenated batch (MC:
+    the reference draws its own labels, from the generator seeded as the ranks' one) to
+    ``tol`` (:func:`assert_follows_reference`; parameters the reference never moves, e.g.
+    frozen ones, unchanged); the reference's trajectory."""
     assert ranks[0]["type"] == "FSDPTENGraD"
     assert ranks[0]["counters"] == {"step": cfg["steps"], "skipped": 0, "uncaptured": 0}
-    targets = None
-    if cfg.get("fisher") == "mc":
-        targets = [None if ranks[0]["targets"][k] is None else torch.cat([r["targets"][k] for r in ranks])
-                   for k in range(cfg["steps"])]
-    ref = train_reference(cfg, len(ranks), targets)
+    ref = train_reference(cfg, len(ranks))
     assert ranks[0]["traj"][0].keys() == ref[0].keys()
     frozen = {n for n in ref[0] if torch.equal(ref[-1][n], ref[0][n])}  # mlp-extras: fc2.weight
     assert all(torch.equal(ranks[0]["traj"][-1][n], ref[0][n]) for n in frozen)

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .oracle import dense_layer_updates
+from .tengrad_step import mc_labels
 
 __all__ = ["check_steps_against_dense", "float64_batches", "step_counts"]
 
@@ -65,8 +66,7 @@ def check_steps_against_dense(model: nn.Module, template: nn.Module, opt: Any, b
         if curvature or J_at is None:
             yJ = y
             if fisher == "mc":  # the labels mc_capture sampled, drawn again from the same seed
-                torch.manual_seed(100 + t)
-                yJ = torch.multinomial(torch.softmax(out.detach().float(), -1), 1).squeeze(1)
+                yJ = mc_labels(out, 100 + t)
                 assert not torch.equal(yJ, y)
             J_at = (ref, x, yJ)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}

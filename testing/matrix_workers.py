@@ -22,7 +22,7 @@ A case is a dict of TENGraD keywords over :data:`CORE`, with placeholders made r
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -108,7 +108,7 @@ def _params(net: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def train(opt: Any, fwd: nn.Module, net: nn.Module, kind: str, part: tuple[int, int],
-           targets: Optional[list[Optional[torch.Tensor]]] = None, steps: range = range(STEPS)) -> dict[str, Any]:
+          steps: range = range(STEPS)) -> dict[str, Any]:
     """:data:`STEPS` steps (``fwd``: the model to call, ``net``: its parameters' names) on
     part ``part = (r, W)`` of each global batch (``steps``: their indices): the parameters
     before and after, the MC targets drawn (None where none), the curvature steps taken."""
@@ -123,7 +123,7 @@ def train(opt: Any, fwd: nn.Module, net: nn.Module, kind: str, part: tuple[int, 
         loss = _loss(out, y)
         with warnings.catch_warnings():  # sampled at every position: what these tests mean
             warnings.filterwarnings("ignore", ".*the MC Fisher samples labels at every position")
-            drawn.append(mc_step(opt, out, loss, None if targets is None else targets[k - steps[0]], scaler))
+            drawn.append(mc_step(opt, out, loss, scaler))
     return {"start": start, "end": _params(net), "targets": drawn, "curvature_steps": opt.curvature_steps}
 
 
@@ -133,9 +133,9 @@ def _prepared(kind: str, example: bool) -> nn.Module:
     return fsdp_workers.frozen_statistics(tengrad_fx.prepare(make_model(kind), example_inputs=ex))
 
 
-def train_reference(kind: str, case: dict[str, Any], targets: list[Optional[torch.Tensor]]) -> dict[str, Any]:
-    """Single-process TENGraD with ``case``'s options on the global batches (MC: ``targets``,
-    the ranks' draws concatenated; the row generator seeded as the distributed one, 0). A
+def train_reference(kind: str, case: dict[str, Any]) -> dict[str, Any]:
+    """Single-process TENGraD with ``case``'s options on the global batches, drawing its own
+    MC labels and position rows from its generator seeded as the distributed one (0). A
     preset case is built by ``make_optimizer``, as a user builds it."""
     import tengrad_fx
     from tengrad_fx.optim.registry import make_optimizer
@@ -147,7 +147,7 @@ def train_reference(kind: str, case: dict[str, Any], targets: list[Optional[torc
     else:
         opt = tengrad_fx.TENGraD(net, **kw)
     opt.seed_mc(0)
-    return train(opt, net, net, kind, (0, 1), targets if any(t is not None for t in targets) else None)
+    return train(opt, net, net, kind, (0, 1))
 
 
 def built(kind: str, strategy: str, world: int, case: dict[str, Any]) -> tuple[Any, nn.Module, nn.Module]:

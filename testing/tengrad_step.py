@@ -31,6 +31,17 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
 
+def mc_labels(logits: torch.Tensor, seed: int) -> torch.Tensor:
+    """The labels one MC draw after ``opt.seed_mc(seed)`` gives ``logits`` (``[*, c]``, one
+    process), written independently of the library: a uniform per position from
+    ``torch.Generator().manual_seed(seed)`` in the logits' precision (at least float32),
+    the first class whose cumulative softmax exceeds it."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    u = torch.rand(logits.shape[:-1], dtype=dtype, generator=torch.Generator().manual_seed(seed))
+    cdf = torch.softmax(logits.detach().to(dtype), -1).cumsum(-1)
+    return (cdf <= u.unsqueeze(-1)).sum(-1).clamp(max=logits.shape[-1] - 1)
+
+
 # --------------------------------------------------------------------------- models / data
 def mlp() -> nn.Module:
     torch.manual_seed(0)

@@ -9,9 +9,9 @@ Sits above :mod:`tengrad_fx.optim` (imports run one way)."""
 from .comm import DistributedStepError
 from .fsdp import FSDPShards
 from .fsdp_optimizer import FSDPTENGraD
-from .optimizer import DistributedTENGraD, GlobalBatch, mc_seed
+from .optimizer import DistributedTENGraD, GlobalBatch
 from .plan import assign_owners, choose_modes, choose_placement, solve_cost
 from .shard import shard_indices
 
-__all__ = ["DistributedTENGraD", "GlobalBatch", "FSDPShards", "FSDPTENGraD", "DistributedStepError", "mc_seed",
+__all__ = ["DistributedTENGraD", "GlobalBatch", "FSDPShards", "FSDPTENGraD", "DistributedStepError",
            "assign_owners", "choose_modes", "choose_placement", "solve_cost", "shard_indices"]

@@ -44,7 +44,8 @@ class FSDPTENGraD(DistributedTENGraD):
 
     Args:
         model: ``prepare(model, example_inputs=...)`` of a model ``fully_shard`` was applied to.
-        seed: global seed of the MC Fisher's label sampling (per-rank seeds :func:`.optimizer.mc_seed`).
+        seed: the seed of the optimizer's generator on every rank (the global batch's MC labels,
+            the position rows; :class:`.optimizer.DistributedTENGraD`).
         **kwargs: TENGraD's options (``graft``, ``orthogonalize`` and ``orthogonalize_momentum`` on the
             row shards: :mod:`.fsdp_shaping`; ``metric``: :mod:`.fsdp_metric`; ``relative_damping``,
             ``compile``, ``fisher="gauss-newton"``, ``curvature_samples`` and ``position_rows`` (the

@@ -13,7 +13,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..capture.info import get_info
 from ..curvature.layer import CoveredLayer
-from ..optim.step.mc import check_mask, sample_targets
 from ..optim.step.param_groups import Damping
 from ..optim.step.result import StepResult
 from ..optim.step.update import finite_flag
@@ -29,15 +28,10 @@ from .records import (REPLICATED, check_records, gather_records, global_scored, 
                       to_per_sample)
 from .share import UpdateSharing
 
-__all__ = ["GlobalBatch", "Mode", "Placement", "mc_seed"]
+__all__ = ["GlobalBatch", "Mode", "Placement"]
 
 Mode = Literal["gather", "gram-blocks", "auto", "local"]
 Placement = Literal["auto", "owner", "replicate"]
-
-
-def mc_seed(seed: int, rank: int, step: int = 0) -> int:
-    """The MC-sampling seed of ``rank`` at step ``step`` derived from the global ``seed``."""
-    return (int(seed) * 1_000_003 + 7919 * (int(rank) + 1) + 104_729 * int(step)) % (2 ** 63)
 
 
 def _prepared(model: torch.nn.Module) -> bool:
@@ -76,8 +70,8 @@ class GlobalBatch(SingleProcess):
         self.overlap = True  # False: the same collectives one after the other (tests: identical bits)
         self.sharing = UpdateSharing(self.rank, self.world)
         self.last_mc_targets: Optional[Tensor] = None
-        self._generators: dict[str, torch.Generator] = {}  # purpose:device -> generator
-        self._generator_steps: dict[str, int] = {}  # purpose:device -> the step it was seeded for
+        self._generators: dict[str, torch.Generator] = {}  # "probe:device" -> generator
+        self._generator_steps: dict[str, int] = {}  # "probe:device" -> the step it was seeded for
         self._seconds = (0.0, 0.0)  # (gather, share) of the last step
         self.forget()
 
@@ -131,7 +125,7 @@ class GlobalBatch(SingleProcess):
                              f"(the process group's is {dist.get_backend()!r}): {lacks['graph_collectives']}")
 
         if opt._mc_rng.state() is None:
-            opt._mc_rng.seed(self.seed)  # the position rows' draw: the same generator state on every rank
+            opt._mc_rng.seed(self.seed)  # MC labels and position rows: the same generator state on every rank
 
     def reset(self, opt: Host) -> None:
         self.forget()
@@ -140,7 +134,11 @@ class GlobalBatch(SingleProcess):
         """This rank's part of the global batch ``(rank, W)``, and (``position_rows``, where the
         loss scores only some positions) the global batch's scored positions ``[M, S]``: the
         ranks' masks, exchanged on the host (small)."""
-        return self.rank, self.world, global_scored(opt._info.store) if opt.position_rows is not None else None
+        return (*self.batch_part(), global_scored(opt._info.store) if opt.position_rows is not None else None)
+
+    def batch_part(self) -> tuple[int, int]:
+        """``(rank, W)``: the global batch is the ranks' equal local batches in rank order."""
+        return self.rank, self.world
 
     def initial_sites(self, opt: Host) -> set[int]:
         return set()  # every rank records I and G: the records agree across ranks
@@ -151,28 +149,23 @@ class GlobalBatch(SingleProcess):
     has_factors = has_curvature  # on every rank alike (a rank may hold no factor): the same graph steps
 
     # ------------------------------------------------------------------ MC
-    def _generator(self, device: torch.device, step: int, purpose: str = "mc") -> torch.Generator:
-        """This rank's MC-label generator of step ``step`` (the optimizer's step count), or
-        (``purpose="probe"``) the push-through probe's of the ``gram-blocks`` layers, seeded
-        alike on every rank. Seeded anew on each step from ``seed``, the rank and the step, so
-        a run resumed from a ``state_dict`` (which holds the step count, and is saved by one
-        rank) draws what the uninterrupted run drew."""
-        key = f"{purpose}:{device}"
+    def _generator(self, device: torch.device, step: int) -> torch.Generator:
+        """The push-through probe's generator of the ``gram-blocks`` layers at step ``step``
+        (the optimizer's step count), seeded alike on every rank from the step alone."""
+        key = f"probe:{device}"
         if self._generator_steps.get(key) != step:
-            seed = mc_seed(self.seed, self.rank, step) if purpose == "mc" else step
-            self._generators[key] = torch.Generator(device=device).manual_seed(seed)
+            self._generators[key] = torch.Generator(device=device).manual_seed(step)
             self._generator_steps[key] = step
         return self._generators[key]
 
     def mc_sample(self, opt: Host, outputs: Tensor, targets: Optional[Tensor],
                   mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[torch.Generator]]:
-        """Labels sampled with this rank's generator (kept in :attr:`last_mc_targets`)
-        unless ``targets`` are given."""
-        if targets is None:
-            mask = check_mask(outputs, mask, opt.mc_loss)
-            targets = sample_targets(outputs, opt.mc_loss, self._generator(outputs.device, opt._sched), mask)
+        """This rank's slice of the global batch's labels (:meth:`SingleProcess.mc_sample`,
+        the optimizer's generator in the same state on every rank: seeded with ``seed`` at
+        :meth:`bind`, saved in ``state_dict``), kept in :attr:`last_mc_targets`."""
+        targets, generator = super().mc_sample(opt, outputs, targets, mask)
         self.last_mc_targets = targets
-        return targets, None
+        return targets, generator
 
     # ------------------------------------------------------------------ step
     def begin(self, opt: Host, curvature_step: bool) -> None:
@@ -297,7 +290,7 @@ class GlobalBatch(SingleProcess):
     def _block_rows(self, opt: Host, push_through: bool) -> RowBlocks:
         """The ``gram-blocks`` layers' rows over the ranks, with this rank's factors of them."""
         device = self._local_groups[0].layers[0].weight.device
-        probe = self._generator(device, opt._sched, "probe") if push_through else None  # curvature steps only
+        probe = self._generator(device, opt._sched) if push_through else None  # curvature steps only
         chol = {lay.name: grp.chol[i] for grp in opt.curvature.groups[self._n_gather:] if grp.chol is not None
                 for i, lay in enumerate(grp.layers)}
         return RowBlocks(self.owner, chol, probe, self.sharing.add_bytes, self._group_rows)

@@ -82,9 +82,11 @@ Reliability: the step's finite flag (gradients, factors) is ANDed over all ranks
 ``all_reduce``, so a non-finite value on any rank skips the step on every rank; a
 skipped curvature step makes the next step take curvature again (decided from that
 all-reduced flag, so every rank agrees). A failed collective (a rank that raised or
-died, a timeout) raises :class:`~.comm.DistributedStepError`. The MC Fisher samples
-labels with a per-rank generator seeded from ``seed`` and the rank
-(:func:`mc_seed`); ``opt.last_mc_targets`` holds this rank's last sample.
+died, a timeout) raises :class:`~.comm.DistributedStepError`. The MC Fisher draws
+the global batch's labels from the optimizer's generator, seeded with ``seed`` in the same
+state on every rank, and each rank keeps its slice
+(:func:`~tengrad_fx.optim.step.mc.sample_targets`): the labels one process draws for the
+concatenated batch, whatever ``W``; ``opt.last_mc_targets`` holds this rank's last sample.
 
 CUDA graphs (``cuda_graph``, default on for NCCL and CUDA parameters): the reuse steps of
 every mode, collectives included, are captured and replayed on every rank alike
@@ -99,9 +101,9 @@ from torch import Tensor
 
 from ..optim.tengrad.tengrad import TENGraD
 from .fsdp_rows import fully_sharded
-from .global_batch import GlobalBatch, Mode, Placement, mc_seed
+from .global_batch import GlobalBatch, Mode, Placement
 
-__all__ = ["DistributedTENGraD", "GlobalBatch", "mc_seed"]
+__all__ = ["DistributedTENGraD", "GlobalBatch"]
 
 
 class DistributedTENGraD(TENGraD):
@@ -119,8 +121,8 @@ class DistributedTENGraD(TENGraD):
             :func:`.plan.choose_modes`); or ``"local"`` (per-rank Fisher blocks, updates averaged).
         placement: ``"auto"``, ``"owner"`` or ``"replicate"`` (module docstring).
         bandwidth, flop_rate: the cost models' bytes/s and flop/s per rank (``"auto"``).
-        seed: global seed of the MC Fisher's label sampling (per-rank seeds :func:`mc_seed`) and
-            of the position rows' draw (the same on every rank).
+        seed: the seed of the optimizer's generator on every rank (``opt.seed_mc(seed)``): the
+            MC Fisher's labels of the global batch and the position rows' draw.
         **kwargs: TENGraD's options (``cuda_graph``: reuse steps replayed as CUDA graphs,
             collectives included, default on for NCCL and CUDA parameters, module docstring;
             ``metric`` and ``relative_damping`` as on one process, the metric's records scaled

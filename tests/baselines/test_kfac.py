@@ -8,6 +8,7 @@ import torch
 import tengrad_fx
 from tengrad_fx.optim.baselines._common import layer_stats
 from tengrad_fx.optim.baselines.kfac import KFAC
+from testing.tengrad_step import mc_labels
 
 from ._helpers import (batch, cnn, explicit_factors, grad_matrix, prepared, reference_io, rel, snapshot,
                        split_matrix, step_delta)
@@ -138,9 +139,7 @@ def test_mc_fisher_uses_sampled_targets():
     opt.mc_capture(out)
     loss.backward()
     # the factors use G of the sampled labels; the update uses the true gradient
-    torch.manual_seed(5)
-    probs = torch.softmax(out.detach().float(), -1)
-    y_mc = torch.multinomial(probs, 1).reshape(-1)
+    y_mc = mc_labels(out, 5).reshape(-1)
     io_mc, _ = reference_io(snapshot(template, model), x, y_mc)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from testing.dist_workers import train_ranks, train_single
+from testing.dist_workers import global_batch, make_model, train_ranks, train_single
 from testing.distributed import run_ranks
+from testing.tengrad_step import mc_labels
 
 TOL = 1e-10
 
@@ -87,16 +88,8 @@ def three(tmp_path_factory: pytest.TempPathFactory, two: dict[str, Any]) -> dict
     return {"cfgs": cfgs, "ranks": {k: [r[i] for r in res] for i, k in enumerate(cfgs)}}
 
 
-def _reference(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> list[torch.Tensor]:
-    targets = None
-    if cfg.get("fisher") == "mc":
-        targets = [None if ranks[0]["targets"][k] is None else torch.cat([r["targets"][k] for r in ranks])
-                   for k in range(cfg["steps"])]
-    return train_single(cfg, len(ranks), targets)
-
-
 def _check_equal_to_global(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
-    ref = _reference(cfg, ranks)
+    ref = train_single(cfg, len(ranks))  # MC: its own labels, from the generator seeded as the ranks' one
     got = ranks[0]["traj"]
     assert torch.equal(got[0], ref[0])
     for k in range(1, cfg["steps"] + 1):
@@ -117,12 +110,17 @@ def test_three_ranks_equal_global_batch(three: dict[str, Any], name: str) -> Non
     _check_equal_to_global(three["cfgs"][name], three["ranks"][name])
 
 
-def test_mc_samples_differ_across_ranks(two: dict[str, Any]) -> None:
-    """Per-rank generators: the ranks' sampled labels are not one shared stream."""
-    a, b = (r["targets"][0] for r in two["ranks"]["cnn-mc-T2-clip"])
-    torch.manual_seed(0)
-    assert a is not None and b is not None and a.shape == b.shape
-    assert not torch.equal(a, b) or a.numel() < 2
+def test_mc_labels_are_the_global_batch_draw(two: dict[str, Any]) -> None:
+    """The ranks' first MC labels, concatenated in rank order, are the labels one process
+    draws for the global batch after ``seed_mc(seed)`` (:func:`testing.tengrad_step.mc_labels`,
+    an independent inverse-CDF draw); the ranks' slices differ."""
+    cfg = two["cfgs"]["cnn-mc-T2-clip"]
+    drawn = [r["targets"][0] for r in two["ranks"]["cnn-mc-T2-clip"]]
+    x, _ = global_batch(cfg["model"], 2 * cfg["m"], cfg.get("start", 0))
+    with torch.no_grad():
+        want = mc_labels(make_model(cfg["model"])(x), cfg.get("seed", 0))
+    assert torch.equal(torch.cat(drawn), want)
+    assert not torch.equal(drawn[0], drawn[1])
 
 
 def test_local_fisher_is_not_what_is_computed(two: dict[str, Any]) -> None:

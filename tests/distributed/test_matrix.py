@@ -3,9 +3,9 @@ TENGraD (the reference, in this process, on the concatenated global batch) and u
 (``mode="gather"`` and ``"gram-blocks"``), FSDP2 and HSDP (2 × 2), float64, gloo ranks
 spawned from here (:mod:`testing.matrix_workers`). After :data:`~testing.matrix_workers.STEPS`
 steps every parameter equals the reference's to ``1e-10`` (relative to its movement),
-every rank holds the same parameters, and MC labels drawn by the ranks (per-rank generators)
-are the reference's labels; the position rows come from the generator seeded alike on
-every rank and in the reference (``seed_mc(0)``).
+every rank holds the same parameters. The reference draws its own MC labels and position
+rows from its generator seeded as the ranks' shared one (``seed_mc(0)``): the ranks' draws
+of their slices of the global batch are its draws.
 
 A combination the strategy cannot run is a ``ValueError`` naming the option at
 construction (:data:`REFUSED`, each with its reason); nothing may fail at a step. One
@@ -22,7 +22,7 @@ import torch
 from tengrad_fx import Metric, TENGraD
 from tengrad_fx.optim.tengrad.spellings import DEPRECATED
 from testing.distributed import run_ranks
-from testing.matrix_workers import CORE, STEPS, matrix_ranks, train_reference
+from testing.matrix_workers import CORE, matrix_ranks, train_reference
 
 TOL = 1e-10
 ALL, LM, CNN, GPT2 = ("gpt2", "llama", "cnn"), ("gpt2", "llama"), ("cnn",), ("gpt2",)
@@ -118,17 +118,13 @@ def spawned(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.fixture(scope="module")
 def references() -> Any:
-    """``reference(model, case name, targets)``: single-process TENGraD's run (computed once per MC labels)."""
-    cache: dict[tuple[str, str], list[tuple[list[Any], dict[str, Any]]]] = {}
+    """``reference(model, case name)``: single-process TENGraD's run (computed once)."""
+    cache: dict[tuple[str, str], dict[str, Any]] = {}
 
-    def get(model: str, name: str, targets: list[Any]) -> dict[str, Any]:
-        runs = cache.setdefault((model, name), [])
-        for seen, got in runs:
-            if all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
-                   for a, b in zip(seen, targets)):
-                return got
-        runs.append((targets, train_reference(model, CASES[name][0], targets)))
-        return runs[-1][1]
+    def get(model: str, name: str) -> dict[str, Any]:
+        if (model, name) not in cache:
+            cache[model, name] = train_reference(model, CASES[name][0])
+        return cache[model, name]
     return get
 
 
@@ -168,12 +164,10 @@ def test_case_matches_single_process(spawned: Any, references: Any, strategy: st
         assert msg is not None, (f"{strategy} × {name} on {model} is now supported: remove "
                                  f"{[(STRATEGIES[strategy, world], k) for k in refused]} from REFUSED")
         assert msg.startswith("ValueError") and any(f"{k}=" in msg for k in refused), msg
-        references(model, name, [None] * STEPS)  # single-process TENGraD runs it
+        references(model, name)  # single-process TENGraD runs it
         return
     assert not errors, f"{strategy} × {name} on {model} refused at construction: {errors}"
-    targets = [None if got[0]["targets"][k] is None else torch.cat([g["targets"][k] for g in got])
-               for k in range(len(got[0]["targets"]))]
-    ref = references(model, name, targets)
+    ref = references(model, name)
     assert got[0]["curvature_steps"] == ref["curvature_steps"]
     moved = max((ref["end"][n] - ref["start"][n]).norm().item() for n in ref["end"])
     for n, want in ref["end"].items():
@@ -194,13 +188,14 @@ CHECKPOINT_CASES: dict[str, dict[str, Any]] = {
     # the options that keep state between steps (on GPT-2), saved after CUT steps, then loaded
     "momentum": {}, "graft-rmsprop": dict(graft="rmsprop"),  # the graft's second moments
     "orthogonalize-momentum": dict(orthogonalize="newton-schulz", orthogonalize_momentum=True),
-    "mc": dict(fisher="mc"),  # the label generators
+    "mc": dict(fisher="mc"),  # the label generator
     "metric-factored": dict(metric="factored"), "metric-kronecker": dict(metric="kronecker"),  # the moments
     "relative-damping": dict(relative_damping=True), "position-rows": dict(position_rows=5),  # the row generator
     "preset-lm": dict(preset="lm", curvature_every=2),
 }
-# each rank draws its MC labels from its own generator: another world size draws other labels
-RESHARDED = [name for name, case in CHECKPOINT_CASES.items() if name not in ("mc", "preset-lm")]
+# saved on 2 ranks, loaded on 4: every case under FSDP2 (resharded); under DDP the MC ones (the
+# generator every rank shares draws the global batch's labels, whatever the world size)
+RESHARDED = {"fsdp": list(CHECKPOINT_CASES), "ddp-gather": ["mc", "preset-lm"]}
 
 
 def _checkpoint_jobs(names: Any = None) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -213,8 +208,8 @@ CHECKPOINTED = ["ddp-gather", "ddp-gram-blocks", "fsdp"]  # 2 ranks; FSDP2's sav
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """``checkpoints(strategy)``: per-rank round trips of 2 ranks (one spawn for all of
-    :data:`CHECKPOINTED`); ``checkpoints("fsdp", 4)``: the runs of 4 ranks loaded from
-    FSDP2's DCP directories."""
+    :data:`CHECKPOINTED`); ``checkpoints(strategy, 4)``: the runs of 4 ranks loaded from
+    their saves (:data:`RESHARDED`, one spawn)."""
     from testing.matrix_checkpoints import resumed_ranks, round_trip_ranks
     cache: dict[int, Any] = {}
     root = tmp_path_factory.mktemp("ckpt") / "dcp"
@@ -226,10 +221,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
                 cache[2] = run_ranks(round_trip_ranks, 2, out, CHECKPOINTED, _checkpoint_jobs(), str(root),
                                      timeout=1200.0)
             else:
-                done = [n for n in RESHARDED if "full" in get("fsdp")[0][n]]
-                cache[world] = run_ranks(resumed_ranks, world, out, "fsdp", _checkpoint_jobs(done), str(root),
-                                         timeout=800.0)
-        return cache[world] if world != 2 else [r[strategy] for r in cache[2]]
+                plan = {s: _checkpoint_jobs([n for n in names if "full" in get(s)[0][n]])
+                        for s, names in RESHARDED.items()}
+                cache[world] = run_ranks(resumed_ranks, world, out, plan, str(root), timeout=800.0)
+        return [r[strategy] for r in cache[world]]
     return get
 
 
@@ -250,19 +245,20 @@ def test_checkpoint_continues_bit_for_bit(checkpoints: Any, strategy: str, name:
             assert torch.equal(g["resumed"]["end"][n], want), f"{strategy} × {name}, {n}: the resumed run differs"
 
 
-@pytest.mark.parametrize("name", RESHARDED)
-def test_checkpoint_reshards(checkpoints: Any, name: str) -> None:
-    """An FSDP2 checkpoint of 2 ranks loaded on 4 (float64): the last steps give the
-    uninterrupted 2-rank run's parameters to ``1e-10`` (relative to their movement)."""
-    saved = checkpoints("fsdp")[0][name]
-    if _refused_by("fsdp", CHECKPOINT_CASES[name]):  # nothing saved; now supported: remove it from REFUSED
-        assert "construction" in saved, f"{name} is now supported under FSDP2: remove it from REFUSED"
+@pytest.mark.parametrize("strategy, name", [(s, n) for s, names in RESHARDED.items() for n in names])
+def test_checkpoint_reshards(checkpoints: Any, strategy: str, name: str) -> None:
+    """A checkpoint of 2 ranks loaded on 4 (float64; FSDP2's resharded): the last steps give
+    the uninterrupted 2-rank run's parameters to ``1e-10`` (relative to their movement), MC
+    labels included."""
+    saved = checkpoints(strategy)[0][name]
+    if _refused_by(STRATEGIES[strategy, 2], CHECKPOINT_CASES[name]):  # nothing saved; now supported: remove it
+        assert "construction" in saved, f"{name} is now supported under {strategy}: remove it from REFUSED"
         return
     full = saved["full"]
-    got = [r[name]["resumed"] for r in checkpoints("fsdp", 4)]
+    got = [r[name]["resumed"] for r in checkpoints(strategy, 4)]
     moved = max((want - got[0]["start"][n]).norm().item() for n, want in full["end"].items())
     for n, want in full["end"].items():
         scale = max((want - got[0]["start"][n]).norm().item(), 1e-6 * moved)
         err = (got[0]["end"][n] - want).norm().item() / scale
-        assert err <= TOL, f"{name}, {n}: relative error {err:.2e} after resharding 2 -> 4 ranks"
+        assert err <= TOL, f"{strategy} × {name}, {n}: relative error {err:.2e} after resuming 2 -> 4 ranks"
         assert all(torch.equal(g["end"][n], got[0]["end"][n]) for g in got[1:]), f"{n}: the ranks differ"

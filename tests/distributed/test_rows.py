@@ -85,16 +85,16 @@ def _model() -> nn.Module:
 
 
 def _train(opt: Any, net: nn.Module, fwd: nn.Module, batches: list[tuple[torch.Tensor, ...]],
-           scored: bool = False, targets: Optional[list[torch.Tensor]] = None) -> dict[str, Any]:
+           scored: bool = False) -> dict[str, Any]:
     """Parameters after each step, the bytes this rank sent on each step (summed over
     layers) and the MC labels drawn; ``scored``: the loss and the optimizer see only the
-    scored positions; ``targets``: the MC labels of each step (None: drawn)."""
+    scored positions."""
     traj, sent, seen, drawn = [flat_params(net)], [], [], []
-    for k, (tok, y, mask) in enumerate(batches):
+    for tok, y, mask in batches:
         out = fwd(tok, attention_mask=mask.long()) if scored else fwd(tok)
         opt.zero_grad()
         if opt.fisher == "mc":
-            opt.mc_capture(out, None if targets is None else targets[k])
+            opt.mc_capture(out)
             drawn.append(getattr(opt, "last_mc_targets", None))
         F.cross_entropy(out.reshape(-1, V), (y.masked_fill(~mask, -100) if scored else y).reshape(-1)).backward()
         opt.step()
@@ -159,14 +159,14 @@ def rows_ranks(rank: int, world: int, runs: dict[str, dict[str, Any]]) -> dict[s
     return out
 
 
-def _single(run: dict[str, Any], world: int, targets: Optional[list[torch.Tensor]]) -> dict[str, Any]:
-    """Single-process TENGraD on the concatenated batches, its row generator seeded as the
-    distributed optimizer's shared one (``seed=0``); ``targets``: the ranks' MC labels."""
+def _single(run: dict[str, Any], world: int) -> dict[str, Any]:
+    """Single-process TENGraD on the concatenated batches, its generator (MC labels, then
+    rows) seeded as the distributed optimizer's shared one (``seed=0``)."""
     from tengrad_fx import TENGraD
     net = _model()
     opt = TENGraD(net, **_options(run, world))
     opt.seed_mc(0)
-    return _train(opt, net, net, [_batch(world * m, k) for k in range(STEPS)], run.get("scored", False), targets)
+    return _train(opt, net, net, [_batch(world * m, k) for k in range(STEPS)], run.get("scored", False))
 
 
 WORLD_RUNS = {2: list(RUNS), 4: ["rows5-T2", "rows-all-T1", "scored-rows5-T2", "samples6-T2", "blocks-rows5-T2",
@@ -188,9 +188,7 @@ def spawned(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def _check_run(world: int, got: list[dict[str, Any]], name: str) -> None:
-    drawn = [r["runs"][name]["targets"] for r in got]
-    targets = [torch.cat([d[k] for d in drawn]) for k in range(len(drawn[0]))] if drawn[0] else None
-    single = _single(RUNS[name], world, targets)
+    single = _single(RUNS[name], world)
     ref, traj = single["traj"], got[0]["runs"][name]["traj"]
     scored = RUNS[name].get("scored", False)  # the optimizer saw the scored positions (or none) on both sides
     assert single["scored_seen"] == got[0]["runs"][name]["scored_seen"] == [scored] * STEPS

@@ -24,7 +24,8 @@ import tengrad_fx
 import tengrad_fx.optim.step.mc as mc
 from tengrad_fx.optim.registry import make_optimizer
 from tengrad_fx.utils.dispatch import OpCounter
-from testing.tengrad_step import assert_matches, batch, dense_u, full_grad, layer_params, setup, snapshot, step_delta
+from testing.tengrad_step import (assert_matches, batch, dense_u, full_grad, layer_params, mc_labels, setup, snapshot,
+                                  step_delta)
 
 
 def _mse_sum_half(o: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -61,7 +62,7 @@ def test_implicit_equals_explicit_and_dense(kind: str, mc_loss: str) -> None:
         assert torch.equal(deltas[0][k], deltas[1][k]), k
     torch.manual_seed(1234)
     if mc_loss == "cross_entropy":
-        t = torch.multinomial(torch.softmax(o.float(), -1), 1).squeeze(1)
+        t = mc_labels(o, 1234)
         lossJ: Callable[..., torch.Tensor] = F.cross_entropy
     else:
         t, lossJ = o + torch.randn_like(o), _mse_sum_half
@@ -276,9 +277,7 @@ def test_masked_sequence_mc_equals_reference(masked: bool) -> None:
     loss.backward()
     delta = step_delta(model, opt)
 
-    torch.manual_seed(7)
-    t = torch.multinomial(torch.softmax(out.detach().float(), -1).reshape(-1, V), 1).reshape(B, L)
-    t = t.masked_fill(~mask, -100)
+    t = mc_labels(out, 7).masked_fill(~mask, -100)
     n_kept = int(mask.sum())
 
     def lossJ(o: torch.Tensor, ti: torch.Tensor) -> torch.Tensor:  # one sample: [1, L, V], [1, L]

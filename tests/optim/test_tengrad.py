@@ -19,8 +19,8 @@ import torch.nn.functional as F
 import tengrad_fx
 from tengrad_fx import TENGraD
 from testing.tengrad_step import (
-    TOL, LossFn, assert_matches, batch, dense_u, forward_backward, full_grad, layer_params, rel, setup, snapshot,
-    step_delta,
+    TOL, LossFn, assert_matches, batch, dense_u, forward_backward, full_grad, layer_params, mc_labels, rel, setup,
+    snapshot, step_delta,
 )
 
 # --------------------------------------------------------------------------- exact updates
@@ -197,10 +197,7 @@ def test_mc_fisher_equals_dense_reference(kind: str, mc_loss: str) -> None:
     torch.manual_seed(1234)
     o = out.detach()
     if mc_loss == "cross_entropy":
-        t = torch.multinomial(torch.softmax(o, -1), 1).squeeze(1)
-        torch.manual_seed(1234)
-        t32 = torch.multinomial(torch.softmax(o.float(), -1), 1).squeeze(1)
-        assert torch.equal(t, t32)
+        t = mc_labels(o, 1234)
         assert not torch.equal(t, y)  # the test would not tell MC from empirical otherwise
         lossJ: LossFn = F.cross_entropy
     else:

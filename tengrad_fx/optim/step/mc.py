@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import warnings
 import weakref
-from typing import Literal, Optional, Sequence
+from typing import Callable, Literal, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -13,8 +13,8 @@ from torch import Tensor
 from ...capture.scored import fits
 from ...capture.store import CaptureStore
 
-__all__ = ["MCState", "SampleRNG", "check_mask", "masked_sum_loss", "mc_capture", "sample_targets", "sampled_loss",
-           "scored_mask", "second_backward", "warn_unmasked"]
+__all__ = ["MCState", "SampleRNG", "check_mask", "inverse_cdf", "masked_sum_loss", "mc_capture", "part_of_global",
+           "sample_targets", "sampled_loss", "scored_mask", "second_backward", "warn_unmasked"]
 
 
 def second_backward(loss: Tensor, inputs: Sequence[Tensor]) -> None:
@@ -141,27 +141,70 @@ def warn_unmasked(opt: object, state: MCState, outputs: Tensor, mask: Optional[T
                   UserWarning, stacklevel=4)
 
 
+def part_of_global(shape: Sequence[int], part: int, parts: int, draw: Callable[[tuple[int, ...]], Tensor]) -> Tensor:
+    """Part ``part`` of ``parts`` of one draw for a global batch: ``draw(global_shape)`` sliced to
+    samples ``[part·m, (part+1)·m)``, ``shape = [m, *]`` the local batch's and ``global_shape =
+    [parts·m, *]`` (the parts' equal batches concatenated in order). ``draw`` consumes its
+    generator by the global shape alone, so every part advances it alike and a draw's entry
+    depends only on the generator's state and its global index: one process (``parts=1``)
+    draws what ``parts`` processes with the same generator state draw together."""
+    shape = tuple(shape)
+    if parts == 1:
+        return draw(shape)
+    if not shape:
+        raise ValueError("mc_capture: outputs need a leading batch dimension to be split over processes")
+    m = shape[0]
+    return draw((parts * m, *shape[1:]))[part * m:(part + 1) * m]
+
+
+def inverse_cdf(logits: Tensor, u: Tensor, keep: Optional[Tensor] = None) -> Tensor:
+    """Class indices ``[*]`` drawn from ``softmax(logits)`` (``[*, c]``) by inverse CDF: the
+    first class whose cumulative weight exceeds ``u·total`` (``u`` ``[*]`` uniform in
+    ``[0, 1)``, float32 or wider); a class of zero probability is never drawn. Rows where
+    ``keep`` (bool ``[*]``) is False, or whose probabilities are not finite, take the uniform
+    class ``⌊u·c⌋`` (their logits do not count). One ``[*, c]`` buffer (the unnormalized
+    ``exp(logits − max)``, then its cumulative sum in place) and two ``searchsorted`` per
+    row: no data-dependent shape, no host sync."""
+    c = logits.shape[-1]
+    w = logits.detach().to(u.dtype)
+    cdf = (w - w.amax(-1, keepdim=True)).exp_().cumsum_(-1).reshape(-1, c)
+    total = cdf[:, -1:].contiguous()  # finite where every weight of the row is (each is in [0, 1] or NaN)
+    flat = u.reshape(-1, 1)
+    drawn = torch.searchsorted(cdf, flat * total, right=True)
+    last = torch.searchsorted(cdf, total)  # the last class of positive weight: u·total rounded up to total
+    ok = total.isfinite() if keep is None else total.isfinite() & keep.reshape(-1, 1)
+    uniform = (flat * c).long().clamp_(max=c - 1)
+    return torch.where(ok, torch.minimum(drawn, last), uniform).reshape(u.shape)
+
+
 @torch.no_grad()
 def sample_targets(outputs: Tensor, mc_loss: Literal["cross_entropy", "mse"],
-                   generator: Optional[torch.Generator] = None, mask: Optional[Tensor] = None) -> Tensor:
+                   generator: Optional[torch.Generator] = None, mask: Optional[Tensor] = None,
+                   part: int = 0, parts: int = 1) -> Tensor:
     """Targets sampled from the model's prediction: ``[m, *]`` class indices from the
     softmax of ``outputs`` (``[m, *, classes]`` logits) for ``cross_entropy``, or
     ``outputs + N(0, 1)`` for ``mse``; ``generator``: None for the global RNG.
+
+    ``outputs`` is part ``part`` of ``parts`` equal batches of a global batch (rank order;
+    :func:`part_of_global`): the uniforms (cross-entropy, one per position, drawn in the
+    precision of the logits, at least float32) and the noise (mse) are drawn for the global
+    batch and this part's slice is used, so ``parts`` processes whose generators share a
+    state draw together the labels one process draws for the concatenated batch, and each
+    advances its generator alike. A position's label depends only on the generator's
+    state, its global index and its own logits (:func:`inverse_cdf`).
     ``mask`` (bool ``[m, *]``, cross-entropy): the positions where it is False are left out
     of the sample: their label is ``-100`` (``F.cross_entropy``'s ``ignore_index``) and
-    their logits are not read (a uniform draw stands in, so padding with non-finite logits
-    samples too). Every position is drawn in one ``multinomial`` (no data-dependent shape,
-    no host sync); the labels of the kept positions are those of the unmasked draw. Rows
-    with non-finite logits are drawn uniformly too (their loss stays non-finite: the
+    their logits do not count; the labels of the kept positions are those of the unmasked
+    draw. Rows with non-finite logits are drawn uniformly (their loss stays non-finite: the
     optimizers skip such a step on the device)."""
     if mc_loss == "cross_entropy":
-        probs = torch.softmax(outputs.detach().float(), dim=-1)
-        keep = probs.isfinite().all(-1) if mask is None else mask & probs.isfinite().all(-1)
-        probs = torch.where(keep.unsqueeze(-1), probs, 1.0)
-        flat = probs.reshape(-1, probs.shape[-1])
-        target = torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+        dtype = torch.promote_types(outputs.dtype, torch.float32)
+        u = part_of_global(outputs.shape[:-1], part, parts, lambda shape: torch.rand(
+            shape, dtype=dtype, device=outputs.device, generator=generator))
+        target = inverse_cdf(outputs, u, mask)
         return target if mask is None else target.masked_fill(~mask, -100)
-    noise = torch.randn(outputs.shape, dtype=outputs.dtype, device=outputs.device, generator=generator)
+    noise = part_of_global(outputs.shape, part, parts, lambda shape: torch.randn(
+        shape, dtype=outputs.dtype, device=outputs.device, generator=generator))
     return outputs.detach() + noise
 
 

@@ -18,7 +18,7 @@ from torch import Tensor
 from ...capture.info import PrepareInfo
 from ...curvature.layer import CoveredLayer
 from ..step.param_groups import Damping
-from ..step.mc import SampleRNG
+from ..step.mc import SampleRNG, check_mask, sample_targets
 from ..step.result import StepResult
 from ..step.sharding import Sharding
 from .cache import CurvatureCache
@@ -121,12 +121,16 @@ class SingleProcess(Sharding):
     def reset(self, opt: Host) -> None:
         """The layers changed or a state was loaded: forget what was planned."""
 
+    def batch_part(self) -> tuple[int, int]:
+        """``(part, parts)``: this process's batch is part ``part`` of ``parts`` equal parts
+        (in order) of the batch whose Fisher is taken; the whole batch here: ``(0, 1)``."""
+        return 0, 1
+
     def curvature_part(self, opt: Host) -> tuple[int, int, Optional[Tensor]]:
-        """``(part, parts, scored)``: this process's batch is part ``part`` of ``parts`` equal
-        parts (in order) of the batch whose Fisher is taken, where ``curvature_samples`` and
-        ``position_rows`` choose their rows; ``scored``: that batch's scored positions (None:
-        this process's, ``store.scored``). The whole batch here: ``(0, 1, None)``."""
-        return 0, 1, None
+        """``(part, parts, scored)``: :meth:`batch_part`, the batch where ``curvature_samples``
+        and ``position_rows`` choose their rows; ``scored``: that batch's scored positions
+        (None: this process's, ``store.scored``). The whole batch here: ``(0, 1, None)``."""
+        return (*self.batch_part(), None)
 
     def initial_sites(self, opt: Host) -> set[int]:
         """The sites the first backward materializes (:mod:`.jacobian_sites`)."""
@@ -143,8 +147,16 @@ class SingleProcess(Sharding):
 
     def mc_sample(self, opt: Host, outputs: Tensor, targets: Optional[Tensor],
                   mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[torch.Generator]]:
-        """The MC targets (None: sampled by :func:`~..step.mc.mc_capture`) and its generator."""
-        return targets, opt._mc_rng.get(outputs.device)
+        """The MC targets: ``targets`` where given, else drawn from the optimizer's generator
+        for this process's part of the batch (:meth:`batch_part`, :func:`~..step.mc.sample_targets`:
+        the processes' labels together are those one process draws for the whole batch from
+        the same generator state); and the generator :func:`~..step.mc.mc_capture` draws
+        from (None: the targets are drawn)."""
+        if targets is None:
+            part, parts = self.batch_part()
+            targets = sample_targets(outputs, opt.mc_loss, opt._mc_rng.get(outputs.device),
+                                     check_mask(outputs, mask, opt.mc_loss), part, parts)
+        return targets, None
 
     def backward_inputs(self, opt: Host, weights: list[Tensor]) -> list[Tensor]:
         """The tensors the sampled (MC / Gauss-Newton) backward differentiates: ``weights``,
