@@ -50,6 +50,7 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..curvature.layer import CoveredLayer
 from ..optim.step.result import StepResult
 from ..optim.step.sharding import shard_momentum_step
 from ..optim.tengrad.distribution import Host, SingleProcess
@@ -126,17 +127,10 @@ class FSDPShards(GlobalBatch):
                       "are DTensors that its reduce-scatter allocates anew on every backward, which the graph "
                       "runner's buffer copy does not handle (DTensor has no sharding rule for "
                       "aten._foreach_copy_); leave it False or None (off under FSDP2)")
-    GATHERED_ROWS = ("the global batch's k rows are gathered whole (each rank's part of them, at most k rows "
-                     "per layer); mode='gram-blocks' would cut them to the row shards, which is not built; "
-                     "pass mode='gather' or 'auto'")
 
     def lacks(self) -> dict[str, str]:
-        """What FSDP2's row shards do not provide: the global batch's kept rows, static gradient buffers; under
-        ``mode='gram-blocks'`` also rows chosen among the global batch's."""
-        out = {**super().lacks(), "static_buffers": self.STATIC_BUFFERS}
-        if self.mode == "gram-blocks":
-            out["global_rows"] = self.GATHERED_ROWS
-        return out
+        """What FSDP2's row shards do not provide: the global batch's kept rows, static gradient buffers."""
+        return {**super().lacks(), "static_buffers": self.STATIC_BUFFERS}
 
     def backward_inputs(self, opt: Host, weights: list[Tensor]) -> list[Tensor]:
         """The unsharded parameters the forward's graph read (:mod:`.fsdp_unsharded`): a
@@ -198,40 +192,46 @@ class FSDPShards(GlobalBatch):
         lays = [layers[i] for i in live]
         M = self.world * lays[0].m if lays else 0
         cut = [lay for lay in lays if not per_sample_only(lay)]  # per-sample gradients P travel whole: gather
+        # "auto" with the ranks' parts of the k rows: gathered whole (the ranks' own records differ in size)
         chosen = iter(choose_fsdp_modes(cut, M, self.world, self._shards, self.bandwidth, self.flop_rate, self.mode)
-                      if not rows_vary else ["gather"] * len(cut))  # the ranks' parts of the k rows, gathered whole
+                      if not (rows_vary and self.mode == "auto") else ["gather"] * len(cut))
         modes = ["gather" if per_sample_only(lay) else next(chosen) for lay in lays]
         self.modes = {lay.name: md for lay, md in zip(lays, modes)}
         self.owner = {lay.name: REPLICATED for lay in lays}
         gather = [i for i, md in zip(live, modes) if md == "gather"]
-        blocks = [lay for lay, md in zip(lays, modes) if md == "gram-blocks"]
-        self._row_parts = exchange_rows(blocks, self._coords, self._shards, self.rank, self.sharing.add_bytes) \
-            if blocks else {}
+        blocks = [i for i, md in zip(live, modes) if md == "gram-blocks"]
+        held = {(layers[i].name, s, j): [mt[i][s][j]["G"][0][0] for mt in metas]
+                for i in blocks for s, recs in enumerate(metas[self.rank][i]) for j in range(len(recs))} \
+            if rows_vary else None  # each rank's part of the k rows, per record
+        self._row_parts = exchange_rows([layers[i] for i in blocks], self._coords, self._shards, self.rank,
+                                        self.sharing.add_bytes, held) if blocks else {}
         gather_records(layers, gather, [REPLICATED] * len(gather), opt._info.store, self.rank, self.world, set(),
                        self.sharing.add_bytes, metas if rows_vary else None)
         self.layers = lays
 
     def build_groups(self, opt: Host) -> list[LayerGroup]:
-        """Groups of the ``gather`` layers (their Grams over the global batch) and one
-        :class:`RowGroup` of the ``gram-blocks`` layers (Grams summed over the shard group
-        from the row shards'); per layer its records cut to this rank's rows (taken before
+        """Groups of the ``gather`` layers (their Grams over the global batch) and a
+        :class:`RowGroup` of the ``gram-blocks`` layers per row count (``k`` position rows
+        next to norm layers' ``W·m`` samples; Grams summed over the shard group from the row
+        shards', one all_reduce); per layer its records cut to this rank's rows (taken before
         the groups stack them)."""
         gather = [lay for lay in self.layers if self.modes[lay.name] == "gather"]
         blocks = [lay for lay in self.layers if self.modes[lay.name] == "gram-blocks"]
         rows = {lay.name: row_records(lay) for lay in gather}
-        k = float(self.world * blocks[0].m) if blocks and opt._info.loss_reduction == "mean" else 1.0
-        for lay in blocks:
+        by_rows: dict[int, list[CoveredLayer]] = {}  # one group per row count (k position rows, W·m samples)
+        for lay in blocks:  # the global batch's per-sample scale: W times the local loss's batch (a mean loss)
             parts, db = self._row_parts[lay.name]
-            rows[lay.name] = layer_rows(lay, parts, k, db=db)
+            rows[lay.name] = layer_rows(lay, parts, self.world * lay._scale(), db=db)
+            by_rows.setdefault(parts[0][1].shape[0], []).append(lay)
         self._row_parts = {}
         groups = build_groups(gather, opt.strategy, opt.jacobian_budget)[0] if gather else []
-        if blocks:
-            K = torch.stack([rows[lay.name].gram() for lay in blocks])
-            self.sum_shards(K, "sum of the row shards' Grams")
-            S = self._shards
-            for lay in blocks:
+        Ks = self.sum_parts([torch.stack([rows[lay.name].gram() for lay in lays]) for lays in by_rows.values()],
+                            "sum of the row shards' Grams") if by_rows else []
+        S = self._shards
+        for K, lays in zip(Ks, by_rows.values()):
+            for lay in lays:
                 self.sharing.add_bytes(lay.name, 2 * (S - 1) * K[0].numel() * K.element_size() // S)
-            groups.append(RowGroup(blocks, K.shape[-1], K=K))
+            groups.append(RowGroup(lays, K.shape[-1], K=K))
         opt._info.store.jacobian_sites = set()
         opt.curvature.set_groups(groups)
         self._n_gather = len(groups)

@@ -10,7 +10,10 @@ travels as its rows' per-sample gradients ``[m, |R'_d|]`` (:func:`.fsdp_rows.cut
 Every rank cuts its ``m`` rows of records for every destination and one ``all_to_all`` per
 dtype delivers them: rank ``d`` ends with the global batch's ``M = W·m`` rows of its cut
 (rank order, ``G`` rescaled by ``1/W`` as in :mod:`.records`), and the layer's Gram is
-``K = Σ_d J_d J_dᵀ`` (one all_reduce of ``M × M`` per layer over the shard group).
+``K = Σ_d J_d J_dᵀ`` (one all_reduce of ``M × M`` per layer over the shard group). With
+``curvature_samples`` / ``position_rows`` each rank holds its own part of the global batch's
+``k`` rows (possibly none): it cuts those alike, and rank ``d`` ends with the ``k`` rows of
+its cut (each source's row count from the exchanged record shapes), ``K`` being ``k × k``.
 :func:`choose_fsdp_modes` picks, per layer, this or the all-gather of whole records
 (``gather``) by their bytes and Gram flops.
 """
@@ -56,12 +59,15 @@ def _cut_for(lay: CoveredLayer, I: Tensor, G: Tensor, coord: int, shards: int) -
 
 
 def exchange_rows(layers: list[CoveredLayer], coords: list[int], shards: int, rank: int,
-                  count: Callable[[str, int], None]) -> dict[str, Cut]:
+                  count: Callable[[str, int], None],
+                  held: Optional[dict[tuple[str, int, int], list[int]]] = None) -> dict[str, Cut]:
     """Per layer, this rank's cut of the global batch's records, ``[(I', G')]`` per call
     (``M`` rows, rank order; ``G'`` rescaled by ``1/W``), and a transposed layer's bias rows'
     per-sample gradients ``[M, |R'|]`` summed over the calls (alike rescaled; None: no bias
     apart); one ``all_to_all`` per dtype. ``coords``: :func:`shard_coordinates`;
-    ``count(name, bytes)``: the bytes sent per layer."""
+    ``count(name, bytes)``: the bytes sent per layer. ``held``: per ``(layer name, site
+    index, record index)`` each rank's rows, where the ranks hold different numbers of them
+    (their parts of ``curvature_samples`` or ``position_rows``; None: this rank's count everywhere)."""
     world = len(coords)
     send: dict[torch.dtype, list[list[Tensor]]] = {}
     shapes: dict[torch.dtype, list[tuple[tuple[str, int, int, str], torch.Size]]] = {}
@@ -82,10 +88,13 @@ def exchange_rows(layers: list[CoveredLayer], coords: list[int], shards: int, ra
     for dtype, per_dest in send.items():
         flat = torch.cat([t for dest in per_dest for t in dest])
         in_splits = [sum(t.numel() for t in dest) for dest in per_dest]
-        mine = [math.prod(shape) for _, shape in shapes[dtype]]
-        out = _all_to_all(flat, [sum(mine)] * world, in_splits)
-        for src in out.split(sum(mine)):
-            for (key, shape), part in zip(shapes[dtype], src.split(mine)):
+        # what each source sends here: this rank's cut's shapes with the source's rows
+        by_src = [[shape if held is None else torch.Size((held[key[:3]][q], *shape[1:]))
+                   for key, shape in shapes[dtype]] for q in range(world)]
+        sizes = [[math.prod(shape) for shape in src_shapes] for src_shapes in by_src]
+        out = _all_to_all(flat, [sum(sz) for sz in sizes], in_splits)
+        for src, src_shapes, sz in zip(out.split([sum(sz) for sz in sizes]), by_src, sizes):
+            for (key, _), shape, part in zip(shapes[dtype], src_shapes, src.split(sz)):
                 got.setdefault(key, []).append(part.view(shape))
     result: dict[str, Cut] = {}
     for lay in layers:

@@ -49,9 +49,9 @@ class FSDPTENGraD(DistributedTENGraD):
         **kwargs: TENGraD's options (``graft``, ``orthogonalize`` and ``orthogonalize_momentum`` on the
             row shards: :mod:`.fsdp_shaping`; ``metric``: :mod:`.fsdp_metric`; ``relative_damping``,
             ``compile``, ``fisher="gauss-newton"``, ``curvature_samples`` and ``position_rows`` (the
-            latter two with every layer gathered) as under DDP); ``cuda_graph`` is not supported
-            (``ValueError``: the static gradient buffers a replay reads are not made for FSDP2's
-            DTensor gradients, :meth:`.fsdp.FSDPShards.check`).
+            latter two gathered, or cut to the row shards under ``"gram-blocks"``) as under DDP);
+            ``cuda_graph`` is not supported (``ValueError``: the static gradient buffers a replay
+            reads are not made for FSDP2's DTensor gradients, :meth:`.fsdp.FSDPShards.check`).
         mode: ``"gather"`` (whole records all-gathered), ``"gram-blocks"`` (each rank receives its
             rows' cut of the records; the Gram summed from the row shards') or ``"auto"`` (per
             layer, :func:`.fsdp_exchange.choose_fsdp_modes`).

@@ -31,6 +31,7 @@ parameter, gradient or update:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Optional
@@ -313,8 +314,8 @@ def bias_apart(lay: CoveredLayer) -> bool:
 def cut_bias(kind: str, G: Tensor, a: int, b: int) -> Tensor:
     """A transposed layer's bias rows ``[a, b)``: their per-sample gradients from one record's
     whole ``G``, ``[m, b−a]`` (``G``'s output features or channels ``a:b`` summed over positions)."""
-    if kind == "linear":
-        return G.reshape(G.shape[0], -1, G.shape[-1])[..., a:b].sum(1)
+    if kind == "linear":  # (the positions counted out: a record may hold no rows)
+        return G.reshape(G.shape[0], math.prod(G.shape[1:-1]), G.shape[-1])[..., a:b].sum(1)
     return G[:, a:b].flatten(2).sum(2)
 
 
@@ -340,8 +341,8 @@ def cut(kind: str, spec: Any, I: Tensor, G: Tensor, a: int, b: int, rows_total: 
     if kind in NORM_KINDS:  # trailing normalized dims: elements [a·r, b·r) of the flattened γ
         C = spec.weight.numel()
         r = C // rows_total
-        m = I.shape[0]
-        return I.reshape(m, -1, C)[..., a * r:b * r], G.reshape(m, -1, C)[..., a * r:b * r]
+        m, n = I.shape[0], I.shape[1:].numel() // C  # (n counted out: a record may hold no rows)
+        return I.reshape(m, n, C)[..., a * r:b * r], G.reshape(m, n, C)[..., a * r:b * r]
     # embedding: idx [m, *pos], G [m, *pos, D]
     pad = spec.module.padding_idx
     keep = (I >= a) & (I < b)

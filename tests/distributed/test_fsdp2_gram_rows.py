@@ -1,0 +1,71 @@
+"""``position_rows`` and ``curvature_samples`` under FSDP2 ``mode="gram-blocks"`` (gloo,
+float64, 2 spawned ranks): each rank's part of the global batch's ``k`` rows is cut to every
+rank's row shard (one all_to_all), the ``k × k`` Gram summed over the shard group; the
+update is single-process ``TENGraD``'s with the same option on the concatenated batch
+(``≤ 1e-10`` relative, every parameter, every step; the ranks agree bit for bit), and the
+records a rank sends are its part of the ``k`` rows.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from testing.distributed import run_ranks
+from testing.fsdp_workers import SEQ, check_run, train_fsdp
+
+TOL = 1e-10
+
+TWO: dict[str, dict[str, Any]] = {
+    # the block: embedding tied to the head, attention, LayerNorms (one row per sample) beside the k rows
+    "rows5-block-T1": dict(model="block", m=3, steps=4, T=1, mode="gram-blocks", opts=dict(position_rows=5)),
+    "rows7-block-mc-T2": dict(model="block", m=3, steps=4, T=2, mode="gram-blocks", fisher="mc",
+                              opts=dict(position_rows=7, metric="factored")),
+    # transposed Linears (Conv1D): the weight's rows are input features, the bias sharded apart
+    "rows3-conv1d-T1": dict(model="conv1d", m=3, steps=4, T=1, mode="gram-blocks", opts=dict(position_rows=3)),
+    "samples4-block-T2": dict(model="block", m=3, steps=4, T=2, mode="gram-blocks", opts=dict(curvature_samples=4)),
+    "samples2-cnn-layers-T1": dict(model="cnn", m=3, steps=4, T=1, shard="layers", mode="gram-blocks",  # rank 1: none
+                                   opts=dict(curvature_samples=2, relative_damping=True)),
+    # the bytes of a curvature step (step 0) less a reuse step's (step 1), with k = 5 of the 24 rows and without
+    "bytes-rows5": dict(model="block", m=3, steps=2, T=2, mode="gram-blocks", opts=dict(position_rows=5)),
+    "bytes-full": dict(model="block", m=3, steps=2, T=2, mode="gram-blocks"),
+}
+ROWS = {"bytes-rows5": 5}  # k of the bytes runs
+LINEAR = {"block.q", "block.k", "block.v", "block.o", "block.fc1", "block.fc2", "head"}  # the layers taking k rows
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    res = run_ranks(train_fsdp, 2, tmp_path_factory.mktemp("fsdp2_gram_rows"), list(TWO.values()), timeout=600)
+    return {name: [r[i] for r in res] for i, name in enumerate(TWO)}
+
+
+@pytest.mark.parametrize("name", [k for k in TWO if not k.startswith("bytes")])
+def test_gram_blocks_rows_equal_global_batch(two: dict[str, list[dict[str, Any]]], name: str) -> None:
+    """Every layer cut to the row shards (none gathered), and the update the global batch's."""
+    assert {v["mode"] for v in two[name][0]["plan"].values()} == {"gram-blocks"}
+    check_run(TWO[name], two[name], TOL)
+
+
+def test_position_rows_cut_records_are_k_rows(two: dict[str, list[dict[str, Any]]]) -> None:
+    """The records a rank sends per layer on a curvature step (less the ``k × k`` Gram's
+    all_reduce, ``2(S−1)/S·k²`` values): a rank holding ``r`` of the global batch's rows sends
+    ``r`` rows of its cut for the other rank's shard, so, with ``w`` the bytes per row it sends
+    without the option (``W·m·S = 24`` rows: ``m·S = 12`` held), the ranks' rows add up to
+    ``k = 5`` for the layers that take position rows; the norm layers keep their ``m`` rows
+    per sample (bytes unchanged)."""
+    S, es, k = 2, 8, ROWS["bytes-rows5"]  # shards, float64 bytes
+
+    def records(name: str, gram_rows: int) -> list[dict[str, int]]:
+        gram = 2 * (S - 1) * gram_rows * gram_rows * es // S
+        return [{n: r["comm"][0][n] - r["comm"][1][n] - gram for n in r["comm"][0]} for r in two[name]]
+    full = records("bytes-full", 2 * 3)  # the Gram of the W·m samples
+    rows, norm = records("bytes-rows5", k), records("bytes-rows5", 2 * 3)
+    assert LINEAR < rows[0].keys() == full[0].keys()
+    held = 3 * SEQ  # m·S position rows per rank
+    for n in LINEAR:
+        assert all(0 < full[q][n] and 0 <= rows[q][n] < full[q][n] for q in range(2)), n
+        taken = sum(rows[q][n] * held / full[q][n] for q in range(2))  # each rank's rows, added
+        assert abs(taken - k) < 1e-9, (n, taken)
+    others = [n for n in full[0] if n not in LINEAR]
+    assert others and all(norm[q][n] == full[q][n] > 0 for n in others for q in range(2)), (norm, full)
