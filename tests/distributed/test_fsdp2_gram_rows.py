@@ -23,6 +23,10 @@ TWO: dict[str, dict[str, Any]] = {
                               opts=dict(position_rows=7, metric="factored")),
     # transposed Linears (Conv1D): the weight's rows are input features, the bias sharded apart
     "rows3-conv1d-T1": dict(model="conv1d", m=3, steps=4, T=1, mode="gram-blocks", opts=dict(position_rows=3)),
+    "rows5-gpt2-T1": dict(model="gpt2", m=2, steps=4, T=1, mode="gram-blocks", opts=dict(position_rows=5)),
+    # layers recorded as per-sample gradients P (gathered: an added parameter, a bias-only layer) beside them
+    "samples3-extras-layers-mc-T2": dict(model="mlp-extras", m=2, steps=4, T=2, fisher="mc", shard="layers",
+                                         mode="gram-blocks", opts=dict(curvature_samples=3)),
     "samples4-block-T2": dict(model="block", m=3, steps=4, T=2, mode="gram-blocks", opts=dict(curvature_samples=4)),
     "samples2-cnn-layers-T1": dict(model="cnn", m=3, steps=4, T=1, shard="layers", mode="gram-blocks",  # rank 1: none
                                    opts=dict(curvature_samples=2, relative_damping=True)),
@@ -30,6 +34,7 @@ TWO: dict[str, dict[str, Any]] = {
     "bytes-rows5": dict(model="block", m=3, steps=2, T=2, mode="gram-blocks", opts=dict(position_rows=5)),
     "bytes-full": dict(model="block", m=3, steps=2, T=2, mode="gram-blocks"),
 }
+PER_SAMPLE = {"mlp-extras": {"pos", "fc2"}}  # the layers recorded as per-sample gradients, by model
 ROWS = {"bytes-rows5": 5}  # k of the bytes runs
 LINEAR = {"block.q", "block.k", "block.v", "block.o", "block.fc1", "block.fc2", "head"}  # the layers taking k rows
 
@@ -42,8 +47,10 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, An
 
 @pytest.mark.parametrize("name", [k for k in TWO if not k.startswith("bytes")])
 def test_gram_blocks_rows_equal_global_batch(two: dict[str, list[dict[str, Any]]], name: str) -> None:
-    """Every layer cut to the row shards (none gathered), and the update the global batch's."""
-    assert {v["mode"] for v in two[name][0]["plan"].values()} == {"gram-blocks"}
+    """Every layer cut to the row shards (but those recorded as per-sample gradients: gathered),
+    and the update the global batch's."""
+    plan = two[name][0]["plan"]
+    assert {n for n, v in plan.items() if v["mode"] != "gram-blocks"} == PER_SAMPLE.get(TWO[name]["model"], set())
     check_run(TWO[name], two[name], TOL)
 
 

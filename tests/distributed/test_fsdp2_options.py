@@ -80,6 +80,10 @@ FOUR: dict[str, dict[str, Any]] = {  # (the block's key bias has a roundoff grad
     "gn-cnn-hsdp-layers-T1": dict(model="cnn", m=2, steps=3, T=1, mesh=(2, 2), fisher="gauss-newton",
                                   shard="layers"),
     "rows6-block-hsdp-T1": dict(model="block", m=2, steps=3, T=1, mesh=(2, 2), opts=dict(position_rows=6)),
+    "rows6-block-hsdp-blocks-T1": dict(model="block", m=2, steps=3, T=1, mesh=(2, 2), mode="gram-blocks",
+                                       opts=dict(position_rows=6)),
+    "samples3-cnn-hsdp-blocks-T2": dict(model="cnn", m=2, steps=4, T=2, mesh=(2, 2), mode="gram-blocks",  # 2, 1, 0, 0
+                                        opts=dict(curvature_samples=3)),
     "grouped-4-refused": dict(model="cnn-grouped", m=2, steps=1, shard="layers", expect_error=True),
     "factored-block-4-blocks-T2": dict(model="block", m=2, steps=4, T=2, mode="gram-blocks",
                                        opts=dict(metric="factored")),
