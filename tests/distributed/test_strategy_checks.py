@@ -110,13 +110,11 @@ def test_global_batch_runs_the_rows_of_the_global_fisher(name: str, value: Any) 
 
 
 @pytest.mark.parametrize("name, value", [("curvature_samples", 4), ("position_rows", 8)])
-def test_fsdp2_takes_the_rows_gathered(name: str, value: Any) -> None:
-    """FSDP2 accepts them with ``mode="gather"`` or ``"auto"`` (``tests/distributed/test_fsdp2_options.py``
-    checks their updates) and refuses them with ``"gram-blocks"``, naming both."""
-    for mode in ("gather", "auto"):
+def test_fsdp2_takes_the_rows_of_the_global_fisher(name: str, value: Any) -> None:
+    """FSDP2 accepts them with ``mode="gather"``, ``"gram-blocks"`` or ``"auto"``
+    (``tests/distributed/test_fsdp2_options.py`` and ``test_fsdp2_gram_rows.py`` check their updates)."""
+    for mode in ("gather", "gram-blocks", "auto"):
         FSDPShards.check(_unbuilt(FSDPShards, mode), {**_options(), name: value})
-    with pytest.raises(ValueError, match=f"{name}.*'gram-blocks'"):
-        FSDPShards.check(_unbuilt(FSDPShards, "gram-blocks"), {**_options(), name: value})
 
 
 @pytest.mark.parametrize("name, value", [("metric", "factored"), ("metric", "kronecker"),
@@ -137,8 +135,7 @@ def test_shaping_is_accepted(cls: type, shaping: dict[str, Any]) -> None:
     cls.check(_unbuilt(cls), {**_options(), **shaping})
 
 
-FSDP_REFUSED = {"cuda_graph": dict(opts=dict(cuda_graph=True)),
-                "position_rows": dict(mode="gram-blocks", opts=dict(position_rows=4))}
+FSDP_REFUSED = {"cuda_graph": dict(opts=dict(cuda_graph=True))}
 
 
 def test_fsdp2_refuses_at_construction(tmp_path: Path) -> None:
