@@ -13,7 +13,9 @@ curvature step, per layer (``mode``; ``"auto"``: :func:`.fsdp_exchange.choose_fs
   transposed one, ``G[:, R_r]`` for a convolution, ``I[:, R_r]`` for a transposed one);
 * ``"gram-blocks"``: every rank receives only its rows' cut of every rank's records (one
   all_to_all per dtype, :mod:`.fsdp_exchange`), forms ``J_r J_rᵀ`` and one all_reduce over
-  the shard group gives ``K = Σ_r J_r J_rᵀ`` (:class:`RowGroup`).
+  the shard group gives ``K = Σ_r J_r J_rᵀ`` (:class:`RowGroup`); with ``curvature_samples``
+  or ``position_rows`` the records are each rank's part of the global batch's ``k`` rows
+  (``M = k``), cut alike (``"auto"`` gathers them).
 
 Then it factorizes ``K + MαI`` and keeps only the factors and its rows of the records.
 
