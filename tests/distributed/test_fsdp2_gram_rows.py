@@ -7,10 +7,13 @@ records a rank sends are its part of the ``k`` rows.
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
+from tengrad_fx.distributed.fsdp_rows import cut, cut_bias
 from testing.distributed import run_ranks
 from testing.fsdp_workers import SEQ, check_run, train_fsdp
 
@@ -76,3 +79,18 @@ def test_position_rows_cut_records_are_k_rows(two: dict[str, list[dict[str, Any]
         assert abs(taken - k) < 1e-9, (n, taken)
     others = [n for n in full[0] if n not in LINEAR]
     assert others and all(norm[q][n] == full[q][n] > 0 for n in others for q in range(2)), (norm, full)
+
+
+@pytest.mark.parametrize("kind, transposed", [("layernorm", False), ("rmsnorm", False), ("linear", True),
+                                              ("linear", False)])
+def test_a_rank_holding_none_of_the_rows_cuts_empty_records(kind: str, transposed: bool) -> None:
+    """A rank may hold none of the ``k`` rows (its records have 0 rows): its cut for each shard
+    has 0 rows and the trailing shape of a cut of held rows (what the other ranks receive)."""
+    g = torch.Generator().manual_seed(0)
+    I, G = torch.randn(3, 4, 6, generator=g), torch.randn(3, 4, 6, generator=g)
+    spec = SimpleNamespace(weight=torch.zeros(6), transposed=transposed)
+    for a, b in ((0, 3), (3, 6)):
+        for whole, none in zip(cut(kind, spec, I, G, a, b, 6), cut(kind, spec, I[:0], G[:0], a, b, 6)):
+            assert none.shape == (0, *whole.shape[1:]), (kind, none.shape, whole.shape)
+        if transposed:
+            assert cut_bias(kind, G[:0], a, b).shape == (0, *cut_bias(kind, G, a, b).shape[1:]) == (0, b - a)
