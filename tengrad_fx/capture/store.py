@@ -50,7 +50,7 @@ import torch
 from . import record_guard
 from .amp import LOW_PRECISION
 
-__all__ = ["CaptureStore", "Record", "lookup", "union"]
+__all__ = ["CaptureStore", "Record", "lookup", "samples_held", "union"]
 
 _KEYS = itertools.count(1)
 _STORES: "weakref.WeakValueDictionary[int, CaptureStore]" = weakref.WeakValueDictionary()
@@ -269,7 +269,7 @@ class CaptureStore:
         a record keeps its first ``min(m, max(0, k − part·m))``. Returns whether the records
         of the whole batch are now a subsample of the loss's batch (fewer than ``parts·m`` rows)."""
         def held(r: Record) -> int:
-            return min(r.m, max(0, k - part * r.m))
+            return samples_held(k, r.m, part, parts)
         for site, recs in self.records.items():
             if any(not r.batch and held(r) < r.m for r in recs):
                 self.records[site] = [r.first(held(r)) if not r.batch and held(r) < r.m else r for r in recs]
@@ -302,6 +302,13 @@ class CaptureStore:
         self.scored = None
         self._complete = False
         self._watched = []
+
+
+def samples_held(k: int, m: int, part: int = 0, parts: int = 1) -> int:
+    """How many of the global batch's first ``k`` samples lie in part ``part`` of ``parts``
+    equal parts of ``m`` samples each (rank order): ``min(m, max(0, k − part·m))``."""
+    assert 0 <= part < parts
+    return min(m, max(0, k - part * m))
 
 
 def union(parts: list[dict[int, list[Record]]], mean: bool, names: Optional[dict[int, str]] = None,

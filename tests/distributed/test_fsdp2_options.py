@@ -54,6 +54,13 @@ TWO: dict[str, dict[str, Any]] = {
     "samples4-block-T2": dict(model="block", m=3, steps=4, T=2, opts=dict(curvature_samples=4)),
     "samples2-cnn-layers-T1": dict(model="cnn", m=3, steps=3, T=1, shard="layers",  # rank 1 holds none
                                    opts=dict(curvature_samples=2, relative_damping=True)),
+    # the GGN of the global batch's first k samples (k = 2: rank 1 holds none)
+    "gn-samples2-mlp-gather-T1": dict(model="mlp", m=3, steps=4, T=1, fisher="gauss-newton", mode="gather",
+                                      opts=dict(curvature_samples=2)),
+    "gn-samples4-mlp-layers-blocks-T1": dict(model="mlp", m=3, steps=4, T=1, fisher="gauss-newton", shard="layers",
+                                             mode="gram-blocks", opts=dict(curvature_samples=4)),
+    "gn-samples2-mlp-layers-blocks-T2": dict(model="mlp", m=3, steps=4, T=2, fisher="gauss-newton", shard="layers",
+                                             mode="gram-blocks", opts=dict(curvature_samples=2)),
     # layers recorded as per-sample gradients P only: an added parameter and a bias-only layer
     "extras-auto-T1": dict(model="mlp-extras", m=3, steps=3, T=1),
     "extras-layers-blocks-mc-T2": dict(model="mlp-extras", m=2, steps=4, T=2, fisher="mc", shard="layers",

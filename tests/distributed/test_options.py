@@ -71,6 +71,15 @@ RUNS: dict[str, dict[str, Any]] = {
                                         opts=dict(curvature_every=1, fisher="gauss-newton", kl_clip=None)),
     "gauss-newton-gram-blocks-T2": dict(steps=4, mode="gram-blocks", mse=True,
                                         opts=dict(curvature_every=2, fisher="gauss-newton")),
+    # the GGN of the global batch's first k samples: rank 0's 3 and one of rank 1's; rank 0's 2 (rank 1 holds none)
+    "gauss-newton-samples4-T1": dict(steps=4, mse=True, opts=dict(curvature_every=1, fisher="gauss-newton",
+                                                                  curvature_samples=4, kl_clip=None)),
+    "gauss-newton-samples2-T2": dict(steps=4, mse=True, opts=dict(curvature_every=2, fisher="gauss-newton",
+                                                                  curvature_samples=2)),
+    "gauss-newton-samples2-gram-blocks-T1": dict(steps=4, mode="gram-blocks", mse=True, opts=dict(
+        curvature_every=1, fisher="gauss-newton", curvature_samples=2, kl_clip=None)),
+    "gauss-newton-samples4-gram-blocks-T2": dict(steps=4, mode="gram-blocks", mse=True, opts=dict(
+        curvature_every=2, fisher="gauss-newton", curvature_samples=4)),
     # compile=True runs the distributed steps unfused: compile=False's update (the reference's option)
     "compile-T2": dict(steps=4, reference=dict(compile=False), opts=dict(curvature_every=2, compile=True)),
     "compile-gram-blocks-T1": dict(steps=3, mode="gram-blocks", reference=dict(compile=False),

@@ -115,3 +115,31 @@ def test_gauss_newton_without_capture_call_raises() -> None:
     _loss(model(torch.randn(5, 6)), torch.randn(5, 3), "mean").backward()
     with pytest.raises(RuntimeError, match="gauss-newton.*mc_capture"):
         opt.step()
+
+
+def test_gauss_newton_rows_of_a_part_of_the_global_batch() -> None:
+    """``part=1`` of ``parts=2`` parts of 3 samples: the records keep this part's share of the
+    global batch's first ``samples`` (``k = 4``: its first 1 sample; ``k = 2``: 0 rows, of the
+    other parts' trailing shapes), the rows of the whole part's records; a second accumulated
+    micro-batch is refused (its share needs the whole part's batch)."""
+    from tengrad_fx.optim.tengrad.gauss_newton import gauss_newton_capture
+    torch.manual_seed(0)
+    model = tengrad_fx.prepare(mlp(), example_inputs=(torch.randn(2, 6),))
+    store = tengrad_fx.get_info(model).store
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    x = torch.randn(3, 6, dtype=torch.float32)
+
+    def rows(samples: int | None) -> dict[int, torch.Tensor]:
+        gauss_newton_capture(store, model(x), weights, "mean", samples=samples, part=1, parts=2)
+        got = {site: recs[0].G for site, recs in store.records.items()}
+        assert not store.parts
+        return got
+
+    full = rows(None)  # row j·3 + i: output j of sample i
+    for k, held in ((4, 1), (2, 0), (6, 3)):
+        for site, g in rows(k).items():
+            want = full[site].reshape(3, 3, *full[site].shape[1:])[:, :held].reshape(3 * held, *full[site].shape[1:])
+            assert torch.equal(g, want), (k, site)
+    _loss(model(x), torch.randn(3, 3), "mean").backward()  # a micro-batch whose gradients accumulate
+    with pytest.raises(ValueError, match="curvature_samples under a distribution takes one micro-batch"):
+        gauss_newton_capture(store, model(x), weights, "mean", samples=4, part=1, parts=2)

@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from ...capture.store import CaptureStore, Record
+from ...capture.store import CaptureStore, Record, samples_held
 from ..step.mc import second_backward
 
 __all__ = ["MAX_OUTPUTS", "gauss_newton_capture"]
@@ -63,7 +63,8 @@ def _stack_records(per_output: list[Record], g_scale: float, samples: Optional[i
 
 def gauss_newton_capture(store: CaptureStore, outputs: Tensor, weights: Sequence[Tensor],
                          loss_reduction: str, max_outputs: int = MAX_OUTPUTS,
-                         loss_scale: Optional[Tensor] = None, samples: Optional[int] = None) -> None:
+                         loss_scale: Optional[Tensor] = None, samples: Optional[int] = None,
+                         part: int = 0, parts: int = 1) -> None:
     """Record the GGN of ``½‖outputs − y‖²`` (see the module docstring) in ``store``.
 
     Args:
@@ -79,6 +80,10 @@ def gauss_newton_capture(store: CaptureStore, outputs: Tensor, weights: Sequence
             under gradient accumulation, of the micro-batches' union: the samples the
             earlier micro-batches hold count, and a micro-batch after the first ``samples``
             runs no backward at all.
+        part, parts: the ``m`` samples here are part ``part`` of a global batch of ``parts·m``
+            (rank order; the distribution's ``curvature_part``): the rows kept are this part's
+            share of the global batch's first ``samples`` (none: records of 0 rows, after the
+            same backwards as every other part's). Not with accumulated micro-batches.
 
     Raises:
         ValueError: ``k > max_outputs`` (use ``fisher="mc"``), or ``outputs`` without a graph.
@@ -96,10 +101,15 @@ def gauss_newton_capture(store: CaptureStore, outputs: Tensor, weights: Sequence
     # captured G of a Σ_i f_ij backward is ∂f_ij/∂out; the layers multiply by m·k for "mean"
     g_scale = math.sqrt(k) / (m * k if loss_reduction == "mean" else 1.0)
     if samples is not None:  # the earlier micro-batches' samples count (rows: samples·k each)
-        samples -= sum(next(iter(part.values()))[0].m for part in store.parts) // k
-        if samples <= 0:
+        earlier = sum(next(iter(recs.values()))[0].m for recs in store.parts) // k
+        if earlier and parts > 1:
+            raise ValueError("fisher='gauss-newton' with curvature_samples under a distribution takes one "
+                             "micro-batch per step (the rank's share of the first samples needs its whole batch): "
+                             "step after each backward, or leave curvature_samples None")
+        if samples <= earlier:
             store.end_sampled()
             return
+        samples = samples_held(samples - earlier, m, part, parts)
     store.records = {}
     store.grad_only = True
     per_site: dict[int, list[list[Record]]] = {}

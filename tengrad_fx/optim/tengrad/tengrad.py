@@ -311,8 +311,9 @@ class TENGraD(StepSkeleton):
             if mask is not None or targets is not None:
                 raise ValueError("mc_capture: targets and mask are for fisher='mc' "
                                  "(the Gauss-Newton Fisher samples nothing)")
+            part, parts, _ = self.distribution.curvature_part(self)  # the global batch's first k samples
             gauss_newton_capture(self._info.store, outputs, weights, self._info.loss_reduction,
-                                 loss_scale=self._loss_scale(), samples=self.curvature_samples)
+                                 loss_scale=self._loss_scale(), samples=self.curvature_samples, part=part, parts=parts)
         else:
             targets, generator = self.distribution.mc_sample(self, outputs, targets, mask)
             mc_capture(self._info.store, outputs, self.mc_loss, weights, targets, self._loss_scale(), mask, generator)
