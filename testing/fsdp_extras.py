@@ -5,7 +5,8 @@ only: an added parameter ``pos [1, 6]`` (a learned offset of the input, covered 
 row to one rank) and a bias-only layer (``fc2``'s weight frozen), around the polar tests' MLP
 (batches of :func:`testing.fsdp_polar.batch`); "cnn-grouped", grouped convolutions (2 groups
 of 2 output channels: whole groups on each of 2 ranks; a depthwise one), the CNN's batches;
-"tconv", transposed convolutions (:class:`TransposedCNN`), the CNN's batches.
+"tconv", transposed convolutions (:class:`TransposedCNN`), the CNN's batches; "cnn-split",
+grouped convolutions whose groups 2 ranks' rows split (:class:`SplitGroupsCNN`), the CNN's batches.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 
 from .fsdp_polar import MLP
 
-__all__ = ["ExtrasMLP", "GroupedCNN", "TransposedCNN"]
+__all__ = ["ExtrasMLP", "GroupedCNN", "TransposedCNN", "SplitGroupsCNN"]
 
 
 class ExtrasMLP(MLP):
@@ -65,3 +66,21 @@ class TransposedCNN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.tanh(self.t1(torch.tanh(self.c1(torch.tanh(self.t0(x))))))
         return self.fc(F.avg_pool2d(torch.tanh(self.t2(x)), 3).flatten(1))
+
+
+class SplitGroupsCNN(nn.Module):
+    """``[m, 3, 6, 6]`` → Conv 3→6 (3 groups of 2 output channels: on 2 ranks rows ``[0, 3)``,
+    group 0 and half of group 1, and ``[3, 6)``) → tanh → ConvTranspose 6→3 (3 groups of 2 input
+    channels, stride 2, output_padding 1: split alike; its bias rows ``[0, 2)``, ``[2, 3)``) →
+    tanh → Conv 3→4 (stride 3) → Linear 64→3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 6, 3, padding=1, groups=3)
+        self.t1 = nn.ConvTranspose2d(6, 3, 3, stride=2, padding=1, output_padding=1, groups=3)
+        self.c2 = nn.Conv2d(3, 4, 3, stride=3)
+        self.fc = nn.Linear(64, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.t1(torch.tanh(self.c1(x))))
+        return self.fc(self.c2(x).flatten(1))

@@ -6,6 +6,7 @@ A run is a ``cfg`` dict: ``model`` ("block": embedding tied to the output head, 
 pre-norm transformer block with attention and an MLP, a final LayerNorm; "cnn": two
 convolutions with BatchNorm (in eval mode, :func:`frozen_statistics`) and a Linear head;
 "conv1d", "gpt2": Hugging Face's transposed Linear, :mod:`testing.fsdp_conv1d`; "mlp-extras", "cnn-grouped",
+"cnn-split",
 "tconv": per-sample-gradient layers, grouped and transposed convolutions, :mod:`testing.fsdp_extras`),
 ``m`` (local batch),
 ``steps``, ``T``, ``fisher``, ``kl_clip``, ``shard`` ("blocks": ``fully_shard`` on each
@@ -89,7 +90,7 @@ def make_model(kind: str) -> nn.Module:
     torch.manual_seed(0)
     net: nn.Module = TinyLM() if kind == "block" else polar.MLP() if kind == "mlp" else extras.ExtrasMLP() \
         if kind == "mlp-extras" else extras.GroupedCNN() if kind == "cnn-grouped" else extras.TransposedCNN() \
-        if kind == "tconv" else transposed.build(kind) \
+        if kind == "tconv" else extras.SplitGroupsCNN() if kind == "cnn-split" else transposed.build(kind) \
         if kind in transposed.TRANSPOSED_KINDS else TinyCNN()
     net = net.double()
     for mod in net.modules():

@@ -14,13 +14,15 @@ parameter, gradient or update:
   ``[o]`` is sharded apart (rows ``[a', b')`` of the output features: per-sample
   gradients ``Σ_s G[:, s, a':b']``), :class:`TransposedRows`;
 * ConvNd, ``W [o, c/g, *k]``: ``G[:, a:b]``, and with ``g > 1`` groups the input channels of
-  the rows' groups (rows of whole groups only: a convolution of those groups);
+  the groups the rows touch; rows that start or end inside a group are completed to whole
+  groups by zero rows of ``G`` (their per-sample gradients zero: the Gram and ``J_r g_r``
+  unchanged, the products' extra rows dropped), so the rows are a convolution of those groups;
 * ConvTransposeNd, ``W [c, o/g, *k]``: its rows are input channels, ``I[:, a:b]``, and ``G``
-  (with ``g > 1`` groups the output channels of the rows' groups, whole groups only); its
-  ``J`` is that of the transposed convolution of those channels (``x[s]·unfold(G)[s]``, the
-  roles of ``I`` and ``G`` swapped, :mod:`tengrad_fx.curvature.conv`); its bias ``[o]`` is
-  sharded apart as a transposed Linear's (per-sample gradients ``Σ_t G[:, a':b', t]``,
-  :class:`TransposedRows`);
+  (with ``g > 1`` groups the output channels of the groups the rows touch, partial groups
+  completed by zero channels of ``I`` alike); its ``J`` is that of the transposed convolution
+  of those channels (``x[s]·unfold(G)[s]``, the roles of ``I`` and ``G`` swapped,
+  :mod:`tengrad_fx.curvature.conv`); its bias ``[o]`` is sharded apart as a transposed
+  Linear's (per-sample gradients ``Σ_t G[:, a':b', t]``, :class:`TransposedRows`);
 * norm layers: the affine elements ``[a·r, b·r)`` of ``x̂`` and ``G`` (``r`` = elements
   per row of ``γ``; channel-first kinds: channels ``a:b``);
 * Embedding, ``W [V, D]``: positions whose index is in ``[a, b)``, re-indexed from ``a``
@@ -38,14 +40,14 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from ..capture.norm import CHANNEL_FIRST, NORM_KINDS
 from ..curvature import tensors
 from ..curvature.layer import KERNELS, CoveredLayer, choose_strategy
 
 __all__ = ["RowSpec", "RowRecords", "TransposedRows", "PerSampleRows", "Rows", "per_sample_only",
-           "layer_rows", "row_range", "row_chunk", "check_shardable", "row_records", "row_spec", "cut",
+           "layer_rows", "row_range", "row_chunk", "group_rows", "check_shardable", "row_records", "row_spec", "cut",
            "bias_apart", "cut_bias", "local", "like", "fully_sharded"]
 
 
@@ -93,58 +95,76 @@ def per_sample_only(lay: CoveredLayer) -> bool:
     return lay.bias_only or lay.kind == "param"
 
 
-def _groups_of_rows(spec: Any, a: int, b: int, rows_total: int) -> int:
-    """The groups of a convolution whose rows are ``[a, b)`` (output channels; a transposed
-    one's: input channels) (1 for any other layer); ``ValueError`` where the rows split a group."""
-    groups = getattr(spec, "groups", 1) if getattr(spec, "kind", "").startswith("conv") else 1
-    if groups == 1:
-        return 1
+def group_rows(spec: Any, a: int, b: int, rows_total: int) -> tuple[int, int]:
+    """``[lo, hi)``: the rows ``[a, b)`` of a grouped convolution's ``rows_total`` (output
+    channels; a transposed one's: input channels) widened to the whole groups they touch;
+    ``(a, b)`` for any other layer, or no rows."""
+    groups = _conv_groups(spec)
+    if groups == 1 or a >= b:
+        return a, b
     per = rows_total // groups
-    if a % per or b % per:
-        what, rows, other = ("a transposed convolution", "input", "output") if spec.transposed else \
-            ("a convolution", "output", "input")
-        raise ValueError(f"DistributedTENGraD (FSDP2): layer '{spec.name}' is {what} of {groups} groups of "
-                         f"{per} {rows} channels, and a shard's rows [{a}, {b}) split a group (fully_shard gives "
-                         f"each rank ⌈{rows_total}/S⌉ rows); the rows are cut as whole groups, each rank's a "
-                         f"convolution of its groups with their {other} channels; shard it over a number of "
-                         "ranks that keeps each group on one rank, or leave it out of fully_shard")
-    return (b - a) // per
+    return a - a % per, -(-b // per) * per
+
+
+def _conv_groups(spec: Any) -> int:
+    """A convolution's groups (1 for any other layer)."""
+    return int(getattr(spec, "groups", 1)) if getattr(spec, "kind", "").startswith("conv") else 1
 
 
 def check_shardable(lay: CoveredLayer) -> None:
     """``ValueError`` naming the layer where its ``J`` cannot be cut by rows here."""
-    spec, kind = lay.spec, lay.kind
+    kind = lay.kind
     if per_sample_only(lay):  # P's columns are cut by rows (PerSampleRows)
         return
     if kind not in ("linear", "embedding") and not kind.startswith("conv") and kind not in NORM_KINDS:
         raise ValueError(f"DistributedTENGraD (FSDP2): layer '{lay.name}' is a layer of kind {kind!r}, whose rows "
                          "are not cut here; leave it out of the optimizer's params (a plain optimizer for it) or "
                          "out of fully_shard")
-    w = lay.weight
-    if kind.startswith("conv") and isinstance(w, DTensor):  # every shard's rows whole groups
-        dims = [d for d, pl in enumerate(w.placements) if isinstance(pl, Shard) and pl.dim == 0]
-        shards = w.device_mesh.size(dims[0]) if dims else 1
-        for c in range(shards):
-            _groups_of_rows(spec, *row_chunk(w.shape[0], shards, c), w.shape[0])
 
 
 class RowSpec:
     """A layer's spec with its weight (and bias) replaced by this rank's shards (what the
-    kernels read for shapes); every other field is the layer's."""
+    kernels read for shapes); every other field is the layer's. A grouped convolution's:
+    ``groups``, those its rows touch, and ``pad``, the zero rows before and after its rows
+    that complete them to whole groups (:func:`group_rows`)."""
 
-    def __init__(self, spec: Any, weight: Tensor, bias: Optional[Tensor], groups: int = 1):
+    def __init__(self, spec: Any, weight: Tensor, bias: Optional[Tensor], groups: int = 1,
+                 pad: tuple[int, int] = (0, 0)):
         self._spec, self.weight, self.bias = spec, weight, bias
         self.module = SimpleNamespace(padding_idx=None)  # embedding: padding is masked in the records
-        self.groups = groups  # a grouped convolution's: the groups whose output channels the rows are
+        self.groups, self.pad = groups, pad
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._spec, name)
+
+    def whole_groups(self) -> "RowSpec":
+        """This spec over the rows completed to whole groups (zero rows added; itself where none are)."""
+        if self.pad == (0, 0):
+            return self
+        bias = None if self.bias is None else pad_rows(self.bias, self.pad, 0)
+        return RowSpec(self._spec, pad_rows(self.weight, self.pad, 0), bias, self.groups)
+
+    def own_rows(self, t: Optional[Tensor]) -> Optional[Tensor]:
+        """``t``'s rows (dim 0) of this spec's own rows, the completing zero rows dropped."""
+        return t if t is None or self.pad == (0, 0) else t[self.pad[0]:t.shape[0] - self.pad[1]]
+
+
+def pad_rows(t: Tensor, pad: tuple[int, int], dim: int) -> Tensor:
+    """``t`` with ``pad[0]`` zero slices before and ``pad[1]`` after along ``dim``."""
+    if pad == (0, 0):
+        return t
+    shape = list(t.shape)
+    zeros = [t.new_zeros(shape[:dim] + [n] + shape[dim + 1:]) for n in pad]
+    return torch.cat([zeros[0], t, zeros[1]], dim)
 
 
 @dataclass
 class RowRecords:
     """One layer's records cut to this rank's rows: ``parts`` per call ``(I', G')``, the
-    kernel, the spec over the local shards, and ``k`` (the records' per-sample scale)."""
+    kernel, the spec over the local shards, and ``k`` (the records' per-sample scale). A
+    grouped convolution's rows that split groups are completed to whole groups by zero
+    channels of ``G'`` (a transposed one's: ``I'``), whose per-sample gradients are zero;
+    the kernels run on ``kernel_spec`` over those rows and the products keep the own rows."""
 
     spec: RowSpec
     parts: list[tuple[Tensor, Tensor]]
@@ -152,24 +172,30 @@ class RowRecords:
 
     def __post_init__(self) -> None:
         """Records in the parameters' dtype (a mixed-precision forward records in its
-        compute dtype; the products meet the gradient shards, in the parameters')."""
-        dtype = self.spec.weight.dtype
+        compute dtype; the products meet the gradient shards, in the parameters'), the rows'
+        channels completed to whole groups."""
+        dtype, pad = self.spec.weight.dtype, self.spec.pad
         self.parts = [(_in(I, dtype), _in(G, dtype)) for I, G in self.parts]
+        self.parts = [(pad_rows(I, pad, 1), G) if self.spec.transposed else (I, pad_rows(G, pad, 1))
+                      for I, G in self.parts]
+        self.kernel_spec = self.spec.whole_groups()
 
     def jvp(self, gw: Tensor, gb: Optional[Tensor]) -> Tensor:
         """``J_r g_r``, ``[M]``: this rank's rows' part of ``J g`` (zeros where it holds none)."""
         if not gw.numel():
             I, G = self.parts[0]
             return G.new_zeros(G.shape[0])
-        kernel = KERNELS[self.spec.kind]
-        out: Tensor = sum(kernel.jvp(self.spec, I, G, gw, gb) for I, G in self.parts)
+        kernel, spec, pad = KERNELS[self.spec.kind], self.kernel_spec, self.spec.pad
+        gw = pad_rows(gw, pad, 0)
+        gb = None if gb is None else pad_rows(gb, pad, 0)
+        out: Tensor = sum(kernel.jvp(spec, I, G, gw, gb) for I, G in self.parts)
         return out * self.k
 
     def gram(self) -> Tensor:
         """``J_r J_rᵀ``, ``[M, M]``, of these rows (zeros where there are none): summed over
         the row shards it is the layer's Gram. An embedding matches indices; other kinds
         take the cheaper of the factored and the materialized form (:func:`choose_strategy`)."""
-        spec, kernel = self.spec, KERNELS[self.spec.kind]
+        spec, kernel = self.kernel_spec, KERNELS[self.spec.kind]
         M = self.parts[0][0].shape[0]
         if not spec.weight.numel():
             return self.parts[0][1].new_zeros(M, M)
@@ -194,12 +220,13 @@ class RowRecords:
         return K * self.k ** 2
 
     def _jacobian(self) -> Tensor:
-        """``J_r`` materialized, ``[M, n_r]`` (unscaled): these rows' per-sample gradients."""
+        """``J_r`` materialized, ``[M, n_r]`` (unscaled): these rows' per-sample gradients
+        (with the zero columns of rows completing partial groups)."""
         kernel = KERNELS[self.spec.kind]
         dW: Optional[Tensor] = None
         db: Optional[Tensor] = None
         for I, G in self.parts:
-            w, b = kernel.per_sample_grads(self.spec, I, G)
+            w, b = kernel.per_sample_grads(self.kernel_spec, I, G)
             w, b = w.reshape(w.shape[0], -1), b.reshape(b.shape[0], -1)
             dW, db = (w, b) if dW is None or db is None else (dW + w, db + b)
         assert dW is not None and db is not None
@@ -215,9 +242,10 @@ class RowRecords:
         gb: Optional[Tensor] = None
         c = c.to(self.spec.weight.dtype)
         for I, G in self.parts:
-            w, b = kernel.vjp(self.spec, I, G, c)
+            w, b = kernel.vjp(self.kernel_spec, I, G, c)
             gw = w if gw is None else gw + w
             gb = b if gb is None else gb + b
+        gw, gb = self.spec.own_rows(gw), self.spec.own_rows(gb)
         assert gw is not None
         return gw.reshape(self.spec.weight.shape) * self.k, \
             (gb.reshape(bias.shape) * self.k if bias is not None and gb is not None else None)
@@ -296,7 +324,7 @@ def layer_rows(lay: CoveredLayer, parts: list[tuple[Tensor, Tensor]], k: float,
     spec = row_spec(lay, rows)
     if not lay.spec.transposed:
         return RowRecords(spec, parts, k)
-    weight = RowRecords(RowSpec(lay.spec, spec.weight, None, spec.groups), parts, k)
+    weight = RowRecords(RowSpec(lay.spec, spec.weight, None, spec.groups, spec.pad), parts, k)
     if lay.bias is None:
         return TransposedRows(weight, None)
     if db is None:
@@ -328,13 +356,12 @@ def cut(kind: str, spec: Any, I: Tensor, G: Tensor, a: int, b: int, rows_total: 
     """One record ``(I, G)`` cut to the rows ``[a, b)`` of a weight with ``rows_total`` rows."""
     if kind == "linear":  # transposed (Conv1D): the weight's rows are input features
         return (I[..., a:b], G) if spec.transposed else (I, G[..., a:b])
-    if kind.startswith("conv"):  # rows: G's channels (transposed: I's); grouped: the rows' groups' other ones
-        g = _groups_of_rows(spec, a, b, rows_total)
+    if kind.startswith("conv"):  # rows: G's channels (transposed: I's); grouped: the touched groups' other ones
         mine, other = (I, G) if spec.transposed else (G, I)
-        if spec.groups > 1:
-            c = other.shape[1] // spec.groups
-            first = a // (rows_total // spec.groups)
-            other = other[:, first * c:(first + g) * c]
+        if spec.groups > 1:  # (partial groups are completed by zero rows in RowRecords)
+            lo, hi = group_rows(spec, a, b, rows_total)
+            per, c = rows_total // spec.groups, other.shape[1] // spec.groups
+            other = other[:, lo // per * c:hi // per * c]
         return (mine[:, a:b], other) if spec.transposed else (other, mine[:, a:b])
     if kind in CHANNEL_FIRST:
         return I[:, a:b], G[:, a:b]
@@ -355,12 +382,15 @@ def cut(kind: str, spec: Any, I: Tensor, G: Tensor, a: int, b: int, rows_total: 
 def row_spec(lay: CoveredLayer, rows: Optional[tuple[int, int]] = None) -> RowSpec:
     """``lay``'s spec over this rank's shards (``rows``: over those rows of the whole parameters)."""
     w, bias = lay.weight, lay.bias
+    a, b = row_range(w) if rows is None else rows
+    lo, hi = group_rows(lay.spec, a, b, w.shape[0])
+    groups = _conv_groups(lay.spec)
+    touched = (hi - lo) // (w.shape[0] // groups) if groups > 1 else 1
     if rows is None:
-        return RowSpec(lay.spec, local(w).detach(), None if bias is None else local(bias).detach(),
-                       _groups_of_rows(lay.spec, *row_range(w), w.shape[0]))
-    a, b = rows
-    return RowSpec(lay.spec, w.detach()[a:b], None if bias is None else bias.detach()[a:b],
-                   _groups_of_rows(lay.spec, a, b, w.shape[0]))
+        return RowSpec(lay.spec, local(w).detach(), None if bias is None else local(bias).detach(), touched,
+                       (a - lo, hi - b))
+    return RowSpec(lay.spec, w.detach()[a:b], None if bias is None else bias.detach()[a:b], touched,
+                   (a - lo, hi - b))
 
 
 def row_records(lay: CoveredLayer, rows: Optional[tuple[int, int]] = None,

@@ -19,7 +19,8 @@ from tengrad_fx.curvature.layer import CoveredLayer, covered_layers
 from tengrad_fx.distributed.fsdp_rows import check_shardable, row_chunk, row_records
 
 M = 5
-BIAS_APART = ("conv1d", "tconv", "tconv-grouped", "tconv1d", "tconv3d-grouped")  # transposed: bias rows of their own
+# transposed: bias rows of their own
+BIAS_APART = ("conv1d", "tconv", "tconv-grouped", "tconv-grouped3", "tconv1d", "tconv3d-grouped")
 
 
 def _layer(name: str) -> tuple[nn.Module, torch.Tensor]:
@@ -36,10 +37,15 @@ def _layer(name: str) -> tuple[nn.Module, torch.Tensor]:
         return nn.Conv2d(3, 6, 3, padding=1), torch.randn(M, 3, 4, 4, generator=g)
     if name == "conv-grouped":  # 2 groups of 3 output channels, 2 input channels each
         return nn.Conv2d(4, 6, 3, padding=1, groups=2), torch.randn(M, 4, 4, 4, generator=g)
+    if name == "conv-grouped3":  # 3 groups of 2 output channels, 1 input channel each
+        return nn.Conv2d(3, 6, 3, padding=1, groups=3), torch.randn(M, 3, 4, 4, generator=g)
     if name == "tconv":  # weight [5, 7, 3, 3]: rows are input channels; output_padding
         return nn.ConvTranspose2d(5, 7, 3, stride=2, padding=1, output_padding=1), torch.randn(M, 5, 3, 3, generator=g)
     if name == "tconv-grouped":  # weight [4, 3, 3, 3]: 2 groups of 2 input and 3 output channels
         return nn.ConvTranspose2d(4, 6, 3, padding=1, groups=2), torch.randn(M, 4, 3, 3, generator=g)
+    if name == "tconv-grouped3":  # weight [6, 1, 3, 3]: 3 groups of 2 input channels and 1 output channel
+        return nn.ConvTranspose2d(6, 3, 3, stride=2, padding=1, output_padding=1, groups=3), \
+            torch.randn(M, 6, 3, 3, generator=g)
     if name == "tconv1d":
         return nn.ConvTranspose1d(4, 3, 3, stride=2, dilation=2), torch.randn(M, 4, 5, generator=g)
     if name == "tconv3d-grouped":  # weight [4, 1, 2, 2, 2]: 2 groups of 2 input channels, 1 output
@@ -74,13 +80,15 @@ def _bias_rows(name: str, rows: tuple[int, int]) -> tuple[int, int]:
     other ones (its bias's output features or channels, sharded apart)."""
     a, b = rows
     return {"conv1d": (a + 1, b + 3), "tconv": (a + 2, b + 3), "tconv-grouped": (b - a, 6), "tconv1d": (1, 3),
-            "tconv3d-grouped": (a // 2, 2)}.get(name, rows)
+            "tconv3d-grouped": (a // 2, 2), "tconv-grouped3": (a // 3, a // 3 + 2)}.get(name, rows)
 
 
 CASES = [(name, rows) for name in ("linear", "conv1d", "conv", "tconv", "tconv1d", "layernorm", "batchnorm",
                                    "embedding") for rows in ((0, 2), (1, 4), (3, 3))] \
-    + [("conv-grouped", rows) for rows in ((0, 3), (3, 6), (0, 6), (3, 3))] \
-    + [(name, rows) for name in ("tconv-grouped", "tconv3d-grouped") for rows in ((0, 2), (2, 4), (0, 4), (2, 2))]
+    + [("conv-grouped", rows) for rows in ((0, 3), (3, 6), (0, 6), (3, 3), (1, 4), (2, 3), (1, 6))] \
+    + [(name, rows) for name in ("tconv-grouped", "tconv3d-grouped")
+       for rows in ((0, 2), (2, 4), (0, 4), (2, 2), (1, 3), (1, 2), (0, 3))] \
+    + [(name, rows) for name in ("conv-grouped3", "tconv-grouped3") for rows in ((0, 3), (3, 6), (1, 5))]
 
 
 def _per_sample(mod: nn.Module, x: torch.Tensor, R: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -153,28 +161,38 @@ def test_layers_without_row_cuts_are_refused() -> None:
         check_shardable(lay)
 
 
-def test_rows_that_split_a_group_are_refused() -> None:
-    """A grouped convolution's rows must be whole groups (each rank's a convolution of its
-    groups): rows ``[1, 4)`` of 2 groups of 3 output channels are refused, and rows ``[1, 3)``
-    of a transposed one's 2 groups of 2 input channels."""
-    _, _, _, lay = _captured("conv-grouped")
-    with pytest.raises(ValueError, match=r"layer '0' is a convolution of 2 groups .* \[1, 4\) split a group"):
-        row_records(lay, (1, 4))
-    _, _, _, lay = _captured("tconv-grouped")
-    with pytest.raises(ValueError, match=r"layer '0' is a transposed convolution of 2 groups of 2 input channels, "
-                                         r"and a shard's rows \[1, 3\) split a group"):
-        row_records(lay, (1, 3), (0, 3))
+@pytest.mark.parametrize("name", ["conv-grouped3", "tconv-grouped3"])
+def test_rows_that_split_a_group_against_wrong_references(name: str) -> None:
+    """Rows ``[0, 3)`` of 3 groups of 2 (group 0 and half of group 1): their Gram is that of
+    those rows' per-sample gradients, not of the rows one further on, nor of the rows whole
+    groups would give (``[0, 2)`` or ``[0, 4)``)."""
+    mod, x, R, lay = _captured(name)
+    per_sample = _per_sample(mod, x, R)
+    W = per_sample["weight"]
+    bias_rows = (0, 2) if name in BIAS_APART else (0, 3)  # a transposed one's bias rows: output channels
+    K = row_records(lay, (0, 3), bias_rows if name in BIAS_APART else None).gram()
+    db = per_sample["bias"][:, bias_rows[0]:bias_rows[1]]
+
+    def gram(w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        J_r = torch.cat([w.flatten(1), b], 1)
+        return J_r @ J_r.T
+
+    for wrong in (gram(W[:, 1:4], db), gram(W[:, 0:2], db), gram(W[:, 0:4], db)):
+        assert not torch.allclose(K, wrong, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(K, gram(W[:, 0:3], db), rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", ["linear", "linear-wide", "conv1d", "conv", "tconv", "tconv-grouped", "layernorm",
-                                  "batchnorm", "embedding"])
+@pytest.mark.parametrize("name", ["linear", "linear-wide", "conv1d", "conv", "conv-grouped", "conv-grouped3", "tconv",
+                                  "tconv-grouped", "tconv-grouped3", "layernorm", "batchnorm", "embedding"])
 def test_row_grams_sum_to_the_layer_gram(name: str) -> None:
     """``Σ_r J_r J_rᵀ`` over a split of the rows into shards is ``J Jᵀ`` (the layer's own Gram;
-    a transposed layer: its bias split into shards of its own)."""
+    a transposed layer: its bias split into shards of its own; a grouped convolution's groups
+    split by the shards)."""
     mod, _, _, lay = _captured(name)
     n = mod.weight.shape[0]
-    bias_rows: Callable[[int], Any] = (lambda c: row_chunk(mod.bias.shape[0], 3, c)) if name in BIAS_APART \
+    S = {"conv-grouped3": 2, "tconv-grouped3": 2, "tconv-grouped": 4}.get(name, 3)  # grouped: shards splitting groups
+    bias_rows: Callable[[int], Any] = (lambda c: row_chunk(mod.bias.shape[0], S, c)) if name in BIAS_APART \
         else (lambda c: None)
-    K = sum(row_records(lay, row_chunk(n, 3, c), bias_rows(c)).gram() for c in range(3))
+    K = sum(row_records(lay, row_chunk(n, S, c), bias_rows(c)).gram() for c in range(S))
     J = lay.jacobian()
     torch.testing.assert_close(K, J @ J.T, rtol=1e-12, atol=1e-12)
