@@ -61,7 +61,8 @@ def _tengrad(**kw: Any) -> Callable[[nn.Module], torch.optim.Optimizer]:
 
 def test_groups_path_calls_the_shared_maths(calls: Counter) -> None:
     got = _train(_tengrad())
-    assert calls["damped_cholesky_ex"] == 2 and calls["woodbury_solve"] == 2 and calls["push_through_holds"] > 0
+    assert calls["damped_cholesky_ex"] == 2 and calls["push_through_holds"] > 0
+    assert calls["solve_cholesky"] == calls["woodbury_coefficients"] == 2  # one solve per curvature step
     calls.clear()
     assert torch.equal(got, _train(_tengrad()))
 

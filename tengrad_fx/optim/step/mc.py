@@ -154,7 +154,7 @@ def part_of_global(shape: Sequence[int], part: int, parts: int, draw: Callable[[
     if not shape:
         raise ValueError("mc_capture: outputs need a leading batch dimension to be split over processes")
     m = shape[0]
-    return draw((parts * m, *shape[1:]))[part * m:(part + 1) * m]
+    return draw((parts * m, *shape[1:]))[part * m:part * m + m]
 
 
 def inverse_cdf(logits: Tensor, u: Tensor, keep: Optional[Tensor] = None) -> Tensor:
