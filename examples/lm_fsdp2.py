@@ -229,6 +229,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             with open(args.out, "w") as f:
                 json.dump(result, f)
     if owner:
+        dist.barrier()  # every rank's last collective done before the group goes
         dist.destroy_process_group()
     return result
 
