@@ -22,6 +22,7 @@ loaded before the first).
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -379,3 +380,15 @@ def accumulated_reference(cfg: dict[str, Any], world: int) -> list[dict[str, tor
         _accumulated_step(net, opt, xs, ys, acc)
         traj.append(full_params(net))
     return traj
+
+
+def run_table(tmp: Path, world: int, table: dict[str, dict[str, Any]],
+              ckpt: Optional[Path] = None) -> dict[str, list[dict[str, Any]]]:
+    """Every config of ``table`` (name -> :func:`train_fsdp`'s config) on ``world`` spawned
+    gloo ranks (one spawn): ``{name: [rank 0's result, rank 1's, ...]}``; the configs'
+    ``save`` / ``load`` names taken as files under ``ckpt``."""
+    from .distributed import run_ranks
+    cfgs = [{**cfg, **{k: str(ckpt / cfg[k]) for k in ("save", "load") if k in cfg}} if ckpt is not None else cfg
+            for cfg in table.values()]
+    res = run_ranks(train_fsdp, world, tmp, cfgs, timeout=600)
+    return {name: [r[i] for r in res] for i, name in enumerate(table)}

@@ -158,14 +158,12 @@ class GlobalBatch(SingleProcess):
             self._generator_steps[key] = step
         return self._generators[key]
 
-    def mc_sample(self, opt: Host, outputs: Tensor, targets: Optional[Tensor],
-                  mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[torch.Generator]]:
+    def mc_sample(self, opt: Host, outputs: Tensor, targets: Optional[Tensor], mask: Optional[Tensor]) -> Tensor:
         """This rank's slice of the global batch's labels (:meth:`SingleProcess.mc_sample`,
         the optimizer's generator in the same state on every rank: seeded with ``seed`` at
         :meth:`bind`, saved in ``state_dict``), kept in :attr:`last_mc_targets`."""
-        targets, generator = super().mc_sample(opt, outputs, targets, mask)
-        self.last_mc_targets = targets
-        return targets, generator
+        self.last_mc_targets = super().mc_sample(opt, outputs, targets, mask)
+        return self.last_mc_targets
 
     # ------------------------------------------------------------------ step
     def begin(self, opt: Host, curvature_step: bool) -> None:

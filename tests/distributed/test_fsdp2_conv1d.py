@@ -12,8 +12,7 @@ from typing import Any
 
 import pytest
 
-from testing.distributed import run_ranks
-from testing.fsdp_workers import assert_follows_reference, train_fsdp, train_reference
+from testing.fsdp_workers import assert_follows_reference, run_table, train_reference
 
 pytest.importorskip("transformers")
 
@@ -28,8 +27,7 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    res = run_ranks(train_fsdp, 2, tmp_path_factory.mktemp("fsdp2_conv1d"), list(RUNS.values()), timeout=600)
-    return {name: [r[i] for r in res] for i, name in enumerate(RUNS)}
+    return run_table(tmp_path_factory.mktemp("fsdp2_conv1d"), 2, RUNS)
 
 
 @pytest.mark.parametrize("name", list(RUNS))

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from tengrad_fx.distributed.fsdp_rows import cut, cut_bias
-from testing.distributed import run_ranks
-from testing.fsdp_workers import SEQ, check_run, train_fsdp
+from testing.fsdp_workers import SEQ, check_run, run_table
 
 TOL = 1e-10
 
@@ -44,8 +43,7 @@ LINEAR = {"block.q", "block.k", "block.v", "block.o", "block.fc1", "block.fc2", 
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    res = run_ranks(train_fsdp, 2, tmp_path_factory.mktemp("fsdp2_gram_rows"), list(TWO.values()), timeout=600)
-    return {name: [r[i] for r in res] for i, name in enumerate(TWO)}
+    return run_table(tmp_path_factory.mktemp("fsdp2_gram_rows"), 2, TWO)
 
 
 @pytest.mark.parametrize("name", [k for k in TWO if not k.startswith("bytes")])

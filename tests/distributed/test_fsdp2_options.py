@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from tengrad_fx import Metric
-from testing.distributed import run_ranks
-from testing.fsdp_workers import check_run, train_fsdp
+from testing.fsdp_workers import check_run, run_table
 
 TOL = 1e-10
 
@@ -100,10 +99,6 @@ FOUR: dict[str, dict[str, Any]] = {  # (the block's key bias has a roundoff grad
 }
 
 
-def _run(tmp: Any, world: int, table: dict[str, dict[str, Any]], ckpt: Any = None) -> dict[str, list[dict[str, Any]]]:
-    cfgs = [{**cfg, **{k: str(ckpt / cfg[k]) for k in ("save", "load") if k in cfg}} for cfg in table.values()]
-    res = run_ranks(train_fsdp, world, tmp, cfgs, timeout=600)
-    return {name: [r[i] for r in res] for i, name in enumerate(table)}
 
 
 @pytest.fixture(scope="module")
@@ -113,12 +108,12 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory, checkpoints: Any) -> dict[str, list[dict[str, Any]]]:
-    return _run(tmp_path_factory.mktemp("fsdp2_options"), 2, TWO, checkpoints)
+    return run_table(tmp_path_factory.mktemp("fsdp2_options"), 2, TWO, checkpoints)
 
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _run(tmp_path_factory.mktemp("fsdp2_options4"), 4, FOUR)
+    return run_table(tmp_path_factory.mktemp("fsdp2_options4"), 4, FOUR)
 
 
 def _check(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> None:
@@ -151,7 +146,7 @@ def test_metric_checkpoint_resumes_bit_for_bit(tmp_path: Any, two: dict[str, lis
     ``state_dict`` lists them for ``torch.distributed.checkpoint`` to load into): 2 steps
     after loading the 2-step checkpoint are the uninterrupted run's steps 3 and 4, bit for bit."""
     name = f"{kind}-resume"
-    resumed = _run(tmp_path, 2, {name: RESUME[name]}, checkpoints)[name][0]["traj"]
+    resumed = run_table(tmp_path, 2, {name: RESUME[name]}, checkpoints)[name][0]["traj"]
     full = two[f"{kind}-full"][0]["traj"]
     for k in range(3):
         assert all(torch.equal(resumed[k][n], full[2 + k][n]) for n in full[0]), f"step {k}"

@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 
-from testing.distributed import run_ranks
-from testing.fsdp_workers import check_run, train_fsdp
+from testing.fsdp_workers import check_run, run_table
 
 TOL = 1e-10
 TWO: dict[str, dict[str, Any]] = {
@@ -21,8 +20,7 @@ TWO: dict[str, dict[str, Any]] = {
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    res = run_ranks(train_fsdp, 2, tmp_path_factory.mktemp("fsdp2_split_groups"), list(TWO.values()), timeout=600)
-    return {name: [r[i] for r in res] for i, name in enumerate(TWO)}
+    return run_table(tmp_path_factory.mktemp("fsdp2_split_groups"), 2, TWO)
 
 
 @pytest.mark.parametrize("name", list(TWO))

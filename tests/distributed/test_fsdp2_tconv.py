@@ -14,8 +14,7 @@ from typing import Any
 
 import pytest
 
-from testing.distributed import run_ranks
-from testing.fsdp_workers import check_run, train_fsdp
+from testing.fsdp_workers import check_run, run_table
 
 TOL = 1e-10
 TWO: dict[str, dict[str, Any]] = {
@@ -33,19 +32,16 @@ FOUR: dict[str, dict[str, Any]] = {
 }
 
 
-def _run(tmp: Any, world: int, table: dict[str, dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    res = run_ranks(train_fsdp, world, tmp, list(table.values()), timeout=600)
-    return {name: [r[i] for r in res] for i, name in enumerate(table)}
 
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _run(tmp_path_factory.mktemp("fsdp2_tconv"), 2, TWO)
+    return run_table(tmp_path_factory.mktemp("fsdp2_tconv"), 2, TWO)
 
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    return _run(tmp_path_factory.mktemp("fsdp2_tconv4"), 4, FOUR)
+    return run_table(tmp_path_factory.mktemp("fsdp2_tconv4"), 4, FOUR)
 
 
 def _check(cfg: dict[str, Any], ranks: list[dict[str, Any]]) -> None:

@@ -145,18 +145,16 @@ class SingleProcess(Sharding):
         CUDA graph)?"""
         return opt.curvature.chol is not None
 
-    def mc_sample(self, opt: Host, outputs: Tensor, targets: Optional[Tensor],
-                  mask: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[torch.Generator]]:
+    def mc_sample(self, opt: Host, outputs: Tensor, targets: Optional[Tensor], mask: Optional[Tensor]) -> Tensor:
         """The MC targets: ``targets`` where given, else drawn from the optimizer's generator
         for this process's part of the batch (:meth:`batch_part`, :func:`~..step.mc.sample_targets`:
         the processes' labels together are those one process draws for the whole batch from
-        the same generator state); and the generator :func:`~..step.mc.mc_capture` draws
-        from (None: the targets are drawn)."""
+        the same generator state)."""
         if targets is None:
             part, parts = self.batch_part()
             targets = sample_targets(outputs, opt.mc_loss, opt._mc_rng.get(outputs.device),
                                      check_mask(outputs, mask, opt.mc_loss), part, parts)
-        return targets, None
+        return targets
 
     def backward_inputs(self, opt: Host, weights: list[Tensor]) -> list[Tensor]:
         """The tensors the sampled (MC / Gauss-Newton) backward differentiates: ``weights``,

@@ -315,8 +315,8 @@ class TENGraD(StepSkeleton):
             gauss_newton_capture(self._info.store, outputs, weights, self._info.loss_reduction,
                                  loss_scale=self._loss_scale(), samples=self.curvature_samples, part=part, parts=parts)
         else:
-            targets, generator = self.distribution.mc_sample(self, outputs, targets, mask)
-            mc_capture(self._info.store, outputs, self.mc_loss, weights, targets, self._loss_scale(), mask, generator)
+            targets = self.distribution.mc_sample(self, outputs, targets, mask)
+            mc_capture(self._info.store, outputs, self.mc_loss, weights, targets, self._loss_scale(), mask)
 
     # ------------------------------------------------------------------ curvature
     def _refresh(self, damping: Damping) -> None:
