@@ -86,7 +86,7 @@ def test_strategies_declare_capabilities_and_one_check_refuses() -> None:
         assert set(strategy.lacks()) <= set(CAPABILITIES), type(strategy).__name__
     # the capture of a reuse step cannot read FSDP2's reallocated DTensor gradients
     assert "DTensor" in fsdp.lacks()["static_buffers"]
-    assert set(local.lacks()) == {"global_rows", "kept_rows"} and SingleProcess().lacks() == {}
+    assert set(local.lacks()) == {"global_rows"} and SingleProcess().lacks() == {}
 
 
 def test_capturable_is_derived_from_lacks() -> None:

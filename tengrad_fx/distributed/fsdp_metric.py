@@ -5,7 +5,9 @@ every gradient ``g [R, C]`` (FSDP's reduce-scatter of the global batch's mean gr
 
 Every rank keeps the whole moments and ``S``'s whole factors (the same values on every
 rank, as one process's: a weight's ``[R] + [C]``, or ``[R, R] + [C, C]``), so it scales its
-own records by ``S`` before they move, as under DDP (``freeze`` is one process's), and:
+own records by ``S`` before they move, as under DDP (``freeze`` is one process's; with
+``Metric.root_every`` it keeps them and rescales them as one process does,
+:meth:`ShardedMetric.refresh_roots`, and they move again), and:
 
 * ``"factored"``: the row means of ``g²`` are each rank's own rows, the column means its
   shard's column sums; one all_reduce over the shard group per step sums both (``R + C``
@@ -84,7 +86,7 @@ class ShardedMetric:
 
     @property
     def root_every(self) -> Optional[int]:
-        """``base``'s (None under a distribution: :data:`~..optim.tengrad.capabilities.NEEDS`)."""
+        """``base``'s: ``S`` recomputed every this many steps between curvature steps (:meth:`refresh_roots`)."""
         return self.base.root_every
 
     def observe(self, state: Any, layers: list[CoveredLayer]) -> None:
@@ -146,6 +148,11 @@ class ShardedMetric:
     def freeze(self, state: Any, layers: list[CoveredLayer]) -> None:
         """One process's: ``S`` from the whole moments, this rank's own (whole) records scaled."""
         self.base.freeze(state, layers)
+
+    def refresh_roots(self, state: Any, layers: list[CoveredLayer]) -> None:
+        """One process's: ``S`` from the whole moments, this rank's own (whole) kept records
+        rescaled (the strategy put them back in the store and moves them again)."""
+        self.base.refresh_roots(state, layers)
 
     @contextmanager
     def scaled_grads(self, state: Any, layers: list[CoveredLayer]) -> Iterator[None]:

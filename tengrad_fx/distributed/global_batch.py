@@ -86,23 +86,20 @@ class GlobalBatch(SingleProcess):
         self._rebuild_local = False
         self._n_gather = 0  # curvature.groups[:_n_gather]: groups of gather layers; the rest gram-blocks
         self._scales: dict[str, Tensor] = {}  # gram-blocks layer name -> its damping scale (relative_damping)
-        self._taking = False  # this step takes curvature (begin): the scales are exchanged then only
+        self._taking = False  # this step forms new Grams (begin): the scales are exchanged then only
         self._group_rows: Optional[list[list[int]]] = None  # per local group, each rank's rows (rows_vary)
+        self._kept: dict[int, list[Any]] = {}  # site -> this rank's own records (Metric.root_every: moved again)
 
     # ------------------------------------------------------------------ construction
     LABEL = "DistributedTENGraD"
-
-    KEPT_ROWS = ("the global batch's records are exchanged and released on curvature steps (a rank keeps its "
-                 "factors and its own rows, not every row), so no rank can rebuild the Grams under a new metric "
-                 "between them; pass Metric(..., root_every=None) or 'auto' (no recomputation here)")
 
     GRAPH_COLLECTIVES = ("the process group's backend is not NCCL, whose collectives on CUDA tensors alone can be "
                          "captured in a CUDA graph; pass cuda_graph=False or leave it None")
 
     def lacks(self) -> dict[str, str]:
-        """The kept rows of the global batch; collectives a CUDA graph captures unless the
-        backend is NCCL; under ``mode='local'`` also the global batch's Fisher to choose rows of."""
-        out = {"kept_rows": self.KEPT_ROWS}
+        """Collectives a CUDA graph captures unless the backend is NCCL; under ``mode='local'``
+        also the global batch's Fisher to choose rows of."""
+        out: dict[str, str] = {}
         if not self.nccl:
             out["graph_collectives"] = self.GRAPH_COLLECTIVES
         if self.mode == "local":
@@ -166,11 +163,21 @@ class GlobalBatch(SingleProcess):
         return self.last_mc_targets
 
     # ------------------------------------------------------------------ step
-    def begin(self, opt: Host, curvature_step: bool) -> None:
+    def restore_rows(self, opt: Host) -> None:
+        """This rank's own rows of the last curvature step back in the store (kept by
+        :meth:`begin` where the metric recomputes ``S`` between curvature steps): the metric
+        rescales them and :meth:`begin` moves them as on a curvature step."""
+        opt._info.store.records.update({site: list(recs) for site, recs in self._kept.items()})
+
+    def begin(self, opt: Host, new_rows: bool) -> None:
         t0 = time.perf_counter()
         self.sharing.reset(opt._layers)
-        self._taking = curvature_step
-        if curvature_step:
+        self._taking = new_rows
+        if new_rows:
+            if getattr(opt.metric, "root_every", None) is not None:  # Metric.root_every: rows moved again
+                store = opt._info.store
+                self._kept = {site: list(store.records.get(site, [])) for lay in opt._layers if lay.captured
+                              for site in lay.spec.sites}
             # a captured reuse step reads this step's records and factors: its graphs are replaced
             opt.curvature.replaced()
             if self.mode == "local":

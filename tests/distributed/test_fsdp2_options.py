@@ -71,6 +71,13 @@ TWO: dict[str, dict[str, Any]] = {
     # the bytes of a curvature step (step 0) less a reuse step's (step 1), with k = 5 of the 24 rows and without
     "bytes-rows5": dict(model="block", m=3, steps=2, T=2, mode="gather", opts=dict(position_rows=5)),
     "bytes-full": dict(model="block", m=3, steps=2, T=2, mode="gather"),
+    # S recomputed on reuse steps (Metric.root_every): each rank's whole kept rows rescaled, cut and summed again
+    "roots-mlp-gather-T3": dict(model="mlp", m=3, steps=6, T=3, mode="gather",
+                                opts=dict(metric=Metric("kronecker", beta2=0.9, root_every=2))),
+    "roots-mlp-blocks-T3": dict(model="mlp", m=2, steps=4, T=3, mode="gram-blocks",
+                                opts=dict(metric=Metric("factored", beta2=0.9, root_every=1), relative_damping=True)),
+    "roots-conv1d-auto-T3": dict(model="conv1d", m=3, steps=6, T=3,
+                                 opts=dict(metric=Metric("kronecker", beta2=0.9, root_every=2))),
 }
 # a metric's state through torch.distributed.checkpoint: saved after 2 steps, resumed for 2 more
 for _kind in ("factored", "kronecker"):

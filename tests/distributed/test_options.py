@@ -48,6 +48,16 @@ RUNS: dict[str, dict[str, Any]] = {
                                                    kl_clip=None)),
     "metric-kronecker-gram-blocks-T1": dict(steps=3, mode="gram-blocks", opts=dict(curvature_every=1,
                                                                                    metric="kronecker")),
+    # S recomputed on reuse steps: each rank's kept rows rescaled by S_old⁻¹ S_new and moved again (every
+    # step with root_every=1: the rescale's rounding grows with S's condition number, so 4 steps)
+    "metric-roots-T3": dict(steps=4, opts=dict(curvature_every=3, metric=Metric("kronecker", beta2=0.9, root_every=1),
+                                               kl_clip=None)),
+    "metric-roots-kl-T3": dict(steps=6, opts=dict(curvature_every=3, metric=Metric("kronecker", beta2=0.9,
+                                                                                  root_every=2), kl_clip=1e-3)),
+    "metric-roots-gram-blocks-T3": dict(steps=6, mode="gram-blocks", opts=dict(
+        curvature_every=3, metric=Metric("factored", beta2=0.9, root_every=2), relative_damping=True)),
+    "metric-roots-samples-gram-blocks-T3": dict(steps=5, mode="gram-blocks", opts=dict(
+        curvature_every=3, metric=Metric("kronecker", beta2=0.9, root_every=1), curvature_samples=4, fisher="mc")),
     "relative-T2": dict(steps=4, opts=dict(curvature_every=2, relative_damping=True)),
     "relative-gram-blocks-T1": dict(steps=3, mode="gram-blocks", opts=dict(curvature_every=1, update_form="woodbury",
                                                                            relative_damping=True, kl_clip=None)),

@@ -22,18 +22,12 @@ CAPABILITIES: dict[str, str] = {
     "output_backwards": "the optimizer's own backward passes from the model's output record every layer's G",
     "metric_scaling": "a base metric can scale the records and gradients of every layer solved here",
     "layer_traces": "each layer's Gram trace tr(K_l) sets its damping where its factors are formed",
-    "kept_rows": "the rows a curvature step's factors were formed from stay on this process until the next one",
 }
 """Each capability a strategy may lack, with what it means."""
 
 GRAPHS = ("static_buffers", "graph_collectives")
 """The capabilities a step run as a CUDA graph needs (``cuda_graph=None`` turns graphs on
 only where a strategy lacks none of them: :attr:`~.distribution.SingleProcess.capturable`)."""
-
-def _recomputed_roots(metric: Any) -> bool:
-    """A ``Metric(..., root_every=k)`` given with an explicit ``k``."""
-    return getattr(metric, "root_every", None) not in (None, "auto")
-
 
 NEEDS: list[tuple[str, str, Callable[[Any], bool], str]] = [
     ("cuda_graph", "static_buffers", lambda v: bool(v), "replays reuse steps reading static gradient buffers"),
@@ -43,7 +37,6 @@ NEEDS: list[tuple[str, str, Callable[[Any], bool], str]] = [
     ("fisher", "output_backwards", lambda v: v == "gauss-newton",
      "runs one backward per model output on curvature steps"),
     ("metric", "metric_scaling", lambda v: bool(v), "scales the records and gradients by a base metric"),
-    ("metric", "kept_rows", _recomputed_roots, "with root_every recomputes S and the kept rows' Grams"),
     ("relative_damping", "layer_traces", lambda v: bool(v), "scales each layer's damping by its Gram's trace"),
 ]
 """``(option, the capability it needs, whether a value asks for it, what it then does)``."""

@@ -61,6 +61,8 @@ class Host(Protocol):
     def position_rows(self) -> Optional[int]: ...
     @property
     def cuda_graph(self) -> bool: ...  # reuse steps go through the graph runner (:mod:`.cuda_graphs`)
+    @property
+    def metric(self) -> Optional[Any]: ...  # the base metric (``root_every``: its S recomputed between curvature steps)
     def _group_params(self) -> list[Tensor]: ...
 
 
@@ -161,8 +163,14 @@ class SingleProcess(Sharding):
         the covered layers' weights as the graph reads them."""
         return weights
 
-    def begin(self, opt: Host, curvature_step: bool) -> None:
-        """Before the step's curvature work (records move here on curvature steps)."""
+    def restore_rows(self, opt: Host) -> None:
+        """Before the metric's ``S`` is recomputed between curvature steps (``Metric.root_every``):
+        the store holds this process's rows of the last curvature step, which the metric
+        rescales and :meth:`begin` then moves. One process: they never left the store."""
+
+    def begin(self, opt: Host, new_rows: bool) -> None:
+        """Before the step's curvature work. ``new_rows``: a curvature step, or a step whose
+        kept rows the metric rescaled; the rows move here to where their Grams are formed."""
 
     def solve_layers(self, opt: Host) -> list[CoveredLayer]:
         """The layers this process solves (their uncaptured weights are counted)."""

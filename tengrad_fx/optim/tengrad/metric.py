@@ -38,7 +38,7 @@ __all__ = ["FactoredMetric", "FLOOR", "METRICS", "ROOT_EVERY", "Metric", "Metric
 FLOOR = 1e-3  # the least of a and b (relative to their mean 1)
 METRICS = ("factored", "kronecker")
 ROOT_EVERY: dict[str, Optional[int]] = {"factored": None, "kronecker": 5}
-"""Each kind's ``Metric.root_every="auto"`` on one process: the best of ``None, 20, 10, 5`` on
+"""Each kind's ``Metric.root_every="auto"``: the best of ``None, 20, 10, 5`` on
 GPT-2 bytes for the Kronecker metric (docs/ablations.md); the factored one's as measured
 for the ``lm`` preset (fixed between curvature steps)."""
 
@@ -55,7 +55,7 @@ class Metric:
             and refactorized under it: a Gram and a Cholesky per layer, no backward, no capture
             (:meth:`~.metric_scaling.ScaledMetric.refresh_roots`; such a step runs eagerly, with
             the eigensolver's host reads). None: ``S`` fixed between curvature steps.
-            ``"auto"``: the kind's :data:`ROOT_EVERY` on one process, None under a distribution.
+            ``"auto"``: the kind's :data:`ROOT_EVERY`.
     """
 
     kind: Literal["factored", "kronecker"]
@@ -78,16 +78,16 @@ MetricOption = Optional[Union[Literal["factored", "kronecker"], Metric]]
 """What ``metric=`` takes: None (``D = I``), a kind (``beta2 = 0.99``) or a :class:`Metric`."""
 
 
-def make_metric(metric: MetricOption, one_process: bool = True) -> Optional[ScaledMetric]:
+def make_metric(metric: MetricOption) -> Optional[ScaledMetric]:
     """TENGraD's ``metric`` option: None (``D = I``), ``"factored"``, ``"kronecker"`` or a
     :class:`Metric` of one (else ``ValueError`` listing them); ``root_every="auto"`` resolved
-    (:data:`ROOT_EVERY` with ``one_process``, else None)."""
+    (:data:`ROOT_EVERY`)."""
     if metric is None:
         return None
     spec = metric if isinstance(metric, Metric) else Metric(metric)
     every = spec.root_every
     if every == "auto":
-        every = ROOT_EVERY[spec.kind] if one_process else None
+        every = ROOT_EVERY[spec.kind]
     assert every is None or isinstance(every, int)
     return (FactoredMetric if spec.kind == "factored" else KroneckerMetric)(spec.beta2, every)
 

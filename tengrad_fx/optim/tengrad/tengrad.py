@@ -217,7 +217,7 @@ class TENGraD(StepSkeleton):
         self._init_skeleton(model, info, grad_scaler)
         self.fisher, self.mc_loss, self.kl_clip = fisher, mc_loss, kl_clip
         self.shaping = UpdateShaping(graft, orthogonalize, orthogonalize_momentum, self.param_groups)
-        self.metric = make_metric(metric, "kept_rows" not in dist.lacks())  # root_every="auto": where rows are kept
+        self.metric = make_metric(metric)
         self.update_form = update_form
         self.solve_dtype, self.strategy, self.gram_tf32, self.compile = \
             ex.solve_dtype, ex.strategy, bool(ex.gram_tf32), bool(ex.compile)
@@ -360,8 +360,9 @@ class TENGraD(StepSkeleton):
             if curvature_step:  # the new records become the rows J S (before they move)
                 metric.freeze(self.state, self._layers)
             elif roots:  # the kept rows become J S_new: their Grams are rebuilt below
+                dist.restore_rows(self)
                 metric.refresh_roots(self.state, self._layers)
-        dist.begin(self, curvature_step)
+        dist.begin(self, curvature_step or roots)  # new rows: moved to where the Grams are formed
         t_begin = time.perf_counter()
         self._gram_seconds = 0.0
         # push-through needs g = the captured batch's Jᵀ1: an empirical curvature step of the whole batch
