@@ -1,9 +1,11 @@
-"""``fisher="gauss-newton"`` with ``curvature_samples=s`` and gradient accumulation on 2 gloo
-ranks (spawned, float64): two micro-batches of 3 samples per rank and step, each with
-its own per-output backwards (``opt.mc_capture``). The step's global batch is its
-micro-batches in order, each the ranks' micro-batches in rank order, so the update is
-single-process ``TENGraD``'s accumulating the same two micro-batches, each the 6-sample
-concatenation of the ranks' (``≤ 1e-10`` relative per step; the ranks agree bit for bit).
+"""``curvature_samples=s`` with gradient accumulation on 2 gloo ranks (spawned, float64): two
+micro-batches of 3 samples per rank and step. The step's global batch is its micro-batches
+in order, each the ranks' micro-batches in rank order, so the update is single-process
+``TENGraD``'s accumulating the same two micro-batches, each the 6-sample concatenation of
+the ranks' (``≤ 1e-10`` relative per step; the ranks agree bit for bit). Mostly
+``fisher="gauss-newton"``, whose micro-batches each run their per-output backwards
+(``opt.mc_capture``) and keep their rows there; the empirical and MC Fisher cut the union
+of a rank's micro-batches at the step.
 
 The cut ``s`` falls inside rank 1's first micro-batch (4: rank 0's 3 and one of rank 1's;
 the second micro-batch runs no backward), inside the second micro-batch (8: rank 0's first
@@ -26,7 +28,7 @@ from testing.distributed import run_ranks
 
 TOL = 1e-10
 M, MICRO, STEPS = 3, 2, 4  # samples per rank and micro-batch, micro-batches per step, steps
-OPTS = dict(lr=0.1, damping=0.05, momentum=0.9, weight_decay=1e-3, fisher="gauss-newton", kl_clip=None)
+OPTS = dict(lr=0.1, damping=0.05, momentum=0.9, weight_decay=1e-3, kl_clip=None)
 
 CASES: dict[str, dict[str, Any]] = {
     f"ddp-{mode}-s{s}-T{T}": dict(strategy="ddp", mode=mode, samples=s, T=T)
@@ -35,6 +37,11 @@ CASES: dict[str, dict[str, Any]] = {
 CASES.update({f"fsdp2-gram-blocks-s{s}-T1": dict(strategy="fsdp2", mode="gram-blocks", samples=s, T=1)
               for s in (4, 8, 2)})
 CASES["ddp-gather-all-T1"] = dict(strategy="ddp", mode="gather", samples=None, T=1)  # no cut: every row
+CASES.update({f"ddp-{mode}-{fisher}-s{s}-T{T}": dict(strategy="ddp", mode=mode, samples=s, T=T, fisher=fisher)
+              for mode, fisher, s, T in (("gather", "empirical", 4, 1), ("gram-blocks", "empirical", 8, 2),
+                                         ("gather", "mc", 8, 2), ("gram-blocks", "mc", 4, 1))})
+CASES["fsdp2-gram-blocks-empirical-s4-T1"] = dict(strategy="fsdp2", mode="gram-blocks", samples=4, T=1,
+                                                  fisher="empirical")
 
 
 def _model(strategy: str) -> nn.Module:
@@ -50,6 +57,11 @@ def _batches(step: int, world: int) -> list[torch.Tensor]:
     """Step ``step``'s global micro-batches, each ``[world·M, 6]`` (the ranks' in rank order)."""
     g = torch.Generator().manual_seed(3000 + step)
     return [torch.randn(world * M, 6, generator=g, dtype=torch.float64) for _ in range(MICRO)]
+
+
+def _options(case: dict[str, Any]) -> dict[str, Any]:
+    return dict(OPTS, curvature_every=case["T"], curvature_samples=case["samples"],
+                fisher=case.get("fisher", "gauss-newton"))
 
 
 def _params(net: nn.Module) -> torch.Tensor:
@@ -88,8 +100,7 @@ def accumulated_ranks(rank: int, world: int, cases: dict[str, dict[str, Any]]) -
             from testing.fsdp_workers import _shard
             _shard(net, {"shard": "layers"}, world)
             fwd = net = tengrad_fx.prepare(net, example_inputs=(torch.zeros(2, 6, dtype=torch.float64),))
-        opt = DistributedTENGraD(fwd, mode=case["mode"], curvature_every=case["T"],
-                                 curvature_samples=case["samples"], **OPTS)
+        opt = DistributedTENGraD(fwd, mode=case["mode"], **_options(case))
         micro = [[x[rank * M:(rank + 1) * M] for x in _batches(k, world)] for k in range(STEPS)]
         out[name] = _train(opt, fwd, net, micro)
     return out
@@ -99,7 +110,8 @@ def _single(case: dict[str, Any], world: int) -> list[torch.Tensor]:
     """Single-process TENGraD accumulating the global micro-batches (each ``world·M`` samples)."""
     import tengrad_fx
     net = tengrad_fx.prepare(_model(case["strategy"]))
-    opt = tengrad_fx.TENGraD(net, curvature_every=case["T"], curvature_samples=case["samples"], **OPTS)
+    opt = tengrad_fx.TENGraD(net, **_options(case))
+    opt.seed_mc(0)  # MC labels: DistributedTENGraD seeds its generator with its seed, 0
     return _train(opt, net, net, [_batches(k, world) for k in range(STEPS)])
 
 
@@ -110,8 +122,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, list[torch
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_accumulated_gauss_newton_rows_are_the_global_batch_ones(ranks: list[dict[str, list[torch.Tensor]]],
-                                                                  name: str) -> None:
+def test_accumulated_rows_are_the_global_batch_ones(ranks: list[dict[str, list[torch.Tensor]]], name: str) -> None:
     ref = _single(CASES[name], 2)
     got = [r[name] for r in ranks]
     for k in range(1, STEPS + 1):
