@@ -40,6 +40,8 @@ CASES["ddp-gather-all-T1"] = dict(strategy="ddp", mode="gather", samples=None, T
 CASES.update({f"ddp-{mode}-{fisher}-s{s}-T{T}": dict(strategy="ddp", mode=mode, samples=s, T=T, fisher=fisher)
               for mode, fisher, s, T in (("gather", "empirical", 4, 1), ("gram-blocks", "empirical", 8, 2),
                                          ("gather", "mc", 8, 2), ("gram-blocks", "mc", 4, 1))})
+# the per-output backwards run by the output's hook at loss.backward() (no mc_capture call)
+CASES["ddp-gram-blocks-s8-T2-hooked"] = dict(strategy="ddp", mode="gram-blocks", samples=8, T=2, hooked=True)
 CASES["fsdp2-gram-blocks-empirical-s4-T1"] = dict(strategy="fsdp2", mode="gram-blocks", samples=4, T=1,
                                                   fisher="empirical")
 
@@ -69,16 +71,18 @@ def _params(net: nn.Module) -> torch.Tensor:
                       for p in net.parameters()]).clone()
 
 
-def _train(opt: Any, fwd: nn.Module, net: nn.Module, micro: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Each step: per micro-batch ``mc_capture`` and the backward of its mean squared error
-    (against ``sin`` of its first inputs) over the micro-batches' count; then ``opt.step()``.
-    The parameters after each step."""
+def _train(opt: Any, fwd: nn.Module, net: nn.Module, micro: list[list[torch.Tensor]], hooked: bool = False
+           ) -> list[torch.Tensor]:
+    """Each step: per micro-batch ``mc_capture`` (``hooked``: none, the output's hook runs it)
+    and the backward of its mean squared error (against ``sin`` of its first inputs) over the
+    micro-batches' count; then ``opt.step()``. The parameters after each step."""
     traj = [_params(net)]
     for xs in micro:
         opt.zero_grad()
         for x in xs:
             out = fwd(x)
-            opt.mc_capture(out)
+            if not hooked:
+                opt.mc_capture(out)
             (F.mse_loss(out, torch.sin(x[:, :out.shape[1]])) / len(xs)).backward()
         opt.step()
         traj.append(_params(net))
@@ -102,7 +106,7 @@ def accumulated_ranks(rank: int, world: int, cases: dict[str, dict[str, Any]]) -
             fwd = net = tengrad_fx.prepare(net, example_inputs=(torch.zeros(2, 6, dtype=torch.float64),))
         opt = DistributedTENGraD(fwd, mode=case["mode"], **_options(case))
         micro = [[x[rank * M:(rank + 1) * M] for x in _batches(k, world)] for k in range(STEPS)]
-        out[name] = _train(opt, fwd, net, micro)
+        out[name] = _train(opt, fwd, net, micro, case.get("hooked", False))
     return out
 
 
