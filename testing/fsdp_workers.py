@@ -127,9 +127,9 @@ def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def opt_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The optimizer's keywords of ``cfg`` (``opts``: any more, as given)."""
-    return dict(lr=0.1, damping=0.05, momentum=0.9, weight_decay=1e-3, curvature_every=cfg.get("T", 1),
-                fisher=cfg.get("fisher", "empirical"), kl_clip=cfg.get("kl_clip"), **cfg.get("opts", {}))
+    """The optimizer's keywords of ``cfg`` (``opts``: any more, as given, over these)."""
+    return {**dict(lr=0.1, damping=0.05, momentum=0.9, weight_decay=1e-3, curvature_every=cfg.get("T", 1),
+                   fisher=cfg.get("fisher", "empirical"), kl_clip=cfg.get("kl_clip")), **cfg.get("opts", {})}
 
 
 def state_bytes(opt: Any, params: list[torch.Tensor]) -> int:

@@ -50,7 +50,7 @@ import torch
 from . import record_guard
 from .amp import LOW_PRECISION
 
-__all__ = ["CaptureStore", "Record", "lookup", "samples_held", "union"]
+__all__ = ["CaptureStore", "Record", "lookup", "samples_held", "union", "union_samples_held"]
 
 _KEYS = itertools.count(1)
 _STORES: "weakref.WeakValueDictionary[int, CaptureStore]" = weakref.WeakValueDictionary()
@@ -68,6 +68,7 @@ class Record:
     batch: int = 0  # samples the loss was reduced over, when the record keeps only the first of them (0: m)
     # G of the optimizer's own loss (MC, Gauss-Newton): a mean over loss_batch samples (set by the store)
     own_loss: bool = field(default=False, init=False)
+    micro: tuple[int, ...] = field(default=(), init=False)  # a union's: each joined micro-batch's samples
 
     def __post_init__(self) -> None:
         # detached: a record must not keep the autograd graph (or give results with grad);
@@ -266,10 +267,11 @@ class CaptureStore:
         """Every record cut to the samples among the batch's first ``k`` (:meth:`Record.first`;
         the full batch's tensors are released; a record cut already is kept). With ``parts > 1``
         the ``m`` samples held here are part ``part`` of a batch of ``parts·m`` (rank order):
-        a record keeps its first ``min(m, max(0, k − part·m))``. Returns whether the records
-        of the whole batch are now a subsample of the loss's batch (fewer than ``parts·m`` rows)."""
+        a record keeps its first ``min(m, max(0, k − part·m))``; of accumulated micro-batches,
+        its share of each (:func:`union_samples_held`). Returns whether the records of the whole
+        batch are now a subsample of the loss's batch (fewer than ``parts·m`` rows)."""
         def held(r: Record) -> int:
-            return samples_held(k, r.m, part, parts)
+            return union_samples_held(k, r.micro or (r.m,), part, parts)
         for site, recs in self.records.items():
             if any(not r.batch and held(r) < r.m for r in recs):
                 self.records[site] = [r.first(held(r)) if not r.batch and held(r) < r.m else r for r in recs]
@@ -309,6 +311,19 @@ def samples_held(k: int, m: int, part: int = 0, parts: int = 1) -> int:
     equal parts of ``m`` samples each (rank order): ``min(m, max(0, k − part·m))``."""
     assert 0 <= part < parts
     return min(m, max(0, k - part * m))
+
+
+def union_samples_held(k: int, micro: tuple[int, ...], part: int = 0, parts: int = 1) -> int:
+    """How many of the global batch's first ``k`` samples lie in part ``part``'s union of
+    micro-batches of ``micro = (m_0, m_1, ...)`` samples each. The global batch is the
+    micro-batches in order, each the ``parts`` parts' (equal) ones in part order, so the
+    part's micro-batch ``j`` holds positions ``parts·E_j + part·m_j`` to ``+ m_j``
+    (``E_j = Σ_{i<j} m_i``): increasing along the union's rows, so the count is a prefix."""
+    held, earlier = 0, 0
+    for m in micro:
+        held += samples_held(k - parts * earlier, m, part, parts)
+        earlier += m
+    return held
 
 
 def union(parts: list[dict[int, list[Record]]], mean: bool, names: Optional[dict[int, str]] = None,
@@ -388,6 +403,7 @@ def _join(recs: list[Record], mean: bool, name: str, weights: Optional[list[torc
     rec = Record(fields["I"], fields["G"], fields["P"], fields["Gsum"], in_shape,
                  U if any(r.batch for r in recs) or rows != U else 0)
     rec.own_loss = all(r.own_loss for r in recs)
+    rec.micro = sum((r.micro or (r.m,) for r in recs), ())
     return rec
 
 

@@ -167,3 +167,29 @@ def test_make_optimizer_passes_it_through() -> None:
     model = tengrad_fx.prepare(nn.Sequential(nn.Linear(6, 4)).double(), example_inputs=(torch.randn(2, 6).double(),))
     opt = make_optimizer("tengrad", model, "fashion-mnist", curvature_samples=32)
     assert opt.curvature_samples == 32
+
+
+@pytest.mark.parametrize("part", [0, 1, 2])
+def test_a_part_keeps_its_share_of_each_micro_batch(part: int) -> None:
+    """Part ``part`` of 3, two accumulated micro-batches of 2 and 3 samples: the global batch
+    is micro-batch 0 of every part, then micro-batch 1 of every part, and the part keeps the
+    rows of its samples among the first ``k`` there (counted by enumerating the global
+    positions), the first rows of its micro-batches' union."""
+    model = tengrad_fx.prepare(nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).double())
+    store = tengrad_fx.get_info(model).store
+    xs = [torch.randn(n, 4, dtype=torch.float64) for n in (2, 3)]
+    model.zero_grad(set_to_none=True)
+    for x in xs:
+        model(x).sum().backward()  # the gradients accumulate: the records join the union
+    store.merge("mean")
+    union = {site: [r.I.clone() for r in recs] for site, recs in store.records.items()}
+    owner = [p for x in xs for p in range(3) for _ in range(len(x))]  # the part of each global position
+    mine = [i for i, p in enumerate(owner) if p == part]
+    whole = dict(store.records)
+    for k in range(1, len(owner) + 1):
+        store.records = dict(whole)  # keep_samples replaces each site's list
+        store.keep_samples(k, part, 3)
+        held = sum(1 for i in mine if i < k)
+        for site, recs in store.records.items():
+            assert [r.m for r in recs] == [held] * len(recs), (k, site)
+            assert all(torch.equal(r.I, i[:held]) for r, i in zip(recs, union[site])), (k, site)

@@ -120,8 +120,7 @@ def test_gauss_newton_without_capture_call_raises() -> None:
 def test_gauss_newton_rows_of_a_part_of_the_global_batch() -> None:
     """``part=1`` of ``parts=2`` parts of 3 samples: the records keep this part's share of the
     global batch's first ``samples`` (``k = 4``: its first 1 sample; ``k = 2``: 0 rows, of the
-    other parts' trailing shapes), the rows of the whole part's records; a second accumulated
-    micro-batch is refused (its share needs the whole part's batch)."""
+    other parts' trailing shapes), the rows of the whole part's records."""
     from tengrad_fx.optim.tengrad.gauss_newton import gauss_newton_capture
     torch.manual_seed(0)
     model = tengrad_fx.prepare(mlp(), example_inputs=(torch.randn(2, 6),))
@@ -140,6 +139,42 @@ def test_gauss_newton_rows_of_a_part_of_the_global_batch() -> None:
         for site, g in rows(k).items():
             want = full[site].reshape(3, 3, *full[site].shape[1:])[:, :held].reshape(3 * held, *full[site].shape[1:])
             assert torch.equal(g, want), (k, site)
-    _loss(model(x), torch.randn(3, 3), "mean").backward()  # a micro-batch whose gradients accumulate
-    with pytest.raises(ValueError, match="curvature_samples under a distribution takes one micro-batch"):
-        gauss_newton_capture(store, model(x), weights, "mean", samples=4, part=1, parts=2)
+
+
+@pytest.mark.parametrize("part", [0, 1])
+def test_gauss_newton_rows_of_a_part_under_accumulation(part: int) -> None:
+    """Part ``part`` of 2, two accumulated micro-batches of 3 samples: the global batch is
+    micro-batch 0 of both parts, then micro-batch 1 of both (positions ``2·3·j + part·3``
+    on), so each micro-batch keeps the output rows of its first
+    ``min(3, max(0, samples − 6·j − 3·part))`` samples, those of its whole records (a
+    micro-batch past the first ``samples`` runs no backward and has none)."""
+    from tengrad_fx.optim.tengrad.gauss_newton import gauss_newton_capture
+    torch.manual_seed(0)
+    model = tengrad_fx.prepare(mlp(), example_inputs=(torch.randn(2, 6),))
+    store = tengrad_fx.get_info(model).store
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    xs = [torch.randn(3, 6, dtype=torch.float64) for _ in range(2)]
+    model.double()
+
+    def rows(samples: int | None) -> list[dict[int, list[torch.Tensor]]]:
+        """Each micro-batch's records (``G`` and ``I`` per site) after accumulating both."""
+        store.clear()
+        model.zero_grad(set_to_none=True)
+        for x in xs:
+            out = model(x)
+            gauss_newton_capture(store, out, weights, "mean", samples=samples, part=part, parts=2)
+            _loss(out, torch.zeros_like(out), "mean").backward()  # the gradients accumulate
+        return [{site: [recs[0].G, recs[0].I] for site, recs in mb.items()} for mb in [*store.parts, store.records]
+                if mb]
+
+    full = rows(None)  # per micro-batch, row j·3 + i: output j of sample i
+    assert len(full) == 2
+    for samples in (1, 2, 4, 5, 6, 7, 8, 9, 10, 12):
+        held = [min(3, max(0, samples - 6 * j - 3 * part)) for j in range(2)]
+        got = rows(samples)
+        assert len(got) == (2 if samples > 6 else 1), samples  # micro-batch 1 only with samples past the first 6
+        for j, mb in enumerate(got):
+            for site, tensors in mb.items():
+                for t, t_full in zip(tensors, full[j][site]):
+                    want = t_full.reshape(3, 3, *t_full.shape[1:])[:, :held[j]].reshape(-1, *t_full.shape[1:])
+                    assert torch.equal(t, want), (samples, j, site)

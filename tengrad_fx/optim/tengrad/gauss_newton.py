@@ -19,6 +19,13 @@ the records. Under gradient accumulation each micro-batch stacks its own records
 over its ``m_j·k`` rows, ``Record.own_loss``); the store's union keeps every row's scale.
 Hence ``k ≤ MAX_OUTPUTS`` (16); beyond that use ``fisher="mc"`` (one sampled backward,
 same expectation).
+
+``curvature_samples=s`` keeps the rows of the step's first ``s`` samples. Under a
+distribution (and gradient accumulation) the step's global batch is its micro-batches in
+order, each the ranks' equal micro-batches in rank order (micro-batch major, rank minor):
+what one process sees accumulating micro-batches that are each the ranks' concatenation.
+A rank keeps its samples among the first ``s`` of that order (the Fisher is a sum over
+the set of rows, whatever order they are gathered in).
 """
 from __future__ import annotations
 
@@ -61,6 +68,14 @@ def _stack_records(per_output: list[Record], g_scale: float, samples: Optional[i
     return rec
 
 
+def _samples_held_before(earlier: list[dict[int, list[Record]]], k: int) -> int:
+    """Samples this part held in the step's ``earlier`` micro-batches (their stacked records'
+    ``loss_batch // k``: the micro-batch's ``m``, whatever its rows were cut to). A micro-batch
+    without records (after the first ``samples`` were reached) follows those that reach them."""
+    firsts = (next((recs[0] for recs in part.values() if recs), None) for part in earlier)
+    return sum(r.loss_batch for r in firsts if r is not None) // k
+
+
 def gauss_newton_capture(store: CaptureStore, outputs: Tensor, weights: Sequence[Tensor],
                          loss_reduction: str, max_outputs: int = MAX_OUTPUTS,
                          loss_scale: Optional[Tensor] = None, samples: Optional[int] = None,
@@ -80,10 +95,15 @@ def gauss_newton_capture(store: CaptureStore, outputs: Tensor, weights: Sequence
             under gradient accumulation, of the micro-batches' union: the samples the
             earlier micro-batches hold count, and a micro-batch after the first ``samples``
             runs no backward at all.
-        part, parts: the ``m`` samples here are part ``part`` of a global batch of ``parts·m``
+        part, parts: the ``m`` samples here are part ``part`` of a global micro-batch of ``parts·m``
             (rank order; the distribution's ``curvature_part``): the rows kept are this part's
             share of the global batch's first ``samples`` (none: records of 0 rows, after the
-            same backwards as every other part's). Not with accumulated micro-batches.
+            same backwards as every other part's). Under accumulation the step's global batch
+            is its micro-batches in order, each the parts' micro-batches in part order
+            (micro-batch major, part minor: one process accumulating the concatenations);
+            with ``earlier`` samples held here in the step's earlier micro-batches, this
+            part's samples are the global positions ``parts·earlier + part·m`` to ``+ m``,
+            and none is kept, on every part alike, once ``samples ≤ parts·earlier``.
 
     Raises:
         ValueError: ``k > max_outputs`` (use ``fisher="mc"``), or ``outputs`` without a graph.
@@ -100,16 +120,12 @@ def gauss_newton_capture(store: CaptureStore, outputs: Tensor, weights: Sequence
                          "Use fisher='mc' (one sampled backward with the same expectation).")
     # captured G of a Σ_i f_ij backward is ∂f_ij/∂out; the layers multiply by m·k for "mean"
     g_scale = math.sqrt(k) / (m * k if loss_reduction == "mean" else 1.0)
-    if samples is not None:  # the earlier micro-batches' samples count (rows: samples·k each)
-        earlier = sum(next(iter(recs.values()))[0].m for recs in store.parts) // k
-        if earlier and parts > 1:
-            raise ValueError("fisher='gauss-newton' with curvature_samples under a distribution takes one "
-                             "micro-batch per step (the rank's share of the first samples needs its whole batch): "
-                             "step after each backward, or leave curvature_samples None")
-        if samples <= earlier:
+    if samples is not None:  # global positions parts·earlier + part·m ... + m in the step's batch
+        earlier = _samples_held_before(store.parts, k)
+        if samples <= parts * earlier:  # alike on every part: each runs the same backwards
             store.end_sampled()
             return
-        samples = samples_held(samples - earlier, m, part, parts)
+        samples = samples_held(samples - parts * earlier, m, part, parts)
     store.records = {}
     store.grad_only = True
     per_site: dict[int, list[list[Record]]] = {}
