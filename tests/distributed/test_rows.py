@@ -42,6 +42,11 @@ RUNS: dict[str, dict[str, Any]] = {
     "samples3-T2": dict(curvature_samples=3, curvature_every=2),
     "samples6-T1": dict(curvature_samples=m + 2, curvature_every=1, placement="replicate"),
     "samples6-T2": dict(curvature_samples=m + 2, curvature_every=2),
+    # two accumulated micro-batches of m/2 per rank: the global batch micro-batch major, rank minor
+    "accum-rows5-T1": dict(position_rows=5, curvature_every=1, micro=2),
+    "accum-scored-rows5-T2": dict(position_rows=5, curvature_every=2, scored=True, micro=2),
+    "accum-blocks-mc-rows7-T1": dict(position_rows=7, curvature_every=1, mode="gram-blocks", fisher="mc", micro=2),
+    "accum-blocks-samples3-T2": dict(curvature_samples=3, curvature_every=2, mode="gram-blocks", micro=2),
 }
 BYTES_K = 5  # the position rows of the bytes check
 
@@ -63,17 +68,25 @@ class SeqNet(nn.Module):
 
 def _batch(M: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Tokens, labels (−100 where not scored) and the scored positions ``[M, S]``:
-    ``N_SCORED`` at random in each ``m`` samples."""
+    ``N_SCORED / 2`` at random in each half of each ``m`` samples (every micro-batch of ``m/2``
+    scores as many: the ranks' mean losses average to the global batch's)."""
     g = torch.Generator().manual_seed(500 + step)
     tok, y = torch.randint(0, V, (M, S), generator=g), torch.randint(0, V, (M, S), generator=g)
-    scored = torch.zeros(M // m, m * S, dtype=torch.bool)
+    scored = torch.zeros(2 * M // m, m * S // 2, dtype=torch.bool)
     for part in scored:
-        part[torch.randperm(m * S, generator=g)[:N_SCORED]] = True
+        part[torch.randperm(m * S // 2, generator=g)[:N_SCORED // 2]] = True
     return tok, y, scored.reshape(M, S)
 
 
+def _micro(batch: tuple[torch.Tensor, ...], world: int, k: int) -> list[tuple[torch.Tensor, ...]]:
+    """The global ``batch`` as ``k`` micro-batches, each the ranks' ``j``-th ``m/k`` samples in
+    rank order (what the ranks accumulate, concatenated)."""
+    return [tuple(t.reshape(world, m, S)[:, j * m // k:(j + 1) * m // k].reshape(-1, S) for t in batch)
+            for j in range(k)]
+
+
 def _options(run: dict[str, Any], world: int) -> dict[str, Any]:
-    out = {k: v for k, v in run.items() if k not in ("mode", "placement", "scored", "resume_at")}
+    out = {k: v for k, v in run.items() if k not in ("mode", "placement", "scored", "resume_at", "micro")}
     if out.get("position_rows") == "all":
         out["position_rows"] = world * m * S
     return dict(lr=0.3, damping=0.05, momentum=0.5, kl_clip=None, **out)
@@ -84,19 +97,21 @@ def _model() -> nn.Module:
     return tengrad_fx.prepare(SeqNet().double(), example_inputs=(torch.zeros(2, S, dtype=torch.long),))
 
 
-def _train(opt: Any, net: nn.Module, fwd: nn.Module, batches: list[tuple[torch.Tensor, ...]],
+def _train(opt: Any, net: nn.Module, fwd: nn.Module, batches: list[list[tuple[torch.Tensor, ...]]],
            scored: bool = False) -> dict[str, Any]:
-    """Parameters after each step, the bytes this rank sent on each step (summed over
-    layers) and the MC labels drawn; ``scored``: the loss and the optimizer see only the
-    scored positions."""
+    """Parameters after each step (of ``batches``: each step's micro-batches, accumulated),
+    the bytes this rank sent on each step (summed over layers) and the MC labels drawn;
+    ``scored``: the loss and the optimizer see only the scored positions."""
     traj, sent, seen, drawn = [flat_params(net)], [], [], []
-    for tok, y, mask in batches:
-        out = fwd(tok, attention_mask=mask.long()) if scored else fwd(tok)
+    for micro in batches:
         opt.zero_grad()
-        if opt.fisher == "mc":
-            opt.mc_capture(out)
-            drawn.append(getattr(opt, "last_mc_targets", None))
-        F.cross_entropy(out.reshape(-1, V), (y.masked_fill(~mask, -100) if scored else y).reshape(-1)).backward()
+        for tok, y, mask in micro:
+            out = fwd(tok, attention_mask=mask.long()) if scored else fwd(tok)
+            if opt.fisher == "mc":
+                opt.mc_capture(out)
+                drawn.append(getattr(opt, "last_mc_targets", None))
+            loss = F.cross_entropy(out.reshape(-1, V), (y.masked_fill(~mask, -100) if scored else y).reshape(-1))
+            (loss / len(micro)).backward()
         opt.step()
         traj.append(flat_params(net))
         sent.append(sum(getattr(opt, "comm_bytes", {}).values()))
@@ -118,7 +133,8 @@ def rows_ranks(rank: int, world: int, runs: dict[str, dict[str, Any]]) -> dict[s
     from tengrad_fx.distributed import DistributedTENGraD
     out: dict[str, Any] = {"runs": {}, "bytes": {}, "refused": {}}
     batches = [_batch(world * m, k) for k in range(STEPS)]
-    shards = [tuple(t[rank * m:(rank + 1) * m] for t in batch) for batch in batches]
+    whole = [[tuple(t[rank * m:(rank + 1) * m] for t in b)] for b in batches]  # one micro-batch per step
+
     def built(state: Optional[dict[str, Any]] = None) -> tuple[Any, nn.Module, nn.Module]:
         net = _model()
         if state is not None:
@@ -131,6 +147,8 @@ def rows_ranks(rank: int, world: int, runs: dict[str, dict[str, Any]]) -> dict[s
         return opt, net, ddp
 
     for name, run in runs.items():
+        shards = [[tuple(t[rank * m // 2:(rank + 1) * m // 2] for t in mb) for mb in _micro(b, world, 2)]
+                  for b in batches] if run.get("micro") else whole
         opt, net, ddp = built()
         cut = run.get("resume_at", STEPS)  # steps before a state_dict round trip into a new optimizer
         got = _train(opt, net, ddp, shards[:cut], run.get("scored", False))
@@ -147,7 +165,7 @@ def rows_ranks(rank: int, world: int, runs: dict[str, dict[str, Any]]) -> dict[s
         ddp = DDP(net)
         opt = DistributedTENGraD(ddp, mode="gather", placement="owner", **_options(
             dict(position_rows=rows, curvature_every=2), world))
-        sent = _train(opt, net, ddp, shards[:2])["sent"]
+        sent = _train(opt, net, ddp, whole[:2])["sent"]
         out["bytes"][name] = sent[0] - sent[1]
     for mode in ("local",):
         net = _model()
@@ -166,11 +184,13 @@ def _single(run: dict[str, Any], world: int) -> dict[str, Any]:
     net = _model()
     opt = TENGraD(net, **_options(run, world))
     opt.seed_mc(0)
-    return _train(opt, net, net, [_batch(world * m, k) for k in range(STEPS)], run.get("scored", False))
+    k = run.get("micro", 1)
+    return _train(opt, net, net, [_micro(_batch(world * m, step), world, k) for step in range(STEPS)],
+                  run.get("scored", False))
 
 
 WORLD_RUNS = {2: list(RUNS), 4: ["rows5-T2", "rows-all-T1", "scored-rows5-T2", "samples6-T2", "blocks-rows5-T2",
-                                  "blocks-samples6-T1"]}
+                                  "blocks-samples6-T1", "accum-scored-rows5-T2", "accum-blocks-mc-rows7-T1"]}
 
 
 @pytest.fixture(scope="module")

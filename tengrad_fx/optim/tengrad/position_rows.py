@@ -99,25 +99,47 @@ def _rows(layer: CoveredLayer, rec: Record, S: int, idx: Tensor, scale: float | 
     return rec._like(Record(I, G * scale, in_shape=(k, *I.shape[1:]), batch=rec.loss_batch))
 
 
-def _draw(scored: Optional[Tensor], n: int, k: int, generator: torch.Generator,
-          device: torch.device, part: int = 0, parts: int = 1) -> tuple[Tensor, Optional[Tensor]]:
-    """``k`` of ``parts·n`` position rows, kept where they fall in this process's ``n`` (global
-    rows ``[part·n, (part+1)·n)``, as local indices on ``device``; every row with ``parts = 1``),
-    and their ``G`` scale's numerator per row: None for a uniform draw (the scale is ``S``);
-    where ``scored`` has ``parts·n`` entries, the draw among them (:func:`scored_draw`) and
-    ``N·w`` (with the Gram's per-sample scale ``m`` and the scale ``N·w/m`` the row is ``N·G``,
-    weighted by ``w``)."""
-    total = parts * n
+def _global_samples(micro: tuple[int, ...], part: int, parts: int) -> Tensor:
+    """``[Σ micro]``: each sample of this part's union of micro-batches (``micro``: their sizes)
+    as a sample of the global batch, the micro-batches in order, each the ``parts`` parts' equal
+    ones in part order: sample ``i`` of micro-batch ``j`` is ``parts·E_j + part·m_j + i``
+    (``E_j = Σ_{i<j} m_i``; ``part·m + i`` for one micro-batch)."""
+    starts = torch.tensor([parts * sum(micro[:j]) + part * mj for j, mj in enumerate(micro)])
+    return torch.cat([torch.arange(mj) + s for mj, s in zip(micro, starts.tolist())])
+
+
+def _micro_major(scored: Tensor, micro: tuple[int, ...], parts: int) -> Tensor:
+    """The global batch's mask ``[parts·m, S]`` gathered in part order (each part's union)
+    reordered micro-batch major (:func:`_global_samples`' order)."""
+    m = sum(micro)
+    order = torch.cat([torch.arange(mj) + q * m + sum(micro[:j]) for j, mj in enumerate(micro) for q in range(parts)])
+    return scored[order.to(scored.device)]
+
+
+def _draw(scored: Optional[Tensor], m: int, S: int, k: int, generator: torch.Generator, device: torch.device,
+          part: int = 0, parts: int = 1, micro: tuple[int, ...] = ()) -> tuple[Tensor, Optional[Tensor]]:
+    """``k`` of the ``parts·m·S`` position rows of the global batch (:func:`_global_samples`'
+    order; ``micro``: this part's micro-batch sizes, default one of ``m``), kept where they
+    fall in this process's ``m·S`` (as local indices on ``device``; every row with
+    ``parts = 1``), and their ``G`` scale's numerator per row: None for a uniform draw (the
+    scale is ``S``); where ``scored`` has ``parts·m·S`` entries, the draw among them
+    (:func:`scored_draw`) and ``N·w`` (with the Gram's per-sample scale ``m`` and the scale
+    ``N·w/m`` the row is ``N·G``, weighted by ``w``)."""
+    total, micro = parts * m * S, micro or (m,)
     if scored is None or scored.numel() != total:
         idx, per_row = torch.randperm(total, generator=generator, device=generator.device)[:k].to(device), None
     else:
-        here = scored.to(device)
+        here = (_micro_major(scored, micro, parts) if parts > 1 else scored).to(device)
         idx, weights = scored_draw(here, k, generator)
         per_row = weights * here.sum(dtype=torch.float64)
     if parts == 1:
         return idx, per_row
-    held = ((idx >= part * n) & (idx < part * n + n)).nonzero().squeeze(1)  # a host read of the count
-    return idx[held] - part * n, None if per_row is None else per_row[held]
+    local = torch.full((total,), -1, dtype=torch.long, device=device)  # global row -> this process's row
+    rows = (_global_samples(micro, part, parts)[:, None] * S + torch.arange(S)).reshape(-1)
+    local[rows.to(device)] = torch.arange(m * S, device=device)
+    at = local[idx]
+    held = (at >= 0).nonzero().squeeze(1)  # a host read of the count
+    return at[held], None if per_row is None else per_row[held]
 
 
 def draw_position_rows(store: CaptureStore, layers: list[CoveredLayer], k: int,
@@ -129,11 +151,13 @@ def draw_position_rows(store: CaptureStore, layers: list[CoveredLayer], k: int,
     Records with one position per sample (those replaced already among them) stay.
 
     With ``parts > 1`` this process holds part ``part`` of a batch of ``parts·m`` samples
-    (rank order; ``scored``: the whole batch's mask ``[parts·m, S]``): the ``k`` rows are drawn
-    from all ``parts·m·S`` as one process holding them all would (``generator`` in the same
-    state everywhere), and the drawn rows of this process's samples are kept, scaled for the
-    whole batch's loss (the ``G`` of each part's records is ``parts`` times the batch's)."""
-    draws: dict[tuple[int, torch.device], tuple[Tensor, Optional[Tensor]]] = {}
+    (rank order; ``scored``: the whole batch's mask ``[parts·m, S]``, the parts' in part
+    order): the ``k`` rows are drawn from all ``parts·m·S`` as one process holding them all
+    would (``generator`` in the same state everywhere; of accumulated micro-batches, the
+    global batch is micro-batch major: :func:`_global_samples`), and the drawn rows of this
+    process's samples are kept, scaled for the whole batch's loss (the ``G`` of each part's
+    records is ``parts`` times the batch's)."""
+    draws: dict[tuple[int, torch.device, tuple[int, ...]], tuple[Tensor, Optional[Tensor]]] = {}
     scored = store.scored if scored is None else scored
     changed = False
     for lay in layers:
@@ -150,9 +174,10 @@ def draw_position_rows(store: CaptureStore, layers: list[CoveredLayer], k: int,
         if S == 1:
             continue
         device = recs[0].G.device  # type: ignore[union-attr]
-        key = (m * S, device)
+        micro = recs[0].micro or (m,)
+        key = (m * S, device, micro)
         if key not in draws:
-            draws[key] = _draw(scored, m * S, k, generator, device, part, parts)
+            draws[key] = _draw(scored, m, S, k, generator, device, part, parts, micro)
         idx, per_row = draws[key]
         for s in sites:
             store.records[s] = [_rows(lay, r, S, idx, S if per_row is None else per_row / (parts * r.loss_batch))
