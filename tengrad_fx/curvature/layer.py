@@ -1,7 +1,7 @@
 """``CoveredLayer``: exact per-layer curvature of the last captured batch.
 
 For a captured batch of ``m`` samples (after gradient accumulation: the micro-batches'
-union, :func:`tengrad_fx.capture.store.union`) with per-sample losses ``ℓ_i``, ``J`` is the
+union, :func:`tengrad_fx.capture.union.union`) with per-sample losses ``ℓ_i``, ``J`` is the
 ``m × n`` matrix whose row ``i`` is ``vec(∂ℓ_i/∂W, ∂ℓ_i/∂b)`` (``n`` = weight + bias size).
 With ``loss_reduction="mean"`` the captured output gradients are rescaled by ``m``.
 With batch norm in train mode, samples are coupled through the batch statistics; then

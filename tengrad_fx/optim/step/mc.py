@@ -230,7 +230,7 @@ def masked_sum_loss(outputs: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
     so they are those of the mean. Scaling by a power of two is exact, so a model that computes
     part of its backward in float32 (Llama's RMSNorm) rounds it the same way whatever ``N``:
     the micro-batches of an accumulated step give the rows of one batch to float64 rounding
-    (:func:`tengrad_fx.capture.store.union` weights them by ``N_j/N``)."""
+    (:func:`tengrad_fx.capture.union.union` weights them by ``N_j/N``)."""
     n = (target != -100).sum(dtype=torch.float64).clamp(min=1)
     p = torch.exp2(-torch.ceil(torch.log2(n)))
     total = F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), target.reshape(-1), reduction="sum")
