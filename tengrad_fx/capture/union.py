@@ -10,7 +10,7 @@ import torch
 
 from .record import Record, times
 
-__all__ = ["padded", "samples_held", "union", "union_samples_held"]
+__all__ = ["global_samples", "padded", "samples_held", "union", "union_samples_held"]
 
 
 def samples_held(k: int, m: int, part: int = 0, parts: int = 1) -> int:
@@ -20,12 +20,21 @@ def samples_held(k: int, m: int, part: int = 0, parts: int = 1) -> int:
     return min(m, max(0, k - part * m))
 
 
+def global_samples(micro: tuple[int, ...], part: int = 0, parts: int = 1) -> torch.Tensor:
+    """``[Σ micro]`` int64: each sample of part ``part``'s union of micro-batches of ``micro =
+    (m_0, m_1, ...)`` samples as a sample of the global batch. The global batch is the
+    micro-batches in order, each the ``parts`` parts' (equal) ones in part order, so sample
+    ``i`` of micro-batch ``j`` is ``parts·E_j + part·m_j + i`` (``E_j = Σ_{i<j} m_i``;
+    ``part·m + i`` for one micro-batch), increasing along the union's rows."""
+    starts = [parts * sum(micro[:j]) + part * m for j, m in enumerate(micro)]
+    return torch.cat([torch.arange(m) + s for m, s in zip(micro, starts)])
+
+
 def union_samples_held(k: int, micro: tuple[int, ...], part: int = 0, parts: int = 1) -> int:
     """How many of the global batch's first ``k`` samples lie in part ``part``'s union of
-    micro-batches of ``micro = (m_0, m_1, ...)`` samples each. The global batch is the
-    micro-batches in order, each the ``parts`` parts' (equal) ones in part order, so the
-    part's micro-batch ``j`` holds positions ``parts·E_j + part·m_j`` to ``+ m_j``
-    (``E_j = Σ_{i<j} m_i``): increasing along the union's rows, so the count is a prefix."""
+    micro-batches of ``micro`` samples each (:func:`global_samples`' order: the part's
+    micro-batch ``j`` holds positions ``parts·E_j + part·m_j`` to ``+ m_j``, so the count is
+    a prefix of the union's rows), on the host."""
     held, earlier = 0, 0
     for m in micro:
         held += samples_held(k - parts * earlier, m, part, parts)

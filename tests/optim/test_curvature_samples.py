@@ -193,3 +193,19 @@ def test_a_part_keeps_its_share_of_each_micro_batch(part: int) -> None:
         for site, recs in store.records.items():
             assert [r.m for r in recs] == [held] * len(recs), (k, site)
             assert all(torch.equal(r.I, i[:held]) for r, i in zip(recs, union[site])), (k, site)
+
+
+@pytest.mark.parametrize("micro", [(4,), (2, 3), (3, 1, 2)])
+def test_global_samples_enumerate_the_micro_batch_major_batch(micro: tuple[int, ...]) -> None:
+    """Each part's samples (its micro-batches' union, in order) at their positions in the
+    global batch written out micro-batch by micro-batch, part by part; the shares of the
+    first ``k`` counted from them (the position rows' and the first samples' one order)."""
+    from tengrad_fx.capture.union import global_samples, union_samples_held
+    parts = 3
+    owner = [p for n in micro for p in range(parts) for _ in range(n)]  # global position -> its part
+    for part in range(parts):
+        want = [g for g, p in enumerate(owner) if p == part]
+        got = global_samples(micro, part, parts)
+        assert got.tolist() == want
+        for k in range(len(owner) + 1):
+            assert union_samples_held(k, micro, part, parts) == int((got < k).sum())

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from ...capture.store import CaptureStore, Record
+from ...capture.union import global_samples
 from ...curvature.layer import CoveredLayer
 from ..step.checks import check_interval
 
@@ -99,33 +100,26 @@ def _rows(layer: CoveredLayer, rec: Record, S: int, idx: Tensor, scale: float | 
     return rec._like(Record(I, G * scale, in_shape=(k, *I.shape[1:]), batch=rec.loss_batch))
 
 
-def _global_samples(micro: tuple[int, ...], part: int, parts: int) -> Tensor:
-    """``[Σ micro]``: each sample of this part's union of micro-batches (``micro``: their sizes)
-    as a sample of the global batch, the micro-batches in order, each the ``parts`` parts' equal
-    ones in part order: sample ``i`` of micro-batch ``j`` is ``parts·E_j + part·m_j + i``
-    (``E_j = Σ_{i<j} m_i``; ``part·m + i`` for one micro-batch)."""
-    starts = torch.tensor([parts * sum(micro[:j]) + part * mj for j, mj in enumerate(micro)])
-    return torch.cat([torch.arange(mj) + s for mj, s in zip(micro, starts.tolist())])
-
-
 def _micro_major(scored: Tensor, micro: tuple[int, ...], parts: int) -> Tensor:
     """The global batch's mask ``[parts·m, S]`` gathered in part order (each part's union)
-    reordered micro-batch major (:func:`_global_samples`' order)."""
-    m = sum(micro)
-    order = torch.cat([torch.arange(mj) + q * m + sum(micro[:j]) for j, mj in enumerate(micro) for q in range(parts)])
+    reordered micro-batch major (:func:`~tengrad_fx.capture.union.global_samples`' order)."""
+    where = torch.cat([global_samples(micro, q, parts) for q in range(parts)])  # part order -> global sample
+    order = torch.empty_like(where)
+    order[where] = torch.arange(where.numel())
     return scored[order.to(scored.device)]
 
 
 def _draw(scored: Optional[Tensor], m: int, S: int, k: int, generator: torch.Generator, device: torch.device,
-          part: int = 0, parts: int = 1, micro: tuple[int, ...] = ()) -> tuple[Tensor, Optional[Tensor]]:
-    """``k`` of the ``parts·m·S`` position rows of the global batch (:func:`_global_samples`'
-    order; ``micro``: this part's micro-batch sizes, default one of ``m``), kept where they
+          part: int, parts: int, micro: tuple[int, ...]) -> tuple[Tensor, Optional[Tensor]]:
+    """``k`` of the ``parts·m·S`` position rows of the global batch
+    (:func:`~tengrad_fx.capture.union.global_samples`' order; ``micro``: this part's
+    micro-batch sizes, summing to ``m``), kept where they
     fall in this process's ``m·S`` (as local indices on ``device``; every row with
     ``parts = 1``), and their ``G`` scale's numerator per row: None for a uniform draw (the
     scale is ``S``); where ``scored`` has ``parts·m·S`` entries, the draw among them
     (:func:`scored_draw`) and ``N·w`` (with the Gram's per-sample scale ``m`` and the scale
     ``N·w/m`` the row is ``N·G``, weighted by ``w``)."""
-    total, micro = parts * m * S, micro or (m,)
+    total = parts * m * S
     if scored is None or scored.numel() != total:
         idx, per_row = torch.randperm(total, generator=generator, device=generator.device)[:k].to(device), None
     else:
@@ -135,7 +129,7 @@ def _draw(scored: Optional[Tensor], m: int, S: int, k: int, generator: torch.Gen
     if parts == 1:
         return idx, per_row
     local = torch.full((total,), -1, dtype=torch.long, device=device)  # global row -> this process's row
-    rows = (_global_samples(micro, part, parts)[:, None] * S + torch.arange(S)).reshape(-1)
+    rows = (global_samples(micro, part, parts)[:, None] * S + torch.arange(S)).reshape(-1)
     local[rows.to(device)] = torch.arange(m * S, device=device)
     at = local[idx]
     held = (at >= 0).nonzero().squeeze(1)  # a host read of the count
@@ -154,9 +148,9 @@ def draw_position_rows(store: CaptureStore, layers: list[CoveredLayer], k: int,
     (rank order; ``scored``: the whole batch's mask ``[parts·m, S]``, the parts' in part
     order): the ``k`` rows are drawn from all ``parts·m·S`` as one process holding them all
     would (``generator`` in the same state everywhere; of accumulated micro-batches, the
-    global batch is micro-batch major: :func:`_global_samples`), and the drawn rows of this
-    process's samples are kept, scaled for the whole batch's loss (the ``G`` of each part's
-    records is ``parts`` times the batch's)."""
+    global batch is micro-batch major: :func:`~tengrad_fx.capture.union.global_samples`),
+    and the drawn rows of this process's samples are kept, scaled for the whole batch's loss
+    (the ``G`` of each part's records is ``parts`` times the batch's)."""
     draws: dict[tuple[int, torch.device, tuple[int, ...]], tuple[Tensor, Optional[Tensor]]] = {}
     scored = store.scored if scored is None else scored
     changed = False
