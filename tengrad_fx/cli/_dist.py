@@ -26,6 +26,7 @@ Launch (one process per rank; ``torchrun`` sets ``RANK``, ``WORLD_SIZE``, ``LOCA
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any, Optional
 
 import torch
@@ -33,7 +34,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch import Tensor
 
-__all__ = ["DistRun", "check_distributed"]
+__all__ = ["DistRun", "check_distributed", "leave_if_destroyed"]
+
+_DESTROYED = False  # set once close() destroyed the process group
 
 
 class DistRun:
@@ -88,8 +91,22 @@ class DistRun:
         dist.barrier()
 
     def close(self) -> None:
+        """Destroy the process group (the one this process created under ``torchrun``)."""
+        global _DESTROYED
         if dist.is_initialized():
             dist.destroy_process_group()
+            _DESTROYED = True
+
+
+def leave_if_destroyed() -> None:
+    """End this process now, skipping the interpreter's teardown, if its run destroyed the
+    process group it created (a ``torchrun`` rank whose outputs are written): there the gloo
+    backend's thread destructors occasionally abort a finished rank ("terminate called
+    without an active exception", exit -6). A no-op otherwise."""
+    if _DESTROYED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def check_distributed(cfg: dict[str, Any], world: Optional[int]) -> Optional[str]:

@@ -299,6 +299,8 @@ def _plot_title(model: str, dataset: str, scale: Scale) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Console entry point (``tengrad-reproduce``, ``python -m tengrad_fx.cli.reproduce``)."""
     reproduce(argv)
+    from ._dist import leave_if_destroyed
+    leave_if_destroyed()  # a torchrun rank: see its docstring
 
 
 if __name__ == "__main__":

@@ -373,6 +373,8 @@ def run(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Console entry point (``tengrad-train``, ``python -m tengrad_fx.cli.train``)."""
     run(argv)
+    from ._dist import leave_if_destroyed
+    leave_if_destroyed()  # a torchrun rank: see its docstring
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def _torchrun(args: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProc
 @pytest.mark.parametrize("setting", ["lm", "polar"])
 def test_lm_fsdp2_smoke(setting: str, tmp_path: Path) -> None:
     proc, out = _torchrun(["--setting", setting], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "resumed run equals the uninterrupted one bit for bit" in proc.stdout
     result = json.loads(out.read_text())
     losses = torch.tensor(result["losses"])
