@@ -18,8 +18,6 @@ modulo the vocabulary from a random start.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import tempfile
 from typing import Optional, Sequence
 
@@ -33,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import tengrad_fx
-from tengrad_fx.distributed import DistributedTENGraD
+from tengrad_fx.distributed import DistributedTENGraD, exit_without_teardown
 
 
 class Block(nn.Module):
@@ -142,9 +140,4 @@ def main(argv: Optional[Sequence[str]] = None) -> list[float]:
 
 if __name__ == "__main__":
     main()
-    # Every output is written and the process group destroyed: leave without the
-    # interpreter's teardown, where the gloo backend's thread destructors occasionally
-    # abort a finished rank ("terminate called without an active exception", exit -6).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()  # outputs written, process group destroyed

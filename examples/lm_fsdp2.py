@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import tempfile
 import warnings
 from typing import Any, Optional, Sequence
@@ -48,7 +46,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import tengrad_fx
-from tengrad_fx.distributed import DistributedTENGraD
+from tengrad_fx.distributed import DistributedTENGraD, exit_without_teardown
 from tengrad_fx.optim.registry import PAPER_FASHION, PRESETS, paper_settings
 from tengrad_fx.zoo.byte_lm import ByteText, build_lm, load_text
 
@@ -238,9 +236,4 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     main()
-    # Every output is written and the process group destroyed: leave without the
-    # interpreter's teardown, where the gloo backend's thread destructors occasionally
-    # abort a finished rank ("terminate called without an active exception", exit -6).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()  # outputs written, process group destroyed

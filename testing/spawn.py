@@ -13,7 +13,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
-import sys
 import time
 import traceback
 from datetime import timedelta
@@ -21,6 +20,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+
+from tengrad_fx.distributed.process_exit import exit_without_teardown
 
 __all__ = ["free_port", "run_ranks", "RanksFailed"]
 
@@ -56,19 +57,8 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, pg_timeout:
             dist.destroy_process_group()
     except BaseException:
         (out / f"rank{rank}.err").write_text(traceback.format_exc())
-        _exit(1)
-    _exit(0)
-
-
-def _exit(code: int) -> None:
-    """Leave the rank process without the interpreter's teardown: with the result (or
-    traceback) written and the process group destroyed there is nothing left to do, and
-    static destructors of the backend's threads at exit can abort the process
-    ("terminate called without an active exception": a rank exiting with -6,
-    occasionally)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+        exit_without_teardown(1)
+    exit_without_teardown(0)  # the result written, the process group destroyed
 
 
 def run_ranks(fn: Callable[..., Any], world: int, out_dir: Path, *args: Any, timeout: float = 120.0,

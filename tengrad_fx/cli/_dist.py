@@ -26,7 +26,6 @@ Launch (one process per rank; ``torchrun`` sets ``RANK``, ``WORLD_SIZE``, ``LOCA
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any, Optional
 
 import torch
@@ -104,9 +103,8 @@ def leave_if_destroyed() -> None:
     backend's thread destructors occasionally abort a finished rank ("terminate called
     without an active exception", exit -6). A no-op otherwise."""
     if _DESTROYED:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        from ..distributed.process_exit import exit_without_teardown
+        exit_without_teardown()
 
 
 def check_distributed(cfg: dict[str, Any], world: Optional[int]) -> Optional[str]:
